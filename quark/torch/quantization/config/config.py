@@ -1,0 +1,577 @@
+"""Quark Quantization Config API for PyTorch: Config > QuantizationConfig > QuantizationSpec, plus algorithm configs.
+
+Every enum-typed field also takes its string (``dtype="int8"``), ``observer_cls`` takes the class name, nested configs
+take dicts, so YAML/JSON map onto the dataclasses directly; ``to_dict`` / ``from_dict`` round-trip through JSON.
+Validation runs in ``__post_init__`` and raises ValueError naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, TypeVar
+
+from quark.torch.quantization.config.type import (
+    DeviceType,
+    Dtype,
+    QSchemeType,
+    QuantizationMode,
+    RoundType,
+    ScaleType,
+    TQTThresholdInitMeth,
+    ZeroPointType,
+)
+from quark.torch.quantization.formats import (
+    BLOCK_FORMATS,
+    CAST_FORMATS,
+    MX_ELEMENT_DTYPES,
+    FloatFormat,
+    IntFormat,
+    format_of,
+)
+from quark.torch.quantization.observer.observer import (
+    OBSERVER_CLASSES,
+    OBSERVER_MAP,
+    ObserverBase,
+    PerBlockBFPObserver,
+    PerBlockMXObserver,
+    PlaceholderObserver,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ConfigBase",
+    "QATSpec",
+    "TQTSpec",
+    "LSQSpec",
+    "QuantizationSpec",
+    "QuantizationConfig",
+    "AlgoConfig",
+    "PreQuantOptConfig",
+    "GPTQConfig",
+    "AWQConfig",
+    "SmoothQuantConfig",
+    "Config",
+]
+
+E = TypeVar("E", bound=Enum)
+T = TypeVar("T", bound="ConfigBase")
+
+
+# ----------------------------------------------------------------------------------------------- coercion helpers
+def _enum(owner: str, name: str, enum_cls: type[E], value: Any, optional: bool = True) -> E | None:
+    """``value`` as a member of ``enum_cls`` (member, name or value), or a ValueError naming ``owner.name``."""
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{owner}.{name} is required; allowed: {enum_cls.choices()}")  # type: ignore[attr-defined]
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise ValueError(
+            f"{owner}.{name}={value!r} is not a valid {enum_cls.__name__}; allowed: {enum_cls.choices()}"  # type: ignore[attr-defined]
+        ) from None
+
+
+def _opt_type(owner: str, name: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    """Check an optional scalar field's type (bools are not ints)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"{owner}.{name}={value!r} must be {what}")
+    if not isinstance(value, kind):
+        raise ValueError(f"{owner}.{name}={value!r} must be {what}")
+    return value
+
+
+def _encode(value: Any) -> Any:
+    """JSON-friendly form: enums by name, classes by name, nested configs as dicts."""
+    if isinstance(value, ConfigBase):
+        return value.to_dict()
+    if isinstance(value, Enum):
+        return value.name
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, dict):
+        return {(_encode(k) if isinstance(k, type) else k): _encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+class ConfigBase:
+    """to_dict / from_dict shared by every config dataclass."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A dict of plain JSON types that ``from_dict`` turns back into an equal object."""
+        return {f.name: _encode(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        """Build from a dict (YAML/JSON), rejecting unknown keys with the list of allowed ones."""
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__} must be given as a dict, got {type(data).__name__}: {data!r}")
+        allowed = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        unknown = [k for k in data if k not in allowed]
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no field(s) {unknown}; allowed: {allowed}")
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------------------------- QAT specs
+@dataclass(eq=True)
+class QATSpec(ConfigBase):
+    """Base of the learnable-quantizer specs carried by ``QuantizationSpec.qat_spec``."""
+
+    method = "qat"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, **super().to_dict()}
+
+    @staticmethod
+    def coerce(owner: str, value: Any) -> QATSpec | None:
+        """A QATSpec from itself, a dict with ``method`` ("tqt" / "lsq"), or the bare method name."""
+        if value is None or isinstance(value, QATSpec):
+            return value
+        specs = {"tqt": TQTSpec, "lsq": LSQSpec}
+        if isinstance(value, str):
+            value = {"method": value}
+        if isinstance(value, dict):
+            data = dict(value)
+            method = str(data.pop("method", "")).lower()
+            if method not in specs:
+                raise ValueError(f"{owner}.qat_spec.method={method!r} is not known; allowed: {list(specs)}")
+            return specs[method].from_dict(data)
+        raise ValueError(f"{owner}.qat_spec={value!r} must be a TQTSpec, an LSQSpec or a dict with 'method'")
+
+
+@dataclass(eq=True)
+class TQTSpec(QATSpec):
+    """Trained Quantization Thresholds (Jain et al. 2019): learn log2 of a power-of-two threshold.
+
+    ``threshold_init_meth`` initialises the threshold from the first batch; None means ``_3SD``.
+    """
+
+    threshold_init_meth: TQTThresholdInitMeth | None = None
+    method = "tqt"
+
+    def __post_init__(self) -> None:
+        self.threshold_init_meth = _enum("TQTSpec", "threshold_init_meth", TQTThresholdInitMeth, self.threshold_init_meth)
+
+
+@dataclass(eq=True)
+class LSQSpec(QATSpec):
+    """Learned Step Size Quantization (Esser et al. 2020): learn the scale, initialised to 2*mean|x|/sqrt(qmax)."""
+
+    method = "lsq"
+
+
+# ----------------------------------------------------------------------------------------------- QuantizationSpec
+@dataclass(eq=True)
+class QuantizationSpec(ConfigBase):
+    """A data class that defines the specifications for quantizing tensors within a model.
+
+    :param Dtype dtype: The data type for quantization (e.g., int8, int4).
+    :param Optional[bool] is_dynamic: Dynamic (qparams per call) or static quantization; None means static.
+    :param Optional[Type[ObserverBase]] observer_cls: The observer that determines the qparams (or its class name).
+    :param Optional[QSchemeType] qscheme: per_tensor, per_channel or per_group.
+    :param Optional[int] ch_axis: The channel axis for per-channel and per-group quantization.
+    :param Optional[int] group_size: The size of a group for per-group quantization (also the block of MX formats).
+    :param Optional[bool] symmetric: Symmetric around zero (required for integer dtypes).
+    :param Optional[RoundType] round_method: Rounding of x / scale (required for integer dtypes).
+    :param Optional[ScaleType] scale_type: How the scale is held (required for integer dtypes).
+    :param Optional[Dtype] mx_element_dtype: The element type of ``dtype=mx``.
+    :param Optional[ZeroPointType] zero_point_type: int32 (rounded, clamped) or float32 zero point.
+    :param Optional[QATSpec] qat_spec: A learnable quantizer (TQTSpec or LSQSpec) for quantization-aware training.
+    """
+
+    dtype: Dtype
+    is_dynamic: bool | None = None
+    observer_cls: type[ObserverBase] | None = None
+    qscheme: QSchemeType | None = None
+    ch_axis: int | None = None
+    group_size: int | None = None
+    symmetric: bool | None = None
+    round_method: RoundType | None = None
+    scale_type: ScaleType | None = None
+    mx_element_dtype: Dtype | None = None
+    zero_point_type: ZeroPointType | None = ZeroPointType.int32
+    qat_spec: QATSpec | None = None
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        fmt = format_of(self.dtype)
+        if self.dtype in CAST_FORMATS:
+            self._check_cast()
+        elif self.dtype in BLOCK_FORMATS:
+            self._check_block()
+        else:
+            self._check_scaled(fmt)
+        self._check_observer()
+        self._check_qat(fmt)
+
+    # -- helpers of __post_init__, one concern each
+    def _coerce(self) -> None:
+        own = "QuantizationSpec"
+        self.dtype = _enum(own, "dtype", Dtype, self.dtype, optional=False)  # type: ignore[assignment]
+        self.qscheme = _enum(own, "qscheme", QSchemeType, self.qscheme)
+        self.round_method = _enum(own, "round_method", RoundType, self.round_method)
+        self.scale_type = _enum(own, "scale_type", ScaleType, self.scale_type)
+        self.mx_element_dtype = _enum(own, "mx_element_dtype", Dtype, self.mx_element_dtype)
+        self.zero_point_type = _enum(own, "zero_point_type", ZeroPointType, self.zero_point_type)
+        self.is_dynamic = _opt_type(own, "is_dynamic", self.is_dynamic, bool, "True, False or None")
+        self.symmetric = _opt_type(own, "symmetric", self.symmetric, bool, "True, False or None")
+        self.ch_axis = _opt_type(own, "ch_axis", self.ch_axis, int, "an int (the channel axis) or None")
+        self.group_size = _opt_type(own, "group_size", self.group_size, int, "a positive int or None")
+        self.observer_cls = _observer_class(self.observer_cls)
+        self.qat_spec = QATSpec.coerce(own, self.qat_spec)
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"QuantizationSpec.group_size={self.group_size} must be a positive int")
+        if self.mx_element_dtype is not None and self.dtype != Dtype.mx:
+            logger.warning("QuantizationSpec.mx_element_dtype is only used with dtype=mx; ignored for %s", self.dtype.name)
+
+    def _check_cast(self) -> None:
+        if self.observer_cls is None:
+            self.observer_cls = PlaceholderObserver
+        if self.observer_cls is not PlaceholderObserver:
+            raise ValueError(
+                f"QuantizationSpec.observer_cls={self.observer_cls.__name__} cannot serve dtype={self.dtype.name} "
+                "(a plain cast); allowed: PlaceholderObserver or None"
+            )
+
+    def _check_block(self) -> None:
+        fmt = BLOCK_FORMATS[self.dtype]
+        if self.qscheme not in (None, QSchemeType.per_group):
+            raise ValueError(
+                f"QuantizationSpec.qscheme={self.qscheme.name} cannot be used with dtype={self.dtype.name} "
+                "(a block format); allowed: per_group or None"
+            )
+        self.qscheme = QSchemeType.per_group
+        self.ch_axis = -1 if self.ch_axis is None else self.ch_axis
+        self.group_size = fmt.default_block if self.group_size is None else self.group_size
+        if self.dtype == Dtype.mx and self.mx_element_dtype not in MX_ELEMENT_DTYPES:
+            raise ValueError(
+                f"QuantizationSpec.mx_element_dtype={_name(self.mx_element_dtype)} is required with dtype=mx; "
+                f"allowed: {[d.name for d in MX_ELEMENT_DTYPES]}"
+            )
+        if fmt.kind == "microexponent" and self.group_size % 2:
+            raise ValueError(
+                f"QuantizationSpec.group_size={self.group_size} must be even for dtype={self.dtype.name} "
+                "(pairs share a micro-exponent)"
+            )
+        if self.observer_cls is None:
+            self.observer_cls = PerBlockBFPObserver if fmt.kind == "bfp" else PerBlockMXObserver
+
+    def _check_scaled(self, fmt: IntFormat | FloatFormat) -> None:
+        own = f"QuantizationSpec(dtype={self.dtype.name})"
+        if self.observer_cls is None:
+            raise ValueError(f"{own}.observer_cls is required; allowed: {_observer_names(self.dtype, self.qscheme)}")
+        if self.qscheme is None:
+            raise ValueError(f"{own}.qscheme is required; allowed: {QSchemeType.choices()}")
+        if isinstance(fmt, IntFormat):
+            for name in ("symmetric", "round_method", "scale_type"):
+                if getattr(self, name) is None:
+                    allowed = {"symmetric": [True, False], "round_method": RoundType.choices(), "scale_type": ScaleType.choices()}
+                    raise ValueError(f"{own}.{name} is required for integer dtypes; allowed: {allowed[name]}")
+        if self.qscheme in (QSchemeType.per_channel, QSchemeType.per_group) and self.ch_axis is None:
+            raise ValueError(f"{own}.ch_axis is required with qscheme={self.qscheme.name} (an int, e.g. 0 or -1)")
+        if self.qscheme == QSchemeType.per_group and self.group_size is None:
+            raise ValueError(f"{own}.group_size is required with qscheme=per_group (a positive int, e.g. 32 or 128)")
+
+    def _check_observer(self) -> None:
+        obs = self.observer_cls
+        if obs is None or not obs.serves(self.dtype, self.qscheme):
+            raise ValueError(
+                f"QuantizationSpec.observer_cls={_name(obs)} cannot serve dtype={self.dtype.name} with "
+                f"qscheme={_name(self.qscheme)}; allowed: {_observer_names(self.dtype, self.qscheme)}"
+            )
+
+    def _check_qat(self, fmt: Any) -> None:
+        if self.qat_spec is None:
+            return
+        own = f"QuantizationSpec(dtype={self.dtype.name}).qat_spec={type(self.qat_spec).__name__}"
+        if not isinstance(fmt, IntFormat):
+            raise ValueError(f"{own} needs an integer dtype (int2..int16, uint2..uint16)")
+        if isinstance(self.qat_spec, TQTSpec):
+            if self.qscheme != QSchemeType.per_tensor:
+                raise ValueError(f"{own} needs qscheme=per_tensor (one learned threshold per tensor)")
+            if self.symmetric is False or not fmt.signed:
+                raise ValueError(f"{own} needs a signed dtype with symmetric=True (TQT thresholds are symmetric)")
+            if self.scale_type != ScaleType.pof2:
+                raise ValueError(f"{own} needs scale_type=pof2 (TQT learns power-of-two scales), got {_name(self.scale_type)}")
+        elif self.qscheme not in (QSchemeType.per_tensor, QSchemeType.per_channel):
+            raise ValueError(f"{own} needs qscheme=per_tensor or per_channel")
+
+    @property
+    def is_static(self) -> bool:
+        """True unless the qparams are recomputed on every call."""
+        return not self.is_dynamic
+
+
+def _name(value: Any) -> str:
+    if value is None:
+        return "None"
+    return value.__name__ if isinstance(value, type) else getattr(value, "name", str(value))
+
+
+def _observer_class(value: Any) -> type[ObserverBase] | None:
+    """``observer_cls`` from a class or its name."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in OBSERVER_MAP:
+            raise ValueError(f"QuantizationSpec.observer_cls={value!r} is not an observer; allowed: {sorted(OBSERVER_MAP)}")
+        return OBSERVER_MAP[value]
+    if not (isinstance(value, type) and value in OBSERVER_CLASSES):
+        raise ValueError(f"QuantizationSpec.observer_cls={value!r} is not an observer; allowed: {sorted(OBSERVER_MAP)}")
+    return value
+
+
+def _observer_names(dtype: Dtype, qscheme: QSchemeType | None) -> list[str]:
+    return sorted(n for n, c in OBSERVER_MAP.items() if c.serves(dtype, qscheme))
+
+
+def _spec(owner: str, value: Any) -> QuantizationSpec | None:
+    if value is None or isinstance(value, QuantizationSpec):
+        return value
+    if isinstance(value, dict):
+        try:
+            return QuantizationSpec.from_dict(value)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{owner}: {err}") from None
+    raise ValueError(f"{owner}={value!r} must be a QuantizationSpec, a dict or None")
+
+
+# ----------------------------------------------------------------------------------------------- QuantizationConfig
+@dataclass(eq=True)
+class QuantizationConfig(ConfigBase):
+    """The specs of one module's tensors; a role left None falls back to the next level of the hierarchy.
+
+    :param Optional[QuantizationSpec] input_tensors: Input tensors quantization specification.
+    :param Optional[QuantizationSpec] output_tensors: Output tensors quantization specification.
+    :param Optional[QuantizationSpec] weight: The weights tensors quantization specification.
+    :param Optional[QuantizationSpec] bias: The bias tensors quantization specification.
+    :param Optional[DeviceType] target_device: The target device of the quantized model.
+    """
+
+    input_tensors: QuantizationSpec | None = None
+    output_tensors: QuantizationSpec | None = None
+    weight: QuantizationSpec | None = None
+    bias: QuantizationSpec | None = None
+    target_device: DeviceType | None = None
+
+    ROLES = ("input_tensors", "output_tensors", "weight", "bias")
+
+    def __post_init__(self) -> None:
+        for role in self.ROLES:
+            setattr(self, role, _spec(f"QuantizationConfig.{role}", getattr(self, role)))
+        self.target_device = _enum("QuantizationConfig", "target_device", DeviceType, self.target_device)
+
+
+def _qconfig(owner: str, value: Any) -> QuantizationConfig:
+    if isinstance(value, QuantizationConfig):
+        return value
+    if isinstance(value, dict):
+        try:
+            return QuantizationConfig.from_dict(value)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{owner}: {err}") from None
+    raise ValueError(f"{owner}={value!r} must be a QuantizationConfig or a dict")
+
+
+# ----------------------------------------------------------------------------------------------- algorithm configs
+@dataclass(eq=True)
+class AlgoConfig(ConfigBase):
+    """Base of the algorithm configs; ``name`` tells them apart in dicts."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return super().to_dict()
+
+
+@dataclass(eq=True)
+class PreQuantOptConfig(AlgoConfig):
+    """Base of the pre-quantization optimisations (SmoothQuant)."""
+
+
+def _check_positive_int(owner: str, name: str, value: Any, allow_minus_one: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (value <= 0 and not (allow_minus_one and value == -1)):
+        extra = " or -1 (the whole row)" if allow_minus_one else ""
+        raise ValueError(f"{owner}.{name}={value!r} must be a positive int{extra}")
+
+
+def _check_str_list(owner: str, name: str, value: Any) -> None:
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise ValueError(f"{owner}.{name}={value!r} must be a list of module names or None")
+
+
+def _check_scaling_layers(owner: str, value: Any) -> None:
+    if value is None:
+        return
+    keys = {"prev_op", "layers", "inp", "module2inspect"}
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"{owner}.scaling_layers must be a list of dicts with keys {sorted(keys)}, got {value!r}")
+    for i, entry in enumerate(value):
+        unknown = set(entry) - keys
+        if unknown:
+            raise ValueError(f"{owner}.scaling_layers[{i}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(keys)}")
+        if "prev_op" not in entry or "layers" not in entry:
+            raise ValueError(f"{owner}.scaling_layers[{i}] needs 'prev_op' and 'layers', got {entry!r}")
+
+
+@dataclass(eq=True)
+class SmoothQuantConfig(PreQuantOptConfig):
+    """SmoothQuant: migrate activation outliers into the weights with s_j = max|X_j|^alpha / max|W_j|^(1-alpha)."""
+
+    name: str = "smoothquant"
+    alpha: float = 1
+    scale_clamp_min: float = 1e-3
+    scaling_layers: list[dict[str, Any]] | None = None
+    model_decoder_layers: str | None = None
+    embedding_layers: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        own = "SmoothQuantConfig"
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 <= self.alpha <= 1:
+            raise ValueError(f"{own}.alpha={self.alpha!r} must be a number in [0, 1]")
+        if isinstance(self.scale_clamp_min, bool) or not isinstance(self.scale_clamp_min, int | float) or self.scale_clamp_min <= 0:
+            raise ValueError(f"{own}.scale_clamp_min={self.scale_clamp_min!r} must be a positive number")
+        _check_scaling_layers(own, self.scaling_layers)
+        _check_str_list(own, "embedding_layers", self.embedding_layers)
+
+
+@dataclass(eq=True)
+class AWQConfig(AlgoConfig):
+    """Activation-aware Weight Quantization; bit width, symmetry and group size come from the weight spec."""
+
+    name: str = "awq"
+    bit: int = 4
+    sym: bool = False
+    group_size: int = 128
+    algo_processor: Any = None
+    scaling_layers: list[dict[str, Any]] | None = None
+    model_decoder_layers: str | None = None
+    embedding_layers: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        own = "AWQConfig"
+        _check_positive_int(own, "bit", self.bit)
+        _check_positive_int(own, "group_size", self.group_size, allow_minus_one=True)
+        _check_scaling_layers(own, self.scaling_layers)
+        _check_str_list(own, "embedding_layers", self.embedding_layers)
+        if isinstance(self.algo_processor, type):
+            self.algo_processor = self.algo_processor.__name__
+
+
+@dataclass(eq=True)
+class GPTQConfig(AlgoConfig):
+    """GPTQ (Frantar et al. 2022): second-order weight rounding, layer by layer; bit/sym/group_size from the weight spec."""
+
+    name: str = "gptq"
+    bit: int = 4
+    sym: bool = False
+    group_size: int = 128
+    damp_percent: float = 0.01
+    desc_act: bool = True
+    static_groups: bool = False
+    true_sequential: bool = True
+    inside_layer_modules: list[str] | None = None
+    model_decoder_layers: str | None = None
+    embedding_layers: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        own = "GPTQConfig"
+        _check_positive_int(own, "bit", self.bit)
+        _check_positive_int(own, "group_size", self.group_size, allow_minus_one=True)
+        if isinstance(self.damp_percent, bool) or not isinstance(self.damp_percent, int | float) or not 0 < self.damp_percent <= 1:
+            raise ValueError(f"{own}.damp_percent={self.damp_percent!r} must be a number in (0, 1]")
+        _check_str_list(own, "inside_layer_modules", self.inside_layer_modules)
+        _check_str_list(own, "embedding_layers", self.embedding_layers)
+
+
+_ALGOS: dict[str, type[AlgoConfig]] = {"gptq": GPTQConfig, "awq": AWQConfig, "smoothquant": SmoothQuantConfig}
+
+
+def _algo(owner: str, value: Any, base: type[AlgoConfig]) -> Any:
+    """One algorithm config or a list of them, from objects or dicts keyed by ``name``."""
+    if value is None or isinstance(value, base):
+        return value
+    if isinstance(value, list | tuple):
+        return [_algo(f"{owner}[{i}]", v, base) for i, v in enumerate(value)]
+    allowed = [n for n, c in _ALGOS.items() if issubclass(c, base)]
+    if isinstance(value, dict):
+        name = str(value.get("name", "")).lower()
+        if name not in allowed:
+            raise ValueError(f"{owner}.name={value.get('name')!r} is not known; allowed: {allowed}")
+        return _ALGOS[name].from_dict(value)
+    raise ValueError(f"{owner}={value!r} must be one of {allowed} (a config object or a dict with 'name')")
+
+
+# ----------------------------------------------------------------------------------------------- Config
+@dataclass(eq=True)
+class Config(ConfigBase):
+    """Quantization configuration of a whole model, hierarchical: layer name > layer type > global.
+
+    :param QuantizationConfig global_quant_config: Applied to every layer unless overridden.
+    :param Dict[str, QuantizationConfig] layer_type_quant_config: By layer type ("Linear", "Conv2d" or the class).
+    :param Dict[str, QuantizationConfig] layer_quant_config: By layer name (fnmatch patterns such as ``"*.fc2"``).
+    :param List[str] exclude: Layer names (fnmatch patterns) left in float.
+    :param Optional[AlgoConfig] algo_config: GPTQ / AWQ, one or a list applied in order.
+    :param Optional[PreQuantOptConfig] pre_quant_opt_config: SmoothQuant, one or a list.
+    :param QuantizationMode quant_mode: eager_mode (module swapping) or fx_graph_mode.
+    """
+
+    global_quant_config: QuantizationConfig
+    layer_type_quant_config: dict[str, QuantizationConfig] = field(default_factory=dict)
+    layer_quant_config: dict[str, QuantizationConfig] = field(default_factory=dict)
+    exclude: list[str] = field(default_factory=list)
+    algo_config: AlgoConfig | list[AlgoConfig] | None = None
+    pre_quant_opt_config: PreQuantOptConfig | list[PreQuantOptConfig] | None = None
+    quant_mode: QuantizationMode = QuantizationMode.eager_mode
+
+    def __post_init__(self) -> None:
+        self.global_quant_config = _qconfig("Config.global_quant_config", self.global_quant_config)
+        self.layer_type_quant_config = self._mapping("layer_type_quant_config", self.layer_type_quant_config, types=True)
+        self.layer_quant_config = self._mapping("layer_quant_config", self.layer_quant_config, types=False)
+        if not isinstance(self.exclude, list | tuple) or not all(isinstance(e, str) for e in self.exclude):
+            raise ValueError(f"Config.exclude={self.exclude!r} must be a list of layer names or fnmatch patterns")
+        self.exclude = list(self.exclude)
+        self.algo_config = _algo("Config.algo_config", self.algo_config, AlgoConfig)
+        self.pre_quant_opt_config = _algo("Config.pre_quant_opt_config", self.pre_quant_opt_config, PreQuantOptConfig)
+        self.quant_mode = _enum("Config", "quant_mode", QuantizationMode, self.quant_mode, optional=False)  # type: ignore[assignment]
+
+    @staticmethod
+    def _mapping(name: str, value: Any, types: bool) -> dict[str, QuantizationConfig]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ValueError(f"Config.{name}={value!r} must be a dict of {'layer types' if types else 'layer names'} to QuantizationConfig")
+        out: dict[str, QuantizationConfig] = {}
+        for key, qc in value.items():
+            if types and isinstance(key, type):
+                key = key.__name__  # the class is matched by its name, like "Linear"
+            if not isinstance(key, str):
+                raise ValueError(f"Config.{name} key {key!r} must be a {'type name or class' if types else 'layer name'}")
+            out[key] = _qconfig(f"Config.{name}[{key!r}]", qc)
+        return out
+
+    @property
+    def algo_configs(self) -> list[AlgoConfig]:
+        """``algo_config`` as a list (possibly empty)."""
+        return _as_list(self.algo_config)
+
+    @property
+    def pre_quant_opt_configs(self) -> list[PreQuantOptConfig]:
+        """``pre_quant_opt_config`` as a list (possibly empty)."""
+        return _as_list(self.pre_quant_opt_config)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]

@@ -1,0 +1,144 @@
+"""Every number format of the engine, as pure tensor functions (quantize -> dequantize, plus encoded forms).
+
+``fake_quantize`` dispatches on the Dtype; the per-family modules hold the arithmetic:
+``integer`` (any width), ``minifloat`` (fp8/fp6/fp4), ``block`` (MX, MX6/MX9, BFP16), and casts here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
+from quark.torch.quantization.formats.block import (
+    bfp_codes,
+    fake_quantize_bfp16,
+    fake_quantize_mx,
+    fake_quantize_mx6,
+    fake_quantize_mx9,
+    microexponent_codes,
+    mx_shared_exponent,
+    quantize_mx,
+)
+from quark.torch.quantization.formats.grouping import BlockLayout, from_blocks, round_to_int, to_blocks
+from quark.torch.quantization.formats.integer import apply_scale_type, dequantize_int, fake_quantize_int, quantize_int
+from quark.torch.quantization.formats.minifloat import decode, encode, fake_quantize_minifloat, round_to_grid
+from quark.torch.quantization.formats.table import (
+    BLOCK_FORMATS,
+    CAST_FORMATS,
+    FLOAT_FORMATS,
+    MX_ELEMENT_DTYPES,
+    TORCH_FLOAT8,
+    BlockFormat,
+    CastFormat,
+    FloatFormat,
+    IntFormat,
+    bits_per_element,
+    format_of,
+    int_range,
+)
+
+__all__ = [
+    # dispatch
+    "fake_quantize",
+    "fake_cast",
+    "is_scaled",
+    # tables
+    "IntFormat",
+    "FloatFormat",
+    "CastFormat",
+    "BlockFormat",
+    "FLOAT_FORMATS",
+    "CAST_FORMATS",
+    "BLOCK_FORMATS",
+    "TORCH_FLOAT8",
+    "MX_ELEMENT_DTYPES",
+    "format_of",
+    "int_range",
+    "bits_per_element",
+    # integers
+    "fake_quantize_int",
+    "quantize_int",
+    "dequantize_int",
+    "apply_scale_type",
+    "round_to_int",
+    # minifloats
+    "round_to_grid",
+    "fake_quantize_minifloat",
+    "encode",
+    "decode",
+    # blocks
+    "fake_quantize_mx",
+    "fake_quantize_mx6",
+    "fake_quantize_mx9",
+    "fake_quantize_bfp16",
+    "quantize_mx",
+    "mx_shared_exponent",
+    "microexponent_codes",
+    "bfp_codes",
+    "to_blocks",
+    "from_blocks",
+    "BlockLayout",
+]
+
+
+class _CastSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dtype):  # type: ignore[override]
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+def fake_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round trip through ``dtype`` (bfloat16, float16), straight-through gradient."""
+    return _CastSTE.apply(x, dtype)
+
+
+def is_scaled(dtype: Dtype) -> bool:
+    """True for formats that take a scale from an observer (integers and minifloats)."""
+    fmt = format_of(dtype)
+    return isinstance(fmt, IntFormat | FloatFormat)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    dtype: Dtype,
+    scale: torch.Tensor | None = None,
+    zero_point: torch.Tensor | None = None,
+    *,
+    qscheme: QSchemeType | None = QSchemeType.per_tensor,
+    axis: int | None = None,
+    group_size: int | None = None,
+    round_method: RoundType | None = RoundType.half_even,
+    mx_element_dtype: Dtype | None = None,
+) -> torch.Tensor:
+    """Quantize ``x`` to ``dtype`` and back. Scaled formats need ``scale`` (and ``zero_point`` for integers)."""
+    fmt = format_of(dtype)
+    if isinstance(fmt, IntFormat):
+        if scale is None or zero_point is None:
+            raise ValueError(f"dtype={dtype.name} needs a scale and a zero_point")
+        return fake_quantize_int(
+            x, scale, zero_point, fmt.qmin, fmt.qmax,
+            round_method=round_method or RoundType.half_even, qscheme=qscheme or QSchemeType.per_tensor,
+            axis=axis, group_size=group_size,
+        )  # fmt: skip
+    if isinstance(fmt, FloatFormat):
+        return fake_quantize_minifloat(
+            x, fmt, scale, qscheme=qscheme or QSchemeType.per_tensor, axis=axis, group_size=group_size,
+            torch_dtype=TORCH_FLOAT8.get(dtype),
+        )  # fmt: skip
+    if isinstance(fmt, CastFormat):
+        return fake_cast(x, fmt.torch_dtype)
+    block = group_size or fmt.default_block
+    axis = -1 if axis is None else axis
+    if fmt.kind == "mx":
+        if mx_element_dtype is None:
+            raise ValueError(f"dtype=mx needs mx_element_dtype, one of {[d.name for d in MX_ELEMENT_DTYPES]}")
+        return fake_quantize_mx(x, mx_element_dtype, block, axis)
+    if dtype == Dtype.mx6:
+        return fake_quantize_mx6(x, block, axis)
+    if dtype == Dtype.mx9:
+        return fake_quantize_mx9(x, block, axis)
+    return fake_quantize_bfp16(x, block, axis)

@@ -1,0 +1,146 @@
+"""Block formats: OCP MX v1.0 (E8M0 shared scale), MX6/MX9 (shared microexponents) and BFP16.
+
+Every function blocks ``x`` along ``axis`` (a ragged last block is zero-padded, then cropped), works on
+[..., n_blocks, block] in float32 and returns x's shape and dtype. Gradients are straight-through (identity).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quark.torch.quantization.config.type import Dtype
+from quark.torch.quantization.formats.grouping import from_blocks, to_blocks
+from quark.torch.quantization.formats.minifloat import round_to_grid
+from quark.torch.quantization.formats.table import (
+    FLOAT_FORMATS,
+    MXINT8_IMPLICIT_EXP,
+    MXINT8_QMAX,
+    TORCH_FLOAT8,
+    element_emax,
+)
+
+E8M0_BIAS = 127
+
+
+def _floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2 a) for a > 0, exactly (frexp, no float log); int32."""
+    return torch.frexp(a)[1] - 1
+
+
+def mx_shared_exponent(xb: torch.Tensor, element: Dtype) -> torch.Tensor:
+    """OCP MX shared exponent per block: ``floor(log2 max|V|) - emax_elem``, clamped to E8M0's [-127, 127].
+
+    xb [..., n_blocks, block] -> [..., n_blocks, 1] (int32). An all-zero block gets a finite exponent (its elements are 0 anyway).
+    """
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    exp = _floor_log2(amax) - element_emax(element)  # frexp(0) gives -1 - emax: clamped like any tiny block
+    return exp.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+def _mx_elements(v: torch.Tensor, element: Dtype) -> torch.Tensor:
+    """Round scaled block values to the element grid (RNE, saturating)."""
+    if element == Dtype.int8:
+        step = 2.0**MXINT8_IMPLICIT_EXP
+        return torch.round(v / step).clamp_(-MXINT8_QMAX, MXINT8_QMAX).mul_(step)
+    if element in TORCH_FLOAT8:
+        fmt = FLOAT_FORMATS[element]
+        return v.clamp(-fmt.max_normal, fmt.max_normal).to(TORCH_FLOAT8[element]).float()
+    return round_to_grid(v, FLOAT_FORMATS[element])
+
+
+def quantize_mx(
+    x: torch.Tensor, element: Dtype, block_size: int = 32, axis: int = -1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX encoding: (element values on the element grid, in blocked layout [..., n_blocks, block]; E8M0 bytes [..., n_blocks]).
+
+    Dequantization is ``elements * 2^(e8m0 - 127)``; ``fake_quantize_mx`` returns exactly that in x's layout.
+    """
+    xb, _ = to_blocks(x.detach().float(), axis, block_size)
+    exp = mx_shared_exponent(xb, element)
+    elements = _mx_elements(torch.ldexp(xb, -exp), element)
+    return elements, (exp.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
+
+
+def _fake_mx(x: torch.Tensor, element: Dtype, block_size: int, axis: int) -> torch.Tensor:
+    xb, layout = to_blocks(x.float(), axis, block_size)
+    exp = mx_shared_exponent(xb, element)
+    out = torch.ldexp(_mx_elements(torch.ldexp(xb, -exp), element), exp)
+    return from_blocks(out, layout, x.shape)
+
+
+def microexponent_codes(xb: torch.Tensor, mantissa_bits: int, sub_block: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX6/MX9 on blocked x [..., n_blocks, block]: (sign-magnitude integer codes, per-element exponent of the step).
+
+    Block exponent ``E = floor(log2 max|x|)``; a pair whose elements are all below ``2^E`` shifts down by its 1-bit
+    micro-exponent; an element is ``code * 2^(E - shift - (mantissa_bits - 1))`` with ``|code| <= 2^mantissa_bits - 1``.
+    """
+    a = xb.abs()
+    amax = a.amax(dim=-1, keepdim=True)
+    # The step exponent must stay >= -127 so that 2^-step is finite in float32; this floors E at -127 + mantissa_bits
+    # (blocks whose max is below ~2^-120 lose resolution, where an 8-bit shared exponent ends anyway).
+    block_exp = _floor_log2(amax).clamp_(min=mantissa_bits - E8M0_BIAS)
+    below = a < torch.exp2(block_exp.float())  # [..., n_blocks, block]
+    pairs = below.reshape(*below.shape[:-1], -1, sub_block).all(dim=-1, keepdim=True)  # [..., n_blocks, block/2, 1]
+    shift = pairs.expand(*pairs.shape[:-1], sub_block).reshape(below.shape).to(torch.int32)
+    step_exp = block_exp - shift - (mantissa_bits - 1)
+    limit = 2**mantissa_bits - 1
+    codes = torch.round(torch.ldexp(xb, -step_exp)).clamp_(-limit, limit)
+    return codes, step_exp
+
+
+def _fake_microexponent(x: torch.Tensor, mantissa_bits: int, block_size: int, axis: int) -> torch.Tensor:
+    if block_size % 2:
+        raise ValueError(f"mx6/mx9 need an even group_size (pairs share a micro-exponent), got {block_size}")
+    xb, layout = to_blocks(x.float(), axis, block_size)
+    codes, step_exp = microexponent_codes(xb, mantissa_bits)
+    return from_blocks(torch.ldexp(codes, step_exp), layout, x.shape)
+
+
+def bfp_codes(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BFP16 on blocked x: (int8 codes in [-128, 127], shared step exponent [..., n_blocks, 1]).
+
+    Step ``2^(floor(log2 max|x|) - 6)``, raised by one where a code would overflow int8 after rounding.
+    """
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    step_exp = (_floor_log2(amax) - 6).clamp_(-E8M0_BIAS, E8M0_BIAS)  # all-zero blocks: any step, codes are 0
+    codes = torch.round(torch.ldexp(xb, -step_exp))
+    overflow = ((codes > 127) | (codes < -128)).any(dim=-1, keepdim=True)
+    step_exp = step_exp + overflow.to(torch.int32)
+    codes = torch.round(torch.ldexp(xb, -step_exp)).clamp_(-128, 127)
+    return codes, step_exp
+
+
+def _fake_bfp(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
+    xb, layout = to_blocks(x.float(), axis, block_size)
+    codes, step_exp = bfp_codes(xb)
+    return from_blocks(torch.ldexp(codes, step_exp), layout, x.shape)
+
+
+class _BlockSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn, args):  # type: ignore[override]
+        return fn(x, *args).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None, None
+
+
+def fake_quantize_mx(x: torch.Tensor, element: Dtype | str, block_size: int = 32, axis: int = -1) -> torch.Tensor:
+    """OCP MX: blocks of ``block_size`` along ``axis`` share ``2^(floor(log2 amax) - emax_elem)``; elements RNE."""
+    return _BlockSTE.apply(x, _fake_mx, (Dtype(element), block_size, axis))
+
+
+def fake_quantize_mx6(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:
+    """MX6: 8-bit shared exponent per 16, 1-bit micro-exponent per pair, sign + 4-bit mantissas."""
+    return _BlockSTE.apply(x, _fake_microexponent, (4, block_size, axis))
+
+
+def fake_quantize_mx9(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:
+    """MX9: as MX6 with sign + 7-bit mantissas."""
+    return _BlockSTE.apply(x, _fake_microexponent, (7, block_size, axis))
+
+
+def fake_quantize_bfp16(x: torch.Tensor, block_size: int = 8, axis: int = -1) -> torch.Tensor:
+    """BFP16: blocks of ``block_size`` share an 8-bit exponent; 8-bit two's complement elements."""
+    return _BlockSTE.apply(x, _fake_bfp, (block_size, axis))

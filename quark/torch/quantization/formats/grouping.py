@@ -1,0 +1,79 @@
+"""Shape plumbing shared by every format: blocks along an axis (padded when ragged), channel broadcasting, rounding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quark.torch.quantization.config.type import RoundType
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How ``to_blocks`` reshaped a tensor, so ``from_blocks`` can undo it."""
+
+    axis: int  # non-negative axis the blocks run along
+    length: int  # size of that axis before padding
+    block: int
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.length // self.block)
+
+    @property
+    def pad(self) -> int:
+        return self.n_blocks * self.block - self.length
+
+
+def normalize_axis(axis: int, ndim: int) -> int:
+    """``axis`` as a non-negative index into ``ndim`` dimensions, with a clear error when out of range."""
+    if not -max(ndim, 1) <= axis < max(ndim, 1):
+        raise ValueError(f"ch_axis={axis} is out of range for a tensor of {ndim} dimensions")
+    return axis % max(ndim, 1)
+
+
+def to_blocks(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, BlockLayout]:
+    """Split ``axis`` into blocks of ``block``: x [..., C (at axis), ...] -> [..., n_blocks, block] (axis moved last).
+
+    A ragged last block is zero-padded; zeros never raise a block's maximum, so padding changes no scale.
+    """
+    if x.ndim == 0:
+        x = x.reshape(1)
+    layout = BlockLayout(normalize_axis(axis, x.ndim), x.shape[axis], block)
+    moved = x.movedim(layout.axis, -1)  # [..., C]
+    if layout.pad:
+        moved = F.pad(moved, (0, layout.pad))
+    return moved.reshape(*moved.shape[:-1], layout.n_blocks, block), layout
+
+
+def from_blocks(xb: torch.Tensor, layout: BlockLayout, shape: torch.Size) -> torch.Tensor:
+    """Undo ``to_blocks``: [..., n_blocks, block] -> the original ``shape``."""
+    moved = xb.reshape(*xb.shape[:-2], layout.n_blocks * layout.block)
+    if layout.pad:
+        moved = moved[..., : layout.length]
+    return moved.movedim(-1, layout.axis).reshape(shape)
+
+
+def channel_view(param: torch.Tensor, ndim: int, axis: int) -> torch.Tensor:
+    """Reshape a per-channel parameter [C] so it broadcasts along ``axis`` of an ``ndim`` tensor."""
+    shape = [1] * ndim
+    shape[normalize_axis(axis, ndim)] = -1
+    return param.reshape(shape)
+
+
+def round_to_int(v: torch.Tensor, method: RoundType) -> torch.Tensor:
+    """Round to integers: half_even (as torch.round / nearbyint), round (half away from zero) or floor."""
+    if method == RoundType.half_even:
+        return torch.round(v)
+    if method == RoundType.floor:
+        return torch.floor(v)
+    if method == RoundType.round:
+        # Half away from zero without the floor(|v| + 0.5) trap (0.49999997 + 0.5 rounds up to 1.0 in float32):
+        # take half-even, then move exact ties whose even neighbour is toward zero.
+        r = torch.round(v)
+        trunc = torch.trunc(v)
+        tie = (v - trunc).abs() == 0.5
+        return torch.where(tie, trunc + torch.sign(v), r)
+    raise ValueError(f"round_method={method!r} is not one of {RoundType.choices()}")

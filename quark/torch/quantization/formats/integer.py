@@ -1,0 +1,204 @@
+"""Integers of any width: quantize -> dequantize with a scale and zero point, per tensor, channel or group.
+
+Layout of the qparams (``scale`` and ``zero_point`` alike):
+- per_tensor: one element;
+- per_channel: [C], C the size of ``axis``;
+- per_group: [..., n_groups], the shape of ``x.movedim(axis, -1)`` with its last dim split into groups of
+  ``group_size`` (a ragged last group is padded, see ``to_blocks``).
+
+Arithmetic follows torch's fused kernels exactly: ``q = round(x * (1 / scale)) + zp``, ``y = (clamp(q) - zp) * scale``,
+and the straight-through gradient is 1 where ``qmin <= q <= qmax``, else 0. Half-even with an integer zero point
+dispatches to ``torch.fake_quantize_per_{tensor,channel}_affine``; every other case runs the same arithmetic here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
+from quark.torch.quantization.formats.grouping import channel_view, from_blocks, round_to_int, to_blocks
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def apply_scale_type(scale: torch.Tensor, scale_type: ScaleType | None, model_dtype: torch.dtype) -> torch.Tensor:
+    """Hold ``scale`` in the precision of ``scale_type``; returned as float32 for the arithmetic.
+
+    float: the model's float dtype; pof2: ``2^round(log2 s)`` (Quark's convention); float32/float16/bfloat16: that dtype.
+    """
+    if scale_type in (None, ScaleType.float32):
+        held = scale.float()
+    elif scale_type == ScaleType.float:
+        held = scale.to(model_dtype if model_dtype.is_floating_point else torch.float32)
+    elif scale_type == ScaleType.pof2:
+        held = torch.exp2(torch.round(torch.log2(scale.float())))
+    elif scale_type == ScaleType.float16:
+        held = scale.to(torch.float16)
+    elif scale_type == ScaleType.bfloat16:
+        held = scale.to(torch.bfloat16)
+    else:
+        raise ValueError(f"scale_type={scale_type!r} is not one of {ScaleType.choices()}")
+    return held.float()
+
+
+class _IntFakeQuant(torch.autograd.Function):
+    """y = (clamp(round(x / s) + zp) - zp) * s with torch's straight-through mask as gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, qmin, qmax, round_method):  # type: ignore[override]
+        v = x * torch.reciprocal(scale)
+        if zero_point.is_floating_point():
+            q = round_to_int(v + zero_point, round_method)
+        else:
+            q = round_to_int(v, round_method) + zero_point
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward((q >= qmin) & (q <= qmax))
+        return (q.clamp(qmin, qmax) - zero_point) * scale
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None, None, None, None, None
+
+
+def _torch_kernel_applies(x: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, method: RoundType) -> bool:
+    return (
+        method == RoundType.half_even
+        and x.dtype == torch.float32
+        and not zero_point.is_floating_point()
+        and _INT32_MIN <= qmin <= qmax <= _INT32_MAX
+    )
+
+
+def _fake_quantize_elementwise(
+    x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, qmin: int, qmax: int, method: RoundType
+) -> torch.Tensor:
+    """Core with ``scale``/``zp`` already broadcastable to ``x``."""
+    return _IntFakeQuant.apply(x, scale, zp, qmin, qmax, method)
+
+
+def fake_quantize_int(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    qmin: int,
+    qmax: int,
+    *,
+    round_method: RoundType = RoundType.half_even,
+    qscheme: QSchemeType = QSchemeType.per_tensor,
+    axis: int | None = None,
+    group_size: int | None = None,
+    use_torch_kernel: bool = True,
+) -> torch.Tensor:
+    """Quantize ``x`` to integers in ``[qmin, qmax]`` and back; differentiable (straight-through) in ``x``."""
+    orig_dtype = x.dtype
+    xf = x if x.dtype == torch.float32 else x.float()
+    scale = scale.float()
+    fast = use_torch_kernel and _torch_kernel_applies(xf, zero_point, qmin, qmax, round_method)
+    if not zero_point.is_floating_point():
+        zero_point = zero_point.to(torch.int32)
+
+    if qscheme == QSchemeType.per_tensor:
+        s, z = scale.reshape(()), zero_point.reshape(())
+        if fast:
+            out = torch.fake_quantize_per_tensor_affine(xf, s, z, qmin, qmax)
+        else:
+            out = _fake_quantize_elementwise(xf, s, z, qmin, qmax, round_method)
+    elif qscheme == QSchemeType.per_channel:
+        axis = _require_axis(axis, qscheme)
+        if fast:
+            out = torch.fake_quantize_per_channel_affine(xf, scale.reshape(-1), zero_point.reshape(-1), axis, qmin, qmax)
+        else:
+            s, z = channel_view(scale, xf.ndim, axis), channel_view(zero_point, xf.ndim, axis)
+            out = _fake_quantize_elementwise(xf, s, z, qmin, qmax, round_method)
+    elif qscheme == QSchemeType.per_group:
+        axis = _require_axis(axis, qscheme)
+        xb, layout = to_blocks(xf, axis, _require_group(group_size))  # [..., G, g]
+        if fast:
+            rows = xb.reshape(-1, layout.block)  # every group a row: per-group == per-channel on axis 0
+            outb = torch.fake_quantize_per_channel_affine(rows, scale.reshape(-1), zero_point.reshape(-1), 0, qmin, qmax)
+        else:
+            outb = _fake_quantize_elementwise(xb, scale.unsqueeze(-1), zero_point.unsqueeze(-1), qmin, qmax, round_method)
+        out = from_blocks(outb, layout, xf.shape)
+    else:
+        raise ValueError(f"qscheme={qscheme!r} is not one of {QSchemeType.choices()}")
+    return out if out.dtype == orig_dtype else out.to(orig_dtype)
+
+
+def quantize_int(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    qmin: int,
+    qmax: int,
+    *,
+    round_method: RoundType = RoundType.half_even,
+    qscheme: QSchemeType = QSchemeType.per_tensor,
+    axis: int | None = None,
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """The integer codes ``clamp(round(x / scale) + zp)`` in x's layout, as int32 (the export form)."""
+    xf = x.float()
+    s, z = _broadcast_qparams(xf, scale.float(), zero_point, qscheme, axis, group_size)
+    if qscheme == QSchemeType.per_group:
+        xb, layout = to_blocks(xf, axis, group_size)  # type: ignore[arg-type]
+        v = xb * torch.reciprocal(s)
+    else:
+        v = xf * torch.reciprocal(s)
+    q = round_to_int(v + z, round_method) if z.is_floating_point() else round_to_int(v, round_method) + z
+    q = q.clamp(qmin, qmax)
+    if qscheme == QSchemeType.per_group:
+        q = from_blocks(q, layout, xf.shape)
+    return q.to(torch.int32)
+
+
+def dequantize_int(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    *,
+    qscheme: QSchemeType = QSchemeType.per_tensor,
+    axis: int | None = None,
+    group_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``(q - zp) * scale``: the inverse of ``quantize_int`` (equal to ``fake_quantize_int`` of the same input)."""
+    qf = q.float()
+    s, z = _broadcast_qparams(qf, scale.float(), zero_point, qscheme, axis, group_size)
+    if qscheme == QSchemeType.per_group:
+        qb, layout = to_blocks(qf, axis, group_size)  # type: ignore[arg-type]
+        return from_blocks((qb - z) * s, layout, qf.shape).to(dtype)
+    return ((qf - z) * s).to(dtype)
+
+
+def _broadcast_qparams(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    qscheme: QSchemeType,
+    axis: int | None,
+    group_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    zp = zero_point if zero_point.is_floating_point() else zero_point.to(torch.int32)
+    if qscheme == QSchemeType.per_tensor:
+        return scale.reshape(()), zp.reshape(())
+    if qscheme == QSchemeType.per_channel:
+        axis = _require_axis(axis, qscheme)
+        return channel_view(scale, x.ndim, axis), channel_view(zp, x.ndim, axis)
+    if qscheme == QSchemeType.per_group:
+        _require_axis(axis, qscheme)
+        _require_group(group_size)
+        return scale.unsqueeze(-1), zp.unsqueeze(-1)
+    raise ValueError(f"qscheme={qscheme!r} is not one of {QSchemeType.choices()}")
+
+
+def _require_axis(axis: int | None, qscheme: QSchemeType) -> int:
+    if axis is None:
+        raise ValueError(f"qscheme={qscheme.name} needs ch_axis (an int), got None")
+    return axis
+
+
+def _require_group(group_size: int | None) -> int:
+    if group_size is None or group_size <= 0:
+        raise ValueError(f"qscheme=per_group needs a positive group_size, got {group_size}")
+    return group_size

@@ -1,0 +1,122 @@
+"""Minifloats as one generic (exponent bits, mantissa bits) implementation: fp8 e4m3/e5m2, fp6 e3m2/e2m3, fp4 e2m1.
+
+Rounding is to nearest, ties to even, on the element grid: subnormals are kept, magnitudes beyond ``max_normal``
+saturate to it (as torch's float8 casts do for every finite input inside the range; outside it torch gives NaN
+or inf, we saturate). The scaled variants divide by a scale first (per tensor, channel or group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quark.torch.quantization.config.type import QSchemeType
+from quark.torch.quantization.formats.grouping import channel_view, from_blocks, to_blocks
+from quark.torch.quantization.formats.table import FloatFormat
+
+
+def round_to_grid(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round float32 ``x`` to the nearest value of ``fmt`` (ties to even), saturating at +-max_normal."""
+    a = x.abs()
+    _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1): floor(log2 a) = e - 1
+    e = (e - 1).clamp_(min=fmt.emin)  # below the normal range the grid step is fixed (subnormals)
+    step = torch.exp2((e - fmt.mbits).float())
+    q = torch.round(a / step).mul_(step).clamp_(max=fmt.max_normal)  # a / step is exact: step is a power of two
+    return q.copysign_(x)
+
+
+class _GridSTE(torch.autograd.Function):
+    """Straight-through rounding to a grid: gradient 1 inside [-limit, limit] (after scaling), 0 where saturated."""
+
+    @staticmethod
+    def forward(ctx, x, scale, fmt):  # type: ignore[override]
+        v = x / scale
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(v.abs() <= fmt.max_normal)
+        return round_to_grid(v, fmt).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None, None
+
+
+def fake_quantize_minifloat(
+    x: torch.Tensor,
+    fmt: FloatFormat,
+    scale: torch.Tensor | None = None,
+    *,
+    qscheme: QSchemeType = QSchemeType.per_tensor,
+    axis: int | None = None,
+    group_size: int | None = None,
+    torch_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``round_to_grid(x / scale) * scale`` with a per tensor, channel or group scale (None: scale 1).
+
+    When ``torch_dtype`` (a torch float8 dtype of the same format) is given, the rounding is done by torch's cast,
+    which is bit-identical inside the range and faster.
+    """
+    orig_dtype = x.dtype
+    xf = x.float()
+    if scale is None:
+        scale = torch.ones((), device=x.device)
+    scale = scale.float()
+    if qscheme == QSchemeType.per_group:
+        xb, layout = to_blocks(xf, axis, group_size)  # type: ignore[arg-type]
+        out = from_blocks(_scaled_round(xb, scale.unsqueeze(-1), fmt, torch_dtype), layout, xf.shape)
+    else:
+        s = channel_view(scale, xf.ndim, axis) if qscheme == QSchemeType.per_channel else scale.reshape(())  # type: ignore[arg-type]
+        out = _scaled_round(xf, s, fmt, torch_dtype)
+    return out.to(orig_dtype)
+
+
+def _scaled_round(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, torch_dtype: torch.dtype | None) -> torch.Tensor:
+    if torch_dtype is not None:
+        return _CastSTE.apply(x, scale, fmt, torch_dtype)
+    return _GridSTE.apply(x, scale, fmt)
+
+
+class _CastSTE(torch.autograd.Function):
+    """Rounding through torch's float8 cast: ``clamp(x / s) -> float8 -> float32 * s``."""
+
+    @staticmethod
+    def forward(ctx, x, scale, fmt, torch_dtype):  # type: ignore[override]
+        v = x / scale
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(v.abs() <= fmt.max_normal)
+        v.clamp_(-fmt.max_normal, fmt.max_normal)
+        return v.to(torch_dtype).to(torch.float32).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None, None, None
+
+
+def encode(values: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Bit patterns (uint8, in the low ``fmt.bits`` bits) of values already on ``fmt``'s grid."""
+    v = values.float()
+    sign = torch.signbit(v).to(torch.int32)
+    a = v.abs()
+    _, e = torch.frexp(a)
+    e = e - 1
+    normal = a >= 2.0**fmt.emin
+    exp_field = torch.where(normal, e + fmt.bias, torch.zeros_like(e))
+    # normal: a = (1 + m / 2^mbits) * 2^e; subnormal: a = m * 2^(emin - mbits)
+    mant = torch.where(
+        normal,
+        a * torch.exp2((fmt.mbits - e).float()) - 2**fmt.mbits,
+        a * 2.0 ** (fmt.mbits - fmt.emin),
+    )
+    code = (sign << (fmt.ebits + fmt.mbits)) | (exp_field << fmt.mbits) | mant.round().to(torch.int32)
+    return code.to(torch.uint8)
+
+
+def decode(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Values (float32) of ``fmt`` bit patterns produced by ``encode``."""
+    c = codes.to(torch.int32)
+    mant = (c & (2**fmt.mbits - 1)).float()
+    exp_field = (c >> fmt.mbits) & (2**fmt.ebits - 1)
+    sign = 1.0 - 2.0 * ((c >> (fmt.ebits + fmt.mbits)) & 1).float()
+    normal = (1.0 + mant / 2**fmt.mbits) * torch.exp2((exp_field - fmt.bias).float())
+    sub = mant * 2.0 ** (fmt.emin - fmt.mbits)
+    return sign * torch.where(exp_field > 0, normal, sub)

@@ -1,0 +1,635 @@
+"""Observers: statistics of a tensor -> (scale, zero_point). One class per entry of Quark's observer doc.
+
+Conventions (Quark's): symmetric integer scale = max(|min|, |max|) / ((qmax - qmin) / 2); asymmetric scale =
+(max - min) / (qmax - qmin) with zero point ``qmin - round(min / scale)`` (int32, clamped) or ``qmin - min / scale``
+(float32); minifloat scale = amax / max_normal. Ranges always include 0; a constant or all-zero tensor gives a finite
+positive scale (>= eps); NaN or Inf in an observed tensor raises ValueError. Static observers keep running
+statistics across batches; dynamic ones (``is_dynamic=True``) recompute them on every call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from quark.torch.quantization.config.type import Dtype, QSchemeType, ZeroPointType
+from quark.torch.quantization.formats import (
+    BLOCK_FORMATS,
+    CAST_FORMATS,
+    FloatFormat,
+    IntFormat,
+    apply_scale_type,
+    fake_quantize_int,
+    fake_quantize_minifloat,
+    format_of,
+    mx_shared_exponent,
+    to_blocks,
+)
+
+if TYPE_CHECKING:
+    from quark.torch.quantization.config.config import QuantizationSpec
+
+__all__ = [
+    "ObserverBase",
+    "PlaceholderObserver",
+    "UniformScalingObserver",
+    "PerTensorMinMaxObserver",
+    "PerChannelMinMaxObserver",
+    "PerBlockMXObserver",
+    "PerBlockBFPObserver",
+    "PerGroupMinMaxObserver",
+    "PerTensorHistogramObserver",
+    "PerTensorHistogramObserverPro",
+    "PerTensorPercentileObserver",
+    "PerTensorMSEObserver",
+    "threshold_3sd",
+    "threshold_kl_j",
+    "OBSERVER_CLASSES",
+    "OBSERVER_MAP",
+]
+
+_EPS = torch.finfo(torch.float32).eps
+
+
+def _is_scaled(dtype: Dtype) -> bool:
+    return isinstance(format_of(dtype), IntFormat | FloatFormat)
+
+
+def _check_finite(name: str, *values: torch.Tensor) -> None:
+    """Raise when statistics carry NaN/Inf (cheap: checks reduced values, not the whole tensor)."""
+    for v in values:
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError(
+                f"{name} observed a tensor containing NaN or Inf; its scale would be NaN. "
+                "Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
+            )
+
+
+class ObserverBase(nn.Module):
+    """Base of every observer: ``forward(x)`` records statistics and returns ``x``; ``calculate_qparams()``.
+
+    Buffers whose shape depends on the data (per-channel statistics) are resized when a state_dict is loaded.
+    """
+
+    #: qschemes this observer can serve (None: also block formats without a qscheme)
+    qschemes: frozenset[QSchemeType] = frozenset()
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.qspec = qspec
+        self.dtype = qspec.dtype
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        """Whether this observer can determine qparams for ``dtype`` with ``qscheme``."""
+        return False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quark's name for ``calculate_qparams()``."""
+        return self.calculate_qparams()
+
+    def reset_state(self) -> None:
+        """Forget every statistic."""
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        for name, buf in self._buffers.items():
+            key = prefix + name
+            if buf is not None and key in state_dict and state_dict[key].shape != buf.shape:
+                self._buffers[name] = torch.empty_like(state_dict[key], device=buf.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class PlaceholderObserver(ObserverBase):
+    """Observer only passes its configuration on: for casts (float16, bfloat16) and block formats, whose scales
+    come from the data itself."""
+
+    qschemes = frozenset(QSchemeType)
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        return dtype in CAST_FORMATS or dtype in BLOCK_FORMATS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ones(()), torch.zeros((), dtype=torch.int32)
+
+    def extra_repr(self) -> str:
+        return f"dtype={self.dtype.name}"
+
+
+class UniformScalingObserver(ObserverBase):
+    """Observer for uniform scaling quantizers (integers of any width, minifloats with a scale).
+
+    Holds running ``min_val`` / ``max_val`` buffers; subclasses decide their granularity.
+    """
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, eps: float = _EPS) -> None:
+        super().__init__(qspec, device)
+        self.symmetric = qspec.symmetric
+        self.scale_type = qspec.scale_type
+        self.qscheme = qspec.qscheme
+        self.is_dynamic = bool(qspec.is_dynamic)
+        self.zero_point_type = qspec.zero_point_type
+        self.eps = eps
+        self.fmt = format_of(qspec.dtype)
+        self.model_dtype = torch.float32
+        self.register_buffer("min_val", torch.tensor(float("inf"), device=device))
+        self.register_buffer("max_val", torch.tensor(float("-inf"), device=device))
+
+    def _update(self, min_val: torch.Tensor, max_val: torch.Tensor, x: torch.Tensor) -> None:
+        """Fold new statistics into the running ones (or replace them when dynamic)."""
+        _check_finite(type(self).__name__, min_val, max_val)
+        self.model_dtype = x.dtype
+        min_val, max_val = min_val.float(), max_val.float()
+        if not self.is_dynamic and self.min_val.shape == min_val.shape:
+            min_val = torch.minimum(self.min_val, min_val)
+            max_val = torch.maximum(self.max_val, max_val)
+        self.min_val = min_val
+        self.max_val = max_val
+
+    @property
+    def has_statistics(self) -> bool:
+        return bool(torch.isfinite(self.min_val).all())
+
+    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and zero point of the range [min_val, max_val] (by default the observed one), extended to include 0."""
+        if min_val is None or max_val is None:
+            if not self.has_statistics:
+                raise RuntimeError(f"{type(self).__name__} has observed no data yet; run calibration batches first")
+            min_val, max_val = self.min_val, self.max_val
+        min_neg = torch.clamp(min_val.float(), max=0.0)
+        max_pos = torch.clamp(max_val.float(), min=0.0)
+        if isinstance(self.fmt, FloatFormat):
+            amax = torch.maximum(-min_neg, max_pos)
+            scale = torch.clamp(amax / self.fmt.max_normal, min=self.eps)
+            scale = apply_scale_type(scale, self.scale_type, self.model_dtype)
+            return scale, torch.zeros_like(scale, dtype=torch.int32)
+        return self._int_qparams(min_neg, max_pos)
+
+    def _int_qparams(self, min_neg: torch.Tensor, max_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fmt: IntFormat = self.fmt  # type: ignore[assignment]
+        qmin, qmax = fmt.qmin, fmt.qmax
+        if self.symmetric:
+            amax = torch.maximum(-min_neg, max_pos)
+            scale = apply_scale_type(torch.clamp(amax / ((qmax - qmin) / 2), min=self.eps), self.scale_type, self.model_dtype)
+            zp = 0 if fmt.signed else (qmin + qmax + 1) // 2
+            return scale, torch.full_like(scale, zp, dtype=torch.int32)
+        scale = torch.clamp((max_pos - min_neg) / float(qmax - qmin), min=self.eps)
+        scale = apply_scale_type(scale, self.scale_type, self.model_dtype)
+        if self.zero_point_type == ZeroPointType.float32:
+            return scale, qmin - min_neg / scale
+        zp = qmin - torch.round(min_neg / scale)
+        return scale, zp.clamp(qmin, qmax).to(torch.int32)
+
+    def reset_min_max_vals(self) -> None:
+        """Resets the min/max values."""
+        self.min_val = torch.full_like(self.min_val.reshape(()), float("inf"))
+        self.max_val = torch.full_like(self.max_val.reshape(()), float("-inf"))
+
+    def reset_state(self) -> None:
+        self.reset_min_max_vals()
+
+    def extra_repr(self) -> str:
+        return f"dtype={self.dtype.name}, symmetric={self.symmetric}, dynamic={self.is_dynamic}"
+
+
+class PerTensorMinMaxObserver(UniformScalingObserver):
+    """Running minimum and maximum of the whole tensor."""
+
+    qschemes = frozenset({QSchemeType.per_tensor})
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        return _is_scaled(dtype) and qscheme in cls.qschemes
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        """Records the running minimum and maximum of ``x``."""
+        if x_orig.numel():
+            mn, mx = torch.aminmax(x_orig.detach())
+            self._update(mn, mx, x_orig)
+        return x_orig
+
+
+class PerChannelMinMaxObserver(UniformScalingObserver):
+    """Running minimum and maximum of each slice along ``ch_axis``."""
+
+    qschemes = frozenset({QSchemeType.per_channel})
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, eps: float = _EPS) -> None:
+        super().__init__(qspec, device, eps)
+        self.ch_axis = qspec.ch_axis
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        return _is_scaled(dtype) and qscheme in cls.qschemes
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if x_orig.numel():
+            x = x_orig.detach()
+            y = x.reshape(1) if x.ndim == 0 else x
+            y = y.movedim(self.ch_axis, 0).reshape(y.shape[self.ch_axis], -1)  # [C, rest]
+            mn, mx = torch.aminmax(y, dim=1)
+            self._update(mn, mx, x_orig)
+        return x_orig
+
+
+class PerGroupMinMaxObserver(UniformScalingObserver):
+    """Minimum and maximum of each group of ``group_size`` along ``ch_axis`` (qparams [..., n_groups])."""
+
+    qschemes = frozenset({QSchemeType.per_group})
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, eps: float = _EPS) -> None:
+        super().__init__(qspec, device, eps)
+        self.ch_axis = qspec.ch_axis
+        self.group_size = qspec.group_size
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        return _is_scaled(dtype) and qscheme in cls.qschemes
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if x_orig.numel():
+            xb, _ = to_blocks(x_orig.detach(), self.ch_axis, self.group_size)  # [..., G, g]
+            mn, mx = torch.aminmax(xb, dim=-1)
+            self._update(mn, mx, x_orig)
+        return x_orig
+
+
+class PerBlockMXObserver(ObserverBase):
+    """Block maxima of the MX formats (mx, mx6, mx9); qparams are the blocks' shared exponents.
+
+    The block formats derive their scales from each block's data, so this observer only records them.
+    """
+
+    qschemes = frozenset({QSchemeType.per_group})
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, eps: float = _EPS) -> None:
+        super().__init__(qspec, device)
+        self.block_size = qspec.group_size
+        self.axis = qspec.ch_axis
+        self.is_dynamic = bool(qspec.is_dynamic)
+        self.register_buffer("amax", torch.zeros((), device=device))
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        return dtype in (Dtype.mx, Dtype.mx6, Dtype.mx9) and qscheme in (None, QSchemeType.per_group)
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if x_orig.numel():
+            xb, _ = to_blocks(x_orig.detach().float(), self.axis, self.block_size)
+            amax = xb.abs().amax(dim=-1)
+            _check_finite(type(self).__name__, amax)
+            if not self.is_dynamic and self.amax.shape == amax.shape:
+                amax = torch.maximum(self.amax, amax)
+            self.amax = amax
+        return x_orig
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shared scales ``2^e`` per block (E8M0 exponents of OCP MX for dtype=mx) and zero points of 0."""
+        element = self.qspec.mx_element_dtype if self.dtype == Dtype.mx else Dtype.int8
+        exp = mx_shared_exponent(self.amax.unsqueeze(-1), element).squeeze(-1)
+        scale = torch.exp2(exp.float())
+        return scale, torch.zeros_like(scale, dtype=torch.int32)
+
+
+class PerBlockBFPObserver(PerBlockMXObserver):
+    """Block maxima of BFP16; qparams are the blocks' steps ``2^(floor(log2 amax) - 6)``."""
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        return dtype == Dtype.bfp16 and qscheme in (None, QSchemeType.per_group)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        exp = (torch.frexp(self.amax)[1] - 7).clamp(-127, 127)
+        scale = torch.exp2(exp.float())
+        return scale, torch.zeros_like(scale, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------- histogram family
+class PerTensorHistogramObserver(UniformScalingObserver):
+    """Running histogram of the tensor (positive and negative magnitudes, exact zeros counted apart).
+
+    Bins are uniform over [0, R]; when data exceed R, R doubles as often as needed and adjacent bins merge, so
+    earlier counts are never redistributed approximately. The qparams of this class use the full observed range;
+    the percentile and MSE subclasses choose a narrower one from the histogram.
+    """
+
+    qschemes = frozenset({QSchemeType.per_tensor})
+    num_bins = 2048
+
+    calib_pos: torch.Tensor
+    calib_neg: torch.Tensor
+    calib_range: torch.Tensor
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__(qspec, device)
+        self.register_buffer("calib_pos", torch.zeros(self.num_bins, dtype=torch.float64, device=device))
+        self.register_buffer("calib_neg", torch.zeros(self.num_bins, dtype=torch.float64, device=device))
+        self.register_buffer("calib_range", torch.zeros((), dtype=torch.float64, device=device))
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        return _is_scaled(dtype) and qscheme in cls.qschemes
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        """Records the running histogram of ``x_orig``."""
+        if not x_orig.numel():
+            return x_orig
+        x = x_orig.detach().float().reshape(-1)
+        mn, mx = torch.aminmax(x)
+        self._update(mn, mx, x_orig)
+        if self.is_dynamic:
+            self.calib_pos.zero_()
+            self.calib_neg.zero_()
+            self.calib_range.zero_()
+        amax = float(torch.maximum(-mn, mx))
+        if amax > 0:
+            self._grow(amax)
+            r = float(self.calib_range)
+            self.calib_pos += torch.histc(x[x > 0], self.num_bins, 0.0, r).double()
+            self.calib_neg += torch.histc(-x[x < 0], self.num_bins, 0.0, r).double()
+        return x_orig
+
+    def _grow(self, amax: float) -> None:
+        """Widen [0, R] by powers of two until it holds ``amax``, merging 2^k adjacent bins."""
+        r = float(self.calib_range)
+        if r == 0.0:
+            self.calib_range.fill_(amax)
+            return
+        if amax <= r:
+            return
+        k = math.ceil(math.log2(amax / r))
+        while r * 2**k < amax:  # float safety
+            k += 1
+        factor = 2**k
+        for name in ("calib_pos", "calib_neg"):
+            h: torch.Tensor = getattr(self, name)
+            if factor >= self.num_bins:
+                merged = h.sum().reshape(1)
+            else:
+                merged = h.reshape(-1, factor).sum(dim=1)
+            setattr(self, name, torch.cat([merged, h.new_zeros(self.num_bins - merged.numel())]))
+        self.calib_range.fill_(r * factor)
+
+    def histogram(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The observed histogram: of |x| over [0, R] when symmetric, of x over [-R, R] otherwise (zeros left out)."""
+        r = float(self.calib_range)
+        if self.symmetric is False:
+            hist = torch.cat([self.calib_neg.flip(0), self.calib_pos])
+            edges = torch.linspace(-r, r, 2 * self.num_bins + 1, dtype=torch.float64)
+        else:
+            hist = self.calib_pos + self.calib_neg
+            edges = torch.linspace(0.0, r, self.num_bins + 1, dtype=torch.float64)
+        return hist, edges
+
+    def reset_state(self) -> None:
+        super().reset_state()
+        self.calib_pos.zero_()
+        self.calib_neg.zero_()
+        self.calib_range.zero_()
+
+
+def _quantile(hist: torch.Tensor, edges: torch.Tensor, q: float) -> torch.Tensor:
+    """Value below which a fraction ``q`` of the histogram's mass lies (linear inside the bin)."""
+    cdf = torch.cumsum(hist, 0) / hist.sum()
+    q = min(max(q, 0.0), 1.0)
+    i = int(torch.searchsorted(cdf, torch.tensor([q], dtype=cdf.dtype)).clamp(max=hist.numel() - 1))
+    below = float(cdf[i - 1]) if i > 0 else 0.0
+    inside = float(hist[i] / hist.sum())
+    frac = (q - below) / inside if inside > 0 else 1.0
+    return edges[i] + (edges[i + 1] - edges[i]) * min(max(frac, 0.0), 1.0)
+
+
+class PerTensorPercentileObserver(PerTensorHistogramObserver):
+    """Range from a percentile of the observed values (symmetric: of |x|; asymmetric: both tails).
+
+    The default percentile, 99.99, clips the rarest values: one value in 100,000 far outside the rest does not set
+    the range (Quark's 99.99999999 is the maximum in practice). 16,384 bins keep that resolution when outliers
+    stretch the histogram.
+    """
+
+    num_bins = 16384
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, percentile: float = 99.99) -> None:
+        super().__init__(qspec, device)
+        if not 0 <= percentile <= 100:
+            raise ValueError(f"percentile={percentile} must be between 0 and 100")
+        self.percentile = percentile
+
+    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if min_val is None or max_val is None:
+            hist, edges = self.histogram()
+            if hist.sum() == 0:  # only zeros (or nothing) seen
+                return super().calculate_qparams()
+            min_val, max_val = self.get_min_max_by_percentile(hist, edges, self.percentile)
+        return super().calculate_qparams(min_val, max_val)
+
+    def get_min_max_by_percentile(self, histogram: torch.Tensor, bin_edges: torch.Tensor, percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Calculate the minimum and maximum values of a histogram at a specified percentile.
+
+        Parameters:
+        - histogram (torch.Tensor): frequency of each bin.
+        - bin_edges (torch.Tensor): edges of the bins, one more than ``histogram``.
+        - percentile (float): between 0 and 100.
+
+        Returns:
+        - Tuple[torch.Tensor, torch.Tensor]: (min, max). Symmetric (a histogram of |x| from 0): (0, the value at
+          ``percentile``); asymmetric: the values at ``(100 - percentile) / 2`` and ``100 - (100 - percentile) / 2``.
+
+        Raises:
+        - ValueError: If the `percentile` argument is not within the range 0 to 100, or there is no data.
+        """
+        if percentile < 0 or percentile > 100:
+            raise ValueError("Percentile value must be between 0 and 100.")
+        if histogram is None or bin_edges is None or histogram.numel() == 0 or float(histogram.sum()) <= 0:
+            raise ValueError("no data available")
+        if bin_edges.numel() != histogram.numel() + 1:
+            raise ValueError(f"bin_edges must have one more element than histogram ({histogram.numel() + 1}), got {bin_edges.numel()}")
+        hist, edges = histogram.double(), bin_edges.double()
+        if float(edges[0]) >= 0:  # a histogram of magnitudes
+            return torch.zeros((), dtype=torch.float32), _quantile(hist, edges, percentile / 100).float()
+        tail = (100 - percentile) / 200
+        return _quantile(hist, edges, tail).float(), _quantile(hist, edges, 1 - tail).float()
+
+
+class PerTensorMSEObserver(PerTensorHistogramObserver):
+    """Range that minimises the quantization MSE of the observed histogram.
+
+    Quark searches only the top three of 2048 bins (min-max in practice); this one tries a candidate threshold
+    every ``num_bins / 512`` bins over the whole range, so heavy-tailed data get clipped where that pays.
+    """
+
+    search_points = 512
+
+    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if min_val is None or max_val is None:
+            hist, edges = self.histogram()
+            if hist.sum() == 0:
+                return super().calculate_qparams()
+            stride = max(1, hist.numel() // self.search_points)
+            min_val, max_val = self.get_min_max_by_mse(hist, edges, stride=stride, start_bin=stride - 1)
+        return super().calculate_qparams(min_val, max_val)
+
+    def get_min_max_by_mse(
+        self, calib_hist: torch.Tensor, calib_bin_edges: torch.Tensor, stride: int = 1, start_bin: int = 2045
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (min, amax) that minimises the MSE of the collected histogram.
+
+        Candidates end at bin edges ``start_bin + 1, start_bin + 1 + stride, ...`` (scaled symmetrically about 0
+        for a signed histogram); the error of each is measured by quantizing the bin centres with this observer's
+        dtype and weighting by the counts.
+        """
+        if calib_hist is None or calib_bin_edges is None:
+            raise ValueError("no data available")
+        if calib_bin_edges.numel() < 2:
+            raise ValueError(f"calib_bin_edges must have at least 2 elements, got {calib_bin_edges.numel()}")
+        counts, edges = calib_hist.double(), calib_bin_edges.double()
+        n = counts.numel()
+        centers = ((edges[1:] + edges[:-1]) / 2).float()
+        idx = torch.arange(min(start_bin, n - 1), n, max(stride, 1))
+        if idx[-1] != n - 1:
+            idx = torch.cat([idx, torch.tensor([n - 1])])  # the full range (min-max) is always a candidate
+        signed = float(edges[0]) < 0
+        if signed:  # shrink [lo, hi] of the non-empty bins by a common factor
+            nz = torch.nonzero(counts).flatten()
+            lo, hi = float(edges[nz[0]]), float(edges[nz[-1] + 1])
+            frac = (idx + 1).double() / n
+            mins, maxs = (lo * frac).float().clamp(max=0), (hi * frac).float().clamp(min=0)
+        else:
+            maxs = edges[idx + 1].float()
+            mins = torch.zeros_like(maxs)
+        scale, zp = super().calculate_qparams(mins, maxs)  # [K]
+        grid = centers.expand(idx.numel(), n)  # every candidate quantizes every centre: [K, n]
+        if isinstance(self.fmt, IntFormat):
+            q = fake_quantize_int(grid, scale, zp, self.fmt.qmin, self.fmt.qmax, round_method=self.qspec.round_method,
+                                  qscheme=QSchemeType.per_channel, axis=0)  # fmt: skip
+        else:
+            q = fake_quantize_minifloat(grid, self.fmt, scale, qscheme=QSchemeType.per_channel, axis=0)
+        mse = (((q - centers) ** 2).double() * counts).sum(dim=1)
+        best = int(torch.argmin(mse))
+        return mins[best], maxs[best]
+
+
+class PerTensorHistogramObserverPro(UniformScalingObserver):
+    """A wrap of pytorch version observer: HistogramObserver (integer dtypes of at most 8 bits)."""
+
+    qschemes = frozenset({QSchemeType.per_tensor})
+
+    def __init__(
+        self,
+        qspec: QuantizationSpec,
+        device: torch.device | None = None,
+        bins: int = 256,
+        reduce_range: bool = False,
+        upsample_rate: int = 384,
+    ) -> None:
+        super().__init__(qspec, device)
+        if qspec.qscheme != QSchemeType.per_tensor:
+            raise ValueError("PerTensorHistogramObserverPro only supports per_tensor")
+        fmt = self.fmt
+        if not isinstance(fmt, IntFormat) or fmt.bits > 8:
+            raise ValueError(f"PerTensorHistogramObserverPro supports integer dtypes of at most 8 bits, got {qspec.dtype.name}")
+        self.histogram = torch.ao.quantization.HistogramObserver(
+            bins=bins,
+            dtype=torch.qint8 if fmt.signed else torch.quint8,
+            qscheme=torch.per_tensor_symmetric if qspec.symmetric else torch.per_tensor_affine,
+            quant_min=fmt.qmin,
+            quant_max=fmt.qmax,
+            reduce_range=reduce_range,
+        )
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        fmt = format_of(dtype)
+        return isinstance(fmt, IntFormat) and fmt.bits <= 8 and qscheme in cls.qschemes
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if x_orig.numel():
+            mn, mx = torch.aminmax(x_orig.detach())
+            self._update(mn, mx, x_orig)
+            if self.is_dynamic:
+                self.histogram.reset_min_max_vals()
+            self.histogram(x_orig.detach().float())
+        return x_orig
+
+    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if min_val is not None and max_val is not None:
+            return super().calculate_qparams(min_val, max_val)
+        if not self.has_statistics:
+            raise RuntimeError("PerTensorHistogramObserverPro has observed no data yet; run calibration batches first")
+        scale, zp = self.histogram.calculate_qparams()
+        scale = apply_scale_type(scale.reshape(()), self.scale_type, self.model_dtype)
+        return scale, zp.reshape(()).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------- TQT initialisation
+def threshold_3sd(x: torch.Tensor) -> torch.Tensor:
+    """TQT's 3SD threshold: ``|mean(x)| + 3 * std(x)``."""
+    xf = x.detach().float()
+    return xf.mean().abs() + 3 * xf.std(unbiased=False)
+
+
+def threshold_kl_j(x: torch.Tensor, bits: int, bins: int | None = None) -> torch.Tensor:
+    """Settle et al. 2018, algorithm 1: the threshold minimising the Jeffreys divergence J(P, Q) between the
+    ``|x|`` histogram P (clipped at the threshold, clipped mass in the last bin) and Q, its copy requantised to
+    ``2^(bits-1)`` levels (each level's mass spread uniformly over its non-empty bins)."""
+    a = x.detach().float().abs().reshape(-1)
+    amax = float(a.max()) if a.numel() else 0.0
+    if amax == 0.0:
+        return torch.tensor(0.0)
+    levels = 2 ** (bits - 1)
+    n_bins = bins or max(2 * levels, min(2048, math.ceil(math.sqrt(a.numel()))))
+    hist = torch.histc(a, n_bins, 0.0, amax).double()
+    width = amax / n_bins
+    if n_bins <= levels:
+        return torch.tensor(amax)
+    best_j, best_i = math.inf, n_bins
+    for i in range(levels, n_bins + 1):
+        p = hist[:i].clone()
+        p[-1] += hist[i:].sum()
+        # requantise i bins into `levels` groups
+        group = torch.div(torch.arange(i) * levels, i, rounding_mode="floor")
+        nonzero = (p > 0).double()
+        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, group, p)
+        count = torch.zeros(levels, dtype=torch.float64).index_add_(0, group, nonzero)
+        q = torch.where(nonzero > 0, mass[group] / count[group].clamp(min=1), torch.zeros_like(p))
+        pn, qn = p / p.sum(), q / q.sum()
+        both = (pn > 0) & (qn > 0)
+        j = float(((pn[both] - qn[both]) * torch.log(pn[both] / qn[both])).sum())
+        if j < best_j:
+            best_j, best_i = j, i
+    return torch.tensor(best_i * width)
+
+
+OBSERVER_CLASSES: frozenset[type[ObserverBase]] = frozenset(
+    {
+        ObserverBase,
+        PlaceholderObserver,
+        UniformScalingObserver,
+        PerTensorMinMaxObserver,
+        PerChannelMinMaxObserver,
+        PerBlockMXObserver,
+        PerBlockBFPObserver,
+        PerGroupMinMaxObserver,
+        PerTensorHistogramObserver,
+        PerTensorHistogramObserverPro,
+        PerTensorPercentileObserver,
+        PerTensorMSEObserver,
+    }
+)
+OBSERVER_MAP: dict[str, type[ObserverBase]] = {c.__name__: c for c in OBSERVER_CLASSES}
+
