@@ -10,11 +10,12 @@ statistics across batches; dynamic ones (``is_dynamic=True``) recompute them on 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from quark.torch.quantization.buffers import ResizableBuffersMixin
 from quark.torch.quantization.config.type import Dtype, QSchemeType, ZeroPointType
 from quark.torch.quantization.formats import (
     BLOCK_FORMATS,
@@ -68,7 +69,7 @@ def _check_finite(name: str, *values: torch.Tensor) -> None:
             )
 
 
-class ObserverBase(nn.Module):
+class ObserverBase(ResizableBuffersMixin, nn.Module):
     """Base of every observer: ``forward(x)`` records statistics and returns ``x``; ``calculate_qparams()``.
 
     Buffers whose shape depends on the data (per-channel statistics) are resized when a state_dict is loaded.
@@ -99,13 +100,6 @@ class ObserverBase(nn.Module):
 
     def reset_state(self) -> None:
         """Forget every statistic."""
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        for name, buf in self._buffers.items():
-            key = prefix + name
-            if buf is not None and key in state_dict and state_dict[key].shape != buf.shape:
-                self._buffers[name] = torch.empty_like(state_dict[key], device=buf.device)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class PlaceholderObserver(ObserverBase):
@@ -584,9 +578,9 @@ def threshold_3sd(x: torch.Tensor) -> torch.Tensor:
 
 
 def threshold_kl_j(x: torch.Tensor, bits: int, bins: int | None = None) -> torch.Tensor:
-    """Settle et al. 2018, algorithm 1: the threshold minimising the Jeffreys divergence J(P, Q) between the
-    ``|x|`` histogram P (clipped at the threshold, clipped mass in the last bin) and Q, its copy requantised to
-    ``2^(bits-1)`` levels (each level's mass spread uniformly over its non-empty bins)."""
+    """Settle et al. 2018, algorithm 1: the threshold minimising the Jeffreys divergence J(P, Q) = sum (P-Q) ln(P/Q)
+    between P, the ``|x|`` histogram clipped at the threshold (clipped mass in its last bin), and Q, the bins below
+    the threshold requantised to ``2^(bits-1)`` levels (each level's mass spread over its non-empty bins)."""
     a = x.detach().float().abs().reshape(-1)
     amax = float(a.max()) if a.numel() else 0.0
     if amax == 0.0:
@@ -599,12 +593,13 @@ def threshold_kl_j(x: torch.Tensor, bits: int, bins: int | None = None) -> torch
         return torch.tensor(amax)
     best_j, best_i = math.inf, n_bins
     for i in range(levels, n_bins + 1):
-        p = hist[:i].clone()
-        p[-1] += hist[i:].sum()
-        # requantise i bins into `levels` groups
+        kept = hist[:i]
+        p = kept.clone()
+        p[-1] += hist[i:].sum()  # reference: the clipped mass piles up in the last bin
+        # candidate: the kept bins (without the clipped mass) requantised into `levels` groups
         group = torch.div(torch.arange(i) * levels, i, rounding_mode="floor")
-        nonzero = (p > 0).double()
-        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, group, p)
+        nonzero = (kept > 0).double()
+        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, group, kept)
         count = torch.zeros(levels, dtype=torch.float64).index_add_(0, group, nonzero)
         q = torch.where(nonzero > 0, mass[group] / count[group].clamp(min=1), torch.zeros_like(p))
         pn, qn = p / p.sum(), q / q.sum()

@@ -1,0 +1,353 @@
+"""Fake quantization modules: an observer, a number format and straight-through autograd.
+
+- ``ScaledFakeQuantize``: integers and minifloats. Static (qparams held as buffers, saved in the state_dict and
+  updated while the observer is on) or dynamic (qparams from every call's data).
+- ``NonScaledFakeQuantize``: casts (bfloat16, float16) and block formats (MX, MX6/MX9, BFP16), whose scales come
+  from each block's data.
+- ``FrozenScaledFakeQuantize``: fixed qparams, no observer (what ``to_frozen()`` returns).
+- ``TQTFakeQuantize`` / ``LSQFakeQuantize``: learnable thresholds / scales for quantization-aware training.
+
+Observer and fake quantization switch on and off independently (``enable_observer`` / ``enable_fake_quant``, as in
+torch.ao.quantization). ``FakeQuantizeBase.get_fake_quantize(spec)`` picks the class for a QuantizationSpec.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from quark.torch.quantization.buffers import ResizableBuffersMixin
+from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
+from quark.torch.quantization.config.type import QSchemeType, RoundType, TQTThresholdInitMeth
+from quark.torch.quantization.formats import IntFormat, fake_quantize, format_of, is_scaled
+from quark.torch.quantization.formats.grouping import channel_view, round_to_int
+from quark.torch.quantization.observer.observer import threshold_3sd, threshold_kl_j
+
+__all__ = [
+    "FakeQuantizeBase",
+    "ScaledFakeQuantize",
+    "NonScaledFakeQuantize",
+    "FrozenScaledFakeQuantize",
+    "TQTFakeQuantize",
+    "LSQFakeQuantize",
+]
+
+_EPS = torch.finfo(torch.float32).eps
+
+
+class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
+    """Common state: the spec and the observer / fake-quant switches (buffers, so they travel in the state_dict)."""
+
+    observer_enabled: torch.Tensor
+    fake_quant_enabled: torch.Tensor
+
+    def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.register_buffer("observer_enabled", torch.tensor(1, dtype=torch.uint8, device=device))
+        self.register_buffer("fake_quant_enabled", torch.tensor(1, dtype=torch.uint8, device=device))
+
+    @staticmethod
+    def get_fake_quantize(spec: QuantizationSpec, device: torch.device | None = None) -> FakeQuantizeBase:
+        """The fake-quant module that realises ``spec``."""
+        if isinstance(spec.qat_spec, TQTSpec):
+            return TQTFakeQuantize(spec, device)
+        if isinstance(spec.qat_spec, LSQSpec):
+            return LSQFakeQuantize(spec, device)
+        if is_scaled(spec.dtype):
+            return ScaledFakeQuantize(spec, device)
+        return NonScaledFakeQuantize(spec, device)
+
+    def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
+        self.observer_enabled.fill_(int(enabled))
+        return self
+
+    def disable_observer(self) -> FakeQuantizeBase:
+        return self.enable_observer(False)
+
+    def enable_fake_quant(self, enabled: bool = True) -> FakeQuantizeBase:
+        self.fake_quant_enabled.fill_(int(enabled))
+        return self
+
+    def disable_fake_quant(self) -> FakeQuantizeBase:
+        return self.enable_fake_quant(False)
+
+    @property
+    def is_dynamic(self) -> bool:
+        return bool(self.spec.is_dynamic)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (scale, zero_point) in use."""
+        raise NotImplementedError(f"{type(self).__name__} has no scale and zero point")
+
+    def to_frozen(self) -> nn.Module:
+        """A module that applies the current quantization with nothing left to observe or learn."""
+        return self
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        parts = [f"dtype={s.dtype.name}", f"qscheme={s.qscheme.name if s.qscheme else None}"]
+        if s.ch_axis is not None:
+            parts.append(f"ch_axis={s.ch_axis}")
+        if s.group_size is not None:
+            parts.append(f"group_size={s.group_size}")
+        parts.append("dynamic" if self.is_dynamic else "static")
+        return ", ".join(parts)
+
+
+def _apply_format(x: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor | None, zp: torch.Tensor | None) -> torch.Tensor:
+    return fake_quantize(
+        x, spec.dtype, scale, zp, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
+        round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype,
+    )  # fmt: skip
+
+
+class ScaledFakeQuantize(FakeQuantizeBase):
+    """Integers and minifloats with a scale (and zero point) from the spec's observer."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    initialized: torch.Tensor
+
+    def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__(spec, device)
+        self.observer = spec.observer_cls(spec, device)  # type: ignore[misc]
+        self.register_buffer("scale", torch.ones((), device=device), persistent=not self.is_dynamic)
+        self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32, device=device), persistent=not self.is_dynamic)
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
+
+    def _observe(self, x: torch.Tensor) -> None:
+        self.observer(x)
+        scale, zp = self.observer.calculate_qparams()
+        self.scale = scale.to(self.scale.device)
+        self.zero_point = zp.to(self.zero_point.device)
+        self.initialized.fill_(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_dynamic or self.observer_enabled:
+            self._observe(x)
+        if not self.fake_quant_enabled:
+            return x
+        if not self.initialized:
+            raise RuntimeError(
+                f"{type(self).__name__}({self.extra_repr()}) has no qparams yet: it has observed no data and its "
+                "observer is off. Calibrate (observer on) before quantizing."
+            )
+        return _apply_format(x, self.spec, self.scale, self.zero_point)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scale, self.zero_point
+
+    def to_frozen(self) -> nn.Module:
+        if self.is_dynamic:
+            return self
+        return FrozenScaledFakeQuantize(self.spec, self.scale.detach().clone(), self.zero_point.detach().clone())
+
+
+class FrozenScaledFakeQuantize(FakeQuantizeBase):
+    """Fixed qparams, no observer: the inference form of a calibrated static quantizer."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+
+    def __init__(self, spec: QuantizationSpec, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None) -> None:
+        super().__init__(spec, None if scale is None else scale.device)
+        self.observer_enabled.fill_(0)
+        self.register_buffer("scale", torch.ones(()) if scale is None else scale)
+        self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32) if zero_point is None else zero_point)
+
+    def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
+        return self  # nothing to observe: frozen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fake_quant_enabled:
+            return x
+        return _apply_format(x, self.spec, self.scale, self.zero_point)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scale, self.zero_point
+
+
+class NonScaledFakeQuantize(FakeQuantizeBase):
+    """Casts and block formats: the format derives everything from the data; the observer records block maxima."""
+
+    def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__(spec, device)
+        self.observer = spec.observer_cls(spec, device)  # type: ignore[misc]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observer_enabled:
+            self.observer(x)
+        if not self.fake_quant_enabled:
+            return x
+        return _apply_format(x, self.spec, None, None)
+
+
+# ----------------------------------------------------------------------------------------------- TQT
+class _TQTFunction(torch.autograd.Function):
+    """TQT forward ``clamp(round(x / s), n, p) * s`` with ``s = 2^ceil(log2 t) / 2^(b-1)``; the paper's gradients:
+    x: 1 inside [n, p], else 0; log2 t: ``s ln2 (round(x/s) - x/s)`` inside, ``s ln2 n`` / ``s ln2 p`` when clipped."""
+
+    @staticmethod
+    def forward(ctx, x, log2_t, qmin, qmax, frac_bits):  # type: ignore[override]
+        s = torch.exp2(torch.ceil(log2_t) - frac_bits)
+        v = x / s
+        r = torch.round(v)
+        q = r.clamp(qmin, qmax)
+        ctx.save_for_backward(v, r, s)
+        ctx.qrange = (qmin, qmax)
+        return q * s
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        v, r, s = ctx.saved_tensors
+        qmin, qmax = ctx.qrange
+        inside = (r >= qmin) & (r <= qmax)
+        grad_x = grad * inside
+        local = torch.where(inside, r - v, torch.where(r < qmin, torch.full_like(v, qmin), torch.full_like(v, qmax)))
+        grad_t = (grad * local).sum().reshape(1) * s * math.log(2.0)
+        return grad_x, grad_t.reshape_as(s), None, None, None
+
+
+class TQTFakeQuantize(FakeQuantizeBase):
+    """Trained Quantization Thresholds: ``log2 t`` is an ``nn.Parameter``; power-of-two per-tensor scale.
+
+    The threshold is initialised from the first batch seen with the observer on, by the spec's
+    ``threshold_init_meth`` (``_3SD`` by default, or ``_LL_J``).
+    """
+
+    initialized: torch.Tensor
+
+    def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__(spec, device)
+        fmt = format_of(spec.dtype)
+        if not isinstance(fmt, IntFormat) or not fmt.signed:
+            raise ValueError(f"TQT needs a signed integer dtype, got {spec.dtype.name}")
+        self.bits = fmt.bits
+        self.qmin, self.qmax = fmt.qmin, fmt.qmax
+        self.init_method = spec.qat_spec.threshold_init_meth or TQTThresholdInitMeth._3SD  # type: ignore[union-attr]
+        self.log_threshold = nn.Parameter(torch.zeros(1, device=device))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
+
+    def init_threshold(self, x: torch.Tensor) -> None:
+        """Set ``log2 t`` from ``x`` by the configured method."""
+        if self.init_method == TQTThresholdInitMeth._3SD:
+            t = threshold_3sd(x)
+        else:
+            t = threshold_kl_j(x, self.bits)
+        with torch.no_grad():
+            self.log_threshold.fill_(math.log2(max(float(t), _EPS)))
+        self.initialized.fill_(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            if not self.observer_enabled:
+                raise RuntimeError("TQTFakeQuantize has no threshold yet: run a batch with the observer on first")
+            self.init_threshold(x)
+        if not self.fake_quant_enabled:
+            return x
+        out = _TQTFunction.apply(x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1))
+        return out.to(x.dtype)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return torch.exp2(torch.ceil(self.log_threshold.detach()) - (self.bits - 1)).reshape(())
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self.scale
+        return scale, torch.zeros_like(scale, dtype=torch.int32)
+
+    def to_frozen(self) -> nn.Module:
+        scale, zp = self.calculate_qparams()
+        return FrozenScaledFakeQuantize(self.spec, scale.clone(), zp)
+
+
+# ----------------------------------------------------------------------------------------------- LSQ
+class _LSQFunction(torch.autograd.Function):
+    """LSQ with the gradients of torch's ``_fake_quantize_learnable_per_{tensor,channel}_affine``."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, qmin, qmax, grad_factor, axis):  # type: ignore[override]
+        s = scale if axis is None else channel_view(scale, x.ndim, axis)
+        z = zero_point if axis is None else channel_view(zero_point, x.ndim, axis)
+        inv = torch.reciprocal(s)
+        xq = round_to_int(x * inv, RoundType.half_even) + z
+        xfq = (xq.clamp(qmin, qmax) - z) * s
+        ctx.save_for_backward(x, xq, xfq, inv, z)
+        ctx.meta = (qmin, qmax, grad_factor, axis)
+        return xfq
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, xq, xfq, inv, z = ctx.saved_tensors
+        qmin, qmax, grad_factor, axis = ctx.meta
+        below, above = xq < qmin, xq > qmax
+        grad_x = grad * ~(below | above)
+        local = torch.where(below, qmin - z, torch.where(above, qmax - z, (xfq - x) * inv))
+        g = grad * local * grad_factor
+        if axis is None:
+            grad_s = g.sum().reshape(1)
+        else:
+            dims = [d for d in range(x.ndim) if d != axis % x.ndim]
+            grad_s = g.sum(dim=dims)
+        return grad_x, grad_s, None, None, None, None, None
+
+
+class LSQFakeQuantize(FakeQuantizeBase):
+    """Learned Step Size Quantization: the scale is an ``nn.Parameter`` (per tensor or per channel), initialised to
+    ``2 * mean|x| / sqrt(qmax)`` on the first batch; gradients scaled by ``1 / sqrt(numel_per_scale * qmax)``."""
+
+    zero_point: torch.Tensor
+    initialized: torch.Tensor
+
+    def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__(spec, device)
+        fmt = format_of(spec.dtype)
+        if not isinstance(fmt, IntFormat):
+            raise ValueError(f"LSQ needs an integer dtype, got {spec.dtype.name}")
+        self.qmin, self.qmax = fmt.qmin, fmt.qmax
+        self.axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
+        self.scale = nn.Parameter(torch.ones(1, device=device))
+        self.register_buffer("zero_point", torch.zeros(1, dtype=torch.int32, device=device))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
+
+    def init_scale(self, x: torch.Tensor) -> None:
+        xd = x.detach().float().abs()
+        if self.axis is None:
+            mean = xd.mean().reshape(1)
+        else:
+            mean = xd.movedim(self.axis, 0).reshape(xd.shape[self.axis], -1).mean(dim=1)
+        with torch.no_grad():
+            self.scale.data = (2 * mean / math.sqrt(self.qmax)).clamp(min=_EPS).to(self.scale.device)
+            self.zero_point = torch.zeros(mean.numel(), dtype=torch.int32, device=self.zero_point.device)
+        self.initialized.fill_(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            if not self.observer_enabled:
+                raise RuntimeError("LSQFakeQuantize has no scale yet: run a batch with the observer on first")
+            self.init_scale(x)
+        if not self.fake_quant_enabled:
+            return x
+        grad_factor = 1.0 / math.sqrt(x.numel() / self.scale.numel() * self.qmax)
+        out = _LSQFunction.apply(x.float(), self.scale, self.zero_point, self.qmin, self.qmax, grad_factor, self.axis)
+        return out.to(x.dtype)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.axis is None:
+            return self.scale.detach().reshape(()), self.zero_point.reshape(())
+        return self.scale.detach(), self.zero_point
+
+    def to_frozen(self) -> nn.Module:
+        scale, zp = self.calculate_qparams()
+        return FrozenScaledFakeQuantize(self.spec, scale.clone(), zp.clone())
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        key = prefix + "scale"
+        if key in state_dict and state_dict[key].shape != self.scale.shape:
+            self.scale.data = torch.empty_like(state_dict[key], device=self.scale.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
