@@ -116,7 +116,7 @@ def fake_quantize_int(
         xb, layout = to_blocks(xf, axis, _require_group(group_size))  # [..., G, g]
         if fast:
             rows = xb.reshape(-1, layout.block)  # every group a row: per-group == per-channel on axis 0
-            outb = torch.fake_quantize_per_channel_affine(rows, scale.reshape(-1), zero_point.reshape(-1), 0, qmin, qmax)
+            outb = torch.fake_quantize_per_channel_affine(rows, scale.reshape(-1), zero_point.reshape(-1), 0, qmin, qmax).reshape(xb.shape)
         else:
             outb = _fake_quantize_elementwise(xb, scale.unsqueeze(-1), zero_point.unsqueeze(-1), qmin, qmax, round_method)
         out = from_blocks(outb, layout, xf.shape)

@@ -1,0 +1,143 @@
+"""Forward and forward+backward time of every format on one float32 matrix, as ratios to peers in the same run.
+
+Peers: torch's fused fake_quantize kernels (int8 per-tensor / per-channel), the float8 cast round trip
+(``x.to(float8).float()``) and a plain tensor copy (the memory-bound limit).
+
+    python bench/fake_quant.py               # 4096 x 4096, median of 7 runs
+    python bench/fake_quant.py --size 1024 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
+from quark.torch.quantization.formats import (
+    FLOAT_FORMATS,
+    fake_cast,
+    fake_quantize_bfp16,
+    fake_quantize_int,
+    fake_quantize_minifloat,
+    fake_quantize_mx,
+    fake_quantize_mx6,
+    fake_quantize_mx9,
+)
+from quark.torch.quantization.formats.table import TORCH_FLOAT8
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time in ms after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _cases(x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    rows = x.shape[0]
+    s_t = (x.detach().abs().max() / 127.5).reshape(())
+    z_t = torch.zeros((), dtype=torch.int32)
+    s_c = x.detach().abs().amax(dim=1) / 127.5
+    z_c = torch.zeros(rows, dtype=torch.int32)
+    s_g = x.detach().reshape(rows, -1, 32).abs().amax(dim=-1) / 7.5
+    z_g = torch.zeros_like(s_g, dtype=torch.int32)
+    s_f8 = (x.detach().abs().max() / 448).reshape(())
+
+    def minifloat(dtype: Dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        fmt = FLOAT_FORMATS[dtype]
+        s = (x.detach().abs().max() / fmt.max_normal).reshape(())
+        return lambda t: fake_quantize_minifloat(t, fmt, s, torch_dtype=TORCH_FLOAT8.get(dtype))
+
+    return {
+        "peer: copy": lambda t: t.clone(),
+        "peer: torch int8 per-tensor": lambda t: torch.fake_quantize_per_tensor_affine(t, s_t, z_t, -128, 127),
+        "peer: torch int8 per-channel": lambda t: torch.fake_quantize_per_channel_affine(t, s_c, z_c, 0, -128, 127),
+        "peer: fp8 e4m3 cast round trip": lambda t: t.to(torch.float8_e4m3fn).float(),
+        "int8 per-tensor": lambda t: fake_quantize_int(t, s_t, z_t, -128, 127),
+        "int8 per-channel": lambda t: fake_quantize_int(t, s_c, z_c, -128, 127, qscheme=QSchemeType.per_channel, axis=0),
+        "int8 per-tensor, round half away": lambda t: fake_quantize_int(t, s_t, z_t, -128, 127, round_method=RoundType.round),
+        "int4 per-group g32": lambda t: fake_quantize_int(t, s_g, z_g, -8, 7, qscheme=QSchemeType.per_group, axis=1, group_size=32),
+        "fp8_e4m3 per-tensor": lambda t: fake_quantize_minifloat(t, FLOAT_FORMATS[Dtype.fp8_e4m3], s_f8, torch_dtype=torch.float8_e4m3fn),
+        "fp8_e5m2 per-tensor": minifloat(Dtype.fp8_e5m2),
+        "fp6_e3m2 per-tensor": minifloat(Dtype.fp6_e3m2),
+        "fp6_e2m3 per-tensor": minifloat(Dtype.fp6_e2m3),
+        "fp4 per-tensor": minifloat(Dtype.fp4),
+        "mxfp8 (e4m3)": lambda t: fake_quantize_mx(t, Dtype.fp8_e4m3),
+        "mxfp6 (e3m2)": lambda t: fake_quantize_mx(t, Dtype.fp6_e3m2),
+        "mxfp4": lambda t: fake_quantize_mx(t, Dtype.fp4),
+        "mxint8": lambda t: fake_quantize_mx(t, Dtype.int8),
+        "mx6": fake_quantize_mx6,
+        "mx9": fake_quantize_mx9,
+        "bfp16": fake_quantize_bfp16,
+        "bfloat16 cast": lambda t: fake_cast(t, torch.bfloat16),
+    }
+
+
+def run(size: int = 4096, repeats: int = 7, seed: int = 0) -> dict[str, tuple[float, float]]:
+    """Time every case; return {name: (forward ms, forward+backward ms)}."""
+    torch.manual_seed(seed)
+    x = torch.randn(size, size)
+    grad = torch.randn(size, size)
+    results: dict[str, tuple[float, float]] = {}
+    for name, fn in _cases(x).items():
+        with torch.no_grad():
+            fwd = _time(lambda fn=fn: fn(x), repeats)
+        xg = x.clone().requires_grad_(True)
+
+        def step(fn=fn, xg=xg) -> None:
+            fn(xg).backward(grad)
+            xg.grad = None
+
+        both = _time(step, repeats) if not name.startswith("peer: copy") else float("nan")
+        results[name] = (fwd, both)
+    return results
+
+
+def _report(results: dict[str, tuple[float, float]], size: int) -> None:
+    ref = {
+        "int8 per-tensor": "peer: torch int8 per-tensor",
+        "int8 per-channel": "peer: torch int8 per-channel",
+        "fp8_e4m3 per-tensor": "peer: fp8 e4m3 cast round trip",
+        "fp8_e5m2 per-tensor": "peer: fp8 e4m3 cast round trip",
+    }
+    goals = {"int8 per-tensor": 1.1, "int8 per-channel": 1.1, "fp8_e4m3 per-tensor": 1.2, "fp8_e5m2 per-tensor": 1.2}
+    ours_int8 = results["int8 per-channel"][0]
+    copy = results["peer: copy"][0]
+    print(f"# fake quantization of a {size}x{size} float32 tensor, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"| {'format':34s} | fwd ms | fwd+bwd ms | fwd / peer | peer | fwd / copy | goal |")
+    print("|" + "---|" * 7)
+    for name, (fwd, both) in results.items():
+        if name.startswith("peer"):
+            peer_name, ratio, goal = "", "", ""
+        elif name in ref:
+            peer_name = ref[name].removeprefix("peer: ")
+            ratio = fwd / results[ref[name]][0]
+            goal = f"<= {goals[name]}x: {'met' if ratio <= goals[name] else 'MISSED'}"
+            ratio = f"{ratio:.2f}"
+        else:
+            peer_name = "our int8 per-channel"
+            r = fwd / ours_int8
+            ratio = f"{r:.2f}"
+            goal = f"<= 3x: {'met' if r <= 3 else 'MISSED'}" if name.startswith(("fp6", "fp4", "mx")) else ""
+        print(f"| {name:34s} | {fwd:6.1f} | {both:10.1f} | {ratio:>10s} | {peer_name} | {fwd / copy:10.2f} | {goal} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    _report(run(args.size, args.repeats), args.size)
+
+
+if __name__ == "__main__":
+    main()
