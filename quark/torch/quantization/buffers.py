@@ -1,4 +1,4 @@
-"""Buffers whose shape is set by the data (per-channel and per-group statistics and qparams)."""
+"""Buffers whose shape (or integer/float kind) is set by the data: per-channel and per-group statistics and qparams."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ class ResizableBuffersMixin(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         for name, buf in self._buffers.items():
             key = prefix + name
-            if buf is not None and key in state_dict and state_dict[key].shape != buf.shape:
-                self._buffers[name] = torch.empty_like(state_dict[key], device=buf.device)
+            if buf is None or key not in state_dict:
+                continue
+            saved = state_dict[key]
+            # shape set by the data, or an int zero point saved as float32 (ZeroPointType.float32): a plain copy_
+            # would truncate 63.75 to 63, so take the saved buffer's shape and kind
+            if saved.shape != buf.shape or saved.is_floating_point() != buf.is_floating_point():
+                self._buffers[name] = torch.empty_like(saved, device=buf.device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

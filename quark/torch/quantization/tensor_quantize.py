@@ -79,6 +79,11 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
     def is_dynamic(self) -> bool:
         return bool(self.spec.is_dynamic)
 
+    @property
+    def _round_method(self) -> RoundType:
+        """The spec's rounding of ``x / scale`` (half_even when unset), shared with the frozen form."""
+        return self.spec.round_method or RoundType.half_even
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (scale, zero_point) in use."""
         raise NotImplementedError(f"{type(self).__name__} has no scale and zero point")
@@ -192,10 +197,10 @@ class _TQTFunction(torch.autograd.Function):
     x: 1 inside [n, p], else 0; log2 t: ``s ln2 (round(x/s) - x/s)`` inside, ``s ln2 n`` / ``s ln2 p`` when clipped."""
 
     @staticmethod
-    def forward(ctx, x, log2_t, qmin, qmax, frac_bits):  # type: ignore[override]
+    def forward(ctx, x, log2_t, qmin, qmax, frac_bits, round_method=RoundType.half_even):  # type: ignore[override]
         s = torch.exp2(torch.ceil(log2_t) - frac_bits)
         v = x / s
-        r = torch.round(v)
+        r = round_to_int(v, round_method)
         q = r.clamp(qmin, qmax)
         ctx.save_for_backward(v, r, s)
         ctx.qrange = (qmin, qmax)
@@ -209,7 +214,7 @@ class _TQTFunction(torch.autograd.Function):
         grad_x = grad * inside
         local = torch.where(inside, r - v, torch.where(r < qmin, torch.full_like(v, qmin), torch.full_like(v, qmax)))
         grad_t = (grad * local).sum().reshape(1) * s * math.log(2.0)
-        return grad_x, grad_t.reshape_as(s), None, None, None
+        return grad_x, grad_t.reshape_as(s), None, None, None, None
 
 
 class TQTFakeQuantize(FakeQuantizeBase):
@@ -249,7 +254,9 @@ class TQTFakeQuantize(FakeQuantizeBase):
             self.init_threshold(x)
         if not self.fake_quant_enabled:
             return x
-        out = _TQTFunction.apply(x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1))
+        out = _TQTFunction.apply(
+            x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1), self._round_method
+        )
         return out.to(x.dtype)
 
     @property
@@ -270,11 +277,11 @@ class _LSQFunction(torch.autograd.Function):
     """LSQ with the gradients of torch's ``_fake_quantize_learnable_per_{tensor,channel}_affine``."""
 
     @staticmethod
-    def forward(ctx, x, scale, zero_point, qmin, qmax, grad_factor, axis):  # type: ignore[override]
+    def forward(ctx, x, scale, zero_point, qmin, qmax, grad_factor, axis, round_method=RoundType.half_even):  # type: ignore[override]
         s = scale if axis is None else channel_view(scale, x.ndim, axis)
         z = zero_point if axis is None else channel_view(zero_point, x.ndim, axis)
         inv = torch.reciprocal(s)
-        xq = round_to_int(x * inv, RoundType.half_even) + z
+        xq = round_to_int(x * inv, round_method) + z
         xfq = (xq.clamp(qmin, qmax) - z) * s
         ctx.save_for_backward(x, xq, xfq, inv, z)
         ctx.meta = (qmin, qmax, grad_factor, axis)
@@ -293,7 +300,7 @@ class _LSQFunction(torch.autograd.Function):
         else:
             dims = [d for d in range(x.ndim) if d != axis % x.ndim]
             grad_s = g.sum(dim=dims)
-        return grad_x, grad_s, None, None, None, None, None
+        return grad_x, grad_s, None, None, None, None, None, None
 
 
 class LSQFakeQuantize(FakeQuantizeBase):
@@ -333,7 +340,9 @@ class LSQFakeQuantize(FakeQuantizeBase):
         if not self.fake_quant_enabled:
             return x
         grad_factor = 1.0 / math.sqrt(x.numel() / self.scale.numel() * self.qmax)
-        out = _LSQFunction.apply(x.float(), self.scale, self.zero_point, self.qmin, self.qmax, grad_factor, self.axis)
+        out = _LSQFunction.apply(
+            x.float(), self.scale, self.zero_point, self.qmin, self.qmax, grad_factor, self.axis, self._round_method
+        )
         return out.to(x.dtype)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -366,6 +366,24 @@ def test_from_dict_unknown_key_names_it_and_lists_allowed() -> None:
         assert key in message
 
 
+def test_from_dict_missing_required_field_is_value_error() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        QuantizationSpec.from_dict({"qscheme": "per_tensor"})
+    with pytest.raises(ValueError, match="global_quant_config"):
+        Config.from_dict({"exclude": []})
+    with pytest.raises(ValueError, match="weight.*dtype"):
+        QuantizationConfig.from_dict({"weight": {"qscheme": "per_tensor"}})
+    with pytest.raises(ValueError):
+        QuantizationSpec.from_dict("int8")
+
+
+def test_qat_specs_round_trip_on_their_own() -> None:
+    for qat in (TQTSpec(), TQTSpec(threshold_init_meth="_3SD"), TQTSpec(threshold_init_meth="_LL_J"), LSQSpec()):
+        assert json_round_trip(qat) == qat
+    with pytest.raises(ValueError, match="method"):
+        TQTSpec.from_dict({"method": "lsq"})
+
+
 def test_from_dict_unknown_key_in_nested_config() -> None:
     with pytest.raises(ValueError, match="weight.*bogus"):
         QuantizationConfig.from_dict({"weight": {"dtype": "bfloat16", "bogus": 1}})

@@ -8,7 +8,7 @@ Validation runs in ``__post_init__`` and raises ValueError naming the field, the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -121,6 +121,10 @@ class ConfigBase:
         unknown = [k for k in data if k not in allowed]
         if unknown:
             raise ValueError(f"{cls.__name__} has no field(s) {unknown}; allowed: {allowed}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]  # type: ignore[arg-type]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ValueError(f"{cls.__name__} needs field(s) {missing}; allowed: {allowed}")
         return cls(**data)
 
 
@@ -133,6 +137,16 @@ class QATSpec(ConfigBase):
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, **super().to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        """As ``ConfigBase.from_dict``, also taking the ``method`` key that ``to_dict`` writes."""
+        if isinstance(data, dict) and "method" in data:
+            data = dict(data)
+            method = str(data.pop("method")).lower()
+            if method != cls.method:
+                raise ValueError(f"{cls.__name__}.method={method!r} does not match; expected {cls.method!r}")
+        return super().from_dict(data)
 
     @staticmethod
     def coerce(owner: str, value: Any) -> QATSpec | None:

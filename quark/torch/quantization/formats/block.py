@@ -76,9 +76,9 @@ def microexponent_codes(xb: torch.Tensor, mantissa_bits: int, sub_block: int = 2
     """
     a = xb.abs()
     amax = a.amax(dim=-1, keepdim=True)
-    # The step exponent must stay >= -127 so that 2^-step is finite in float32; this floors E at -127 + mantissa_bits
-    # (blocks whose max is below ~2^-120 lose resolution, where an 8-bit shared exponent ends anyway).
-    block_exp = _floor_log2(amax).clamp_(min=mantissa_bits - E8M0_BIAS)
+    # E is an 8-bit shared exponent, [-127, 127]: exact for every block whose max is a normal float32 (only blocks
+    # of float32 subnormals clamp). The step reaches 2^-134; torch.ldexp scales by 2^134 without overflow.
+    block_exp = _floor_log2(amax).clamp_(-E8M0_BIAS, E8M0_BIAS)
     below = a < torch.exp2(block_exp.float())  # [..., n_blocks, block]
     pairs = below.reshape(*below.shape[:-1], -1, sub_block).all(dim=-1, keepdim=True)  # [..., n_blocks, block/2, 1]
     shift = pairs.expand(*pairs.shape[:-1], sub_block).reshape(below.shape).to(torch.int32)
@@ -102,7 +102,8 @@ def bfp_codes(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Step ``2^(floor(log2 max|x|) - 6)``, raised by one where a code would overflow int8 after rounding.
     """
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    step_exp = (_floor_log2(amax) - 6).clamp_(-E8M0_BIAS, E8M0_BIAS)  # all-zero blocks: any step, codes are 0
+    # 8-bit shared exponent E = floor(log2 max) in [-127, 127] (all-zero blocks: any E, codes are 0); step 2^(E - 6)
+    step_exp = _floor_log2(amax).clamp_(-E8M0_BIAS, E8M0_BIAS) - 6
     codes = torch.round(torch.ldexp(xb, -step_exp))
     overflow = ((codes > 127) | (codes < -128)).any(dim=-1, keepdim=True)
     step_exp = step_exp + overflow.to(torch.int32)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
-from quark.torch.quantization.formats.grouping import channel_view, from_blocks, round_to_int, to_blocks
+from quark.torch.quantization.formats.grouping import channel_view, from_blocks, normalize_axis, round_to_int, to_blocks
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -106,8 +106,10 @@ def fake_quantize_int(
             out = _fake_quantize_elementwise(xf, s, z, qmin, qmax, round_method)
     elif qscheme == QSchemeType.per_channel:
         axis = _require_axis(axis, qscheme)
-        if fast:
-            out = torch.fake_quantize_per_channel_affine(xf, scale.reshape(-1), zero_point.reshape(-1), axis, qmin, qmax)
+        if fast:  # torch's kernel rejects a negative axis
+            out = torch.fake_quantize_per_channel_affine(
+                xf, scale.reshape(-1), zero_point.reshape(-1), normalize_axis(axis, xf.ndim), qmin, qmax
+            )
         else:
             s, z = channel_view(scale, xf.ndim, axis), channel_view(zero_point, xf.ndim, axis)
             out = _fake_quantize_elementwise(xf, s, z, qmin, qmax, round_method)

@@ -23,6 +23,7 @@ from quark.torch.quantization.formats import (
     FloatFormat,
     IntFormat,
     apply_scale_type,
+    bfp_codes,
     fake_quantize_int,
     fake_quantize_minifloat,
     format_of,
@@ -301,15 +302,31 @@ class PerBlockMXObserver(ObserverBase):
 
 
 class PerBlockBFPObserver(PerBlockMXObserver):
-    """Block maxima of BFP16; qparams are the blocks' steps ``2^(floor(log2 amax) - 6)``."""
+    """Block steps of BFP16: ``2^(floor(log2 amax) - 6)``, doubled where a code would overflow int8, exactly as
+    the format computes them (static: the largest step seen per block)."""
+
+    step_exp: torch.Tensor
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, eps: float = _EPS) -> None:
+        super().__init__(qspec, device, eps)
+        self.register_buffer("step_exp", torch.full((), -127, dtype=torch.int32, device=device))
 
     @classmethod
     def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
         return dtype == Dtype.bfp16 and qscheme in (None, QSchemeType.per_group)
 
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        super().forward(x_orig)
+        if x_orig.numel():
+            xb, _ = to_blocks(x_orig.detach().float(), self.axis, self.block_size)
+            step_exp = bfp_codes(xb)[1].squeeze(-1)
+            if not self.is_dynamic and self.step_exp.shape == step_exp.shape:
+                step_exp = torch.maximum(self.step_exp, step_exp)
+            self.step_exp = step_exp
+        return x_orig
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        exp = (torch.frexp(self.amax)[1] - 7).clamp(-127, 127)
-        scale = torch.exp2(exp.float())
+        scale = torch.exp2(self.step_exp.float())
         return scale, torch.zeros_like(scale, dtype=torch.int32)
 
 
@@ -555,8 +572,10 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         if x_orig.numel():
             mn, mx = torch.aminmax(x_orig.detach())
             self._update(mn, mx, x_orig)
-            if self.is_dynamic:
-                self.histogram.reset_min_max_vals()
+            if self.is_dynamic:  # torch's HistogramObserver has no reset_min_max_vals (it raises NotImplementedError)
+                self.histogram.histogram.zero_()
+                self.histogram.min_val.fill_(float("inf"))
+                self.histogram.max_val.fill_(float("-inf"))
             self.histogram(x_orig.detach().float())
         return x_orig
 

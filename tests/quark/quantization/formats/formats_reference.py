@@ -107,7 +107,12 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Same dtype, shape and bits (so -0.0 != 0.0 and NaN == NaN); reports the first mismatches."""
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    width = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    width = {
+        torch.float32: torch.int32,
+        torch.float64: torch.int64,
+        torch.float16: torch.int16,
+        torch.bfloat16: torch.int16,
+    }
     if actual.dtype in width:
         a_bits, e_bits = actual.contiguous().view(width[actual.dtype]), expected.contiguous().view(width[actual.dtype])
     else:
