@@ -5,6 +5,7 @@ Peers: torch's fused fake_quantize kernels (int8 per-tensor / per-channel), the 
 
     python bench/fake_quant.py               # 4096 x 4096, median of 7 runs
     python bench/fake_quant.py --size 1024 --repeats 5
+    python bench/fake_quant.py --compile     # the format kernels through torch.compile (first calls compile)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from quark.torch.quantization.formats import (
     fake_quantize_mx,
     fake_quantize_mx6,
     fake_quantize_mx9,
+    set_compile,
 )
 from quark.torch.quantization.formats.table import TORCH_FLOAT8
 
@@ -135,7 +137,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--compile", action="store_true", help="run the format kernels through torch.compile")
     args = parser.parse_args()
+    set_compile(args.compile)
+    print(f"# backend: {'torch.compile' if args.compile else 'eager'}")
     _report(run(args.size, args.repeats), args.size)
 
 

@@ -19,7 +19,14 @@ from quark.torch.quantization.formats.block import (
     mx_shared_exponent,
     quantize_mx,
 )
-from quark.torch.quantization.formats.grouping import BlockLayout, from_blocks, round_to_int, to_blocks
+from quark.torch.quantization.formats.grouping import (
+    Backend,
+    BlockLayout,
+    from_blocks,
+    round_to_int,
+    set_compile,
+    to_blocks,
+)
 from quark.torch.quantization.formats.integer import apply_scale_type, dequantize_int, fake_quantize_int, quantize_int
 from quark.torch.quantization.formats.minifloat import decode, encode, fake_quantize_minifloat, round_to_grid
 from quark.torch.quantization.formats.table import (
@@ -38,8 +45,10 @@ from quark.torch.quantization.formats.table import (
 )
 
 __all__ = [
-    # dispatch
+    # dispatch and backend
     "fake_quantize",
+    "Backend",
+    "set_compile",
     "fake_cast",
     "is_scaled",
     # tables

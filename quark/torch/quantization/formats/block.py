@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from quark.torch.quantization.config.type import Dtype
-from quark.torch.quantization.formats.grouping import from_blocks, to_blocks
+from quark.torch.quantization.formats.grouping import compilable, from_blocks, to_blocks
 from quark.torch.quantization.formats.minifloat import round_to_grid
 from quark.torch.quantization.formats.table import (
     FLOAT_FORMATS,
@@ -61,6 +61,7 @@ def quantize_mx(
     return elements, (exp.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
 
 
+@compilable
 def _fake_mx(x: torch.Tensor, element: Dtype, block_size: int, axis: int) -> torch.Tensor:
     xb, layout = to_blocks(x.float(), axis, block_size)
     exp = mx_shared_exponent(xb, element)
@@ -88,9 +89,8 @@ def microexponent_codes(xb: torch.Tensor, mantissa_bits: int, sub_block: int = 2
     return codes, step_exp
 
 
+@compilable
 def _fake_microexponent(x: torch.Tensor, mantissa_bits: int, block_size: int, axis: int) -> torch.Tensor:
-    if block_size % 2:
-        raise ValueError(f"mx6/mx9 need an even group_size (pairs share a micro-exponent), got {block_size}")
     xb, layout = to_blocks(x.float(), axis, block_size)
     codes, step_exp = microexponent_codes(xb, mantissa_bits)
     return from_blocks(torch.ldexp(codes, step_exp), layout, x.shape)
@@ -111,10 +111,16 @@ def bfp_codes(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, step_exp
 
 
+@compilable
 def _fake_bfp(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
     xb, layout = to_blocks(x.float(), axis, block_size)
     codes, step_exp = bfp_codes(xb)
     return from_blocks(torch.ldexp(codes, step_exp), layout, x.shape)
+
+
+def _check_even(block_size: int) -> None:
+    if block_size % 2:
+        raise ValueError(f"mx6/mx9 need an even group_size (pairs share a micro-exponent), got {block_size}")
 
 
 class _BlockSTE(torch.autograd.Function):
@@ -134,11 +140,13 @@ def fake_quantize_mx(x: torch.Tensor, element: Dtype | str, block_size: int = 32
 
 def fake_quantize_mx6(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:
     """MX6: 8-bit shared exponent per 16, 1-bit micro-exponent per pair, sign + 4-bit mantissas."""
+    _check_even(block_size)
     return _BlockSTE.apply(x, _fake_microexponent, (4, block_size, axis))
 
 
 def fake_quantize_mx9(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:
     """MX9: as MX6 with sign + 7-bit mantissas."""
+    _check_even(block_size)
     return _BlockSTE.apply(x, _fake_microexponent, (7, block_size, axis))
 
 

@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from quark.torch.quantization.config.type import RoundType
+
+F_ = TypeVar("F_", bound=Callable[..., Any])
+
+
+class Backend:
+    """How the elementwise format kernels run, process-wide (like ``torch.backends`` flags).
+
+    ``compile``: eager PyTorch (default) or ``torch.compile``d, which fuses each kernel's chain of elementwise passes
+    into one (bit-identical results; the first call per kernel compiles for ~20 s and needs a C++ compiler).
+    Set with ``set_compile(True)`` or the environment variable ``QUARK_COMPILE=1``.
+    """
+
+    compile: bool = os.environ.get("QUARK_COMPILE", "0") not in ("", "0")
+
+
+def set_compile(enabled: bool) -> None:
+    """Run the format kernels through ``torch.compile`` (True) or eagerly (False)."""
+    Backend.compile = bool(enabled)
+
+
+def compilable(fn: F_) -> F_:
+    """Run ``fn`` eagerly, or its ``torch.compile(dynamic=True)`` version while ``Backend.compile`` is on."""
+    compiled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not Backend.compile:
+            return fn(*args, **kwargs)
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=True))
+        return compiled[0](*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 
 from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
-from quark.torch.quantization.formats.grouping import channel_view, from_blocks, normalize_axis, round_to_int, to_blocks
+from quark.torch.quantization.formats.grouping import (
+    channel_view,
+    compilable,
+    from_blocks,
+    normalize_axis,
+    round_to_int,
+    to_blocks,
+)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -41,19 +48,29 @@ def apply_scale_type(scale: torch.Tensor, scale_type: ScaleType | None, model_dt
     return held.float()
 
 
+@compilable
+def _int_core(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, method: RoundType, need_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fake-quantized x, straight-through mask or None) with qparams broadcastable to x."""
+    v = x * torch.reciprocal(scale)
+    if zero_point.is_floating_point():
+        q = round_to_int(v + zero_point, method)
+    else:
+        q = round_to_int(v, method) + zero_point
+    mask = ((q >= qmin) & (q <= qmax)) if need_mask else None
+    return (q.clamp(qmin, qmax) - zero_point) * scale, mask
+
+
 class _IntFakeQuant(torch.autograd.Function):
     """y = (clamp(round(x / s) + zp) - zp) * s with torch's straight-through mask as gradient."""
 
     @staticmethod
     def forward(ctx, x, scale, zero_point, qmin, qmax, round_method):  # type: ignore[override]
-        v = x * torch.reciprocal(scale)
-        if zero_point.is_floating_point():
-            q = round_to_int(v + zero_point, round_method)
-        else:
-            q = round_to_int(v, round_method) + zero_point
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward((q >= qmin) & (q <= qmax))
-        return (q.clamp(qmin, qmax) - zero_point) * scale
+        out, mask = _int_core(x, scale, zero_point, qmin, qmax, round_method, ctx.needs_input_grad[0])
+        if mask is not None:
+            ctx.save_for_backward(mask)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from quark.torch.quantization.config.type import QSchemeType
-from quark.torch.quantization.formats.grouping import channel_view, from_blocks, to_blocks
+from quark.torch.quantization.formats.grouping import channel_view, compilable, from_blocks, to_blocks
 from quark.torch.quantization.formats.table import FloatFormat
 
 
@@ -24,15 +24,31 @@ def round_to_grid(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return q.copysign_(x)
 
 
+@compilable
+def _grid_core(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, need_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    v = x / scale
+    mask = (v.abs() <= fmt.max_normal) if need_mask else None
+    return round_to_grid(v, fmt) * scale, mask
+
+
+@compilable
+def _cast_core(
+    x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_dtype: torch.dtype, need_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    v = x / scale
+    mask = (v.abs() <= max_normal) if need_mask else None
+    return v.clamp(-max_normal, max_normal).to(torch_dtype).to(torch.float32) * scale, mask
+
+
 class _GridSTE(torch.autograd.Function):
     """Straight-through rounding to a grid: gradient 1 inside [-limit, limit] (after scaling), 0 where saturated."""
 
     @staticmethod
     def forward(ctx, x, scale, fmt):  # type: ignore[override]
-        v = x / scale
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(v.abs() <= fmt.max_normal)
-        return round_to_grid(v, fmt).mul_(scale)
+        out, mask = _grid_core(x, scale, fmt, ctx.needs_input_grad[0])
+        if mask is not None:
+            ctx.save_for_backward(mask)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -80,11 +96,10 @@ class _CastSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale, fmt, torch_dtype):  # type: ignore[override]
-        v = x / scale
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(v.abs() <= fmt.max_normal)
-        v.clamp_(-fmt.max_normal, fmt.max_normal)
-        return v.to(torch_dtype).to(torch.float32).mul_(scale)
+        out, mask = _cast_core(x, scale, fmt.max_normal, torch_dtype, ctx.needs_input_grad[0])
+        if mask is not None:
+            ctx.save_for_backward(mask)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
