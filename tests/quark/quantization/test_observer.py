@@ -720,3 +720,17 @@ def test_documented_constructor_signatures(cls: type, extra: dict[str, Any]) -> 
     assert params["device"].default is None
     for name, default in extra.items():
         assert params[name].default == default, name
+
+
+def test_bfp_observer_reports_the_step_the_format_uses_when_a_code_overflows() -> None:
+    """127.6 / 2^0 rounds to 128, which int8 cannot hold: BFP16 doubles that block's step, and so must the observer."""
+    from quark.torch.quantization.formats import fake_quantize_bfp16
+
+    x = torch.tensor([[127.6, 1.0, 0, 0, 0, 0, 0, 0, 3.0, 2.0, 1.0, 0, 0, 0, 0, 0]])
+    obs = PerBlockBFPObserver(QuantizationSpec(dtype="bfp16"))
+    obs(x)
+    scale, _ = obs.calculate_qparams()
+    assert scale.tolist() == [[2.0, 2.0**-5]]
+    # the format's output sits on exactly that grid: 127.6 -> 128 (step 2), 3 -> 3 (step 1/32)
+    out = fake_quantize_bfp16(x)
+    assert out[0, 0].item() == 128.0 and out[0, 8].item() == 3.0

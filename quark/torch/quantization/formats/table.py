@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ class FloatFormat:
     @property
     def emax(self) -> int:
         """Exponent of the largest normal number (OCP MX's emax_elem)."""
-        return int(torch.tensor(self.max_normal).log2().floor().item())
+        return math.floor(math.log2(self.max_normal))
 
     @property
     def bits(self) -> int:
