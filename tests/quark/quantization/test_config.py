@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from specs import int_spec
 from torch import nn
 
 from quark.torch.quantization.config.config import (
@@ -40,21 +41,6 @@ from quark.torch.quantization.observer.observer import (
     PerTensorPercentileObserver,
     PlaceholderObserver,
 )
-
-
-def int_spec(**overrides: Any) -> QuantizationSpec:
-    """An int8 symmetric per-tensor spec with every required field, overridden by ``overrides``."""
-    kwargs: dict[str, Any] = dict(
-        dtype=Dtype.int8,
-        qscheme=QSchemeType.per_tensor,
-        observer_cls=PerTensorMinMaxObserver,
-        symmetric=True,
-        scale_type=ScaleType.float,
-        round_method=RoundType.half_even,
-        is_dynamic=False,
-    )
-    kwargs.update(overrides)
-    return QuantizationSpec(**kwargs)
 
 
 def json_round_trip(obj: Any) -> Any:

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from specs import int_spec
 
 from quark.torch.quantization.config.config import QuantizationSpec
-from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
+from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType, ZeroPointType
 from quark.torch.quantization.observer.observer import (
     OBSERVER_MAP,
     PerBlockBFPObserver,
@@ -29,20 +30,6 @@ from quark.torch.quantization.observer.observer import (
     threshold_3sd,
     threshold_kl_j,
 )
-
-
-def int_spec(**overrides: Any) -> QuantizationSpec:
-    kwargs: dict[str, Any] = dict(
-        dtype=Dtype.int8,
-        qscheme=QSchemeType.per_tensor,
-        observer_cls=PerTensorMinMaxObserver,
-        symmetric=True,
-        scale_type=ScaleType.float,
-        round_method=RoundType.half_even,
-        is_dynamic=False,
-    )
-    kwargs.update(overrides)
-    return QuantizationSpec(**kwargs)
 
 
 def observer(**overrides: Any) -> Any:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from specs import int_spec
 
 from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType, TQTThresholdInitMeth
@@ -28,20 +29,6 @@ from quark.torch.quantization.tensor_quantize import (
     ScaledFakeQuantize,
     TQTFakeQuantize,
 )
-
-
-def int_spec(**overrides: Any) -> QuantizationSpec:
-    kwargs: dict[str, Any] = dict(
-        dtype=Dtype.int8,
-        qscheme=QSchemeType.per_tensor,
-        observer_cls=PerTensorMinMaxObserver,
-        symmetric=True,
-        scale_type=ScaleType.float,
-        round_method=RoundType.half_even,
-        is_dynamic=False,
-    )
-    kwargs.update(overrides)
-    return QuantizationSpec(**kwargs)
 
 
 def per_channel_spec(ch_axis: int = 0, **overrides: Any) -> QuantizationSpec:
