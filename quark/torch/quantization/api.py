@@ -1,0 +1,404 @@
+"""ModelQuantizer: resolve the Config per layer and role, swap layers for their quantized twins, calibrate, freeze.
+
+Resolution, per layer and per tensor role, field by field: ``layer_quant_config`` (exact name, then fnmatch patterns
+in the order given) over ``layer_type_quant_config`` (the class name, or a base class's) over
+``global_quant_config``; a role None at one level falls back to the next; ``exclude`` (fnmatch) leaves a layer float.
+Everything that can be checked is checked before the model is touched, and a failure midway restores it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
+from quark.torch.quantization.config.type import QSchemeType, QuantizationMode
+from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
+from quark.torch.quantization.nn.modules.quant_modules import (
+    EXPLICIT_ONLY,
+    QUANT_MODULE_MAP,
+    QUANTIZER_ROLES,
+    QuantMixin,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelQuantizer", "LayerPlan"]
+
+ROLES = ("input_tensors", "output_tensors", "weight", "bias")
+SUPPORTED_TYPE_NAMES = sorted(c.__name__ for c in QUANT_MODULE_MAP)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What resolution decided for one layer."""
+
+    name: str
+    layer_type: str
+    qconfig: QuantizationConfig
+    source: dict[str, str]  # role -> "layer 'pattern'" | "type 'Linear'" | "global"
+
+
+# ----------------------------------------------------------------------------------------------- resolution
+def _type_names(module: nn.Module) -> list[str]:
+    return [c.__name__ for c in type(module).__mro__ if issubclass(c, nn.Module) and c is not nn.Module]
+
+
+def _float_type(module: nn.Module) -> type[nn.Module] | None:
+    for cls in type(module).__mro__:
+        if cls in QUANT_MODULE_MAP:
+            return cls
+    return None
+
+
+def _layer_matches(config: Config, name: str) -> list[str]:
+    """Keys of layer_quant_config that match ``name``: the exact name first, then patterns in the order given."""
+    exact = [k for k in config.layer_quant_config if k == name]
+    patterns = [k for k in config.layer_quant_config if k != name and fnmatch.fnmatchcase(name, k)]
+    return exact + patterns
+
+
+def _resolve(config: Config, name: str, module: nn.Module) -> LayerPlan | None:
+    """The merged QuantizationConfig of one layer, or None when it stays float."""
+    float_type = _float_type(module)
+    if float_type is None or isinstance(module, QuantMixin):
+        return None
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.exclude):
+        return None
+    levels: list[tuple[str, QuantizationConfig]] = [(f"layer '{k}'", config.layer_quant_config[k]) for k in _layer_matches(config, name)]
+    type_keys = [n for n in _type_names(module) if n in config.layer_type_quant_config]
+    levels += [(f"type '{type_keys[0]}'", config.layer_type_quant_config[type_keys[0]])] if type_keys else []
+    explicit = bool(levels)
+    if float_type in EXPLICIT_ONLY and not explicit:
+        return None  # embeddings only when named by type or layer
+    levels.append(("global", config.global_quant_config))
+    roles = QUANT_MODULE_MAP[float_type].roles
+    chosen: dict[str, QuantizationSpec | None] = {}
+    source: dict[str, str] = {}
+    for role in ROLES:
+        chosen[role] = None
+        if role not in roles or (role == "bias" and getattr(module, "bias", None) is None):
+            continue
+        for where, qc in levels:
+            spec = getattr(qc, role)
+            if spec is not None:
+                chosen[role], source[role] = spec, where
+                break
+    if not any(chosen.values()):
+        return None
+    target = next((qc.target_device for _, qc in levels if qc.target_device is not None), None)
+    return LayerPlan(name, float_type.__name__, QuantizationConfig(**chosen, target_device=target), source)
+
+
+def _check_layer(plan: LayerPlan, module: nn.Module) -> None:
+    """Shape checks of the weight/bias specs against the layer's tensors (activations are checked when seen)."""
+    for role in ("weight", "bias"):
+        spec: QuantizationSpec | None = getattr(plan.qconfig, role)
+        tensor = getattr(module, role, None)
+        if spec is None or not isinstance(tensor, torch.Tensor):
+            continue
+        where = f"layer '{plan.name}' ({plan.layer_type}, {role} of shape {tuple(tensor.shape)})"
+        if spec.ch_axis is not None and spec.qscheme in (QSchemeType.per_channel, QSchemeType.per_group):
+            if not -tensor.ndim <= spec.ch_axis < tensor.ndim:
+                raise ValueError(f"{where}: ch_axis={spec.ch_axis} is out of range for {tensor.ndim} dimensions")
+            size = tensor.shape[spec.ch_axis]
+            blocky = spec.dtype in BLOCK_FORMATS
+            if spec.qscheme == QSchemeType.per_group and not blocky and size % spec.group_size:  # type: ignore[operator]
+                raise ValueError(
+                    f"{where}: group_size={spec.group_size} does not divide dimension {spec.ch_axis} of size {size}; "
+                    f"use a divisor of {size}, exclude the layer, or override it in layer_quant_config"
+                )
+
+
+# ----------------------------------------------------------------------------------------------- batches
+def _to_device(obj: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def run_batch(model: nn.Module, batch: Any, device: torch.device | None = None) -> Any:
+    """Call ``model`` on one batch: tensor -> model(x); dict -> model(**batch); (input, target...) -> the input."""
+    if isinstance(batch, list | tuple):
+        if not batch:
+            raise ValueError("a calibration batch is an empty tuple/list")
+        batch = batch[0]
+    batch = _to_device(batch, device)
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(batch)
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    for p in model.parameters():
+        return p.device
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- ModelQuantizer
+class ModelQuantizer:
+    """Quantize a float model with a Quark ``Config``.
+
+    Example::
+
+        quantizer = ModelQuantizer(config)
+        model = quantizer.quantize_model(model, calib_dataloader)   # prepare + calibrate, in place
+        model = ModelQuantizer.freeze(model)                         # fixed qparams, no observers
+
+    Training-time callers use the halves: ``prepare(model)`` then ``calibrate(model, data)`` (or QAT).
+    """
+
+    def __init__(self, config: Config | dict[str, Any]) -> None:
+        if isinstance(config, dict):
+            config = Config.from_dict(config)
+        if not isinstance(config, Config):
+            raise ValueError(f"ModelQuantizer needs a Config (or its dict), got {type(config).__name__}")
+        if config.quant_mode != QuantizationMode.eager_mode:
+            raise ValueError(f"Config.quant_mode={config.quant_mode.name} is not supported; allowed: ['eager_mode']")
+        unknown = [k for k in config.layer_type_quant_config if k not in SUPPORTED_TYPE_NAMES]
+        if unknown:
+            raise ValueError(
+                f"Config.layer_type_quant_config names unsupported layer type(s) {unknown}; supported: {SUPPORTED_TYPE_NAMES}"
+            )
+        self.config = config
+
+    # -- planning
+    def resolve(self, model: nn.Module) -> list[LayerPlan]:
+        """Per-layer plans, in module order, without changing the model; warns about names that match nothing."""
+        names = [n for n, _ in model.named_modules()]
+        plans = []
+        for name, module in model.named_modules():
+            plan = _resolve(self.config, name, module)
+            if plan is not None:
+                _check_layer(plan, module)
+                plans.append(plan)
+        self._warn_unmatched(names)
+        return plans
+
+    def _warn_unmatched(self, names: list[str]) -> None:
+        for field_name, keys in (("layer_quant_config", list(self.config.layer_quant_config)), ("exclude", self.config.exclude)):
+            dead = [k for k in keys if not any(fnmatch.fnmatchcase(n, k) for n in names)]
+            if dead:
+                warnings.warn(f"Config.{field_name} entries match no layer of the model (typo?): {dead}", stacklevel=3)
+
+    def summary(self, model: nn.Module) -> str:
+        """A readable table of what resolution decides: layer, type, role -> dtype/qscheme/observer (source)."""
+        return format_plans(self.resolve(model))
+
+    # -- the two halves
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Swap every configured layer for its quantized twin (same Parameters), in place. Idempotent."""
+        plans = self.resolve(model)
+        self._check_algorithms()
+        swapped: list[tuple[nn.Module, str, nn.Module]] = []
+        try:
+            for plan in plans:
+                parent, attr = _parent_of(model, plan.name)
+                original = getattr(parent, attr)
+                twin = QUANT_MODULE_MAP[_float_type(original)].from_float(original, plan.qconfig)  # type: ignore[index]
+                setattr(parent, attr, twin)
+                swapped.append((parent, attr, original))
+        except BaseException:
+            _restore(swapped)
+            raise
+        model.quant_config = self.config
+        logger.info("prepared %d layer(s) for quantization", len(plans))
+        return model
+
+    def calibrate(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Any] | None = None,
+        forward_loop: Callable[[nn.Module], Any] | None = None,
+        max_batches: int | None = None,
+    ) -> nn.Module:
+        """Run the observers of a prepared model on calibration data (eval mode, no_grad), then fix static qparams.
+
+        Weights and biases are observed directly; activations see ``dataloader``'s batches (or ``forward_loop(model)``).
+        Weight-only and fully dynamic configs need no data. The model's train/eval mode is restored.
+        """
+        quantizers = [q for m in model.modules() if isinstance(m, QuantMixin) for _, q in m.quantizers()]
+        needs_data = _needs_data(model)
+        if needs_data:
+            _check_data(dataloader, forward_loop)
+        was_training = model.training
+        model.eval()
+        try:
+            for q in quantizers:
+                q.enable_observer()
+                q.disable_fake_quant()
+            with torch.no_grad():
+                _observe_params(model)
+                if needs_data:
+                    seen = _feed(model, dataloader, forward_loop, max_batches)
+                    if dataloader is not None and seen == 0:
+                        raise ValueError("the calibration dataloader yielded no batch; static activation quantization needs data")
+        finally:
+            for q in quantizers:
+                q.enable_observer(q.is_dynamic)  # dynamic quantizers keep observing every call
+                q.enable_fake_quant()
+            model.train(was_training)
+        return model
+
+    def quantize_model(
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Any] | None = None,
+        forward_loop: Callable[[nn.Module], Any] | None = None,
+        max_batches: int | None = None,
+    ) -> nn.Module:
+        """Prepare and calibrate ``model`` in place and return it. On failure the model is left as it was."""
+        plans = self.resolve(model)
+        if any(_plan_needs_data(p) for p in plans):
+            _check_data(dataloader, forward_loop)
+        originals = {p.name: _get_submodule(model, p.name) for p in plans}
+        had_config = hasattr(model, "quant_config")
+        try:
+            self.prepare(model)
+            self.calibrate(model, dataloader, forward_loop, max_batches)
+        except BaseException:
+            for name, module in originals.items():
+                parent, attr = _parent_of(model, name)
+                setattr(parent, attr, module)
+            if not had_config and "quant_config" in model.__dict__:
+                del model.quant_config
+            raise
+        return model
+
+    @staticmethod
+    def freeze(model: nn.Module, bake_weights: bool = False) -> nn.Module:
+        """Fix every quantizer for inference (observers leave the forward path) and return the model.
+
+        ``bake_weights=True`` also writes the quantized weights into the float weight tensors (in place) and drops
+        the weight quantizers, so inference does not re-quantize them on every call.
+        """
+        for module in model.modules():
+            if not isinstance(module, QuantMixin):
+                continue
+            for role, q in list(module.quantizers()):
+                attr = QUANTIZER_ROLES[role]
+                if bake_weights and role in ("weight", "bias"):
+                    tensor = getattr(module, role)
+                    with torch.no_grad():
+                        tensor.copy_(q(tensor))
+                    module.register_module(attr, None)
+                else:
+                    module.register_module(attr, q.to_frozen())
+        return model
+
+    def _check_algorithms(self) -> None:
+        if self.config.algo_configs or self.config.pre_quant_opt_configs:
+            names = [a.name for a in self.config.algo_configs + self.config.pre_quant_opt_configs]  # type: ignore[attr-defined]
+            raise NotImplementedError(
+                f"Config.algo_config / pre_quant_opt_config {names}: GPTQ, AWQ and SmoothQuant are not implemented in "
+                "this engine yet; remove them to quantize with round-to-nearest"
+            )
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def format_plans(plans: list[LayerPlan]) -> str:
+    """Plans as a fixed-width table."""
+    rows = [("layer", "type", "role", "dtype", "qscheme", "observer", "from")]
+    for plan in plans:
+        for role in ROLES:
+            spec: QuantizationSpec | None = getattr(plan.qconfig, role)
+            if spec is None:
+                continue
+            qscheme = spec.qscheme.name if spec.qscheme else "-"
+            if spec.group_size is not None and spec.qscheme == QSchemeType.per_group:
+                qscheme += f"(g{spec.group_size})"
+            dtype = spec.dtype.name + (f"[{spec.mx_element_dtype.name}]" if spec.mx_element_dtype else "")
+            dtype += ", dynamic" if spec.is_dynamic else ""
+            observer = spec.observer_cls.__name__ if spec.observer_cls else "-"
+            rows.append((plan.name, plan.layer_type, role, dtype, qscheme, observer, plan.source[role]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _get_submodule(model: nn.Module, name: str) -> nn.Module:
+    return model if name == "" else model.get_submodule(name)
+
+
+def _parent_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    if name == "":
+        raise ValueError("the model itself is a single layer; wrap it in a container module to quantize it")
+    parent_name, _, attr = name.rpartition(".")
+    return _get_submodule(model, parent_name), attr
+
+
+def _restore(swapped: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    for parent, attr, original in reversed(swapped):
+        setattr(parent, attr, original)
+
+
+def _spec_needs_data(spec: QuantizationSpec | None) -> bool:
+    """A static activation spec with a scale (or a learnable one, initialised from data) needs calibration data."""
+    return spec is not None and not spec.is_dynamic and is_scaled(spec.dtype)
+
+
+def _plan_needs_data(plan: LayerPlan) -> bool:
+    return _spec_needs_data(plan.qconfig.input_tensors) or _spec_needs_data(plan.qconfig.output_tensors)
+
+
+def _needs_data(model: nn.Module) -> bool:
+    return any(
+        _spec_needs_data(q.spec)
+        for m in model.modules()
+        if isinstance(m, QuantMixin)
+        for role, q in m.quantizers()
+        if role in ("input_tensors", "output_tensors")
+    )
+
+
+def _check_data(dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None) -> None:
+    if dataloader is None and forward_loop is None:
+        raise ValueError(
+            "static activation quantization needs calibration data: pass a dataloader (or a forward_loop(model) "
+            "callable), or make the activation specs dynamic (is_dynamic=True) or weight-only"
+        )
+    if dataloader is not None and hasattr(dataloader, "__len__") and len(dataloader) == 0:  # type: ignore[arg-type]
+        raise ValueError("the calibration dataloader is empty; static activation quantization needs data")
+
+
+def _observe_params(model: nn.Module) -> None:
+    """Weights and biases are observed once, directly (no data needed)."""
+    for m in model.modules():
+        if isinstance(m, QuantMixin):
+            for role in ("weight", "bias"):
+                q = getattr(m, QUANTIZER_ROLES[role])
+                tensor = getattr(m, role, None)
+                if q is not None and isinstance(tensor, torch.Tensor):
+                    q(tensor)
+                    if not q.is_dynamic:
+                        q.disable_observer()
+
+
+def _feed(
+    model: nn.Module, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
+) -> int:
+    if forward_loop is not None:
+        forward_loop(model)
+        return 1
+    device = _model_device(model)
+    seen = 0
+    for batch in dataloader:  # type: ignore[union-attr]
+        if max_batches is not None and seen >= max_batches:
+            break
+        run_batch(model, batch, device)
+        seen += 1
+    return seen

@@ -1,0 +1,190 @@
+"""Quantized twins of the float layers: the float op between the input, weight, bias and output quantizers.
+
+A twin is a subclass of its float class (``isinstance(q, nn.Linear)`` holds) built around the *same* Parameter
+objects as the float module: ``from_float`` copies no weights, so an optimizer built before or after keeps training
+them. Quantizer attributes follow Quark: ``_input_quantizer``, ``_weight_quantizer``, ``_bias_quantizer``,
+``_output_quantizer`` (None where the role is not quantized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quark.torch.quantization.config.config import QuantizationConfig, QuantizationSpec
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+
+__all__ = [
+    "QuantMixin",
+    "QuantLinear",
+    "QuantConv1d",
+    "QuantConv2d",
+    "QuantConv3d",
+    "QuantConvTranspose1d",
+    "QuantConvTranspose2d",
+    "QuantEmbedding",
+    "QuantEmbeddingBag",
+    "QUANT_MODULE_MAP",
+]
+
+QUANTIZER_ROLES = {
+    "input_tensors": "_input_quantizer",
+    "output_tensors": "_output_quantizer",
+    "weight": "_weight_quantizer",
+    "bias": "_bias_quantizer",
+}
+
+
+def _make_quantizer(spec: QuantizationSpec | None, device: torch.device | None) -> FakeQuantizeBase | None:
+    return None if spec is None else FakeQuantizeBase.get_fake_quantize(spec, device)
+
+
+class QuantMixin(nn.Module):
+    """Quantizers around a float layer's op. Subclasses set ``_float_class`` and implement ``_float_op``."""
+
+    _float_class: type[nn.Module] = nn.Module
+    #: roles this layer type can quantize (embeddings take integer indices: no input quantizer)
+    roles: tuple[str, ...] = ("input_tensors", "output_tensors", "weight", "bias")
+
+    _input_quantizer: FakeQuantizeBase | None
+    _weight_quantizer: FakeQuantizeBase | None
+    _bias_quantizer: FakeQuantizeBase | None
+    _output_quantizer: FakeQuantizeBase | None
+
+    @classmethod
+    def from_float(cls, module: nn.Module, qconfig: QuantizationConfig) -> QuantMixin:
+        """The twin of ``module`` sharing its Parameters, buffers, children and hooks, with quantizers of ``qconfig``."""
+        twin = cls.__new__(cls)
+        state = dict(module.__dict__)
+        for key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            state[key] = type(state[key])(state[key])  # own containers, same Parameter / buffer objects
+        twin.__dict__.update(state)
+        weight = getattr(module, "weight", None)
+        device = weight.device if isinstance(weight, torch.Tensor) else None
+        for role, attr in QUANTIZER_ROLES.items():
+            spec = getattr(qconfig, role) if role in cls.roles else None
+            if role == "bias" and getattr(module, "bias", None) is None:
+                spec = None
+            twin.register_module(attr, _make_quantizer(spec, device))
+        twin.quant_config = qconfig
+        return twin
+
+    def to_float(self) -> nn.Module:
+        """The float module again (same Parameters), quantizers dropped."""
+        plain = self._float_class.__new__(self._float_class)
+        state = dict(self.__dict__)
+        state["_modules"] = {k: v for k, v in self._modules.items() if k not in QUANTIZER_ROLES.values()}
+        state.pop("quant_config", None)
+        plain.__dict__.update(state)
+        return plain
+
+    def quantizers(self) -> Iterator[tuple[str, FakeQuantizeBase]]:
+        """(role, quantizer) for every role that is quantized."""
+        for role, attr in QUANTIZER_ROLES.items():
+            q = getattr(self, attr, None)
+            if q is not None:
+                yield role, q
+
+    @staticmethod
+    def _apply(quantizer: FakeQuantizeBase | None, x: torch.Tensor | None) -> torch.Tensor | None:
+        return x if quantizer is None or x is None else quantizer(x)
+
+    def quantized_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias as the op sees them (fake-quantized where configured)."""
+        weight = self._apply(self._weight_quantizer, self.weight)
+        bias = self._apply(self._bias_quantizer, getattr(self, "bias", None))
+        return weight, bias  # type: ignore[return-value]
+
+
+class QuantLinear(QuantMixin, nn.Linear):
+    _float_class = nn.Linear
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = self._apply(self._input_quantizer, input)
+        weight, bias = self.quantized_weight_and_bias()
+        return self._apply(self._output_quantizer, F.linear(x, weight, bias))
+
+
+class _QuantConvNd(QuantMixin):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = self._apply(self._input_quantizer, input)
+        weight, bias = self.quantized_weight_and_bias()
+        return self._apply(self._output_quantizer, self._conv_forward(x, weight, bias))  # type: ignore[attr-defined]
+
+
+class QuantConv1d(_QuantConvNd, nn.Conv1d):
+    _float_class = nn.Conv1d
+
+
+class QuantConv2d(_QuantConvNd, nn.Conv2d):
+    _float_class = nn.Conv2d
+
+
+class QuantConv3d(_QuantConvNd, nn.Conv3d):
+    _float_class = nn.Conv3d
+
+
+class _QuantConvTransposeNd(QuantMixin):
+    _spatial_dims = 1
+    _functional = staticmethod(F.conv_transpose1d)
+
+    def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        output_padding = self._output_padding(  # type: ignore[attr-defined]
+            input, output_size, self.stride, self.padding, self.kernel_size, self._spatial_dims, self.dilation
+        )
+        x = self._apply(self._input_quantizer, input)
+        weight, bias = self.quantized_weight_and_bias()
+        out = self._functional(x, weight, bias, self.stride, self.padding, output_padding, self.groups, self.dilation)
+        return self._apply(self._output_quantizer, out)
+
+
+class QuantConvTranspose1d(_QuantConvTransposeNd, nn.ConvTranspose1d):
+    _float_class = nn.ConvTranspose1d
+
+
+class QuantConvTranspose2d(_QuantConvTransposeNd, nn.ConvTranspose2d):
+    _float_class = nn.ConvTranspose2d
+    _spatial_dims = 2
+    _functional = staticmethod(F.conv_transpose2d)
+
+
+class QuantEmbedding(QuantMixin, nn.Embedding):
+    _float_class = nn.Embedding
+    roles = ("output_tensors", "weight")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight, _ = self.quantized_weight_and_bias()
+        out = F.embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return self._apply(self._output_quantizer, out)
+
+
+class QuantEmbeddingBag(QuantMixin, nn.EmbeddingBag):
+    _float_class = nn.EmbeddingBag
+    roles = ("output_tensors", "weight")
+
+    def forward(
+        self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        weight, _ = self.quantized_weight_and_bias()
+        out = F.embedding_bag(
+            input, weight, offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
+            per_sample_weights, self.include_last_offset, self.padding_idx,
+        )  # fmt: skip
+        return self._apply(self._output_quantizer, out)
+
+
+#: float class -> quantized twin; embeddings are quantized only when configured by type or name
+QUANT_MODULE_MAP: dict[type[nn.Module], type[QuantMixin]] = {
+    nn.Linear: QuantLinear,
+    nn.Conv1d: QuantConv1d,
+    nn.Conv2d: QuantConv2d,
+    nn.Conv3d: QuantConv3d,
+    nn.ConvTranspose1d: QuantConvTranspose1d,
+    nn.ConvTranspose2d: QuantConvTranspose2d,
+    nn.Embedding: QuantEmbedding,
+    nn.EmbeddingBag: QuantEmbeddingBag,
+}
+EXPLICIT_ONLY: frozenset[type[nn.Module]] = frozenset({nn.Embedding, nn.EmbeddingBag})
