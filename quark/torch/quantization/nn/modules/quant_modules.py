@@ -89,13 +89,13 @@ class QuantMixin(nn.Module):
                 yield role, q
 
     @staticmethod
-    def _apply(quantizer: FakeQuantizeBase | None, x: torch.Tensor | None) -> torch.Tensor | None:
+    def _quantize(quantizer: FakeQuantizeBase | None, x: torch.Tensor | None) -> torch.Tensor | None:
         return x if quantizer is None or x is None else quantizer(x)
 
     def quantized_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias as the op sees them (fake-quantized where configured)."""
-        weight = self._apply(self._weight_quantizer, self.weight)
-        bias = self._apply(self._bias_quantizer, getattr(self, "bias", None))
+        weight = self._quantize(self._weight_quantizer, self.weight)
+        bias = self._quantize(self._bias_quantizer, getattr(self, "bias", None))
         return weight, bias  # type: ignore[return-value]
 
 
@@ -103,16 +103,16 @@ class QuantLinear(QuantMixin, nn.Linear):
     _float_class = nn.Linear
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        x = self._apply(self._input_quantizer, input)
+        x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
-        return self._apply(self._output_quantizer, F.linear(x, weight, bias))
+        return self._quantize(self._output_quantizer, F.linear(x, weight, bias))
 
 
 class _QuantConvNd(QuantMixin):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        x = self._apply(self._input_quantizer, input)
+        x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
-        return self._apply(self._output_quantizer, self._conv_forward(x, weight, bias))  # type: ignore[attr-defined]
+        return self._quantize(self._output_quantizer, self._conv_forward(x, weight, bias))  # type: ignore[attr-defined]
 
 
 class QuantConv1d(_QuantConvNd, nn.Conv1d):
@@ -135,10 +135,10 @@ class _QuantConvTransposeNd(QuantMixin):
         output_padding = self._output_padding(  # type: ignore[attr-defined]
             input, output_size, self.stride, self.padding, self.kernel_size, self._spatial_dims, self.dilation
         )
-        x = self._apply(self._input_quantizer, input)
+        x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
         out = self._functional(x, weight, bias, self.stride, self.padding, output_padding, self.groups, self.dilation)
-        return self._apply(self._output_quantizer, out)
+        return self._quantize(self._output_quantizer, out)
 
 
 class QuantConvTranspose1d(_QuantConvTransposeNd, nn.ConvTranspose1d):
@@ -158,7 +158,7 @@ class QuantEmbedding(QuantMixin, nn.Embedding):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight, _ = self.quantized_weight_and_bias()
         out = F.embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
-        return self._apply(self._output_quantizer, out)
+        return self._quantize(self._output_quantizer, out)
 
 
 class QuantEmbeddingBag(QuantMixin, nn.EmbeddingBag):
@@ -173,7 +173,7 @@ class QuantEmbeddingBag(QuantMixin, nn.EmbeddingBag):
             input, weight, offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
             per_sample_weights, self.include_last_offset, self.padding_idx,
         )  # fmt: skip
-        return self._apply(self._output_quantizer, out)
+        return self._quantize(self._output_quantizer, out)
 
 
 #: float class -> quantized twin; embeddings are quantized only when configured by type or name

@@ -1,0 +1,1 @@
+"""Demo tasks on data that ships with installed packages (no downloads)."""
