@@ -234,7 +234,7 @@ class ModelQuantizer:
         needs_data = _needs_data(model)
         if needs_data:
             _check_data(dataloader, forward_loop)
-        was_training = model.training
+        modes = [(m, m.training) for m in model.modules()]  # per module: a frozen BatchNorm stays in eval
         model.eval()
         try:
             for q in quantizers:
@@ -250,7 +250,8 @@ class ModelQuantizer:
             for q in quantizers:
                 q.enable_observer(q.is_dynamic)  # dynamic quantizers keep observing every call
                 q.enable_fake_quant()
-            model.train(was_training)
+            for m, training in modes:
+                m.training = training
         return model
 
     def quantize_model(
@@ -285,6 +286,15 @@ class ModelQuantizer:
         ``bake_weights=True`` also writes the quantized weights into the float weight tensors (in place) and drops
         the weight quantizers, so inference does not re-quantize them on every call.
         """
+        for name, module in model.named_modules():  # checked before anything is changed
+            if isinstance(module, QuantMixin):
+                for role, q in module.quantizers():
+                    initialized = getattr(q, "initialized", None)
+                    if not q.is_dynamic and isinstance(initialized, torch.Tensor) and not bool(initialized):
+                        raise ValueError(
+                            f"layer '{name}' ({type(module).__name__}): the {role} quantizer has no qparams yet; "
+                            "calibrate the model (or load a calibrated state_dict) before freezing it"
+                        )
         for module in model.modules():
             if not isinstance(module, QuantMixin):
                 continue
@@ -296,7 +306,10 @@ class ModelQuantizer:
                         tensor.copy_(q(tensor))
                     module.register_module(attr, None)
                 else:
-                    module.register_module(attr, q.to_frozen())
+                    frozen = q.to_frozen()
+                    if not q.is_dynamic:
+                        frozen.enable_observer(False)  # block formats and casts: nothing left to record
+                    module.register_module(attr, frozen)
         return model
 
     def _check_algorithms(self) -> None:
@@ -396,9 +409,11 @@ def _feed(
         return 1
     device = _model_device(model)
     seen = 0
+    if max_batches is not None and max_batches <= 0:
+        return 0
     for batch in dataloader:  # type: ignore[union-attr]
-        if max_batches is not None and seen >= max_batches:
-            break
         run_batch(model, batch, device)
         seen += 1
+        if max_batches is not None and seen >= max_batches:
+            break  # before asking the loader for a batch that would not be used
     return seen

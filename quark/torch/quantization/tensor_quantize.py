@@ -124,18 +124,25 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32, device=device), persistent=not self.is_dynamic)
         self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
 
-    def _observe(self, x: torch.Tensor) -> None:
-        self.observer(x)
+    def _refresh_qparams(self) -> None:
+        """Recompute scale and zero point from the observer's statistics (once per need, not per batch)."""
         scale, zp = self.observer.calculate_qparams()
         self.scale = scale.to(self.scale.device)
         self.zero_point = zp.to(self.zero_point.device)
         self.initialized.fill_(1)
+        self._stale = False
+
+    def _sync(self) -> None:
+        if getattr(self, "_stale", False):
+            self._refresh_qparams()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_dynamic or self.observer_enabled:
-            self._observe(x)
+            self.observer(x)
+            self._stale = True  # qparams follow lazily: calibration with fake quant off never pays for them
         if not self.fake_quant_enabled:
             return x
+        self._sync()
         if not self.initialized:
             raise RuntimeError(
                 f"{type(self).__name__}({self.extra_repr()}) has no qparams yet: it has observed no data and its "
@@ -143,13 +150,24 @@ class ScaledFakeQuantize(FakeQuantizeBase):
             )
         return _apply_format(x, self.spec, self.scale, self.zero_point)
 
+    def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
+        if not enabled:
+            self._sync()  # statistics are final: fix the qparams now
+        return super().enable_observer(enabled)
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._sync()
         return self.scale, self.zero_point
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        self._sync()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def to_frozen(self) -> nn.Module:
         if self.is_dynamic:
             return self
-        return FrozenScaledFakeQuantize(self.spec, self.scale.detach().clone(), self.zero_point.detach().clone())
+        scale, zp = self.calculate_qparams()
+        return FrozenScaledFakeQuantize(self.spec, scale.detach().clone(), zp.detach().clone())
 
 
 class FrozenScaledFakeQuantize(FakeQuantizeBase):

@@ -371,8 +371,12 @@ class PerTensorHistogramObserver(UniformScalingObserver):
         if amax > 0:
             self._grow(amax)
             r = float(self.calib_range)
-            self.calib_pos += torch.histc(x[x > 0], self.num_bins, 0.0, r).double()
-            self.calib_neg += torch.histc(-x[x < 0], self.num_bins, 0.0, r).double()
+            # one pass over [-R, R]: bins [:B] are the negatives (reversed), [B:] the positives; exact zeros,
+            # which land in bin B, are taken out (they are exact in every format and would dilute percentiles)
+            hist = torch.histc(x, 2 * self.num_bins, -r, r).double()
+            hist[self.num_bins] -= float((x == 0).sum())
+            self.calib_pos += hist[self.num_bins :]
+            self.calib_neg += hist[: self.num_bins].flip(0)
         return x_orig
 
     def _grow(self, amax: float) -> None:
