@@ -290,7 +290,10 @@ class ModelQuantizer:
             if isinstance(module, QuantMixin):
                 for role, q in module.quantizers():
                     initialized = getattr(q, "initialized", None)
-                    if not q.is_dynamic and isinstance(initialized, torch.Tensor) and not bool(initialized):
+                    if q.is_dynamic or not isinstance(initialized, torch.Tensor):
+                        continue
+                    q.calculate_qparams()  # brings lazily computed qparams up to date (sets ``initialized``)
+                    if not bool(initialized):
                         raise ValueError(
                             f"layer '{name}' ({type(module).__name__}): the {role} quantizer has no qparams yet; "
                             "calibrate the model (or load a calibrated state_dict) before freezing it"

@@ -411,6 +411,13 @@ class PerTensorHistogramObserver(UniformScalingObserver):
             edges = torch.linspace(0.0, r, self.num_bins + 1, dtype=torch.float64)
         return hist, edges
 
+    def _within_observed(self, min_val: torch.Tensor, max_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip a range chosen on bin edges (which can lie past the data) to the observed one: never wider than min-max."""
+        if self.symmetric is False:
+            return torch.maximum(min_val, self.min_val), torch.minimum(max_val, self.max_val)
+        amax = torch.maximum(-self.min_val, self.max_val)
+        return min_val, torch.minimum(max_val, amax)
+
     def reset_state(self) -> None:
         super().reset_state()
         self.calib_pos.zero_()
@@ -451,6 +458,7 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver):
             if hist.sum() == 0:  # only zeros (or nothing) seen
                 return super().calculate_qparams()
             min_val, max_val = self.get_min_max_by_percentile(hist, edges, self.percentile)
+            min_val, max_val = self._within_observed(min_val, max_val)
         return super().calculate_qparams(min_val, max_val)
 
     def get_min_max_by_percentile(self, histogram: torch.Tensor, bin_edges: torch.Tensor, percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -497,6 +505,7 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
                 return super().calculate_qparams()
             stride = max(1, hist.numel() // self.search_points)
             min_val, max_val = self.get_min_max_by_mse(hist, edges, stride=stride, start_bin=stride - 1)
+            min_val, max_val = self._within_observed(min_val, max_val)
         return super().calculate_qparams(min_val, max_val)
 
     def get_min_max_by_mse(
