@@ -52,10 +52,20 @@ def _type_names(module: nn.Module) -> list[str]:
 
 
 def _float_type(module: nn.Module) -> type[nn.Module] | None:
+    """The supported float class ``module`` is (or subclasses without its own forward), else None."""
     for cls in type(module).__mro__:
         if cls in QUANT_MODULE_MAP:
-            return cls
+            return cls if type(module).forward is cls.forward else None
     return None
+
+
+def _custom_forward_layers(model: nn.Module) -> list[str]:
+    """Subclasses of supported layers with their own forward: swapping would drop that forward, so they stay float."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if _float_type(m) is None and not isinstance(m, QuantMixin) and any(c in QUANT_MODULE_MAP for c in type(m).__mro__)
+    ]
 
 
 def _layer_matches(config: Config, name: str) -> list[str]:
@@ -176,8 +186,9 @@ class ModelQuantizer:
         self.config = config
 
     # -- planning
-    def resolve(self, model: nn.Module) -> list[LayerPlan]:
-        """Per-layer plans, in module order, without changing the model; warns about names that match nothing."""
+    def resolve(self, model: nn.Module, warn: bool = True) -> list[LayerPlan]:
+        """Per-layer plans, in module order, without changing the model; warns about names that match nothing
+        and about subclasses of supported layers that define their own forward (those stay float)."""
         names = [n for n, _ in model.named_modules()]
         plans = []
         for name, module in model.named_modules():
@@ -185,7 +196,11 @@ class ModelQuantizer:
             if plan is not None:
                 _check_layer(plan, module)
                 plans.append(plan)
-        self._warn_unmatched(names)
+        if warn:
+            self._warn_unmatched(names)
+            custom = _custom_forward_layers(model)
+            if custom:
+                warnings.warn(f"layers that subclass a supported type but define their own forward stay float: {custom}", stacklevel=2)
         return plans
 
     def _warn_unmatched(self, names: list[str]) -> None:
@@ -201,7 +216,9 @@ class ModelQuantizer:
     # -- the two halves
     def prepare(self, model: nn.Module) -> nn.Module:
         """Swap every configured layer for its quantized twin (same Parameters), in place. Idempotent."""
-        plans = self.resolve(model)
+        return self._prepare(model, self.resolve(model))
+
+    def _prepare(self, model: nn.Module, plans: list[LayerPlan]) -> nn.Module:
         self._check_algorithms()
         swapped: list[tuple[nn.Module, str, nn.Module]] = []
         try:
@@ -268,7 +285,7 @@ class ModelQuantizer:
         originals = {p.name: _get_submodule(model, p.name) for p in plans}
         had_config = hasattr(model, "quant_config")
         try:
-            self.prepare(model)
+            self._prepare(model, plans)
             self.calibrate(model, dataloader, forward_loop, max_batches)
         except BaseException:
             for name, module in originals.items():
@@ -399,6 +416,9 @@ def _observe_params(model: nn.Module) -> None:
                 q = getattr(m, QUANTIZER_ROLES[role])
                 tensor = getattr(m, role, None)
                 if q is not None and isinstance(tensor, torch.Tensor):
+                    observer = getattr(q, "observer", None)
+                    if observer is not None:
+                        observer.reset_state()  # statistics of the current values only, not of earlier ones
                     q(tensor)
                     if not q.is_dynamic:
                         q.disable_observer()

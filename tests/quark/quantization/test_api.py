@@ -926,3 +926,44 @@ def test_frozen_model_runs_under_torch_compile() -> None:
     compiled = torch.compile(model)
     with torch.no_grad():
         assert torch.allclose(compiled(x), frozen_out, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- regressions
+class LinearWithOwnForward(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+class CustomMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc2 = LinearWithOwnForward(16, 4)
+
+
+def test_a_subclass_with_its_own_forward_stays_float_with_a_warning() -> None:
+    model = mlp(cls=CustomMLP)
+    with pytest.warns(UserWarning, match=r"own forward stay float: \['fc2'\]"):
+        ModelQuantizer(config(WEIGHT_ONLY)).quantize_model(model)
+    assert type(model.fc2) is LinearWithOwnForward  # its doubling forward survives
+    assert isinstance(model.fc1, QuantMixin)
+    ones = torch.ones(1, 16)
+    assert torch.equal(model.fc2(ones), 2 * F.linear(ones, model.fc2.weight, model.fc2.bias))
+
+
+def test_quantize_model_warns_once_about_unmatched_names() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ModelQuantizer(config(WEIGHT_ONLY, exclude=["nope"])).quantize_model(mlp())
+    assert sum("nope" in str(w.message) for w in caught) == 1
+
+
+def test_recalibration_takes_the_current_weights_not_the_old_range() -> None:
+    model = mlp()
+    quantizer = ModelQuantizer(config(WEIGHT_ONLY))
+    quantizer.quantize_model(model)
+    with torch.no_grad():
+        model.fc1.weight.mul_(0.5)  # e.g. after more training
+    quantizer.calibrate(model)
+    scale, _ = model.fc1._weight_quantizer.calculate_qparams()
+    expected = model.fc1.weight.detach().abs().amax(dim=1) / 127.5
+    assert torch.equal(scale, expected)

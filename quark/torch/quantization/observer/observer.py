@@ -192,8 +192,8 @@ class UniformScalingObserver(ObserverBase):
 
     def reset_min_max_vals(self) -> None:
         """Resets the min/max values."""
-        self.min_val = torch.full_like(self.min_val.reshape(()), float("inf"))
-        self.max_val = torch.full_like(self.max_val.reshape(()), float("-inf"))
+        self.min_val = torch.tensor(float("inf"), device=self.min_val.device)
+        self.max_val = torch.tensor(float("-inf"), device=self.max_val.device)
 
     def reset_state(self) -> None:
         self.reset_min_max_vals()
@@ -293,6 +293,9 @@ class PerBlockMXObserver(ObserverBase):
             self.amax = amax
         return x_orig
 
+    def reset_state(self) -> None:
+        self.amax = torch.zeros((), device=self.amax.device)
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared scales ``2^e`` per block (E8M0 exponents of OCP MX for dtype=mx) and zero points of 0."""
         element = self.qspec.mx_element_dtype if self.dtype == Dtype.mx else Dtype.int8
@@ -324,6 +327,10 @@ class PerBlockBFPObserver(PerBlockMXObserver):
                 step_exp = torch.maximum(self.step_exp, step_exp)
             self.step_exp = step_exp
         return x_orig
+
+    def reset_state(self) -> None:
+        super().reset_state()
+        self.step_exp = torch.full((), -127, dtype=torch.int32, device=self.step_exp.device)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.exp2(self.step_exp.float())
