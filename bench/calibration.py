@@ -37,16 +37,6 @@ def _mlp(width: int = 1024, depth: int = 4) -> nn.Module:
     return nn.Sequential(*layers).eval()
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def _ours(model: nn.Module, batches: list[torch.Tensor], observer: str) -> None:
     act = {**INT8_PER_TENSOR_ACT, "observer_cls": observer}
     config = Config.from_dict({"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": act}})
@@ -75,21 +65,30 @@ def _plain(model: nn.Module, batches: list[torch.Tensor]) -> None:
             m(b)
 
 
-def run(n_batches: int = 16, batch: int = 256, width: int = 1024, repeats: int = 5) -> dict[str, float]:
+def run(n_batches: int = 16, batch: int = 256, width: int = 1024, repeats: int = 9) -> dict[str, float]:
+    """Median ms of every contender; contenders are interleaved round by round so drift hits them alike."""
     torch.manual_seed(0)
     model = _mlp(width)
     batches = [torch.randn(batch, width) for _ in range(n_batches)]
-    out = {"plain no_grad forward": _median_ms(lambda: _plain(model, batches), repeats)}
+    contenders: dict[str, Callable[[], object]] = {"plain no_grad forward": lambda: _plain(model, batches)}
     for name, (ours, theirs) in OBSERVERS.items():
-        out[f"ours: {name}"] = _median_ms(lambda o=ours: _ours(model, batches, o), repeats)
-        out[f"torch.ao: {name}"] = _median_ms(lambda t=theirs: _torch_ao(model, batches, t), repeats)
-    return out
+        contenders[f"ours: {name}"] = lambda o=ours: _ours(model, batches, o)
+        contenders[f"torch.ao: {name}"] = lambda t=theirs: _torch_ao(model, batches, t)
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for fn in contenders.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
     res = run()
     plain = res["plain no_grad forward"]
-    print(f"# calibration of a 4x1024 MLP on 16 batches of 256, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"# calibration of a 4x1024 MLP on 16 batches of 256, median of 9 interleaved rounds, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| observer | ours ms | x plain | torch.ao ms | ours / torch.ao | goal |")
     print("|---|---|---|---|---|---|")
     print(f"| (plain no_grad forward) | {plain:.0f} | 1.00 | | | |")

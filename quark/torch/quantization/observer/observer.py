@@ -63,7 +63,8 @@ def _is_scaled(dtype: Dtype) -> bool:
 def _check_finite(name: str, *values: torch.Tensor) -> None:
     """Raise when statistics carry NaN/Inf (cheap: checks reduced values, not the whole tensor)."""
     for v in values:
-        if not bool(torch.isfinite(v).all()):
+        finite = math.isfinite(v.item()) if v.numel() == 1 else bool(torch.isfinite(v).all())
+        if not finite:
             raise ValueError(
                 f"{name} observed a tensor containing NaN or Inf; its scale would be NaN. "
                 "Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
@@ -150,11 +151,14 @@ class UniformScalingObserver(ObserverBase):
         _check_finite(type(self).__name__, min_val, max_val)
         self.model_dtype = x.dtype
         min_val, max_val = min_val.float(), max_val.float()
-        if not self.is_dynamic and self.min_val.shape == min_val.shape:
-            min_val = torch.minimum(self.min_val, min_val)
-            max_val = torch.maximum(self.max_val, max_val)
-        self.min_val = min_val
-        self.max_val = max_val
+        if self.min_val.shape != min_val.shape:  # first statistics of this shape (e.g. per channel): rebind once
+            self.min_val, self.max_val = min_val.clone(), max_val.clone()
+        elif self.is_dynamic:
+            self.min_val.copy_(min_val)
+            self.max_val.copy_(max_val)
+        else:  # in place: running statistics without re-registering buffers on every batch
+            torch.minimum(self.min_val, min_val, out=self.min_val)
+            torch.maximum(self.max_val, max_val, out=self.max_val)
 
     @property
     def has_statistics(self) -> bool:
