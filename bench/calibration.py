@@ -53,9 +53,13 @@ def _torch_ao(model: nn.Module, batches: list[torch.Tensor], observer: type) -> 
     with torch.no_grad():
         for b in batches:
             m(b)
-    for mod in m.modules():  # qparams, as our calibration computes them
+    for mod in m.modules():  # every qparam, as our calibration computes them: activations ...
         if isinstance(mod, tq.ObserverBase):
             mod.calculate_qparams()
+        if isinstance(mod, nn.Linear):  # ... and weights (torch.ao observes those in convert)
+            weight_observer = m.qconfig.weight()
+            weight_observer(mod.weight)
+            weight_observer.calculate_qparams()
 
 
 def _plain(model: nn.Module, batches: list[torch.Tensor]) -> None:
