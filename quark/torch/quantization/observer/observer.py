@@ -10,7 +10,7 @@ statistics across batches; dynamic ones (``is_dynamic=True``) recompute them on 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -103,6 +103,20 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
     def reset_state(self) -> None:
         """Forget every statistic."""
 
+    def sync(self, group: Any = None) -> None:
+        """Reduce the statistics across the ranks of ``group`` so every rank computes the same qparams.
+
+        No-op unless torch.distributed is initialized; statistics-free observers have nothing to reduce.
+        """
+
+    @staticmethod
+    def _all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+
 
 class PlaceholderObserver(ObserverBase):
     """Observer only passes its configuration on: for casts (float16, bfloat16) and block formats, whose scales
@@ -193,6 +207,12 @@ class UniformScalingObserver(ObserverBase):
             return scale, qmin - min_neg / scale
         zp = qmin - torch.round(min_neg / scale)
         return scale, zp.clamp(qmin, qmax).to(torch.int32)
+
+    def sync(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._all_reduce(self.min_val, dist.ReduceOp.MIN, group)
+        self._all_reduce(self.max_val, dist.ReduceOp.MAX, group)
 
     def reset_min_max_vals(self) -> None:
         """Resets the min/max values."""
@@ -300,6 +320,11 @@ class PerBlockMXObserver(ObserverBase):
     def reset_state(self) -> None:
         self.amax = torch.zeros((), device=self.amax.device)
 
+    def sync(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._all_reduce(self.amax, dist.ReduceOp.MAX, group)
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared scales ``2^e`` per block (E8M0 exponents of OCP MX for dtype=mx) and zero points of 0."""
         element = self.qspec.mx_element_dtype if self.dtype == Dtype.mx else Dtype.int8
@@ -335,6 +360,12 @@ class PerBlockBFPObserver(PerBlockMXObserver):
     def reset_state(self) -> None:
         super().reset_state()
         self.step_exp = torch.full((), -127, dtype=torch.int32, device=self.step_exp.device)
+
+    def sync(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        super().sync(group)
+        self._all_reduce(self.step_exp, dist.ReduceOp.MAX, group)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.exp2(self.step_exp.float())
@@ -391,10 +422,12 @@ class PerTensorHistogramObserver(UniformScalingObserver):
         return x_orig
 
     def _grow(self, amax: float) -> None:
-        """Widen [0, R] by powers of two until it holds ``amax``, merging 2^k adjacent bins."""
+        """Widen [0, R] by powers of two until it holds ``amax``, merging 2^k adjacent bins. R is a power of two."""
         r = float(self.calib_range)
         if r == 0.0:
-            self.calib_range.fill_(amax)
+            # a power of two, so that any two histograms (other batches, other ranks) merge exactly
+            mantissa, exp = math.frexp(amax)
+            self.calib_range.fill_(2.0 ** (exp - 1) if mantissa == 0.5 else 2.0**exp)
             return
         if amax <= r:
             return
@@ -410,6 +443,17 @@ class PerTensorHistogramObserver(UniformScalingObserver):
                 merged = h.reshape(-1, factor).sum(dim=1)
             setattr(self, name, torch.cat([merged, h.new_zeros(self.num_bins - merged.numel())]))
         self.calib_range.fill_(r * factor)
+
+    def sync(self, group: Any = None) -> None:
+        """Min/max by min/max; histograms brought to the widest rank's range (exact: ranges are powers of two), summed."""
+        import torch.distributed as dist
+
+        super().sync(group)
+        widest = self._all_reduce(self.calib_range.clone(), dist.ReduceOp.MAX, group)
+        if float(widest) > 0:
+            self._grow(float(widest))
+        self._all_reduce(self.calib_pos, dist.ReduceOp.SUM, group)
+        self._all_reduce(self.calib_neg, dist.ReduceOp.SUM, group)
 
     def histogram(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The observed histogram: of |x| over [0, R] when symmetric, of x over [-R, R] otherwise (zeros left out)."""
@@ -607,6 +651,15 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
     def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
         fmt = format_of(dtype)
         return isinstance(fmt, IntFormat) and fmt.bits <= 8 and qscheme in cls.qschemes
+
+    def sync(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            raise RuntimeError(
+                "PerTensorHistogramObserverPro wraps torch's HistogramObserver, whose state cannot be reduced across "
+                "ranks; use PerTensorHistogramObserver (or percentile / MSE) for distributed calibration"
+            )
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel():

@@ -1,0 +1,58 @@
+"""Keep quantization state identical across ranks (torch.distributed): observers and learnable quantizers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
+from quark.torch.quantization.tensor_quantize import LSQFakeQuantize, ScaledFakeQuantize, TQTFakeQuantize
+
+__all__ = ["is_distributed", "sync_observers", "sync_learnable"]
+
+
+def is_distributed(group: Any = None) -> bool:
+    """True when torch.distributed runs with more than one rank."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _quantizers(model: nn.Module):  # noqa: ANN202 - a generator of quantizers
+    for module in model.modules():
+        if isinstance(module, QuantMixin):
+            for _, q in module.quantizers():
+                yield q
+
+
+def sync_observers(model: nn.Module, group: Any = None) -> None:
+    """Reduce every observer's statistics across ranks (min/max by min/max, histograms summed) and refresh the
+    static qparams from them, so every rank holds the same qparams. Call it whenever qparams are fixed."""
+    if not is_distributed(group):
+        return
+    for q in _quantizers(model):
+        observer = getattr(q, "observer", None)
+        if observer is None:
+            continue
+        observer.sync(group)
+        if isinstance(q, ScaledFakeQuantize) and not q.is_dynamic and getattr(observer, "has_statistics", True):
+            q._refresh_qparams()
+
+
+@torch.no_grad()
+def sync_learnable(model: nn.Module, group: Any = None) -> None:
+    """Average TQT thresholds / LSQ scales across ranks: each rank initialised them from its own first batch."""
+    if not is_distributed(group):
+        return
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    for q in _quantizers(model):
+        if isinstance(q, TQTFakeQuantize):
+            dist.all_reduce(q.log_threshold.data, group=group)
+            q.log_threshold.data /= world
+        elif isinstance(q, LSQFakeQuantize):
+            dist.all_reduce(q.scale.data, group=group)
+            q.scale.data /= world

@@ -1,0 +1,96 @@
+"""What quantization does to a model: per-layer SQNR of weights and activations, and model size in bits."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from quark.torch.quantization.formats import bits_per_element
+from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+
+__all__ = ["sqnr_db", "weight_sqnr", "activation_sqnr", "model_size_bits", "observers_paused"]
+
+
+def sqnr_db(signal: torch.Tensor, quantized: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 10 log10(sum x^2 / sum (x - q)^2); inf when exact."""
+    x = signal.detach().double()
+    noise = float(((x - quantized.detach().double()) ** 2).sum())
+    power = float((x**2).sum())
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(power / noise) if power > 0 else -math.inf
+
+
+@contextmanager
+def observers_paused(model: nn.Module) -> Iterator[None]:
+    """Observers off inside the block (statistics untouched), each quantizer's flag restored after."""
+    quantizers = [m for m in model.modules() if isinstance(m, FakeQuantizeBase)]
+    flags = [bool(q.observer_enabled) for q in quantizers]
+    for q in quantizers:
+        if not q.is_dynamic:
+            q.disable_observer()
+    try:
+        yield
+    finally:
+        for q, flag in zip(quantizers, flags, strict=True):
+            q.enable_observer(flag)
+
+
+@torch.no_grad()
+def weight_sqnr(model: nn.Module) -> dict[str, float]:
+    """SQNR (dB) of every quantized layer's weight against its fake-quantized value."""
+    out = {}
+    with observers_paused(model):
+        for name, m in model.named_modules():
+            if isinstance(m, QuantMixin) and m._weight_quantizer is not None and bool(m._weight_quantizer.fake_quant_enabled):
+                out[name] = sqnr_db(m.weight, m._weight_quantizer(m.weight))
+    return out
+
+
+@torch.no_grad()
+def activation_sqnr(model: nn.Module, run: Callable[[nn.Module], Any]) -> dict[str, float]:
+    """SQNR (dB) of every quantized layer's input against its fake-quantized value, on what ``run(model)`` feeds."""
+    out: dict[str, float] = {}
+    handles = []
+
+    def hook(name: str, module: QuantMixin, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            out[name] = sqnr_db(args[0], module._input_quantizer(args[0]))  # type: ignore[misc]
+
+    for name, m in model.named_modules():
+        if isinstance(m, QuantMixin) and m._input_quantizer is not None and bool(m._input_quantizer.fake_quant_enabled):
+            handles.append(m.register_forward_pre_hook(lambda mod, args, n=name: hook(n, mod, args)))
+    try:
+        with observers_paused(model):
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def model_size_bits(model: nn.Module) -> tuple[int, int]:
+    """(bits of the quantized model, bits of the same parameters in their float dtypes).
+
+    Quantized weights and biases count their format's bits per element (block formats include their shared
+    scales; per-channel/group scales of integer formats are not counted); every other parameter its dtype's bits.
+    """
+    quantized = {}
+    for m in model.modules():
+        if isinstance(m, QuantMixin):
+            for role, q in m.quantizers():
+                if role in ("weight", "bias") and isinstance(getattr(m, role, None), torch.Tensor):
+                    spec = q.spec
+                    quantized[id(getattr(m, role))] = bits_per_element(spec.dtype, spec.mx_element_dtype, spec.group_size)
+    total_q = total_f = 0
+    for p in model.parameters():
+        float_bits = p.numel() * p.element_size() * 8
+        total_f += float_bits
+        total_q += int(round(p.numel() * quantized[id(p)])) if id(p) in quantized else float_bits
+    return total_q, total_f
