@@ -26,7 +26,7 @@ def load_digits_tensors(test_fraction: float = 0.2, seed: int = 0) -> tuple[Tens
 
 
 class DigitsCNN(nn.Module):
-    """conv(1->32) -> conv(32->64) -> maxpool -> fc(1024->128) -> fc(128->10)."""
+    """conv(1->w) -> conv(w->2w) -> maxpool (-> average pool to 4x4) -> fc(32w->128) -> fc(128->10)."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
@@ -37,7 +37,8 @@ class DigitsCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)  # [N, 2w, 4, 4]
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)  # 8x8 input: [N, 2w, 4, 4]
+        x = F.adaptive_avg_pool2d(x, 4)  # larger inputs (28x28 Fashion-MNIST) pooled to 4x4; identity for 4x4
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 

@@ -20,8 +20,17 @@ INT4_G32_WEIGHT = {
     "symmetric": True, **_STATIC,
 }  # fmt: skip
 FP8_PER_TENSOR = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "is_dynamic": False}
+INT4_POF2_WEIGHT = {
+    "dtype": "int4", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "symmetric": True,
+    "is_dynamic": False, "round_method": "half_even", "scale_type": "pof2",
+}  # fmt: skip
+INT8_POF2_ACT = {**INT4_POF2_WEIGHT, "dtype": "int8"}
 MXFP4 = {"dtype": "mx", "mx_element_dtype": "fp4", "ch_axis": -1, "group_size": 32, "is_dynamic": True}
 MXFP4_CONV_INPUT = {**MXFP4, "ch_axis": 1}  # NCHW activations: blocks along channels
+
+
+def _tqt(spec: dict[str, Any], init: str) -> dict[str, Any]:
+    return {**spec, "qat_spec": {"method": "tqt", "threshold_init_meth": init}}
 
 
 def recipe(name: str, first_layer: str = "conv1") -> Config:
@@ -33,6 +42,9 @@ def recipe(name: str, first_layer: str = "conv1") -> Config:
             "layer_quant_config": {first_layer: {"weight": INT8_PER_CHANNEL_WEIGHT}},
         },
         "w8a8_fp8_e4m3": {"global_quant_config": {"weight": FP8_PER_TENSOR, "input_tensors": FP8_PER_TENSOR}},
+        "w4a8_pof2": {"global_quant_config": {"weight": INT4_POF2_WEIGHT, "input_tensors": INT8_POF2_ACT}},
+        "w4a8_tqt_3sd": {"global_quant_config": {"weight": _tqt(INT4_POF2_WEIGHT, "_3SD"), "input_tensors": _tqt(INT8_POF2_ACT, "_3SD")}},
+        "w4a8_tqt_ll_j": {"global_quant_config": {"weight": _tqt(INT4_POF2_WEIGHT, "_LL_J"), "input_tensors": _tqt(INT8_POF2_ACT, "_LL_J")}},
         "mxfp4": {
             "global_quant_config": {"weight": {**MXFP4, "ch_axis": 1}, "input_tensors": MXFP4},
             "layer_type_quant_config": {"Conv2d": {"input_tensors": MXFP4_CONV_INPUT}},
