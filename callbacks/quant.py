@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from quark.torch import ModelQuantizer
+from quark.torch.quantization.api import format_plans
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
 from quark.torch.quantization.nn.modules import QuantMixin
@@ -65,6 +66,23 @@ def _ready(q: FakeQuantizeBase) -> bool:
     """Whether a quantizer has what it needs to quantize (qparams, or a learned threshold)."""
     initialized = getattr(q, "initialized", None)
     return q.is_dynamic or initialized is None or bool(initialized)
+
+
+def _pause_quantizers(module: nn.Module) -> list[tuple[FakeQuantizeBase, bool, bool]]:
+    """Observers off; quantizers without qparams yet off (they run in float). Returns the flags to restore."""
+    paused = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in _quantizers(module)]
+    for q, _, _ in paused:
+        if not q.is_dynamic:
+            q.disable_observer()
+        if not _ready(q):
+            q.disable_fake_quant()
+    return paused
+
+
+def _restore_quantizers(paused: list[tuple[FakeQuantizeBase, bool, bool]]) -> None:
+    for q, observe, fake_quant in paused:
+        q.enable_observer(observe)
+        q.enable_fake_quant(fake_quant)
 
 
 class QuantCallback(Callback):
@@ -157,7 +175,8 @@ class QuantCallback(Callback):
                     "Check global_quant_config / layer_type_quant_config / layer_quant_config / exclude."
                 )
             self.quantizer.prepare(pl_module)
-            rank_zero_info(f"QuantCallback ({self.mode}): quantizing {len(plans)} layer(s)\n{self.quantizer.summary(pl_module)}")
+            # the table of the plans made before the swap (a prepared model resolves to nothing)
+            rank_zero_info(f"QuantCallback ({self.mode}): quantizing {len(plans)} layer(s)\n{format_plans(plans)}")
             if self.mode == "ptq" and not self.calibrated:
                 self._set_all(pl_module, observe=False, fake_quant=False)  # train (and validate during fit) in float
 
@@ -169,7 +188,7 @@ class QuantCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode != "qat":
             return
-        self._update_observers(trainer, pl_module)
+        self._update_observers(trainer, pl_module, batch)
         if self.freeze_bn_epoch is not None and trainer.current_epoch >= self.freeze_bn_epoch:
             for m in pl_module.modules():
                 if isinstance(m, _BN_TYPES) and m.training:
@@ -180,7 +199,7 @@ class QuantCallback(Callback):
             sync_learnable(pl_module)  # each rank initialised its thresholds from its own first batch
             self._learnable_synced = True
 
-    def _update_observers(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _update_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
         """Observers run for the first ``observer_steps`` steps (weights: their current values), then are fixed."""
         observing = trainer.global_step < self.observer_steps
         for role, q in _quantizers(pl_module):
@@ -198,7 +217,7 @@ class QuantCallback(Callback):
                 if not q.is_dynamic and not _is_learnable(q):
                     q.disable_observer()
             rank_zero_info(f"QuantCallback: observers fixed after {trainer.global_step} step(s)")
-            self._log_report(trainer, pl_module, None)
+            self._log_report(trainer, pl_module, batch if self.log_sqnr else None)
         self._observing = observing
 
     # ------------------------------------------------------------------------------------------- evaluation stages
@@ -240,17 +259,10 @@ class QuantCallback(Callback):
 
     def _pause(self, pl_module: LightningModule) -> None:
         """Observers off (evaluation never changes a statistic); quantizers without qparams yet run in float."""
-        self._paused = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in _quantizers(pl_module)]
-        for q, _, _ in self._paused:
-            if not q.is_dynamic:
-                q.disable_observer()
-            if not _ready(q):
-                q.disable_fake_quant()
+        self._paused = _pause_quantizers(pl_module)
 
     def _resume(self) -> None:
-        for q, observe, fake_quant in self._paused:
-            q.enable_observer(observe)
-            q.enable_fake_quant(fake_quant)
+        _restore_quantizers(self._paused)
         self._paused = []
 
     # ------------------------------------------------------------------------------------------- PTQ
@@ -266,7 +278,7 @@ class QuantCallback(Callback):
                 trainer.save_checkpoint(self.quantized_checkpoint)
                 rank_zero_info(f"QuantCallback: quantized checkpoint written to {self.quantized_checkpoint}")
         else:
-            self._log_report(trainer, pl_module, None)
+            self._log_report(trainer, pl_module, self._first_batch(trainer, pl_module))
 
     def _model_calibrated(self, pl_module: LightningModule) -> bool:
         quantizers = [q for _, q in _quantizers(pl_module)]
@@ -337,18 +349,23 @@ class QuantCallback(Callback):
         """Per-layer SQNR of weights (and of activations on one batch) and the model size, to every logger."""
         if not self.log_sqnr or not trainer.loggers:
             return
-        metrics = {f"quant/sqnr_weight/{k}": v for k, v in weight_sqnr(pl_module).items()}
-        if batch is not None:
-            from quark.torch.quantization.api import run_batch
+        paused = _pause_quantizers(pl_module)  # no statistic changes; quantizers without qparams yet are skipped
+        try:
+            metrics = {f"quant/sqnr_weight/{k}": v for k, v in weight_sqnr(pl_module).items()}
+            if batch is not None:
+                from quark.torch.quantization.api import run_batch
 
-            was_training = pl_module.training
-            pl_module.eval()
-            try:
-                batch = trainer.strategy.batch_to_device(batch)
-                run = (lambda m: self.calib_forward(m, batch)) if self.calib_forward else (lambda m: run_batch(m, batch))
-                metrics.update({f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()})
-            finally:
-                pl_module.train(was_training)
+                modes = [(m, m.training) for m in pl_module.modules()]  # per module: a frozen BatchNorm stays in eval
+                pl_module.eval()
+                try:
+                    batch = trainer.strategy.batch_to_device(batch)
+                    run = (lambda m: self.calib_forward(m, batch)) if self.calib_forward else (lambda m: run_batch(m, batch))
+                    metrics.update({f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()})
+                finally:
+                    for m, training in modes:
+                        m.training = training
+        finally:
+            _restore_quantizers(paused)
         quantized_bits, float_bits = model_size_bits(pl_module)
         metrics.update({"quant/model_size_bits": float(quantized_bits), "quant/fp32_size_bits": float(float_bits)})
         self._log(trainer, metrics)

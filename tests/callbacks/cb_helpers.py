@@ -109,8 +109,11 @@ class BoringMLP(LightningModule):
         self.val_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.test_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.optimizer: torch.optim.Optimizer | None = None
+        self.calls: list[tuple[bool, bool, torch.Tensor]] = []  # (training, grad enabled, input) of every forward
+        self.train_checks: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, logits, manual quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append((self.training, torch.is_grad_enabled(), x.detach().clone()))
         return self.fc2(self.act(self.fc1(x)))
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +122,9 @@ class BoringMLP(LightningModule):
         return logits, nn.functional.cross_entropy(logits.float(), y)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        _, loss = self._loss(batch)
+        logits, loss = self._loss(batch)
+        if isinstance(getattr(self, "fc1", None), QuantMixin):
+            self.train_checks.append((self.global_step, logits.detach().clone(), manual_forward(self, batch[0])))
         self.log("train_loss", loss)
         return loss
 
@@ -209,6 +214,36 @@ def assert_states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert not different, f"differ: {different}"
 
 
+_QRANGE = {"int8": (-128, 127), "int4": (-8, 7)}
+
+
+def fake_quant(q: FakeQuantizeBase | None, t: torch.Tensor) -> torch.Tensor:
+    """``t`` through the qparams of ``q`` with torch's own fused kernels (independent of the engine's arithmetic)."""
+    if q is None:
+        return t
+    qmin, qmax = _QRANGE[q.spec.dtype.name]
+    scale, zp = q.calculate_qparams()
+    if scale.numel() == 1:
+        return torch.fake_quantize_per_tensor_affine(t, float(scale), int(zp), qmin, qmax)
+    return torch.fake_quantize_per_channel_affine(t, scale.float(), zp.int(), q.spec.ch_axis, qmin, qmax)
+
+
+def manual_forward(model: BoringMLP, x: torch.Tensor) -> torch.Tensor:
+    """The quantized forward of a BoringMLP computed by hand: every configured quantizer applied, whatever its flags."""
+
+    def layer(m: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(fake_quant(m._input_quantizer, h), fake_quant(m._weight_quantizer, m.weight), m.bias)
+
+    with torch.no_grad():
+        return layer(model.fc2, torch.relu(layer(model.fc1, x)))
+
+
+def float_forward(model: BoringMLP, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        h = torch.relu(nn.functional.linear(x, model.fc1.weight, model.fc1.bias))
+        return nn.functional.linear(h, model.fc2.weight, model.fc2.bias)
+
+
 class Probe(Callback):
     """Records what the tests need at chosen hooks: quantizer state per training step, BN statistics per epoch."""
 
@@ -218,6 +253,15 @@ class Probe(Callback):
         self.bn_means: list[tuple[int, torch.Tensor]] = []
         self.at_sanity_start: dict[str, torch.Tensor] | None = None
         self.at_sanity_end: dict[str, torch.Tensor] | None = None
+        self.at_fit_start: dict[str, torch.Tensor] | None = None
+        self.at_train_start: dict[str, torch.Tensor] | None = None
+        self.bn_training: list[tuple[int, bool]] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.at_fit_start = qstate(pl_module)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.at_train_start = qstate(pl_module)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.states_before_step.append(qstate(pl_module))
@@ -227,6 +271,7 @@ class Probe(Callback):
         for m in pl_module.modules():
             if isinstance(m, nn.BatchNorm2d):
                 self.bn_means.append((trainer.current_epoch, m.running_mean.detach().clone()))
+                self.bn_training.append((trainer.current_epoch, m.training))
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.at_sanity_start = qstate(pl_module)
@@ -254,6 +299,9 @@ __all__ = [
     "Probe",
     "QuantCallback",
     "assert_states_equal",
+    "fake_quant",
+    "float_forward",
+    "manual_forward",
     "loader",
     "make_data",
     "make_images",

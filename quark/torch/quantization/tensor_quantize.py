@@ -267,6 +267,8 @@ class TQTFakeQuantize(FakeQuantizeBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.initialized:
+            if not self.observer_enabled and not self.fake_quant_enabled:
+                return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
             if not self.observer_enabled:
                 raise RuntimeError("TQTFakeQuantize has no threshold yet: run a batch with the observer on first")
             self.init_threshold(x)
@@ -352,6 +354,8 @@ class LSQFakeQuantize(FakeQuantizeBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.initialized:
+            if not self.observer_enabled and not self.fake_quant_enabled:
+                return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
             if not self.observer_enabled:
                 raise RuntimeError("LSQFakeQuantize has no scale yet: run a batch with the observer on first")
             self.init_scale(x)
