@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.api import format_plans
@@ -85,6 +86,24 @@ def _restore_quantizers(paused: list[tuple[FakeQuantizeBase, bool, bool]]) -> No
         q.enable_fake_quant(fake_quant)
 
 
+def _keep_out_of_ddp_broadcast(module: nn.Module) -> None:
+    """Exclude the quantizers' buffers from DDP's buffer broadcast (set before the strategy wraps the module).
+
+    DDP copies rank 0's buffers to every rank before each forward: running observer statistics of the other ranks
+    would be overwritten batch after batch, so their reduction when the qparams are fixed would miss those ranks'
+    data. Quantization state is kept identical by ``sync_observers`` / ``sync_learnable`` instead; learnable
+    thresholds stay Parameters whose gradients DDP reduces.
+    """
+    names = [
+        f"{name}.{buffer}" if name else buffer
+        for name, m in module.named_modules()
+        if isinstance(m, FakeQuantizeBase)
+        for buffer, _ in m.named_buffers()
+    ]
+    ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored + [n for n in names if n not in ignored])
+
+
 class QuantCallback(Callback):
     r"""Quantize the LightningModule with a quark ``Config``: QAT during ``fit`` or PTQ calibration epochs.
 
@@ -114,7 +133,12 @@ class QuantCallback(Callback):
             state) next to the ModelCheckpoint files (or in ``default_root_dir``); its path is ``quantized_checkpoint``.
 
     Raises:
-        ValueError: a bad argument (named, with the allowed values), or, in ``setup``, a config matching no layer.
+        ValueError: a bad argument (named, with the allowed values), or, in ``setup``, a config matching no layer,
+            or a ``ModelPruning`` placed before this callback.
+
+    With ``ModelPruning``, put this callback first (``callbacks=[QuantCallback(...), ModelPruning(...)]``):
+    ModelPruning collects the layers to prune in its own ``setup``, so it must see the quantized twins; the other
+    order is refused in ``setup`` with that advice.
     """
 
     def __init__(
@@ -166,7 +190,8 @@ class QuantCallback(Callback):
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Swap the configured layers (once: a second fit or test reuses them)."""
-        if not any(isinstance(m, QuantMixin) for m in pl_module.modules()):
+        swap = not any(isinstance(m, QuantMixin) for m in pl_module.modules())
+        if swap:
             plans = self.quantizer.resolve(pl_module)
             if not plans:
                 layers = [f"{n} ({type(m).__name__})" for n, m in pl_module.named_modules() if n]
@@ -174,11 +199,30 @@ class QuantCallback(Callback):
                     f"QuantCallback: the config matches no layer of {type(pl_module).__name__}. Its layers: {layers}. "
                     "Check global_quant_config / layer_type_quant_config / layer_quant_config / exclude."
                 )
+            self._check_callback_order(trainer)
             self.quantizer.prepare(pl_module)
+            _keep_out_of_ddp_broadcast(pl_module)
             # the table of the plans made before the swap (a prepared model resolves to nothing)
             rank_zero_info(f"QuantCallback ({self.mode}): quantizing {len(plans)} layer(s)\n{format_plans(plans)}")
-            if self.mode == "ptq" and not self.calibrated:
-                self._set_all(pl_module, observe=False, fake_quant=False)  # train (and validate during fit) in float
+        if self.mode == "ptq" and (stage == TrainerFn.FITTING or (swap and not self.calibrated)):
+            # train (and validate during fit) in float, every fit: its end calibrates the weights it leaves
+            self._set_all(pl_module, observe=False, fake_quant=False)
+            if stage == TrainerFn.FITTING:
+                self.calibrated = False
+
+    def _check_callback_order(self, trainer: Trainer) -> None:
+        """ModelPruning collects the layers to prune in its own ``setup``: if it runs before this one, it holds the
+        float layers that the swap takes out of the model (and its pruning hooks would fire on their twins)."""
+        from lightning.pytorch.callbacks import ModelPruning
+
+        callbacks = list(trainer.callbacks)
+        before = callbacks[: callbacks.index(self)] if self in callbacks else []
+        if any(isinstance(c, ModelPruning) for c in before):
+            raise ValueError(
+                "QuantCallback must come before ModelPruning in Trainer(callbacks=[...]): ModelPruning collects the "
+                "layers to prune in its setup, which runs first, and QuantCallback then replaces those layers with "
+                "quantized twins. Use callbacks=[QuantCallback(...), ModelPruning(...)]."
+            )
 
     # ------------------------------------------------------------------------------------------- QAT
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -212,13 +256,18 @@ class QuantCallback(Callback):
                     q.observer.reset_state()  # weights move every step: their range is the current one
                 q.enable_observer(True)
         if self._observing and not observing:
-            sync_observers(pl_module)
-            for _, q in _quantizers(pl_module):
-                if not q.is_dynamic and not _is_learnable(q):
-                    q.disable_observer()
-            rank_zero_info(f"QuantCallback: observers fixed after {trainer.global_step} step(s)")
-            self._log_report(trainer, pl_module, batch if self.log_sqnr else None)
+            self._fix_observers(trainer, pl_module, batch)
         self._observing = observing
+
+    def _fix_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
+        """Reduce the statistics across ranks, fix the qparams (observers off) and log the report."""
+        sync_observers(pl_module)
+        for _, q in _quantizers(pl_module):
+            if not q.is_dynamic and not _is_learnable(q):
+                q.disable_observer()
+        self._observing = False
+        rank_zero_info(f"QuantCallback: observers fixed after {trainer.global_step} step(s)")
+        self._log_report(trainer, pl_module, batch if self.log_sqnr else None)
 
     # ------------------------------------------------------------------------------------------- evaluation stages
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -277,6 +326,10 @@ class QuantCallback(Callback):
                 self.quantized_checkpoint = os.path.join(folder, "quantized.ckpt")
                 trainer.save_checkpoint(self.quantized_checkpoint)
                 rank_zero_info(f"QuantCallback: quantized checkpoint written to {self.quantized_checkpoint}")
+        elif self._observing and trainer.global_step > 0:
+            # fit ended before observer_steps: fix the qparams now, the same on every rank (a later fit that is still
+            # within observer_steps observes again)
+            self._fix_observers(trainer, pl_module, self._first_batch(trainer, pl_module))
         else:
             self._log_report(trainer, pl_module, self._first_batch(trainer, pl_module))
 
@@ -300,6 +353,10 @@ class QuantCallback(Callback):
             from tqdm.auto import tqdm
 
             batches = tqdm(batches, total=total, desc="Calibrating", leave=False)
+        for _, q in _quantizers(pl_module):  # the qparams describe these calibration batches only
+            observer = getattr(q, "observer", None)
+            if observer is not None and not q.is_dynamic and not _is_learnable(q):
+                observer.reset_state()
         forward_loop = None
         if self.calib_forward is not None:
             def forward_loop(model: nn.Module, batches: Iterable[Any] = batches) -> None:  # noqa: E306

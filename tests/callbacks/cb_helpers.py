@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -74,16 +75,51 @@ def loader(dataset: TensorDataset, batch_size: int = 8) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
 
 
+class ResumableLoader:
+    """Batches of a dataset in order that resume mid-epoch (``state_dict`` / ``load_state_dict``).
+
+    Lightning resumes a mid-epoch checkpoint with the *same* batches only when the loader is resumable; a plain
+    DataLoader starts the epoch over (Lightning warns), which no callback can make bit-exact. The loader has a length,
+    so Lightning does not pre-fetch: the batches yielded are the batches trained on.
+    """
+
+    def __init__(self, dataset: TensorDataset, batch_size: int = 8) -> None:
+        self.loader = loader(dataset, batch_size)
+        self.yielded = 0
+        self._skip = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._skip = self._skip, 0
+        skip = skip if skip < len(self) else 0  # an end-of-epoch state: the next epoch starts from its beginning
+        self.yielded = skip
+        for i, batch in enumerate(self.loader):
+            if i >= skip:
+                self.yielded = i + 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["yielded"]
+
+
 class DataModule(LightningDataModule):
     """train / val / test / predict loaders over fixed random tensors (distinct seeds per split)."""
 
-    def __init__(self, n: int = 64, batch_size: int = 8, images: bool = False) -> None:
+    def __init__(self, n: int = 64, batch_size: int = 8, images: bool = False, resumable: bool = False) -> None:
         super().__init__()
         make = make_images if images else make_data
         self.train, self.val, self.test = make(n, seed=1), make(n // 2, seed=2), make(n // 2, seed=3)
         self.batch_size = batch_size
+        self.resumable = resumable
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader | ResumableLoader:
+        if self.resumable:
+            return ResumableLoader(self.train, self.batch_size)
         return loader(self.train, self.batch_size)
 
     def val_dataloader(self) -> DataLoader:
@@ -100,8 +136,9 @@ class DataModule(LightningDataModule):
 class BoringMLP(LightningModule):
     """Linear -> ReLU -> Linear classifier; records what each stage returned for the tests to inspect."""
 
-    def __init__(self, lr: float = 0.05) -> None:
+    def __init__(self, lr: float = 0.05, weight_decay: float = 0.0) -> None:
         super().__init__()
+        self.weight_decay = weight_decay
         self.fc1 = nn.Linear(IN_FEATURES, HIDDEN)
         self.act = nn.ReLU()
         self.fc2 = nn.Linear(HIDDEN, CLASSES)
@@ -144,7 +181,7 @@ class BoringMLP(LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        self.optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        self.optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         return self.optimizer
 
 
@@ -166,9 +203,10 @@ class BNNet(BoringMLP):
 def make_trainer(tmp_path: Any, callbacks: list[Callback] | None = None, **overrides: Any) -> Trainer:
     kwargs: dict[str, Any] = dict(
         default_root_dir=str(tmp_path), max_epochs=1, limit_train_batches=4, limit_val_batches=2, limit_test_batches=2,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
         accelerator="cpu", num_sanity_val_steps=0, deterministic=True,
     )  # fmt: skip
+    kwargs["enable_checkpointing"] = any(isinstance(c, ModelCheckpoint) for c in callbacks or [])
     kwargs.update(overrides)
     return Trainer(callbacks=callbacks or [], **kwargs)
 
@@ -249,6 +287,7 @@ class Probe(Callback):
 
     def __init__(self) -> None:
         self.states_before_step: list[dict[str, torch.Tensor]] = []
+        self.weights_before_step: list[dict[str, torch.Tensor]] = []
         self.states_after_step: list[dict[str, torch.Tensor]] = []
         self.bn_means: list[tuple[int, torch.Tensor]] = []
         self.at_sanity_start: dict[str, torch.Tensor] | None = None
@@ -265,6 +304,7 @@ class Probe(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.states_before_step.append(qstate(pl_module))
+        self.weights_before_step.append({n: p.detach().clone() for n, p in pl_module.named_parameters() if n.endswith("weight")})
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.states_after_step.append(qstate(pl_module))

@@ -26,6 +26,7 @@ from cb_helpers import (
     tqt_config,
     tqt_params,
 )
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from quark.torch.quantization.nn.modules import QuantLinear, QuantMixin
@@ -78,7 +79,7 @@ def test_qat_prepares_in_setup_so_configure_optimizers_trains_tqt_thresholds(tmp
 
 def test_qat_observers_run_for_observer_steps_then_are_fixed(tmp_path) -> None:
     seed(0)
-    model = BoringMLP(lr=0.5)
+    model = BoringMLP(lr=0.5, weight_decay=0.2)  # weight decay shrinks the weights' range from step to step
     probe = Probe()
     steps = 3
     trainer = make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="qat", observer_steps=steps), probe], limit_train_batches=8)
@@ -95,6 +96,16 @@ def test_qat_observers_run_for_observer_steps_then_are_fixed(tmp_path) -> None:
         assert_states_equal(after[i], after[steps - 1])
     observing = [[bool(v) for k, v in s.items() if k.endswith(".observer_enabled")] for s in probe.states_after_step]
     assert all(all(flags) for flags in observing[:steps]) and not any(any(flags) for flags in observing[steps:])
+    # the fixed weight ranges are those of the weights in the last observed step (not a running range over steps)
+    last_observed = probe.weights_before_step[steps - 1]
+    running = []  # the range over all observed steps: at least one end differs from the last step's
+    for name in ("fc1", "fc2"):
+        observer = getattr(model, name)._weight_quantizer.observer
+        w = last_observed[f"{name}.weight"]
+        assert float(observer.min_val) == float(w.min()) and float(observer.max_val) == float(w.max())
+        seen = torch.stack([s[f"{name}.weight"] for s in probe.weights_before_step[:steps]])
+        running += [float(seen.min()) != float(w.min()), float(seen.max()) != float(w.max())]
+    assert any(running)
     # the fixed activation range is the one of the observed batches only
     data = DataModule().train.tensors[0]
     x_seen, x_all = data[: 8 * steps], data
@@ -117,11 +128,13 @@ def test_qat_fake_quantization_stays_on_in_train_validate_test_predict(tmp_path,
         assert torch.equal(logits, manual)
     # validation at the end of the epoch: the weights are final, the metric is the quantized model's
     _assert_quantized_outputs(model, model.val_outputs)
-    x, logits = model.val_outputs[0]
-    val_loss = nn.functional.cross_entropy(manual_forward(model, x), dm.val.tensors[1][:8])
-    assert val_loss.item() == pytest.approx(
-        nn.functional.cross_entropy(logits, dm.val.tensors[1][:8]).item(), abs=0, rel=0
-    )
+    assert len(model.val_outputs) == 2
+    y = dm.val.tensors[1]
+    manual_losses = [nn.functional.cross_entropy(manual_forward(model, x), y[8 * i : 8 * i + 8]) for i, (x, _) in enumerate(model.val_outputs)]
+    float_losses = [nn.functional.cross_entropy(float_forward(model, x), y[8 * i : 8 * i + 8]) for i, (x, _) in enumerate(model.val_outputs)]
+    logged = float(trainer.callback_metrics["val_loss"])
+    assert logged == pytest.approx(float(torch.stack(manual_losses).mean()), rel=1e-6)
+    assert logged != pytest.approx(float(torch.stack(float_losses).mean()), rel=1e-6)
 
     before = qstate(model)
     trainer.test(model, datamodule=dm, verbose=False)
@@ -132,15 +145,18 @@ def test_qat_fake_quantization_stays_on_in_train_validate_test_predict(tmp_path,
     assert_states_equal(before, qstate(model))  # evaluation never changes a statistic
 
 
+@pytest.mark.parametrize("logger", [False, True], ids=["no-logger", "csv-logger"])
 @pytest.mark.parametrize("config", [tqt_config, minmax_config], ids=["tqt", "minmax"])
-def test_sanity_check_changes_no_statistic(tmp_path, config) -> None:
-    """A sanity check that does no training: every statistic, qparam and flag is as it was before it."""
+def test_sanity_check_changes_no_statistic(tmp_path, config, logger) -> None:
+    """A sanity check that does no training: every statistic, qparam and flag is as it was before it (and the
+    report logged at the end of fit, with a logger, does not change one either)."""
     seed(0)
     model = BoringMLP()
     probe = Probe()
     trainer = make_trainer(
-        tmp_path, [QuantCallback(config(), mode="qat", observer_steps=5), probe], num_sanity_val_steps=2, limit_train_batches=0
-    )
+        tmp_path, [QuantCallback(config(), mode="qat", observer_steps=5), probe], num_sanity_val_steps=2,
+        limit_train_batches=0, logger=CSVLogger(str(tmp_path)) if logger else False,
+    )  # fmt: skip
     trainer.fit(model, datamodule=DataModule())
 
     assert len(model.val_outputs) == 2  # the sanity check ran two validation batches through the model

@@ -69,19 +69,21 @@ def _weights_and_qstate(model: BoringMLP) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*")  # B's ModelCheckpoint: not needed
 @pytest.mark.parametrize("crash_step", [2, 4, 6])  # while observing, at an epoch boundary, after the fix
 def test_crash_then_resume_is_bit_exact(tmp_path, crash_step) -> None:
+    """Mid-epoch resume needs a resumable train loader (Lightning restarts the epoch's data otherwise)."""
     total, observer_steps = 10, 3
 
     def callbacks() -> list:
         return [QuantCallback(tqt_config(), mode="qat", observer_steps=observer_steps)]
 
-    common = dict(max_steps=total, max_epochs=-1, limit_train_batches=4, limit_val_batches=1)
+    common = dict(max_steps=total, max_epochs=-1, limit_train_batches=4, limit_val_batches=1)  # 32 samples: 4 batches, an epoch each 4 steps
 
     # A: uninterrupted
     seed(0)
     model_a = BoringMLP(lr=0.2)
-    make_trainer(tmp_path / "a", callbacks(), **common).fit(model_a, datamodule=DataModule())
+    make_trainer(tmp_path / "a", callbacks(), **common).fit(model_a, datamodule=DataModule(n=32, resumable=True))
     assert model_a.trainer.global_step == total
 
     # B: crashes at crash_step after a checkpoint written at that step, then a new Trainer resumes from it
@@ -89,14 +91,16 @@ def test_crash_then_resume_is_bit_exact(tmp_path, crash_step) -> None:
     model_b = BoringMLP(lr=0.2)
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        make_trainer(tmp_path / "b", [*callbacks(), CrashAt(crash_step), ckpt], **common).fit(model_b, datamodule=DataModule())
+        make_trainer(tmp_path / "b", [*callbacks(), CrashAt(crash_step), ckpt], **common).fit(
+            model_b, datamodule=DataModule(n=32, resumable=True)
+        )
     path = glob.glob(str(tmp_path / "ckpt" / f"*step={crash_step}.ckpt"))
     assert len(path) == 1
 
     seed(123)  # a different initialisation: everything must come from the checkpoint
     model_c = BoringMLP(lr=0.2)
     trainer = make_trainer(tmp_path / "c", callbacks(), **common)
-    trainer.fit(model_c, datamodule=DataModule(), ckpt_path=path[0])
+    trainer.fit(model_c, datamodule=DataModule(n=32, resumable=True), ckpt_path=path[0])
     assert trainer.global_step == total
 
     a, c = _weights_and_qstate(model_a), _weights_and_qstate(model_c)
