@@ -18,12 +18,15 @@ copy of the same initial model with its own optimizer:
   Eager torch.ao fake-quantizes each layer's output (plus the QuantStub), ours each layer's input: 5 against 4
   activation quantizers, 4 weight quantizers each.
 
-Time: contenders interleaved round by round (so drift hits them alike), ``--steps`` steps per round, median per step
-over ``--rounds`` rounds after ``--warmup`` steps each; ``torch.get_num_threads()`` left at its default.
+Time: every round runs every contender ``--steps`` steps (in an order rotated each round) after ``--warmup`` steps
+each; ``x FP32`` is the median over ``--rounds`` rounds of the contender's time over FP32's in the same round (with
+the quartiles), so drift of a shared machine hits both sides of a ratio alike. ``torch.get_num_threads()`` is left
+at its default.
 
 Peak memory: CPU torch has no peak-memory counter, so each contender runs in a fresh subprocess (this script with
-``--memory-child``), which measures two things after building model, data and optimizer (and one no_grad forward that
-initialises the qparams / TQT thresholds, as a calibration batch would):
+``--memory-child``). It builds model, data and optimizer, runs one no_grad forward that initialises the qparams /
+TQT thresholds as a calibration batch would (the "observers off" contenders switch their observers off right after
+it, with no training step before the baseline), then measures:
 
 - ``peak MB`` (the goal's metric): the peak of live tensor bytes during ``--memory-steps`` steady-state steps, over
   the tensor bytes live before them, from the CPU allocator's allocation/free events (``torch.profiler`` with
@@ -31,9 +34,9 @@ initialises the qparams / TQT thresholds, as a calibration batch would):
   backward, gradients, temporaries of fake quantization and the optimizer; it does not see the allocator's caching,
   code pages or Python objects.
 - ``RSS MB`` (a cross-check): ``VmHWM`` minus ``VmRSS`` from /proc/self/status, the RSS measured before the first
-  step, so it also holds the optimizer state created by the first step, the code pages faulted in by the first
+  step, over the first ``--memory-steps`` steps, so it also holds the optimizer state created by the first step, the code pages faulted in by the first
   backward and whatever malloc keeps; it moves by an MB or two from run to run (median of ``--memory-repeats``
-  processes), which is much of what a tiny model adds, hence not the goal's metric.
+  processes, run side by side), which is much of what a tiny model adds, hence not the goal's metric.
 
 Goals: our step time <= 1.5x FP32 and no worse than torch.ao's ratio (ours on vs torch.ao on, ours off vs torch.ao
 off, TQT vs torch.ao on, the default state of prepare_qat); our peak tensor memory <= 1.3x FP32's.
@@ -41,7 +44,7 @@ off, TQT vs torch.ao on, the default state of prepare_qat); our peak tensor memo
     python bench/qat_overhead.py             # 21 rounds of 5 steps, memory over 5 steps in 3 processes each
     python bench/qat_overhead.py --quick     # a short run (5 rounds of 2 steps, 1 memory process each)
     python bench/qat_overhead.py --optimizer sgd --batch 64
-    python bench/qat_overhead.py --profile   # also: top ops by self CPU time of each quantized contender
+    python bench/qat_overhead.py --profile   # also: top ops by self CPU time of every contender
 """
 
 from __future__ import annotations
@@ -156,20 +159,34 @@ def build(
 
 def run(
     batch: int = 256, optimizer: str = "adam", rounds: int = 21, steps: int = 5, warmup: int = 5
-) -> dict[str, float]:
-    """Median ms per step of every contender, interleaved round by round."""
+) -> dict[str, list[float]]:
+    """Per-round ms per step of every contender: all contenders in every round, in an order rotated each round."""
     fns = {name: build(name, batch, optimizer)[0] for name in CONTENDERS}
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = fns[name]
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
             times[name].append(1e3 * (time.perf_counter() - t0) / steps)
-    return {name: statistics.median(v) for name, v in times.items()}
+    return times
+
+
+def ratios(times: dict[str, list[float]], ref: str = FP32) -> dict[str, tuple[float, float, float]]:
+    """(first quartile, median, third quartile) of each contender's per-round time over ``ref``'s in the same round:
+    slow drift of the machine (other processes) hits both sides of every ratio alike."""
+    out = {}
+    for name, ts in times.items():
+        q1, med, q3 = statistics.quantiles(
+            [t / r for t, r in zip(ts, times[ref], strict=True)], n=4, method="inclusive"
+        )
+        out[name] = (q1, med, q3)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -207,24 +224,31 @@ def memory_child(name: str, batch: int, optimizer: str, steps: int) -> dict[str,
     return {"rss_mb": rss, "tensor_mb": _tensor_peak_mb(step, opt, steps)}
 
 
-def run_memory(batch: int = 256, optimizer: str = "adam", steps: int = 5, repeats: int = 3) -> dict[str, dict[str, float]]:
-    """{contender: {"tensor_mb", "rss_mb"}}: medians over ``repeats`` fresh processes per contender (interleaved)."""
+def run_memory(
+    batch: int = 256, optimizer: str = "adam", steps: int = 5, repeats: int = 3
+) -> dict[str, dict[str, float]]:
+    """{contender: {"tensor_mb", "rss_mb"}}: medians over ``repeats`` fresh processes per contender (the processes
+    of one repeat run side by side: they share no memory, and their CPU time does not enter what they measure)."""
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in CONTENDERS}
     for _ in range(repeats):
+        procs = {}
         for name in CONTENDERS:
             cmd = [sys.executable, __file__, "--memory-child", name, "--batch", str(batch), "--optimizer", optimizer,
                    "--memory-steps", str(steps)]  # fmt: skip
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            lines = [ln for ln in out.stdout.splitlines() if ln.startswith(_MARK)]
-            if out.returncode or not lines:
-                raise RuntimeError(f"memory child for {name!r} failed (rc {out.returncode}):\n{out.stderr[-2000:]}")
+            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate()
+            lines = [ln for ln in stdout.splitlines() if ln.startswith(_MARK)]
+            if proc.returncode or not lines:
+                raise RuntimeError(f"memory child for {name!r} failed (rc {proc.returncode}):\n{stderr[-2000:]}")
             samples[name].append(json.loads(lines[-1].removeprefix(_MARK)))
     return {name: {k: statistics.median(s[k] for s in v) for k in v[0]} for name, v in samples.items()}
 
 
 # ----------------------------------------------------------------------------------------------- profile
 def profile(batch: int = 256, optimizer: str = "adam", steps: int = 20, top: int = 12) -> None:
-    """Top ops by self CPU time per step of FP32 and each quantized contender (torch.profiler, after warm-up)."""
+    """Top ops by self CPU time of every contender (torch.profiler, after warm-up). Contenders run one after the
+    other here, so compare shares of a step and calls per step across them rather than milliseconds."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -235,38 +259,45 @@ def profile(batch: int = 256, optimizer: str = "adam", steps: int = 20, top: int
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 step()
-        rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-        total = sum(e.self_cpu_time_total for e in prof.key_averages()) / steps / 1e3
-        print(f"\n## {name}: top ops by self CPU time, ms per step (sum of all ops {total:.2f} ms, profiler overhead included)")
-        print("| op | self ms / step | calls / step |")
-        print("|---|---|---|")
+        averages = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in averages)
+        rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        print(f"\n## {name}: top ops by self CPU time ({total / steps / 1e3:.2f} ms per step under the profiler)")
+        print("| op | % of step | self ms / step | calls / step |")
+        print("|---|---|---|---|")
         for e in rows:
-            print(f"| {e.key} | {e.self_cpu_time_total / steps / 1e3:.3f} | {e.count / steps:g} |")
+            share = 100 * e.self_cpu_time_total / total
+            print(f"| {e.key} | {share:.1f} | {e.self_cpu_time_total / steps / 1e3:.3f} | {e.count / steps:g} |")
 
 
 # ----------------------------------------------------------------------------------------------- report
-def _report(times: dict[str, float], memory: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
-    fp32_t, fp32_m, fp32_r = times[FP32], memory[FP32]["tensor_mb"], memory[FP32]["rss_mb"]
+def _report(times: dict[str, list[float]], memory: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+    rel = ratios(times)
+    fp32_m, fp32_r = memory[FP32]["tensor_mb"], memory[FP32]["rss_mb"]
     print(
-        f"# QAT step on DigitsCNN, batch {args.batch}x1x8x8, {args.optimizer}; time: median of {args.rounds} "
-        f"interleaved rounds of {args.steps} steps; memory: {args.memory_steps} steps, median of "
-        f"{args.memory_repeats} fresh process(es)"
+        f"# QAT step on DigitsCNN, batch {args.batch}x1x8x8, {args.optimizer}; time: {args.rounds} interleaved rounds "
+        f"of {args.steps} steps, x FP32 = median of per-round ratios (quartiles in brackets); memory: "
+        f"{args.memory_steps} steps, median of {args.memory_repeats} fresh process(es)"
     )
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| contender | step ms | x FP32 | peak MB | x FP32 memory | RSS MB | x FP32 RSS | goal |")
     print("|---|---|---|---|---|---|---|---|")
     for name in CONTENDERS:
-        t, m, r = times[name], memory[name]["tensor_mb"], memory[name]["rss_mb"]
-        ratio, mem_ratio = t / fp32_t, m / fp32_m
+        (q1, ratio, q3), t = rel[name], statistics.median(times[name])
+        m, r = memory[name]["tensor_mb"], memory[name]["rss_mb"]
+        mem_ratio = m / fp32_m
         goal = ""
         if name in PEER:
-            peer = times[PEER[name]] / fp32_t
+            peer = rel[PEER[name]][1]
             time_ok = ratio <= TIME_GOAL and ratio <= peer
             goal = (
                 f"time <= {TIME_GOAL}x and <= {PEER[name]} ({peer:.2f}x): {'met' if time_ok else 'MISSED'}; "
                 f"memory <= {MEMORY_GOAL}x: {'met' if mem_ratio <= MEMORY_GOAL else 'MISSED'}"
             )
-        print(f"| {name} | {t:.2f} | {ratio:.2f} | {m:.1f} | {mem_ratio:.2f} | {r:.1f} | {r / fp32_r:.2f} | {goal} |")
+        print(
+            f"| {name} | {t:.2f} | {ratio:.2f} ({q1:.2f}-{q3:.2f}) | {m:.1f} | {mem_ratio:.2f} | {r:.1f} | "
+            f"{r / fp32_r:.2f} | {goal} |"
+        )
 
 
 def main() -> None:
