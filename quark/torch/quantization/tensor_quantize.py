@@ -212,26 +212,38 @@ class NonScaledFakeQuantize(FakeQuantizeBase):
 # ----------------------------------------------------------------------------------------------- TQT
 class _TQTFunction(torch.autograd.Function):
     """TQT forward ``clamp(round(x / s), n, p) * s`` with ``s = 2^ceil(log2 t) / 2^(b-1)``; the paper's gradients:
-    x: 1 inside [n, p], else 0; log2 t: ``s ln2 (round(x/s) - x/s)`` inside, ``s ln2 n`` / ``s ln2 p`` when clipped."""
+    x: 1 inside [n, p], else 0; log2 t: ``s ln2 (round(x/s) - x/s)`` inside, ``s ln2 n`` / ``s ln2 p`` when clipped.
+
+    Only ``x`` and ``s`` are saved. With half-even rounding the backward is torch's fused learnable fake-quant
+    backward (its scale gradient is ``round(x/s) - x/s`` inside and n / p when clipped, exactly the paper's term
+    before the factor ``s ln2``; ``x / s`` and ``x * (1/s)`` agree because ``s`` is a power of two); other rounding
+    modes recompute the same terms here.
+    """
 
     @staticmethod
     def forward(ctx, x, log2_t, qmin, qmax, frac_bits, round_method=RoundType.half_even):  # type: ignore[override]
         s = torch.exp2(torch.ceil(log2_t) - frac_bits)
-        v = x / s
-        r = round_to_int(v, round_method)
-        q = r.clamp(qmin, qmax)
-        ctx.save_for_backward(v, r, s)
-        ctx.qrange = (qmin, qmax)
-        return q * s
+        ctx.save_for_backward(x, s)
+        ctx.meta = (qmin, qmax, round_method)
+        return round_to_int(x / s, round_method).clamp_(qmin, qmax).mul_(s)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        v, r, s = ctx.saved_tensors
-        qmin, qmax = ctx.qrange
-        inside = (r >= qmin) & (r <= qmax)
-        grad_x = grad * inside
-        local = torch.where(inside, r - v, torch.where(r < qmin, torch.full_like(v, qmin), torch.full_like(v, qmax)))
-        grad_t = (grad * local).sum().reshape(1) * s * math.log(2.0)
+        x, s = ctx.saved_tensors
+        qmin, qmax, round_method = ctx.meta
+        if round_method == RoundType.half_even:
+            zero = torch.zeros_like(s)
+            grad_x, grad_s, _ = torch.ops.aten._fake_quantize_learnable_per_tensor_affine_backward(
+                grad.contiguous(), x.contiguous(), s, zero, qmin, qmax, 1.0
+            )
+        else:
+            v = x / s
+            r = round_to_int(v, round_method)
+            inside = (r >= qmin) & (r <= qmax)
+            grad_x = grad * inside
+            local = torch.where(inside, r - v, torch.where(r < qmin, torch.full_like(v, qmin), torch.full_like(v, qmax)))
+            grad_s = (grad * local).sum().reshape(1)
+        grad_t = grad_s.reshape(1) * s * math.log(2.0)
         return grad_x, grad_t.reshape_as(s), None, None, None, None
 
 
