@@ -247,7 +247,30 @@ class _TQTFunction(torch.autograd.Function):
         return grad_x, grad_t.reshape_as(s), None, None, None, None
 
 
-class TQTFakeQuantize(FakeQuantizeBase):
+class _LearnableFakeQuantize(FakeQuantizeBase):
+    """Learnable quantizers (TQT, LSQ): initialised from the first batch seen with the observer on, then learned."""
+
+    initialized: torch.Tensor
+
+    def _initialize(self, x: torch.Tensor) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _learned(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            if not self.observer_enabled and not self.fake_quant_enabled:
+                return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
+            if not self.observer_enabled:
+                raise RuntimeError(f"{type(self).__name__} is not initialised yet: run a batch with the observer on first")
+            self._initialize(x)
+        if not self.fake_quant_enabled:
+            return x
+        return self._learned(x)
+
+
+class TQTFakeQuantize(_LearnableFakeQuantize):
     """Trained Quantization Thresholds: ``log2 t`` is an ``nn.Parameter``; power-of-two per-tensor scale.
 
     The threshold is initialised from the first batch seen with the observer on, by the spec's
@@ -277,15 +300,10 @@ class TQTFakeQuantize(FakeQuantizeBase):
             self.log_threshold.fill_(math.log2(max(float(t), _EPS)))
         self.initialized.fill_(1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.initialized:
-            if not self.observer_enabled and not self.fake_quant_enabled:
-                return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
-            if not self.observer_enabled:
-                raise RuntimeError("TQTFakeQuantize has no threshold yet: run a batch with the observer on first")
-            self.init_threshold(x)
-        if not self.fake_quant_enabled:
-            return x
+    def _initialize(self, x: torch.Tensor) -> None:
+        self.init_threshold(x)
+
+    def _learned(self, x: torch.Tensor) -> torch.Tensor:
         out = _TQTFunction.apply(
             x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1), self._round_method
         )
@@ -335,7 +353,7 @@ class _LSQFunction(torch.autograd.Function):
         return grad_x, grad_s, None, None, None, None, None, None
 
 
-class LSQFakeQuantize(FakeQuantizeBase):
+class LSQFakeQuantize(_LearnableFakeQuantize):
     """Learned Step Size Quantization: the scale is an ``nn.Parameter`` (per tensor or per channel), initialised to
     ``2 * mean|x| / sqrt(qmax)`` on the first batch; gradients scaled by ``1 / sqrt(numel_per_scale * qmax)``."""
 
@@ -364,15 +382,10 @@ class LSQFakeQuantize(FakeQuantizeBase):
             self.zero_point = torch.zeros(mean.numel(), dtype=torch.int32, device=self.zero_point.device)
         self.initialized.fill_(1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.initialized:
-            if not self.observer_enabled and not self.fake_quant_enabled:
-                return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
-            if not self.observer_enabled:
-                raise RuntimeError("LSQFakeQuantize has no scale yet: run a batch with the observer on first")
-            self.init_scale(x)
-        if not self.fake_quant_enabled:
-            return x
+    def _initialize(self, x: torch.Tensor) -> None:
+        self.init_scale(x)
+
+    def _learned(self, x: torch.Tensor) -> torch.Tensor:
         grad_factor = 1.0 / math.sqrt(x.numel() / self.scale.numel() * self.qmax)
         out = _LSQFunction.apply(
             x.float(), self.scale, self.zero_point, self.qmin, self.qmax, grad_factor, self.axis, self._round_method
