@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from quark.torch import ModelQuantizer
 from quark.torch.quantization.api import format_plans
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
-from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
@@ -53,12 +53,6 @@ def _to_config(config: Any) -> Config:
     return Config.from_dict(config)
 
 
-def _quantizers(module: nn.Module) -> Iterator[tuple[str, FakeQuantizeBase]]:
-    for m in module.modules():
-        if isinstance(m, QuantMixin):
-            yield from m.quantizers()
-
-
 def _is_learnable(q: FakeQuantizeBase) -> bool:
     return isinstance(q, TQTFakeQuantize | LSQFakeQuantize)
 
@@ -71,7 +65,7 @@ def _ready(q: FakeQuantizeBase) -> bool:
 
 def _pause_quantizers(module: nn.Module) -> list[tuple[FakeQuantizeBase, bool, bool]]:
     """Observers off; quantizers without qparams yet off (they run in float). Returns the flags to restore."""
-    paused = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in _quantizers(module)]
+    paused = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in iter_quantizers(module)]
     for q, _, _ in paused:
         if not q.is_dynamic:
             q.disable_observer()
@@ -246,7 +240,7 @@ class QuantCallback(Callback):
     def _update_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
         """Observers run for the first ``observer_steps`` steps (weights: their current values), then are fixed."""
         observing = trainer.global_step < self.observer_steps
-        for role, q in _quantizers(pl_module):
+        for role, q in iter_quantizers(pl_module):
             if q.is_dynamic:
                 continue
             if _is_learnable(q):
@@ -262,7 +256,7 @@ class QuantCallback(Callback):
     def _fix_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
         """Reduce the statistics across ranks, fix the qparams (observers off) and log the report."""
         sync_observers(pl_module)
-        for _, q in _quantizers(pl_module):
+        for _, q in iter_quantizers(pl_module):
             if not q.is_dynamic and not _is_learnable(q):
                 q.disable_observer()
         self._observing = False
@@ -334,7 +328,7 @@ class QuantCallback(Callback):
             self._log_report(trainer, pl_module, self._first_batch(trainer, pl_module))
 
     def _model_calibrated(self, pl_module: LightningModule) -> bool:
-        quantizers = [q for _, q in _quantizers(pl_module)]
+        quantizers = [q for _, q in iter_quantizers(pl_module)]
         return bool(quantizers) and all(_ready(q) for q in quantizers) and all(bool(q.fake_quant_enabled) for q in quantizers)
 
     def calibrate(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -353,7 +347,7 @@ class QuantCallback(Callback):
             from tqdm.auto import tqdm
 
             batches = tqdm(batches, total=total, desc="Calibrating", leave=False)
-        for _, q in _quantizers(pl_module):  # the qparams describe these calibration batches only
+        for _, q in iter_quantizers(pl_module):  # the qparams describe these calibration batches only
             observer = getattr(q, "observer", None)
             if observer is not None and not q.is_dynamic and not _is_learnable(q):
                 observer.reset_state()
@@ -439,7 +433,7 @@ class QuantCallback(Callback):
 
     # ------------------------------------------------------------------------------------------- helpers
     def _set_all(self, pl_module: LightningModule, observe: bool, fake_quant: bool) -> None:
-        for _, q in _quantizers(pl_module):
+        for _, q in iter_quantizers(pl_module):
             q.enable_observer(observe)
             q.enable_fake_quant(fake_quant)
 
@@ -458,7 +452,7 @@ def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_locati
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         quantizer.prepare(model)
     model.load_state_dict(checkpoint["state_dict"], strict=True)
-    for _, q in _quantizers(model):
+    for _, q in iter_quantizers(model):
         if not q.is_dynamic:
             q.disable_observer()
         if isinstance(q, ScaledFakeQuantize) and not _ready(q):

@@ -26,13 +26,14 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QUANT_MODULE_MAP,
     QUANTIZER_ROLES,
     QuantMixin,
+    iter_quantizers,
 )
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelQuantizer", "LayerPlan"]
 
-ROLES = ("input_tensors", "output_tensors", "weight", "bias")
+ROLES = QuantizationConfig.ROLES
 SUPPORTED_TYPE_NAMES = sorted(c.__name__ for c in QUANT_MODULE_MAP)
 
 
@@ -247,7 +248,7 @@ class ModelQuantizer:
         Weights and biases are observed directly; activations see ``dataloader``'s batches (or ``forward_loop(model)``).
         Weight-only and fully dynamic configs need no data. The model's train/eval mode is restored.
         """
-        quantizers = [q for m in model.modules() if isinstance(m, QuantMixin) for _, q in m.quantizers()]
+        quantizers = [q for _, q in iter_quantizers(model)]
         needs_data = _needs_data(model)
         if needs_data:
             _check_data(dataloader, forward_loop)
@@ -389,13 +390,7 @@ def _plan_needs_data(plan: LayerPlan) -> bool:
 
 
 def _needs_data(model: nn.Module) -> bool:
-    return any(
-        _spec_needs_data(q.spec)
-        for m in model.modules()
-        if isinstance(m, QuantMixin)
-        for role, q in m.quantizers()
-        if role in ("input_tensors", "output_tensors")
-    )
+    return any(_spec_needs_data(q.spec) for role, q in iter_quantizers(model) if role in ("input_tensors", "output_tensors"))
 
 
 def _check_data(dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None) -> None:

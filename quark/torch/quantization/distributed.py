@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
+from quark.torch.quantization.nn.modules.quant_modules import iter_quantizers
 from quark.torch.quantization.tensor_quantize import LSQFakeQuantize, ScaledFakeQuantize, TQTFakeQuantize
 
 __all__ = ["is_distributed", "sync_observers", "sync_learnable"]
@@ -20,19 +20,12 @@ def is_distributed(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _quantizers(model: nn.Module):  # noqa: ANN202 - a generator of quantizers
-    for module in model.modules():
-        if isinstance(module, QuantMixin):
-            for _, q in module.quantizers():
-                yield q
-
-
 def sync_observers(model: nn.Module, group: Any = None) -> None:
     """Reduce every observer's statistics across ranks (min/max by min/max, histograms summed) and refresh the
     static qparams from them, so every rank holds the same qparams. Call it whenever qparams are fixed."""
     if not is_distributed(group):
         return
-    for q in _quantizers(model):
+    for _, q in iter_quantizers(model):
         observer = getattr(q, "observer", None)
         if observer is None:
             continue
@@ -49,7 +42,7 @@ def sync_learnable(model: nn.Module, group: Any = None) -> None:
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    for q in _quantizers(model):
+    for _, q in iter_quantizers(model):
         if isinstance(q, TQTFakeQuantize):
             dist.all_reduce(q.log_threshold.data, group=group)
             q.log_threshold.data /= world

@@ -11,6 +11,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QuantEmbeddingBag,
     QuantLinear,
     QuantMixin,
+    iter_quantizers,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "QuantConvTranspose2d",
     "QuantEmbedding",
     "QuantEmbeddingBag",
+    "iter_quantizers",
 ]

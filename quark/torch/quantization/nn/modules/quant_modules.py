@@ -28,6 +28,7 @@ __all__ = [
     "QuantEmbedding",
     "QuantEmbeddingBag",
     "QUANT_MODULE_MAP",
+    "iter_quantizers",
 ]
 
 QUANTIZER_ROLES = {
@@ -174,6 +175,13 @@ class QuantEmbeddingBag(QuantMixin, nn.EmbeddingBag):
             per_sample_weights, self.include_last_offset, self.padding_idx,
         )  # fmt: skip
         return self._quantize(self._output_quantizer, out)
+
+
+def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, FakeQuantizeBase]]:
+    """(role, quantizer) of every quantized layer of ``model``, in module order."""
+    for module in model.modules():
+        if isinstance(module, QuantMixin):
+            yield from module.quantizers()
 
 
 #: float class -> quantized twin; embeddings are quantized only when configured by type or name
