@@ -1,0 +1,297 @@
+"""The Hydra side of the quant config: role groups, validation of the composed ``quant`` node, the bit-width knobs.
+
+The ``quant`` node of the composed config is a quark ``Config`` (``global_quant_config``, ``layer_type_quant_config``,
+``layer_quant_config``, ``exclude``, ...) plus the flow around it (``mode``, ``weight_bits``, calibration and QAT
+settings). Everything here runs before any model, data or Trainer is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from quark.torch.quantization.config.config import (
+    Config,
+    LSQSpec,
+    QuantizationConfig,
+    QuantizationSpec,
+    TQTSpec,
+)
+from quark.torch.quantization.config.type import Dtype
+from quark.torch.quantization.formats import BLOCK_FORMATS, FLOAT_FORMATS, bits_per_element
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+SPEC_DIR = CONF_DIR / "quant" / "spec"
+ROLES: tuple[str, ...] = QuantizationConfig.ROLES
+WEIGHT_ROLES = ("weight",)
+ACT_ROLES = ("input_tensors", "output_tensors")
+MODES = ("none", "ptq", "qat")
+CONFIG_KEYS = tuple(f.name for f in fields(Config))
+SPEC_KEYS = tuple(f.name for f in fields(QuantizationSpec))
+QCONFIG_KEYS = tuple(f.name for f in fields(QuantizationConfig))
+QAT_KEYS = tuple(sorted({f.name for f in fields(TQTSpec)} | {f.name for f in fields(LSQSpec)}))
+
+#: minifloat family per width: (exponent-heavy, mantissa-heavy); a bit-width knob keeps the family of the preset
+_MINIFLOATS = {8: (Dtype.fp8_e5m2, Dtype.fp8_e4m3), 6: (Dtype.fp6_e3m2, Dtype.fp6_e2m3), 4: (Dtype.fp4, Dtype.fp4)}
+_EXPONENT_HEAVY = {Dtype.fp8_e5m2, Dtype.fp6_e3m2}
+
+
+class QuantConfigError(ValueError):
+    """A composed ``quant`` node that does not make a valid quark Config or flow (the message names the key)."""
+
+
+@dataclass(frozen=True)
+class QuantFlow:
+    """What ``train.py`` does around the Config: the flow keys of the ``quant`` node.
+
+    ``mode``: ``none`` (float only), ``ptq`` (calibrate the trained model) or ``qat`` (fine-tune it with fake
+    quantization for ``qat_epochs`` epochs, the optimizer's learning rates scaled by ``qat_lr_scale``).
+    ``weight_bits`` / ``act_bits``: when set, the bit width of every weight / activation dtype of the global and
+    layer-type levels (explicit per-layer entries keep theirs).
+    """
+
+    name: str = "custom"
+    mode: str = "ptq"
+    weight_bits: int | None = None
+    act_bits: int | None = None
+    calib_batches: int | None = 16
+    observer_steps: int = 100
+    qat_epochs: int = 4
+    qat_lr_scale: float = 0.25
+    freeze_bn_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise QuantConfigError(f"quant.mode={self.mode!r} is not allowed; allowed: {list(MODES)}")
+        for key in ("weight_bits", "act_bits"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16):
+                raise QuantConfigError(f"quant.{key}={value!r} must be null or an int in 2..16")
+        for key, minimum, optional in (
+            ("calib_batches", 1, True), ("observer_steps", 1, False), ("qat_epochs", 1, False),
+            ("freeze_bn_epoch", 0, True),
+        ):  # fmt: skip
+            value = getattr(self, key)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise QuantConfigError(f"quant.{key}={value!r} must be {'null or ' if optional else ''}an int >= {minimum}")
+        if isinstance(self.qat_lr_scale, bool) or not isinstance(self.qat_lr_scale, int | float) or self.qat_lr_scale <= 0:
+            raise QuantConfigError(f"quant.qat_lr_scale={self.qat_lr_scale!r} must be a number > 0")
+
+
+FLOW_KEYS = tuple(f.name for f in fields(QuantFlow))
+
+
+# ----------------------------------------------------------------------------------------------- role groups
+def register_role_groups(spec_dir: Path = SPEC_DIR) -> list[str]:
+    """Register every spec preset of ``conf/quant/spec`` as an option of the groups ``quant/<role>``.
+
+    A quant preset picks its specs in its defaults list (``- weight: int8_per_channel_sym``) and the command line
+    swaps one role (``quant/weight=int4_g32``); the files exist once, in ``conf/quant/spec``. Returns the names.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    names = sorted(p.stem for p in spec_dir.glob("*.yaml"))
+    for name in names:
+        node = OmegaConf.load(spec_dir / f"{name}.yaml")
+        for role in ROLES:
+            store.store(group=f"quant/{role}", name=name, node=node, package=f"quant.global_quant_config.{role}")
+    return names
+
+
+# ----------------------------------------------------------------------------------------------- the quant node
+def build_quant(node: DictConfig | dict[str, Any]) -> tuple[QuantFlow, Config | None]:
+    """Validate the composed ``quant`` node: (the flow, the quark Config with the bit knobs applied, or None for
+    ``mode=none``). Raises QuantConfigError naming the key and what is allowed."""
+    data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    if not isinstance(data, dict):
+        raise QuantConfigError(f"quant must be a mapping, got {type(data).__name__}")
+    unknown = [k for k in data if k not in FLOW_KEYS and k not in CONFIG_KEYS]
+    if unknown:
+        raise QuantConfigError(_unknown("quant", unknown[0], FLOW_KEYS + CONFIG_KEYS))
+    flow = QuantFlow(**{k: data[k] for k in FLOW_KEYS if k in data})
+    config_dict = {k: data[k] for k in CONFIG_KEYS if k in data and data[k] is not None}
+    config_dict.setdefault("global_quant_config", {})
+    if isinstance(config_dict.get("layer_quant_config"), dict):
+        config_dict["layer_quant_config"] = flatten_layer_names(config_dict["layer_quant_config"])
+    try:
+        config_dict = apply_bits(config_dict, flow.weight_bits, flow.act_bits)
+        config = Config.from_dict(config_dict)
+    except QuantConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise QuantConfigError(f"quant: {err}") from None
+    if flow.mode == "none":
+        return flow, None
+    levels = [config.global_quant_config, *config.layer_type_quant_config.values(), *config.layer_quant_config.values()]
+    if not any(getattr(qc, role) is not None for qc in levels for role in ROLES):
+        raise QuantConfigError(
+            f"quant.mode={flow.mode!r} but no role is quantized: set quant/weight=... (or another role), "
+            "or use quant=none for a float run"
+        )
+    return flow, config
+
+
+def flatten_layer_names(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"net": {"fc2": {"weight": ...}}}`` -> ``{"net.fc2": {"weight": ...}}``.
+
+    Hydra and OmegaConf read dots in keys as nesting (``quant.layer_quant_config.net.fc2.weight.dtype=int4``,
+    ``+quant/spec@quant.layer_quant_config.net.fc2.weight=int4_g32``): a level whose keys are QuantizationConfig
+    fields (weight, input_tensors, ...) is a layer's config, any other key is one more part of a layer name.
+    Keys that already hold dots or fnmatch patterns (quoted in YAML: ``"*.fc2":``) pass through as they are.
+    """
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if not isinstance(value, dict):
+            out[name] = value
+            continue
+        own = {k: v for k, v in value.items() if k in QCONFIG_KEYS}
+        if own:
+            out[name] = own
+        out.update(flatten_layer_names({k: v for k, v in value.items() if k not in QCONFIG_KEYS}, f"{name}."))
+    return out
+
+
+def apply_bits(config: dict[str, Any], weight_bits: int | None, act_bits: int | None) -> dict[str, Any]:
+    """A copy of a Config dict whose global and layer-type weight (activation) specs take ``weight_bits``
+    (``act_bits``): integers keep their signedness, minifloats and MX elements their family (fp8 -> fp6 -> fp4)."""
+    out = OmegaConf.to_container(OmegaConf.create(config)) if config else {}
+    assert isinstance(out, dict)
+    levels = [("global_quant_config", out.get("global_quant_config") or {})]
+    levels += [(f"layer_type_quant_config.{k}", v or {}) for k, v in (out.get("layer_type_quant_config") or {}).items()]
+    for where, qconfig in levels:
+        for roles, bits in ((WEIGHT_ROLES, weight_bits), (ACT_ROLES, act_bits)):
+            for role in roles:
+                spec = qconfig.get(role)
+                if bits is not None and isinstance(spec, dict):
+                    knob = "weight_bits" if role in WEIGHT_ROLES else "act_bits"
+                    qconfig[role] = with_bits(spec, bits, f"quant.{knob}={bits} on quant.{where}.{role}")
+    return out
+
+
+def with_bits(spec: dict[str, Any], bits: int, where: str) -> dict[str, Any]:
+    """``spec`` with its element width set to ``bits`` (see ``apply_bits``); QuantConfigError when that width has
+    no format of the spec's family."""
+    spec = dict(spec)
+    try:
+        dtype = Dtype(spec.get("dtype"))
+    except ValueError as err:
+        raise QuantConfigError(f"{where}: {err}") from None
+    if dtype.is_integer:
+        try:
+            spec["dtype"] = Dtype.integer(bits, signed=not dtype.name.startswith("u")).name
+        except ValueError as err:
+            raise QuantConfigError(f"{where}: {err}") from None
+    elif dtype in FLOAT_FORMATS:
+        spec["dtype"] = _minifloat(dtype, bits, where).name
+    elif dtype == Dtype.mx:
+        element = Dtype(spec.get("mx_element_dtype") or "fp8_e4m3")
+        if element == Dtype.int8:
+            if bits != 8:
+                raise QuantConfigError(f"{where}: MX integer elements exist only as int8; allowed: 8")
+        else:
+            spec["mx_element_dtype"] = _minifloat(element, bits, where).name
+    else:
+        raise QuantConfigError(
+            f"{where}: dtype {dtype.name} has a fixed width; a bit-width knob applies to integer (int2..int16), "
+            "minifloat (fp8/fp6/fp4) and mx dtypes"
+        )
+    return spec
+
+
+def _minifloat(dtype: Dtype, bits: int, where: str) -> Dtype:
+    if bits not in _MINIFLOATS:
+        raise QuantConfigError(f"{where}: {dtype.name} is a minifloat; allowed widths: {sorted(_MINIFLOATS)}")
+    return _MINIFLOATS[bits][0 if dtype in _EXPONENT_HEAVY else 1]
+
+
+def spec_bits(spec: QuantizationSpec | None) -> float:
+    """Storage bits per element of a spec (block formats with their shared scales; None: float32)."""
+    if spec is None:
+        return 32.0
+    block = spec.group_size if spec.dtype in BLOCK_FORMATS else None
+    return float(bits_per_element(spec.dtype, spec.mx_element_dtype, block))
+
+
+def nominal_bits(config: Config | None, role: str) -> float:
+    """The bits of ``role`` at the global level (else the first layer-type entry that sets it); 32 when float."""
+    if config is None:
+        return 32.0
+    for qc in (config.global_quant_config, *config.layer_type_quant_config.values()):
+        if getattr(qc, role) is not None:
+            return spec_bits(getattr(qc, role))
+    return 32.0
+
+
+# ----------------------------------------------------------------------------------------------- command line
+def check_overrides(args: Iterable[str]) -> str | None:
+    """Check the ``quant.*`` keys of command-line overrides against the Config's dataclasses before Hydra runs.
+
+    Hydra alone says ``Key 'dtyp' is not in struct`` and suggests appending it; this names the key, what is
+    allowed there and the closest match. Returns the message of the first bad key, or None.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001 - Hydra reports its own syntax errors
+            continue
+        key = override.key_or_group
+        if override.is_delete() or "/" in key or "@" in key or not key.startswith("quant."):
+            continue
+        message = check_quant_key(key.split(".")[1:])
+        if message:
+            return f"{arg}: {message}"
+    return None
+
+
+def check_quant_key(parts: list[str]) -> str | None:
+    """None when ``quant.<parts>`` names a field of the flow or of the Config (per-layer names may hold dots)."""
+    head, rest = parts[0], parts[1:]
+    path = f"quant.{head}"
+    if head not in FLOW_KEYS and head not in CONFIG_KEYS:
+        return _unknown("quant", head, FLOW_KEYS + CONFIG_KEYS)
+    if not rest:
+        return None
+    if head == "global_quant_config":
+        return _check_qconfig(path, rest)
+    if head in ("layer_type_quant_config", "layer_quant_config"):
+        # the layer (type) name may itself contain dots: the first role name after it starts the QuantizationConfig
+        for i in range(1, len(rest)):
+            if rest[i] in QCONFIG_KEYS:
+                return _check_qconfig(f"{path}.{'.'.join(rest[:i])}", rest[i:])
+        return None
+    return None  # flow scalars, exclude, algorithm configs: their values are checked after composition
+
+
+def _check_qconfig(path: str, parts: list[str]) -> str | None:
+    role, rest = parts[0], parts[1:]
+    if role not in QCONFIG_KEYS:
+        return _unknown(path, role, QCONFIG_KEYS)
+    if not rest or role == "target_device":
+        return None
+    if rest[0] not in SPEC_KEYS:
+        return _unknown(f"{path}.{role}", rest[0], SPEC_KEYS, "QuantizationSpec")
+    if rest[0] == "qat_spec" and len(rest) > 1 and rest[1] not in QAT_KEYS:
+        return _unknown(f"{path}.{role}.qat_spec", rest[1], QAT_KEYS, "TQTSpec / LSQSpec")
+    return None
+
+
+def _unknown(path: str, key: str, allowed: Iterable[str], owner: str | None = None) -> str:
+    allowed = list(allowed)
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f"; did you mean {path}.{close[0]}?" if close else ""
+    of = f" ({owner})" if owner else ""
+    return f"unknown key {path}.{key}{of}; allowed: {allowed}{hint}"

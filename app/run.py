@@ -1,0 +1,296 @@
+"""One run of the app: validate -> build -> fit (float) -> test float -> quantize (PTQ or QAT) -> test -> report.
+
+``train.py`` calls ``run(cfg, output_dir)`` with the composed Hydra config; tests call it in-process the same way.
+Every check that can fail (the quant config, the metric, the checkpoint, the layers' shapes) runs before a Trainer
+is built, so a mistake costs seconds, not a training run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from app.conf import QuantFlow, build_quant, nominal_bits, spec_bits
+from callbacks import QuantCallback
+from quark.torch import ModelQuantizer
+from quark.torch.quantization.api import run_batch
+from quark.torch.quantization.config.config import Config, QuantizationConfig
+from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
+
+for _message in (".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*"):
+    warnings.filterwarnings("ignore", message=_message)
+
+
+def _one_log_line_per_message() -> None:
+    """Lightning and torchmetrics attach their own stderr handlers *and* propagate to the root logger, where Hydra
+    has its console and train.log handlers: drop theirs so each message is printed once (and still logged)."""
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
+        log = logging.getLogger(name)
+        for handler in list(log.handlers):
+            if type(handler) is logging.StreamHandler:
+                log.removeHandler(handler)
+        log.propagate = True
+
+
+class ScaleLearningRates(Callback):
+    """Multiply every optimizer's learning rates by ``factor`` when training starts (QAT fine-tunes trained weights)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= self.factor
+                if "initial_lr" in group:  # schedulers restart from the scaled rate
+                    group["initial_lr"] *= self.factor
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [lr * self.factor for lr in scheduler.base_lrs]
+
+
+def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+    """Run the composed config; writes ``results.json`` (and checkpoints, logs) under ``output_dir``; returns it."""
+    start = time.perf_counter()
+    _one_log_line_per_message()
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    flow, qconfig = build_quant(cfg.quant)  # first: a bad quant config stops here
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    metric, higher_is_better = _metric(cfg, model)
+    layers = _check_quantizable(qconfig, model) if qconfig is not None else {}
+    if cfg.get("ckpt_path"):
+        _load_float_weights(model, str(cfg.ckpt_path))
+
+    timings: dict[str, float] = {}
+    trainer = _trainer(cfg, out, "fp32", checkpoint_name="float-{epoch}")
+    if not cfg.get("ckpt_path"):
+        t0 = time.perf_counter()
+        trainer.fit(model, datamodule=datamodule)
+        timings["fit_s"] = time.perf_counter() - t0
+    float_metrics = _test(trainer, model, datamodule)
+    float_ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
+    float_bits = model_size_bits(model)[1]
+
+    quant_metrics: dict[str, float] | None = None
+    report: dict[str, Any] = {}
+    quantized_ckpt = None
+    if qconfig is not None:
+        t0 = time.perf_counter()
+        qtrainer, model = _quantize(cfg, flow, qconfig, model, datamodule, out)
+        quant_metrics = _test(qtrainer, model, datamodule)
+        timings["quantize_s"] = time.perf_counter() - t0
+        report = _report(model, datamodule)
+        quantized_ckpt = str(out / "checkpoints" / "quantized.ckpt")
+        qtrainer.save_checkpoint(quantized_ckpt)
+    timings["total_s"] = time.perf_counter() - start
+
+    results = _results(cfg, flow, qconfig, metric, higher_is_better, float_metrics, quant_metrics, report, float_bits, timings)
+    results["layers"] = layers
+    results["checkpoints"] = {"float": float_ckpt or cfg.get("ckpt_path"), "quantized": quantized_ckpt}
+    _write_json(out / "results.json", results)
+    print(format_table(results))
+    print(f"results: {out / 'results.json'}")
+    return results
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _metric(cfg: DictConfig, model: LightningModule) -> tuple[str, bool]:
+    name, mode = str(cfg.metric.name), str(cfg.metric.mode)
+    if mode not in ("max", "min"):
+        raise ValueError(f"metric.mode={mode!r} is not allowed; allowed: ['max', 'min']")
+    logged = getattr(model, "metrics", None)
+    if logged is not None and name not in logged:
+        raise ValueError(
+            f"metric.name={name!r} is not logged by {type(model).__name__}; it logs {list(logged)} "
+            "(for the LM use experiment=char_lm, which sets data, model and metric together)"
+        )
+    return name, mode == "max"
+
+
+def _check_quantizable(config: Config, model: LightningModule) -> dict[str, dict[str, Any]]:
+    """The config must match a layer, and each layer's tensors must fit its specs (checked on a copy).
+    Returns what each layer resolves to: per role the spec's main fields and the level it came from."""
+    quantizer = ModelQuantizer(config)
+    plans = quantizer.resolve(model)
+    if not plans:
+        layers = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if n]
+        raise ValueError(f"the quant config matches no layer of {type(model).__name__}; its layers: {layers}")
+    quantizer.prepare(copy.deepcopy(model))  # shape errors (group sizes, channel axes) name the layer
+    layers: dict[str, dict[str, Any]] = {}
+    for plan in plans:
+        entry: dict[str, Any] = {"type": plan.layer_type}
+        for role in QuantizationConfig.ROLES:
+            spec = getattr(plan.qconfig, role)
+            if spec is not None:
+                entry[role] = {
+                    "dtype": spec.dtype.name, "qscheme": spec.qscheme.name if spec.qscheme else None,
+                    "ch_axis": spec.ch_axis, "group_size": spec.group_size, "bits": spec_bits(spec),
+                    "from": plan.source.get(role),
+                }  # fmt: skip
+        layers[plan.name] = entry
+    return layers
+
+
+def _load_float_weights(model: LightningModule, path: str) -> None:
+    """Weights of a Lightning checkpoint (read only: the file is never written) into the freshly built model."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ckpt_path={path!r} does not exist")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(f"ckpt_path={path!r} holds no state_dict")
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"ckpt_path={path!r} does not fit {type(model).__name__} (a float checkpoint of this model?): {err}") from None
+
+
+# ----------------------------------------------------------------------------------------------- building blocks
+def _loggers(cfg: DictConfig, out: Path, phase: str) -> list[Any]:
+    loggers = []
+    for node in (cfg.get("logger") or {}).values():
+        if node is None:
+            continue
+        extra: dict[str, Any] = {"version": phase}
+        if node.get("save_dir") is None:
+            extra["save_dir"] = str(out)
+        loggers.append(instantiate(node, **extra))
+    return loggers
+
+
+def _trainer(cfg: DictConfig, out: Path, phase: str, checkpoint_name: str, callbacks: list[Callback] | None = None, **overrides: Any) -> Trainer:
+    callbacks = list(callbacks or [])
+    if cfg.trainer.get("enable_checkpointing", True) is not False:
+        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename=checkpoint_name, save_last=False))
+    kwargs: dict[str, Any] = {"callbacks": callbacks, "logger": _loggers(cfg, out, phase) or False, **overrides}
+    if cfg.trainer.get("default_root_dir") is None:
+        kwargs["default_root_dir"] = str(out)
+    return instantiate(cfg.trainer, **kwargs)
+
+
+def _quantize(
+    cfg: DictConfig, flow: QuantFlow, config: Config, model: LightningModule, datamodule: Any, out: Path
+) -> tuple[Trainer, LightningModule]:
+    """PTQ: a Trainer whose QuantCallback calibrates before testing. QAT: fine-tune with fake quantization."""
+    if flow.mode == "ptq":
+        callback = QuantCallback(config, mode="ptq", calib_batches=flow.calib_batches, save_quantized=False)
+        return _trainer(cfg, out, "ptq", "ptq-{epoch}", [callback]), model  # its test calibrates first
+    callback = QuantCallback(config, mode="qat", observer_steps=flow.observer_steps, freeze_bn_epoch=flow.freeze_bn_epoch)
+    trainer = _trainer(
+        cfg, out, "qat", "qat-{epoch}", [callback, ScaleLearningRates(flow.qat_lr_scale)], max_epochs=flow.qat_epochs
+    )
+    trainer.fit(model, datamodule=datamodule)
+    return trainer, model
+
+
+def _test(trainer: Trainer, model: LightningModule, datamodule: Any) -> dict[str, float]:
+    (metrics,) = trainer.test(model, datamodule=datamodule, verbose=False)
+    return {k: float(v) for k, v in metrics.items()}
+
+
+@torch.no_grad()
+def _report(model: LightningModule, datamodule: Any) -> dict[str, Any]:
+    """Per-layer SQNR (dB) of weights and of activations on the first test batch, and the model size."""
+    batch = next(iter(datamodule.test_dataloader()))
+    was_training = model.training
+    model.eval()
+    try:
+        act = activation_sqnr(model, lambda m: run_batch(m, batch, device=model.device))
+    finally:
+        model.train(was_training)
+    quantized_bits, float_bits = model_size_bits(model)
+    return {
+        "sqnr_db": {"weight": weight_sqnr(model), "activation": act},
+        "size": {
+            "fp32_bits": float_bits, "quantized_bits": quantized_bits,
+            "fp32_bytes": math.ceil(float_bits / 8), "quantized_bytes": math.ceil(quantized_bits / 8),
+            "compression": float_bits / quantized_bits if quantized_bits else None,
+        },
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- results
+def _results(
+    cfg: DictConfig,
+    flow: QuantFlow,
+    config: Config | None,
+    metric: str,
+    higher_is_better: bool,
+    float_metrics: dict[str, float],
+    quant_metrics: dict[str, float] | None,
+    report: dict[str, Any],
+    float_bits: int,
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    if metric not in float_metrics:
+        raise ValueError(f"metric.name={metric!r} was not logged by the test step; logged: {sorted(float_metrics)}")
+    float_value = float_metrics[metric]
+    quant_value = quant_metrics.get(metric) if quant_metrics else None
+    size = report.get("size") or {"fp32_bits": float_bits, "quantized_bits": float_bits, "fp32_bytes": math.ceil(float_bits / 8),
+                                  "quantized_bytes": math.ceil(float_bits / 8), "compression": 1.0}  # fmt: skip
+    return {
+        "task": {"data": cfg.data.get("_target_"), "model": cfg.model.get("_target_")},
+        "quant": {
+            "name": flow.name, "mode": flow.mode,
+            "weight_bits": nominal_bits(config, "weight"), "act_bits": nominal_bits(config, "input_tensors"),
+            "weight_bits_knob": flow.weight_bits, "act_bits_knob": flow.act_bits,
+        },
+        "metric": {"name": metric, "mode": "max" if higher_is_better else "min",
+                   "float": float_value, "quantized": quant_value,
+                   "delta": None if quant_value is None else quant_value - float_value},
+        "float_metrics": float_metrics,
+        "quantized_metrics": quant_metrics,
+        "size": size,
+        "sqnr_db": report.get("sqnr_db"),
+        "wall_time_s": timings,
+        "quark_config": config.to_dict() if config is not None else None,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }  # fmt: skip
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomic write: a temporary file in the same folder, then a rename."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The short table printed at the end of a run."""
+    m, q, size = results["metric"], results["quant"], results["size"]
+    label = f"{q['name']} ({q['mode']}, weights {q['weight_bits']:g} bits, activations {q['act_bits']:g} bits)"
+    rows = [("model", m["name"], "size")]
+    rows.append(("float", f"{m['float']:.4g}", _bytes(size["fp32_bytes"])))
+    if m["quantized"] is not None:
+        rows.append((q["name"], f"{m['quantized']:.4g} ({m['delta']:+.2f})", _bytes(size["quantized_bytes"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{label}; wall time {results['wall_time_s']['total_s']:.1f} s"]
+    for i, row in enumerate(rows):
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+        if i == 0:
+            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.2f} MiB"

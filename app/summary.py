@@ -1,0 +1,123 @@
+"""The end of a sweep: ``summary.csv`` and ``summary.png`` (metric against weight bits, a line per scheme, the float
+baseline as a reference line) from the ``results.json`` of every job of a Hydra multirun.
+
+Runs as a Hydra callback (``hydra.callbacks.sweep_summary`` in conf/config.yaml) or by hand:
+``python -m app.summary multirun/2026-11-22/10-00-00``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+COLUMNS = (
+    "job", "task", "scheme", "mode", "weight_bits", "act_bits", "metric", "float", "quantized", "delta",
+    "quantized_bytes", "fp32_bytes", "wall_s",
+)  # fmt: skip
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after a multirun, summarise the jobs' results in the sweep directory."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        rows = collect(sweep_dir)
+        if not rows:
+            print(f"sweep summary: no results.json under {sweep_dir}")
+            return
+        csv_path, png_path = write_summary(rows, sweep_dir)
+        print(f"sweep summary: {csv_path} and {png_path} ({len(rows)} runs)")
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per ``results.json`` under ``sweep_dir`` (sorted by job folder)."""
+    rows = []
+    for path in sorted(sweep_dir.glob("**/results.json"), key=lambda p: (len(p.parts), str(p))):
+        r = json.loads(path.read_text())
+        m, q, size = r["metric"], r["quant"], r["size"]
+        rows.append({
+            "job": str(path.parent.relative_to(sweep_dir)),
+            "task": f"{_short(r['task']['model'])} on {_short(r['task']['data'])}",
+            "scheme": q["name"], "mode": q["mode"], "weight_bits": q["weight_bits"], "act_bits": q["act_bits"],
+            "metric": m["name"], "metric_mode": m["mode"], "float": m["float"], "quantized": m["quantized"],
+            "delta": m["delta"], "quantized_bytes": size["quantized_bytes"], "fp32_bytes": size["fp32_bytes"],
+            "wall_s": round(r["wall_time_s"]["total_s"], 2),
+        })  # fmt: skip
+    return rows
+
+
+def write_summary(rows: list[dict[str, Any]], folder: Path) -> tuple[Path, Path]:
+    """Write ``summary.csv`` and ``summary.png`` into ``folder``; returns their paths."""
+    csv_path, png_path = folder / "summary.csv", folder / "summary.png"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, png_path)
+    return csv_path, png_path
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Metric against weight bits: one panel per task and metric, one line per scheme (and mode), float as a
+    dashed reference; perplexity-like metrics (lower is better) on a log axis when they span a decade."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        panels[(row["task"], row["metric"])].append(row)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
+    for ax, ((task, metric), panel) in zip(axes[0], sorted(panels.items()), strict=True):
+        _panel(ax, task, metric, panel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def _panel(ax: Any, task: str, metric: str, rows: list[dict[str, Any]]) -> None:
+    lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for row in rows:
+        if row["quantized"] is not None:
+            lines[f"{row['scheme']} ({row['mode']})"].append((float(row["weight_bits"]), float(row["quantized"])))
+    markers = "osD^v<>ph*"
+    for i, (label, points) in enumerate(sorted(lines.items())):
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, marker=markers[i % len(markers)], linewidth=1.8, markersize=6, label=label)
+    floats = [float(r["float"]) for r in rows if r["float"] is not None]
+    if floats:
+        baseline = sum(floats) / len(floats)
+        ax.axhline(baseline, color="0.35", linestyle="--", linewidth=1.2, label=f"float ({baseline:.4g})")
+    values = [y for points in lines.values() for _, y in points] + floats
+    if rows[0]["metric_mode"] == "min" and values and min(values) > 0 and max(values) / min(values) > 10:
+        ax.set_yscale("log")
+    bits = sorted({x for points in lines.values() for x, _ in points})
+    if bits:
+        ax.set_xticks(bits)
+        ax.set_xticklabels([f"{b:g}" for b in bits])
+    better = "higher" if rows[0]["metric_mode"] == "max" else "lower"
+    ax.set_xlabel("weight bits per element")
+    ax.set_ylabel(f"{metric} ({better} is better)")
+    ax.set_title(task)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+
+
+def _short(target: str | None) -> str:
+    return (target or "?").rsplit(".", 1)[-1]
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1])
+    found = collect(folder)
+    if not found:
+        sys.exit(f"no results.json under {folder}")
+    print(*write_summary(found, folder))
