@@ -3,7 +3,7 @@
     python train.py                                     # digits CNN, W8A8 int8 PTQ (under a minute on 2 cores)
     python train.py quant=w4a8_tqt                      # QAT with TQT learned thresholds
     python train.py quant=int4_per_group quant/weight=int4_per_channel_sym trainer.max_epochs=4
-    python train.py ckpt_path=outputs/.../checkpoints/float-epoch=11.ckpt quant=fp8_e4m3   # PTQ, no retraining
+    python train.py ckpt_path=outputs/.../checkpoints/float-epoch11.ckpt quant=fp8_e4m3   # PTQ, no retraining
     python train.py -m quant=int8_per_channel,w4a8_tqt quant.weight_bits=2,3,4,6,8         # sweep + summary.png
     python train.py experiment=char_lm quant=int4_per_group   # byte-level LM on Python source (perplexity)
 

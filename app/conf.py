@@ -34,7 +34,7 @@ MODES = ("none", "ptq", "qat")
 CONFIG_KEYS = tuple(f.name for f in fields(Config))
 SPEC_KEYS = tuple(f.name for f in fields(QuantizationSpec))
 QCONFIG_KEYS = tuple(f.name for f in fields(QuantizationConfig))
-QAT_KEYS = tuple(sorted({f.name for f in fields(TQTSpec)} | {f.name for f in fields(LSQSpec)}))
+QAT_KEYS = tuple(sorted({"method"} | {f.name for f in fields(TQTSpec)} | {f.name for f in fields(LSQSpec)}))
 
 #: minifloat family per width: (exponent-heavy, mantissa-heavy); a bit-width knob keeps the family of the preset
 _MINIFLOATS = {8: (Dtype.fp8_e5m2, Dtype.fp8_e4m3), 6: (Dtype.fp6_e3m2, Dtype.fp6_e2m3), 4: (Dtype.fp4, Dtype.fp4)}

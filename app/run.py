@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -31,7 +32,10 @@ from quark.torch.quantization.api import run_batch
 from quark.torch.quantization.config.config import Config, QuantizationConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 
-for _message in (".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*"):
+for _message in (
+    ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
+    ".*Checkpoint directory .* exists and is not empty.*",  # fp32 then ptq/qat checkpoints share the run folder
+):
     warnings.filterwarnings("ignore", message=_message)
 
 
@@ -74,15 +78,15 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     flow, qconfig = build_quant(cfg.quant)  # first: a bad quant config stops here
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model)
+    datamodule = _build(cfg.data, "data")
+    model = _build(cfg.model, "model")
     metric, higher_is_better = _metric(cfg, model)
     layers = _check_quantizable(qconfig, model) if qconfig is not None else {}
     if cfg.get("ckpt_path"):
         _load_float_weights(model, str(cfg.ckpt_path))
 
     timings: dict[str, float] = {}
-    trainer = _trainer(cfg, out, "fp32", checkpoint_name="float-{epoch}")
+    trainer = _trainer(cfg, out, "fp32", checkpoint_name="float-epoch{epoch}")
     if not cfg.get("ckpt_path"):
         t0 = time.perf_counter()
         trainer.fit(model, datamodule=datamodule)
@@ -114,6 +118,18 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- checks
+def _build(node: DictConfig, key: str) -> Any:
+    """``instantiate`` whose failure in the target's own code is raised as that error (Hydra wraps it in an
+    InstantiationException whose message repeats the full traceback text); bad targets keep Hydra's error."""
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
+            raise type(cause)(f"{key} ({node.get('_target_')}): {cause}") from cause
+        raise
+
+
 def _metric(cfg: DictConfig, model: LightningModule) -> tuple[str, bool]:
     name, mode = str(cfg.metric.name), str(cfg.metric.mode)
     if mode not in ("max", "min"):
@@ -181,7 +197,8 @@ def _loggers(cfg: DictConfig, out: Path, phase: str) -> list[Any]:
 def _trainer(cfg: DictConfig, out: Path, phase: str, checkpoint_name: str, callbacks: list[Callback] | None = None, **overrides: Any) -> Trainer:
     callbacks = list(callbacks or [])
     if cfg.trainer.get("enable_checkpointing", True) is not False:
-        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename=checkpoint_name, save_last=False))
+        # no "=" in file names: they are passed back as ckpt_path=... overrides, where "=" would need quoting
+        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename=checkpoint_name, auto_insert_metric_name=False))
     kwargs: dict[str, Any] = {"callbacks": callbacks, "logger": _loggers(cfg, out, phase) or False, **overrides}
     if cfg.trainer.get("default_root_dir") is None:
         kwargs["default_root_dir"] = str(out)
@@ -194,10 +211,10 @@ def _quantize(
     """PTQ: a Trainer whose QuantCallback calibrates before testing. QAT: fine-tune with fake quantization."""
     if flow.mode == "ptq":
         callback = QuantCallback(config, mode="ptq", calib_batches=flow.calib_batches, save_quantized=False)
-        return _trainer(cfg, out, "ptq", "ptq-{epoch}", [callback]), model  # its test calibrates first
+        return _trainer(cfg, out, "ptq", "ptq-epoch{epoch}", [callback]), model  # its test calibrates first
     callback = QuantCallback(config, mode="qat", observer_steps=flow.observer_steps, freeze_bn_epoch=flow.freeze_bn_epoch)
     trainer = _trainer(
-        cfg, out, "qat", "qat-{epoch}", [callback, ScaleLearningRates(flow.qat_lr_scale)], max_epochs=flow.qat_epochs
+        cfg, out, "qat", "qat-epoch{epoch}", [callback, ScaleLearningRates(flow.qat_lr_scale)], max_epochs=flow.qat_epochs
     )
     trainer.fit(model, datamodule=datamodule)
     return trainer, model

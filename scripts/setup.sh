@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create the virtual environment $VENV (default .venv) if it is missing and install the project into it:
+# torch pinned to 2.13.0 (the CPU build here; any other spec may pull a multi-GB CUDA build), then this project
+# with its dev extra. Idempotent: a second run only checks that everything is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+fi
+"$VENV/bin/pip" install --quiet torch==2.13.0
+"$VENV/bin/pip" install --quiet -e ".[dev]"

@@ -1,0 +1,148 @@
+"""train.py end to end: every preset runs and reports; ckpt_path skips training; a sweep writes its summary; mistakes
+stop the run before any training, with a message that names the key."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from app_helpers import PRESETS, compose_cfg, run_train
+
+from app.run import run
+from quark.torch.quantization.config.config import Config
+
+SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_and_writes_results(preset: str, tmp_path: Path) -> None:
+    results = run(compose_cfg(f"quant={preset}", *SMOKE), tmp_path)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["metric"] == results["metric"]
+    m, q, size = on_disk["metric"], on_disk["quant"], on_disk["size"]
+    assert m["name"] == "test_acc" and 0.0 <= m["float"] <= 100.0
+    assert on_disk["config"]["quant"]["name"] == preset == q["name"]
+    assert on_disk["wall_time_s"]["total_s"] >= on_disk["wall_time_s"]["fit_s"] > 0
+    assert (tmp_path / "logs" / "fp32" / "metrics.csv").exists()
+    if preset == "none":
+        assert m["quantized"] is None and on_disk["quark_config"] is None and on_disk["sqnr_db"] is None
+        assert size["quantized_bits"] == size["fp32_bits"]
+        return
+    assert 0.0 <= m["quantized"] <= 100.0 and m["delta"] == pytest.approx(m["quantized"] - m["float"])
+    Config.from_dict(on_disk["quark_config"])  # the resolved quark config round-trips
+    layers = on_disk["layers"]
+    assert set(layers) == {"net.conv1", "net.conv2", "net.fc1", "net.fc2"}
+    assert set(on_disk["sqnr_db"]["weight"]) == set(layers)
+    assert all(v > 5.0 for v in on_disk["sqnr_db"]["weight"].values())  # quantized weights resemble the float ones
+    # the size follows the weight bits of each layer (4 KiB of biases and such stay float)
+    assert size["quantized_bits"] < size["fp32_bits"]
+    assert size["quantized_bytes"] == -(-size["quantized_bits"] // 8)
+    assert size["compression"] == pytest.approx(size["fp32_bits"] / size["quantized_bits"])
+    assert Path(on_disk["checkpoints"]["quantized"]).exists()
+    assert (tmp_path / "logs" / q["mode"] / "metrics.csv").exists()
+
+
+def test_size_matches_bits_per_weight(tmp_path: Path) -> None:
+    """int8 everywhere: each weight costs 8 bits, everything else (biases) 32; the report must say exactly that."""
+    results = run(compose_cfg("quant=int8_per_tensor", *SMOKE), tmp_path)
+    import torch
+
+    from tasks.lightning_digits import DigitsClassifier
+
+    model = DigitsClassifier()
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Conv2d | torch.nn.Linear))
+    others = sum(p.numel() for p in model.parameters()) - weights
+    assert results["size"]["quantized_bits"] == 8 * weights + 32 * others
+    assert results["size"]["fp32_bits"] == 32 * (weights + others)
+
+
+def test_qat_run_learns_thresholds_and_reports(tmp_path: Path) -> None:
+    results = run(compose_cfg("quant=w4a8_tqt", *SMOKE, "quant.qat_epochs=2", "quant.weight_bits=3"), tmp_path)
+    assert results["quant"]["weight_bits"] == 3.0 and results["quant"]["weight_bits_knob"] == 3
+    assert results["layers"]["net.fc1"]["weight"]["dtype"] == "int3"
+    assert results["wall_time_s"]["quantize_s"] > 0
+    logged = (tmp_path / "logs" / "qat" / "metrics.csv").read_text()
+    assert "train_loss" in logged  # QAT trained
+
+
+def test_ckpt_path_skips_training_and_leaves_the_checkpoint_untouched(tmp_path: Path) -> None:
+    first = run(compose_cfg("quant=none", *SMOKE), tmp_path / "first")
+    ckpt = Path(first["checkpoints"]["float"])
+    assert ckpt.exists()
+    digest = _sha(ckpt)
+    second = run(compose_cfg("quant=int8_per_channel", *SMOKE, f"ckpt_path={ckpt}"), tmp_path / "second")
+    assert "fit_s" not in second["wall_time_s"]
+    assert second["metric"]["float"] == first["metric"]["float"]  # the same weights, not a new training
+    assert second["float_metrics"]["test_loss"] == pytest.approx(first["float_metrics"]["test_loss"], rel=1e-6)
+    assert second["checkpoints"]["float"] == str(ckpt)
+    assert _sha(ckpt) == digest
+    assert not list((tmp_path / "second" / "checkpoints").glob("float-*.ckpt"))
+
+
+def test_bad_ckpt_path_stops_before_training(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="ckpt_path='/no/such.ckpt' does not exist"):
+        run(compose_cfg(*SMOKE, "ckpt_path=/no/such.ckpt"), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (("quant/weight=int4_g32",), ValueError, r"layer 'net.conv1' \(Conv2d, weight of shape \(32, 1, 3, 3\)\): group_size=32"),
+        (("quant.exclude=[net.*]",), ValueError, r"matches no layer of DigitsClassifier; its layers: \['net \(DigitsCNN\)'"),
+        (("metric.name=test_ppl",), ValueError, r"metric.name='test_ppl' is not logged by DigitsClassifier; it logs \["),
+        (("quant.global_quant_config.weight.dtype=int33",), ValueError, r"'int33' is not a valid Dtype; allowed"),
+    ],
+)
+def test_mistakes_stop_before_any_training(overrides: tuple[str, ...], error: type, message: str, tmp_path: Path) -> None:
+    with pytest.raises(error, match=message):
+        run(compose_cfg(*SMOKE, *overrides), tmp_path)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "logs").exists()
+
+
+def test_fashion_mnist_missing_says_how_to_install(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
+        run(compose_cfg("data=fashion_mnist", f"+data.root={tmp_path}", *SMOKE), tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- the entry point
+def test_train_py_default_run(tmp_path: Path) -> None:
+    proc = run_train(*SMOKE, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["quant"]["name"] == "int8_per_channel" and results["metric"]["quantized"] is not None
+    assert "int8_per_channel (ptq, weights 8 bits, activations 8 bits)" in proc.stdout
+    assert (tmp_path / "run" / "train.log").exists()
+    assert not (tmp_path / "outputs").exists()  # hydra.run.dir honoured
+
+
+def test_train_py_typo_in_a_key_names_it_and_what_is_allowed(tmp_path: Path) -> None:
+    proc = run_train("quant.global_quant_config.weight.dtyp=int4", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "unknown key quant.global_quant_config.weight.dtyp (QuantizationSpec)" in proc.stderr
+    assert "did you mean quant.global_quant_config.weight.dtype?" in proc.stderr and "'observer_cls'" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_py_bad_value_names_it_and_what_is_allowed(tmp_path: Path) -> None:
+    proc = run_train("quant.global_quant_config.weight.dtype=int33", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "QuantizationSpec.dtype='int33' is not a valid Dtype; allowed: ['int2'" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_sweep_writes_summary_csv_and_png(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_train("-m", "quant=int8_per_channel", "quant.weight_bits=4,8", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = (sweep / "summary.csv").read_text().splitlines()
+    assert rows[0].startswith("job,task,scheme,mode,weight_bits")
+    assert len(rows) == 3 and {r.split(",")[4] for r in rows[1:]} == {"4.0", "8.0"}
+    assert (sweep / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "sweep summary:" in proc.stdout
