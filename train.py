@@ -19,7 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from app.conf import check_overrides, register_role_groups
+from app.conf import ConfigError, check_overrides, register_role_groups
 
 register_role_groups()
 
@@ -29,7 +29,10 @@ def main(cfg: DictConfig) -> float | None:
     """Run one composed config; returns the quantized (else float) headline metric, for sweepers that optimise it."""
     from app.run import run  # imported here: `python train.py --help` stays fast
 
-    results = run(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        results = run(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:  # found before any training: the message says it all, no traceback
+        sys.exit(f"error: {err}")
     metric = results["metric"]
     return metric["quantized"] if metric["quantized"] is not None else metric["float"]
 

@@ -41,8 +41,12 @@ _MINIFLOATS = {8: (Dtype.fp8_e5m2, Dtype.fp8_e4m3), 6: (Dtype.fp6_e3m2, Dtype.fp
 _EXPONENT_HEAVY = {Dtype.fp8_e5m2, Dtype.fp6_e3m2}
 
 
-class QuantConfigError(ValueError):
-    """A composed ``quant`` node that does not make a valid quark Config or flow (the message names the key)."""
+class ConfigError(ValueError):
+    """A composed config that cannot run (found before anything is trained; the message names the key)."""
+
+
+class QuantConfigError(ConfigError):
+    """A composed ``quant`` node that does not make a valid quark Config or flow."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from app.conf import QuantFlow, build_quant, nominal_bits, spec_bits
+from app.conf import ConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
 from callbacks import QuantCallback
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.api import run_batch
@@ -78,12 +78,15 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     flow, qconfig = build_quant(cfg.quant)  # first: a bad quant config stops here
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = _build(cfg.data, "data")
-    model = _build(cfg.model, "model")
-    metric, higher_is_better = _metric(cfg, model)
-    layers = _check_quantizable(qconfig, model) if qconfig is not None else {}
-    if cfg.get("ckpt_path"):
-        _load_float_weights(model, str(cfg.ckpt_path))
+    try:
+        datamodule = _build(cfg.data, "data")
+        model = _build(cfg.model, "model")
+        metric, higher_is_better = _metric(cfg, model)
+        layers = _check_quantizable(qconfig, model) if qconfig is not None else {}
+        if cfg.get("ckpt_path"):
+            _load_float_weights(model, str(cfg.ckpt_path))
+    except (ValueError, FileNotFoundError) as err:  # before any Trainer: the composed config cannot run
+        raise ConfigError(str(err)) from err
 
     timings: dict[str, float] = {}
     trainer = _trainer(cfg, out, "fp32", checkpoint_name="float-epoch{epoch}")
