@@ -108,7 +108,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         timings["quantize_s"] = time.perf_counter() - t0
         report = _report(model, datamodule)
         quantized_ckpt = str(out / "checkpoints" / "quantized.ckpt")
-        qtrainer.save_checkpoint(quantized_ckpt)
+        qtrainer.save_checkpoint(quantized_ckpt, weights_only=False)  # with the callback state (its Config)
     timings["total_s"] = time.perf_counter() - start
 
     results = _results(cfg, flow, qconfig, metric, higher_is_better, float_metrics, quant_metrics, report, float_bits, timings)
@@ -300,9 +300,9 @@ def format_table(results: dict[str, Any]) -> str:
     m, q, size = results["metric"], results["quant"], results["size"]
     label = f"{q['name']} ({q['mode']}, weights {q['weight_bits']:g} bits, activations {q['act_bits']:g} bits)"
     rows = [("model", m["name"], "size")]
-    rows.append(("float", f"{m['float']:.4g}", _bytes(size["fp32_bytes"])))
+    rows.append(("float", f"{m['float']:.2f}", _bytes(size["fp32_bytes"])))
     if m["quantized"] is not None:
-        rows.append((q["name"], f"{m['quantized']:.4g} ({m['delta']:+.2f})", _bytes(size["quantized_bytes"])))
+        rows.append((q["name"], f"{m['quantized']:.2f} ({m['delta']:+.2f})", _bytes(size["quantized_bytes"])))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{label}; wall time {results['wall_time_s']['total_s']:.1f} s"]
     for i, row in enumerate(rows):

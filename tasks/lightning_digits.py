@@ -37,6 +37,8 @@ class DigitsDataModule(L.LightningDataModule):
 class DigitsClassifier(L.LightningModule):
     """DigitsCNN trained with Adam; logs loss and accuracy (percent) for train / val / test."""
 
+    metrics = ("test_loss", "test_acc")
+
     def __init__(self, lr: float = 2e-3, width: int = 32) -> None:
         super().__init__()
         self.save_hyperparameters()

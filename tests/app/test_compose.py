@@ -268,3 +268,24 @@ def test_nominal_bits_of_block_formats_count_shared_scales() -> None:
 
 def test_spec_files_are_valid_quantization_specs() -> None:
     assert Config.from_dict({"global_quant_config": {"weight": SPEC_INT8}}).global_quant_config.weight.ch_axis == 0
+
+
+# ----------------------------------------------------------------------------------------------- the LM experiment
+def test_char_lm_experiment_sets_data_model_and_metric() -> None:
+    cfg = compose_cfg("experiment=char_lm")
+    assert cfg.data._target_ == "tasks.char_lm.PythonSourceDataModule"
+    assert cfg.model._target_ == "tasks.char_lm.CharLM"
+    assert (cfg.metric.name, cfg.metric.mode) == ("test_ppl", "min")
+    assert cfg.trainer.max_epochs == 2 and cfg.quant.name == "int8_per_channel"
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in ("none", "w4_edges8")])
+def test_every_preset_fits_the_lm(preset: str) -> None:
+    cfg = compose_cfg("experiment=char_lm", f"quant={preset}", "model.n_layers=1")
+    config = build_quant(cfg.quant)[1]
+    model = instantiate(cfg.model)
+    plans = ModelQuantizer(config).resolve(model)
+    linears = {"net.lm_head"} | {f"net.model.layers.0.self_attn.{p}_proj" for p in "qkvo"}
+    linears |= {f"net.model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")}
+    assert {p.name for p in plans} == linears  # embeddings stay float unless named
+    ModelQuantizer(config).prepare(model)  # every Linear's in_features fits groups of 32

@@ -148,3 +148,15 @@ def test_sweep_writes_summary_csv_and_png(tmp_path: Path) -> None:
     assert len(rows) == 3 and {r.split(",")[4] for r in rows[1:]} == {"4.0", "8.0"}
     assert (sweep / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "sweep summary:" in proc.stdout
+
+
+def test_char_lm_experiment_runs_and_reports_perplexity(tmp_path: Path) -> None:
+    tiny = ("data.train_bytes=20000", "data.val_bytes=4000", "data.test_bytes=4000", "model.n_layers=1")
+    results = run(compose_cfg("experiment=char_lm", "quant=int4_per_group", *SMOKE, *tiny), tmp_path)
+    m = results["metric"]
+    assert (m["name"], m["mode"]) == ("test_ppl", "min")
+    assert 1.0 < m["float"] < 300.0 and 1.0 < m["quantized"] < 300.0
+    assert results["float_metrics"]["test_ppl"] == pytest.approx(2.718281828 ** results["float_metrics"]["test_loss"], rel=1e-5)
+    q_proj = results["layers"]["net.model.layers.0.self_attn.q_proj"]["weight"]
+    assert (q_proj["dtype"], q_proj["group_size"], q_proj["bits"]) == ("int4", 32, 4.0)
+    assert results["quant"]["act_bits"] == 32.0 and results["sqnr_db"]["activation"] == {}
