@@ -39,7 +39,7 @@ class SweepSummary(Callback):
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per ``results.json`` under ``sweep_dir`` (sorted by job folder)."""
     rows = []
-    for path in sorted(sweep_dir.glob("**/results.json"), key=lambda p: (len(p.parts), str(p))):
+    for path in sorted(sweep_dir.glob("**/results.json"), key=lambda p: _natural(p.relative_to(sweep_dir))):
         r = json.loads(path.read_text())
         m, q, size = r["metric"], r["quant"], r["size"]
         rows.append({
@@ -109,6 +109,11 @@ def _panel(ax: Any, task: str, metric: str, rows: list[dict[str, Any]]) -> None:
     ax.set_title(task)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
+
+
+def _natural(path: Path) -> tuple[tuple[int, int | str], ...]:
+    """Sort key of a job folder: Hydra numbers jobs 0, 1, ..., 10, so numeric parts compare as numbers."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in path.parts)
 
 
 def _short(target: str | None) -> str:

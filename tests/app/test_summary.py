@@ -32,8 +32,9 @@ def _sweep(tmp_path: Path) -> Path:
 
 
 def test_collect_reads_every_job_in_order(tmp_path: Path) -> None:
+    _result(tmp_path / "10", "bf16", "ptq", 16, 90.0)  # Hydra's eleventh job comes after the second
     rows = collect(_sweep(tmp_path))
-    assert [r["job"] for r in rows] == ["0", "1", "2", "3", "4", "5"]
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3", "4", "5", "10"]
     assert rows[1]["weight_bits"] == 2 and rows[1]["delta"] == -50.0
     assert rows[0]["task"] == "DigitsClassifier on DigitsDataModule"
 
