@@ -1,9 +1,10 @@
 """quark.torch: the public face of the engine.
 
-Top level API: ``ModelQuantizer`` (prepare -> calibrate -> freeze). Building blocks live under
+Top level API: ``ModelQuantizer`` (prepare -> [SmoothQuant, AWQ] -> calibrate -> [GPTQ] -> freeze). Building blocks live under
 ``quark.torch.quantization`` (config, formats, observers, fake quantization, quantized layers).
 """
 
+import quark.torch.algorithm  # noqa: F401 - registers GPTQ / AWQ / SmoothQuant with ModelQuantizer
 from quark.torch.quantization.api import LayerPlan, ModelQuantizer
 
 __all__ = ["ModelQuantizer", "LayerPlan"]

@@ -9,11 +9,12 @@ Everything that can be checked is checked before the model is touched, and a fai
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -160,6 +161,23 @@ def _model_device(model: nn.Module) -> torch.device | None:
 
 
 # ----------------------------------------------------------------------------------------------- ModelQuantizer
+class AlgorithmRunner(Protocol):
+    """What ``quark.torch.algorithm`` provides (it registers itself on import: the algorithms depend on this module,
+    never the reverse)."""
+
+    def before_calibration(self, model: nn.Module, config: Config, batches: list[Any], device: torch.device | None) -> None: ...
+
+    def after_calibration(self, model: nn.Module, config: Config, batches: list[Any], device: torch.device | None) -> None: ...
+
+
+_ALGORITHMS: list[AlgorithmRunner] = []
+
+
+def register_algorithms(runner: AlgorithmRunner) -> None:
+    """Install the runner of ``algo_config`` / ``pre_quant_opt_config`` (called by ``quark.torch.algorithm``)."""
+    _ALGORITHMS[:] = [runner]
+
+
 class ModelQuantizer:
     """Quantize a float model with a Quark ``Config``.
 
@@ -220,7 +238,6 @@ class ModelQuantizer:
         return self._prepare(model, self.resolve(model))
 
     def _prepare(self, model: nn.Module, plans: list[LayerPlan]) -> nn.Module:
-        self._check_algorithms()
         swapped: list[tuple[nn.Module, str, nn.Module]] = []
         try:
             for plan in plans:
@@ -252,9 +269,16 @@ class ModelQuantizer:
         needs_data = _needs_data(model)
         if needs_data:
             _check_data(dataloader, forward_loop)
+        batches = self._algorithm_batches(dataloader, forward_loop, max_batches)
         modes = [(m, m.training) for m in model.modules()]  # per module: a frozen BatchNorm stays in eval
         model.eval()
         try:
+            if batches is not None:  # SmoothQuant / AWQ rescale the float weights: before any statistic is taken
+                for q in quantizers:
+                    q.enable_observer(False)
+                    q.disable_fake_quant()
+                _ALGORITHMS[0].before_calibration(model, self.config, batches, _model_device(model))
+                dataloader, max_batches = batches, None
             for q in quantizers:
                 q.enable_observer()
                 q.disable_fake_quant()
@@ -270,7 +294,31 @@ class ModelQuantizer:
                 q.enable_fake_quant()
             for m, training in modes:
                 m.training = training
+        if batches is not None:  # GPTQ: on the calibrated model, it sets the weights and their qparams
+            model.eval()
+            try:
+                _ALGORITHMS[0].after_calibration(model, self.config, batches, _model_device(model))
+            finally:
+                for m, training in modes:
+                    m.training = training
         return model
+
+    def _algorithm_batches(
+        self, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
+    ) -> list[Any] | None:
+        """The calibration batches as a list when the Config has algorithms (they pass over them several times)."""
+        algos = self.config.algo_configs + self.config.pre_quant_opt_configs
+        if not algos:
+            return None
+        names = [a.name for a in algos]  # type: ignore[attr-defined]
+        if not _ALGORITHMS:
+            raise RuntimeError(f"{names} need quark.torch.algorithm: `import quark.torch` registers it")
+        if dataloader is None:
+            raise ValueError(f"{names} need calibration batches: pass a dataloader (a forward_loop cannot be replayed per layer)")
+        batches = list(itertools.islice(dataloader, max_batches))
+        if not batches:
+            raise ValueError(f"{names}: the calibration dataloader yielded no batch")
+        return batches
 
     def quantize_model(
         self,
@@ -285,6 +333,11 @@ class ModelQuantizer:
             _check_data(dataloader, forward_loop)
         originals = {p.name: _get_submodule(model, p.name) for p in plans}
         had_config = hasattr(model, "quant_config")
+        # algorithms change weights (and norms) in place: keep their values to put back on failure
+        saved = (
+            [(t, t.detach().clone()) for t in itertools.chain(model.parameters(), model.buffers())]
+            if self.config.algo_configs or self.config.pre_quant_opt_configs else []
+        )  # fmt: skip
         try:
             self._prepare(model, plans)
             self.calibrate(model, dataloader, forward_loop, max_batches)
@@ -292,6 +345,9 @@ class ModelQuantizer:
             for name, module in originals.items():
                 parent, attr = _parent_of(model, name)
                 setattr(parent, attr, module)
+            with torch.no_grad():
+                for tensor, value in saved:
+                    tensor.copy_(value)
             if not had_config and "quant_config" in model.__dict__:
                 del model.quant_config
             raise
@@ -332,14 +388,6 @@ class ModelQuantizer:
                         frozen.enable_observer(False)  # block formats and casts: nothing left to record
                     module.register_module(attr, frozen)
         return model
-
-    def _check_algorithms(self) -> None:
-        if self.config.algo_configs or self.config.pre_quant_opt_configs:
-            names = [a.name for a in self.config.algo_configs + self.config.pre_quant_opt_configs]  # type: ignore[attr-defined]
-            raise NotImplementedError(
-                f"Config.algo_config / pre_quant_opt_config {names}: GPTQ, AWQ and SmoothQuant are not implemented in "
-                "this engine yet; remove them to quantize with round-to-nearest"
-            )
 
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -159,6 +159,14 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         self._sync()
         return self.scale, self.zero_point
 
+    def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+        """Fix scale and zero point computed elsewhere (GPTQ's); the observer is switched off so they stay."""
+        self.scale = scale.detach().to(self.scale.device, torch.float32).clone()
+        self.zero_point = zero_point.detach().to(self.zero_point.device).clone()
+        self.initialized.fill_(1)
+        self._stale = False
+        self.observer_enabled.fill_(0)
+
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         self._sync()
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -1,0 +1,52 @@
+"""SmoothQuant (Xiao et al. 2022): move activation outliers into the weights with a per-channel scale
+``s_j = max|X_j|^alpha / max|W_j|^(1-alpha)``; ``X / s`` is folded into the previous op and ``W * s`` into the
+linears, so the float model computes the same function and the activations are easier to quantize."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quark.torch.algorithm.capture import LayerInputs, collect_inputs, run_layer
+from quark.torch.algorithm.structure import scaling_groups
+from quark.torch.quantization.config.config import SmoothQuantConfig
+
+
+@torch.no_grad()
+def fold_scales(prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, where: str) -> None:
+    """Divide ``prev``'s output channels by ``scales`` and multiply the linears' input channels by them."""
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(scales.reshape(-1, 1).to(prev.weight.dtype))
+    elif isinstance(getattr(prev, "weight", None), torch.Tensor) and prev.weight.ndim == 1:  # LayerNorm, RMSNorm
+        prev.weight.div_(scales.to(prev.weight.dtype))
+    else:
+        raise ValueError(f"{where}: cannot fold a scale into {type(prev).__name__} (needs a Linear or a norm with a weight)")
+    bias = getattr(prev, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias.div_(scales.to(bias.dtype))
+    for layer in layers:
+        layer.weight.mul_(scales.reshape(1, -1).to(layer.weight.dtype))
+
+
+@torch.no_grad()
+def smooth_layer(layer: nn.Module, inputs: LayerInputs, config: SmoothQuantConfig) -> dict[str, torch.Tensor]:
+    """Smooth every scaling group of one decoder layer; returns the scales by ``prev_op`` name."""
+    modules = dict(layer.named_modules())
+    groups = scaling_groups(layer, config.scaling_layers)
+    absmax: dict[str, torch.Tensor] = {}
+
+    def record(name: str, module: nn.Module, x: torch.Tensor) -> None:
+        current = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+        absmax[name] = current if name not in absmax else torch.maximum(absmax[name], current)
+
+    with collect_inputs({g.inp: modules[g.inp] for g in groups}, record):
+        run_layer(layer, inputs)  # the float function does not change, so one pass serves every group
+    scales = {}
+    for g in groups:
+        linears = [modules[n] for n in g.layers]
+        w_max = torch.stack([m.weight.detach().abs().amax(dim=0).float() for m in linears]).amax(dim=0)
+        x_max = absmax[g.inp]
+        s = (x_max.pow(config.alpha) / w_max.clamp(min=1e-8).pow(1 - config.alpha)).clamp(min=config.scale_clamp_min)
+        fold_scales(modules[g.prev_op], linears, s, f"SmoothQuant {g.prev_op} -> {g.layers}")
+        scales[g.prev_op] = s
+    return scales
