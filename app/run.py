@@ -28,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from app.conf import ConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
 from callbacks import QuantCallback
 from quark.torch import ModelQuantizer
+from quark.torch.algorithm import find_decoder_layers, scaling_groups
 from quark.torch.quantization.api import run_batch
-from quark.torch.quantization.config.config import Config, QuantizationConfig
+from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 
 for _message in (
@@ -155,6 +156,15 @@ def _check_quantizable(config: Config, model: LightningModule) -> dict[str, dict
         layers = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if n]
         raise ValueError(f"the quant config matches no layer of {type(model).__name__}; its layers: {layers}")
     quantizer.prepare(copy.deepcopy(model))  # shape errors (group sizes, channel axes) name the layer
+    for algo in config.algo_configs + config.pre_quant_opt_configs:  # AWQ and SmoothQuant work on a decoder stack
+        if isinstance(algo, AWQConfig | SmoothQuantConfig):
+            found = find_decoder_layers(model, algo.model_decoder_layers)
+            if found is None:
+                raise ValueError(
+                    f"quant.{'algo_config' if isinstance(algo, AWQConfig) else 'pre_quant_opt_config'} ({algo.name}) needs "
+                    f"a decoder stack and {type(model).__name__} has none (use experiment=char_lm, or set model_decoder_layers)"
+                )
+            scaling_groups(found[1][0], algo.scaling_layers)  # derivable or valid, else the modules are listed
     layers: dict[str, dict[str, Any]] = {}
     for plan in plans:
         entry: dict[str, Any] = {"type": plan.layer_type}

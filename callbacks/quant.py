@@ -162,6 +162,12 @@ class QuantCallback(Callback):
         if calib_forward is not None and not callable(calib_forward):
             raise ValueError("`calib_forward` must be callable as calib_forward(module, batch)")
         self.config = _to_config(config)
+        algorithms = [a.name for a in self.config.algo_configs + self.config.pre_quant_opt_configs]  # type: ignore[attr-defined]
+        if algorithms and mode != "ptq":
+            raise ValueError(
+                f"{algorithms} run on calibration data after training: use mode='ptq' (they run when calibration "
+                "does, at the end of fit or before validate/test of an uncalibrated model)"
+            )
         self.quantizer = ModelQuantizer(self.config)
         self.mode = mode
         self.observer_steps = observer_steps

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from app_helpers import PRESETS, compose_cfg, run_train
+from app_helpers import DECODER_ONLY, PRESETS, TINY_LM, compose_cfg, run_train
 
 from app.conf import ConfigError
 from app.run import run
@@ -21,7 +21,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in DECODER_ONLY])
 def test_every_preset_runs_and_writes_results(preset: str, tmp_path: Path) -> None:
     results = run(compose_cfg(f"quant={preset}", *SMOKE), tmp_path)
     on_disk = json.loads((tmp_path / "results.json").read_text())
@@ -160,3 +160,24 @@ def test_char_lm_experiment_runs_and_reports_perplexity(tmp_path: Path) -> None:
     q_proj = results["layers"]["net.model.layers.0.self_attn.q_proj"]["weight"]
     assert (q_proj["dtype"], q_proj["group_size"], q_proj["bits"]) == ("int4", 32, 4.0)
     assert results["quant"]["act_bits"] == 32.0 and results["sqnr_db"]["activation"] == {}
+
+
+@pytest.mark.parametrize("preset", ["w3_rtn", "w3_gptq", "w3_awq", "w8a8", "w8a8_smoothquant"])
+def test_algorithm_presets_run_on_the_lm(preset: str, tmp_path: Path) -> None:
+    results = run(compose_cfg(*TINY_LM, f"quant={preset}", *SMOKE), tmp_path)
+    config = results["quark_config"]
+    assert results["metric"]["quantized"] > 1.0
+    weight = results["layers"]["net.model.layers.0.mlp.down_proj"]["weight"]
+    if preset.startswith("w3"):
+        assert (weight["dtype"], weight["group_size"]) == ("uint3", 32)
+        assert (config["algo_config"] or {}).get("name") == {"w3_rtn": None, "w3_gptq": "gptq", "w3_awq": "awq"}[preset]
+    else:
+        assert weight["dtype"] == "int8" and results["quant"]["act_bits"] == 8.0
+        assert (config["pre_quant_opt_config"] or {}).get("name") == ("smoothquant" if preset.endswith("smoothquant") else None)
+
+
+@pytest.mark.parametrize("preset", DECODER_ONLY)
+def test_decoder_only_algorithms_on_the_cnn_stop_before_training(preset: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs a decoder stack and DigitsClassifier has none"):
+        run(compose_cfg(f"quant={preset}", *SMOKE), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()

@@ -252,7 +252,7 @@ def assert_states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert not different, f"differ: {different}"
 
 
-_QRANGE = {"int8": (-128, 127), "int4": (-8, 7)}
+_QRANGE = {"int8": (-128, 127), "int4": (-8, 7), "int3": (-4, 3)}
 
 
 def fake_quant(q: FakeQuantizeBase | None, t: torch.Tensor) -> torch.Tensor:

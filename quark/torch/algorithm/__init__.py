@@ -13,14 +13,14 @@ from torch import nn
 
 from quark.torch.algorithm.api import apply_gptq, apply_pre_quant_and_awq
 from quark.torch.algorithm.gptq import HessianAccumulator, gptq_quantize
-from quark.torch.algorithm.structure import ScalingGroup, derive_scaling_groups, find_decoder_layers
+from quark.torch.algorithm.structure import ScalingGroup, derive_scaling_groups, find_decoder_layers, scaling_groups
 from quark.torch.quantization.api import register_algorithms, run_batch
 from quark.torch.quantization.config.config import Config, GPTQConfig, QuantizationSpec
 from quark.torch.quantization.nn.modules import QuantMixin
 
 __all__ = [
     "apply_gptq", "apply_pre_quant_and_awq", "gptq_quantize", "HessianAccumulator", "ScalingGroup",
-    "derive_scaling_groups", "find_decoder_layers",
+    "derive_scaling_groups", "find_decoder_layers", "scaling_groups",
 ]  # fmt: skip
 
 
