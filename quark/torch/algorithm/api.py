@@ -38,8 +38,21 @@ RunFn = Callable[[nn.Module, Any], Any]
 
 
 # ----------------------------------------------------------------------------------------------- float-model passes
+def check_embedding_layers(model: nn.Module, algo: Any) -> None:
+    """``embedding_layers`` must name modules of the model (full names or suffixes such as ``embed_tokens``).
+
+    Our capture runs the model's own forward up to the first decoder layer, so the embeddings need no special
+    handling; the names are still checked, so a config written for another model is caught."""
+    names = [n for n, _ in model.named_modules() if n]
+    missing = [e for e in algo.embedding_layers or [] if not any(n == e or n.endswith("." + e) for n in names)]
+    if missing:
+        raise ValueError(f"{type(algo).__name__}.embedding_layers {missing} name no module of {type(model).__name__}")
+
+
 def apply_pre_quant_and_awq(model: nn.Module, config: Config, batches: list[Any], run: RunFn, weight_spec_of: Callable[[str], QuantizationSpec | None]) -> None:
     """SmoothQuant(s), then AWQ(s), in the Config's order, on the float ``model`` (weights change in place)."""
+    for algo in config.pre_quant_opt_configs + config.algo_configs:
+        check_embedding_layers(model, algo)
     for algo in config.pre_quant_opt_configs:
         if isinstance(algo, SmoothQuantConfig):
             _per_decoder_layer(model, algo.model_decoder_layers, batches, run, "SmoothQuant",
