@@ -30,6 +30,7 @@ from quark.torch.algorithm.gptq import HessianAccumulator, check_gptq_spec, gptq
 from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.algorithm.structure import find_decoder_layers
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig, QuantizationSpec, SmoothQuantConfig
+from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
@@ -98,6 +99,9 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
         raise ValueError("GPTQ: no layer with a static integer/minifloat weight quantizer to quantize")
     for name, m in targets.items():
         check_gptq_spec(m._weight_quantizer.spec, f"layer '{name}'")
+        spec = m._weight_quantizer.spec
+        if m.weight.ndim > 2 and spec.qscheme == QSchemeType.per_group and spec.ch_axis != 1:
+            raise ValueError(f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}")
     flags = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in iter_quantizers(model)]
     for q, _, _ in flags:  # float activations, no statistics: the weights themselves become GPTQ's values
         q.enable_observer(False) if not q.is_dynamic else None
@@ -120,12 +124,23 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
 def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, algo: GPTQConfig, losses: dict[str, float]) -> None:
     quantizer: ScaledFakeQuantize = module._weight_quantizer  # type: ignore[assignment]
     weight = module.weight
+    w2d, h, order = weight.reshape(weight.shape[0], -1), hessian.hessian, None
+    if weight.ndim > 2 and quantizer.spec.qscheme == QSchemeType.per_group:
+        # a convolution's quantizer groups input channels at each kernel position ([out, kh, kw, in/g, g]): GPTQ's
+        # contiguous column groups are those when the columns go kernel position by kernel position, not [in, kh, kw]
+        order = torch.arange(w2d.shape[1], device=w2d.device).reshape(weight.shape[1], -1).T.reshape(-1)
+        w2d, h = w2d[:, order], h[order][:, order]
     result = gptq_quantize(
-        weight.reshape(weight.shape[0], -1), hessian.hessian, quantizer.spec,
+        w2d, h, quantizer.spec,
         damp_percent=algo.damp_percent, desc_act=algo.desc_act, static_groups=algo.static_groups,
     )  # fmt: skip
-    quantizer.set_qparams(result.scale, result.zero_point)
-    q = result.weight.reshape(weight.shape)
+    if order is None:
+        quantizer.set_qparams(result.scale, result.zero_point)
+        q = result.weight.reshape(weight.shape)
+    else:  # back to [in, kh, kw] columns; qparams in the quantizer's [out, kh, kw, in/g] layout
+        qparams_shape = (weight.shape[0], *weight.shape[2:], -1)
+        quantizer.set_qparams(result.scale.reshape(qparams_shape), result.zero_point.reshape(qparams_shape))
+        q = result.weight[:, torch.argsort(order)].reshape(weight.shape)
     quantizer.enable_fake_quant(True)
     weight.data.copy_(quantizer(q))  # on the quantizer's own grid: its fake quant leaves the weight as it is
     losses[name] = result.loss

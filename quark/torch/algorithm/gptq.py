@@ -46,7 +46,10 @@ def layer_input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"GPTQ supports Conv2d with groups=1, got groups={module.groups}")
         if isinstance(module.padding, str):
             raise ValueError(f"GPTQ needs numeric Conv2d padding, got padding={module.padding!r}")
-        cols = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride)
+        padding = module.padding
+        if module.padding_mode != "zeros":  # reflect / replicate / circular: pad as the layer itself does
+            x, padding = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), 0
+        cols = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
         return cols.transpose(1, 2).reshape(-1, cols.shape[1])
     raise ValueError(f"GPTQ supports Linear and Conv2d layers, got {type(module).__name__}")
 
