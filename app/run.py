@@ -29,6 +29,7 @@ from app.conf import ConfigError, QuantFlow, build_quant, nominal_bits, spec_bit
 from callbacks import QuantCallback
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm import find_decoder_layers, scaling_groups
+from quark.torch.export import EXPORT_FORMATS, check_onnx_exportable, export_model
 from quark.torch.quantization.api import run_batch
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
@@ -84,6 +85,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         model = _build(cfg.model, "model")
         metric, higher_is_better = _metric(cfg, model)
         layers = _check_quantizable(qconfig, model) if qconfig is not None else {}
+        formats = _check_export(cfg, qconfig, model)
         if cfg.get("ckpt_path"):
             _load_float_weights(model, str(cfg.ckpt_path))
     except (ValueError, FileNotFoundError) as err:  # before any Trainer: the composed config cannot run
@@ -110,6 +112,9 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         report = _report(model, datamodule)
         quantized_ckpt = str(out / "checkpoints" / "quantized.ckpt")
         qtrainer.save_checkpoint(quantized_ckpt, weights_only=False)  # with the callback state (its Config)
+        if formats:
+            example = _first_input(datamodule)
+            report["export"] = export_model(model, out / "export", formats, example)
     timings["total_s"] = time.perf_counter() - start
 
     results = _results(cfg, flow, qconfig, metric, higher_is_better, float_metrics, quant_metrics, report, float_bits, timings)
@@ -178,6 +183,25 @@ def _check_quantizable(config: Config, model: LightningModule) -> dict[str, dict
                 }  # fmt: skip
         layers[plan.name] = entry
     return layers
+
+
+def _check_export(cfg: DictConfig, config: Config | None, model: LightningModule) -> list[str]:
+    """The ``export`` list: known formats, a quantized run, and (ONNX) Q/DQ-expressible quantizers."""
+    formats = list(cfg.get("export") or [])
+    unknown = [f for f in formats if f not in EXPORT_FORMATS]
+    if unknown:
+        raise ValueError(f"export={unknown} is not known; allowed: {list(EXPORT_FORMATS)}")
+    if formats and config is None:
+        raise ValueError("export needs a quantized run (quant.mode ptq or qat), not quant=none")
+    if "onnx" in formats:
+        prepared = ModelQuantizer(config).prepare(copy.deepcopy(model))
+        check_onnx_exportable(prepared)
+    return formats
+
+
+def _first_input(datamodule: Any) -> torch.Tensor:
+    batch = next(iter(datamodule.test_dataloader()))
+    return batch[0] if isinstance(batch, tuple | list) else batch
 
 
 def _load_float_weights(model: LightningModule, path: str) -> None:
@@ -292,6 +316,7 @@ def _results(
         "quantized_metrics": quant_metrics,
         "size": size,
         "sqnr_db": report.get("sqnr_db"),
+        "export": report.get("export"),
         "wall_time_s": timings,
         "quark_config": config.to_dict() if config is not None else None,
         "config": OmegaConf.to_container(cfg, resolve=True),

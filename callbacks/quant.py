@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from quark.torch import ModelQuantizer
+from quark.torch.export import EXPORT_FORMATS, export_model
 from quark.torch.quantization.api import format_plans
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
@@ -125,6 +126,10 @@ class QuantCallback(Callback):
         progress_bar: show a progress bar during calibration (rank zero).
         save_quantized: PTQ: after calibration at the end of ``fit``, write ``quantized.ckpt`` (the full quantization
             state) next to the ModelCheckpoint files (or in ``default_root_dir``); its path is ``quantized_checkpoint``.
+        export: formats written at the end of ``fit`` (PTQ: after calibration; QAT: with the qparams fixed):
+            ``"safetensors"`` (real-quantized weights) and/or ``"onnx"`` (QDQ graph; example input: the first
+            calibration batch). Paths and sizes land in ``exported``.
+        export_dir: where they go (default ``<default_root_dir>/export``).
 
     Raises:
         ValueError: a bad argument (named, with the allowed values), or, in ``setup``, a config matching no layer,
@@ -150,6 +155,8 @@ class QuantCallback(Callback):
         log_sqnr: bool = True,
         progress_bar: bool = True,
         save_quantized: bool = True,
+        export: Iterable[str] = (),
+        export_dir: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode={mode!r}` is not supported; choose one of {list(MODES)}")
@@ -161,6 +168,12 @@ class QuantCallback(Callback):
                 raise ValueError(f"`{name}={value!r}` must be None or an int >= {minimum}")
         if calib_forward is not None and not callable(calib_forward):
             raise ValueError("`calib_forward` must be callable as calib_forward(module, batch)")
+        self.export_formats = [export] if isinstance(export, str) else list(export)
+        unknown = [f for f in self.export_formats if f not in EXPORT_FORMATS]
+        if unknown:
+            raise ValueError(f"`export={unknown}` is not known; allowed: {list(EXPORT_FORMATS)}")
+        self.export_dir = export_dir
+        self.exported: dict[str, dict[str, Any]] = {}
         self.config = _to_config(config)
         algorithms = [a.name for a in self.config.algo_configs + self.config.pre_quant_opt_configs]  # type: ignore[attr-defined]
         if algorithms and mode != "ptq":
@@ -332,6 +345,24 @@ class QuantCallback(Callback):
             self._fix_observers(trainer, pl_module, self._first_batch(trainer, pl_module))
         else:
             self._log_report(trainer, pl_module, self._first_batch(trainer, pl_module))
+        if self.export_formats and trainer.is_global_zero:
+            self._export(trainer, pl_module)
+
+    def _export(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        folder = self.export_dir or os.path.join(trainer.default_root_dir, "export")
+        example = None
+        if "onnx" in self.export_formats:
+            batch = next(iter(self._calibration_data(trainer, pl_module)))
+            example = batch[0] if isinstance(batch, tuple | list) else batch
+            if not isinstance(example, torch.Tensor):
+                raise ValueError("ONNX export needs tensor batches (or (input, target) tuples) for its example input")
+        paused = _pause_quantizers(pl_module)  # exporting never changes a statistic
+        try:
+            self.exported = export_model(pl_module, folder, self.export_formats, example)
+        finally:
+            _restore_quantizers(paused)
+        written = ", ".join(f"{fmt}: {info['path']}" for fmt, info in self.exported.items())
+        rank_zero_info(f"QuantCallback: exported {written}")
 
     def _model_calibrated(self, pl_module: LightningModule) -> bool:
         quantizers = [q for _, q in iter_quantizers(pl_module)]

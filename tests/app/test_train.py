@@ -181,3 +181,32 @@ def test_decoder_only_algorithms_on_the_cnn_stop_before_training(preset: str, tm
     with pytest.raises(ConfigError, match="needs a decoder stack and DigitsClassifier has none"):
         run(compose_cfg(f"quant={preset}", *SMOKE), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_export_switch_writes_files_and_records_sizes(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    pytest.importorskip("onnx")
+    from quark.torch.export import import_model_from_safetensors
+    from tasks.lightning_digits import DigitsClassifier
+
+    results = run(compose_cfg(*SMOKE, "export=[safetensors,onnx]"), tmp_path)
+    for fmt in ("safetensors", "onnx"):
+        info = results["export"][fmt]
+        assert Path(info["path"]).stat().st_size == info["file_bytes"]
+        assert info["ratio"] < 0.3 and 8.0 < info["bits_per_parameter"] < 9.5  # int8 weights, float biases, scales
+    restored = import_model_from_safetensors(DigitsClassifier(), tmp_path / "export")
+    assert sum(p.numel() for p in restored.parameters()) > 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("export=[tflite]",), r"export=\['tflite'\] is not known; allowed: \['safetensors', 'onnx'\]"),
+        (("quant=mxfp4", "export=[onnx]"), r"layer 'net.conv1' \(input_tensors\): ONNX QDQ export supports static int8/uint8"),
+        (("quant=none", "export=[safetensors]"), "export needs a quantized run"),
+    ],
+)
+def test_export_mistakes_stop_before_training(overrides: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        run(compose_cfg(*SMOKE, *overrides), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()

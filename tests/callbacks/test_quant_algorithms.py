@@ -71,3 +71,28 @@ def test_gptq_runs_after_fit_and_keeps_its_qparams(tmp_path: Path) -> None:
 def test_algorithms_need_ptq_mode() -> None:
     with pytest.raises(ValueError, match=r"\['gptq'\] run on calibration data after training: use mode='ptq'"):
         QuantCallback(_config({"name": "gptq"}), mode="qat")
+
+
+def test_callback_exports_at_the_end_of_fit(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    pytest.importorskip("onnx")
+    from quark.torch.export import import_model_from_safetensors
+    from tasks.recipes import recipe
+
+    seed()
+    model, dm = BoringMLP(), DataModule(n=64)
+    callback = QuantCallback(recipe("w8a8_int8"), mode="ptq", calib_batches=2, progress_bar=False,
+                             export=["safetensors", "onnx"], export_dir=str(tmp_path / "out"))  # fmt: skip
+    make_trainer(tmp_path, [callback]).fit(model, datamodule=dm)
+    assert set(callback.exported) == {"safetensors", "onnx"}
+    for info in callback.exported.values():
+        assert Path(info["path"]).exists() and info["file_bytes"] == Path(info["path"]).stat().st_size
+    restored = import_model_from_safetensors(BoringMLP(), str(tmp_path / "out"))
+    x = torch.randn(4, model.fc1.in_features)
+    with torch.no_grad():
+        assert torch.equal(restored(x), model.eval()(x))
+
+
+def test_unknown_export_format_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`export=\['tflite'\]` is not known; allowed: \['safetensors', 'onnx'\]"):
+        QuantCallback(_config(None), mode="ptq", export=["tflite"])

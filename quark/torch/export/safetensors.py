@@ -264,3 +264,15 @@ def import_model_from_safetensors(model: nn.Module, model_dir: str | Path, filen
     if still:
         raise ValueError(f"{path}: no tensors for {still}")
     return ModelQuantizer.freeze(model).eval()
+
+
+def size_report(path: str | Path, model: nn.Module) -> dict[str, float]:
+    """Bytes of an exported file against the FP32 state of ``model``'s parameters, and bits per parameter."""
+    file_bytes = Path(path).stat().st_size
+    params = [p for n, p in model.named_parameters() if "_quantizer" not in n]
+    count = sum(p.numel() for p in params)
+    fp32_bytes = 4 * count
+    return {
+        "file_bytes": file_bytes, "fp32_bytes": fp32_bytes, "ratio": file_bytes / fp32_bytes if fp32_bytes else 0.0,
+        "bits_per_parameter": 8 * file_bytes / count if count else 0.0,
+    }  # fmt: skip

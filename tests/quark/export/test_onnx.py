@@ -1,0 +1,112 @@
+"""ONNX QDQ export: the graph holds QuantizeLinear/DequantizeLinear pairs, and onnxruntime computes what the
+fake-quantized model computes (within one output quantization step)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from quark.torch import ModelQuantizer  # noqa: E402
+from quark.torch.export import export_onnx  # noqa: E402
+from quark.torch.quantization.nn.modules import QuantMixin  # noqa: E402
+from tasks.digits import DigitsCNN  # noqa: E402
+from tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*TracerWarning.*")
+UINT8_ACT = {**INT8_PER_TENSOR_ACT, "dtype": "uint8", "symmetric": False}
+
+
+def _w8a8(last: str, act: dict) -> dict:
+    """W8A8 with the last layer's output quantized too, so 'one output quantization step' is defined."""
+    return {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": act},
+            "layer_quant_config": {last: {"output_tensors": INT8_PER_TENSOR_ACT}}}  # fmt: skip
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 5)).eval()
+
+
+def _run(path: Path, x: torch.Tensor) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # the QDQ graph as written
+    session = ort.InferenceSession(str(path), options)
+    return session.run(None, {"input": x.numpy()})[0]
+
+
+@pytest.mark.parametrize("act", [INT8_PER_TENSOR_ACT, UINT8_ACT], ids=["int8", "uint8"])
+@pytest.mark.parametrize("kind", ["cnn", "mlp"])
+def test_onnxruntime_agrees_with_the_fake_quant_model(kind: str, act: dict, tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    if kind == "cnn":
+        model, last, x = DigitsCNN(width=8).eval(), "fc2", torch.rand(64, 1, 8, 8)
+    else:
+        model, last, x = _mlp(), "4", torch.randn(64, 20)
+    ModelQuantizer(_w8a8(last, act)).quantize_model(model, [x[:32]])
+    with torch.no_grad():
+        reference = model(x).numpy()
+    path = export_onnx(model, tmp_path, x[:2])
+    out = _run(path, x)  # a batch size other than the example's: the batch axis is dynamic
+    step = float(dict(model.named_modules())[last]._output_quantizer.calculate_qparams()[0])
+    assert np.abs(out - reference).max() <= step * 1.0001
+    # most outputs identical; the rest one step apart (ORT sums in another order, so values near a rounding boundary flip)
+    assert (np.abs(out - reference) > 1e-6).mean() < 0.2
+    graph = onnx.load(str(path)).graph
+    ops = [n.op_type for n in graph.node]
+    quantized = sum(isinstance(m, QuantMixin) for m in model.modules())
+    # activations: QuantizeLinear -> DequantizeLinear at run time; weights: stored as integers, DequantizeLinear only
+    assert ops.count("QuantizeLinear") == quantized + 1 and ops.count("DequantizeLinear") == 2 * quantized + 1
+    int_weights = [i for i in graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2]
+    assert len(int_weights) == quantized
+    float_weights = [i for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) >= 2]
+    assert not float_weights  # no float copy of a weight is left in the file
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantMixin))
+    assert sum(len(i.raw_data) for i in int_weights) == weights  # one byte per weight
+
+
+def test_per_channel_weights_keep_their_axis_and_scales(tmp_path: Path) -> None:
+    model = _mlp()
+    x = torch.randn(16, 20)
+    ModelQuantizer(_w8a8("4", INT8_PER_TENSOR_ACT)).quantize_model(model, [x])
+    graph = onnx.load(str(export_onnx(model, tmp_path, x))).graph
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    consts = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in graph.node if n.op_type == "Constant"}
+    values = {**inits, **consts}
+    dequant = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].ndim == 2]
+    scale, zero_point = model[0]._weight_quantizer.calculate_qparams()
+    first = next(n for n in dequant if values[n.input[0]].shape == (64, 20))
+    assert np.array_equal(values[first.input[1]].astype(np.float32), scale.numpy())
+    assert next(a.i for a in first.attribute if a.name == "axis") == 0
+    # the stored codes dequantize to exactly the fake-quantized weight
+    codes = values[first.input[0]].astype(np.float32)
+    assert np.array_equal(codes * scale.numpy()[:, None], model[0]._weight_quantizer(model[0].weight).detach().numpy())
+
+
+def test_unsupported_formats_are_named(tmp_path: Path) -> None:
+    model = _mlp()
+    x = torch.randn(8, 20)
+    group = {"dtype": "int4", "qscheme": "per_group", "ch_axis": 1, "group_size": 4, "observer_cls": "PerGroupMinMaxObserver",
+             "symmetric": True, "round_method": "half_even", "scale_type": "float", "is_dynamic": False}  # fmt: skip
+    ModelQuantizer({"global_quant_config": {"weight": group}}).quantize_model(model, [x])
+    with pytest.raises(ValueError, match=r"layer '0' \(weight\): ONNX QDQ export supports static int8/uint8 .* got int4, per_group"):
+        export_onnx(model, tmp_path, x)
+    assert not list(tmp_path.iterdir())  # nothing written, not even a temporary
+
+
+def test_export_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    model = _mlp()
+    x = torch.randn(8, 20)
+    ModelQuantizer(_w8a8("4", INT8_PER_TENSOR_ACT)).quantize_model(model, [x])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(q).__name__ for m in model.modules() if isinstance(m, QuantMixin) for _, q in m.quantizers()]
+    export_onnx(model, tmp_path, x)
+    assert [type(q).__name__ for m in model.modules() if isinstance(m, QuantMixin) for _, q in m.quantizers()] == kinds
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
