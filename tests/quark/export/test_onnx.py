@@ -110,3 +110,25 @@ def test_export_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     export_onnx(model, tmp_path, x)
     assert [type(q).__name__ for m in model.modules() if isinstance(m, QuantMixin) for _, q in m.quantizers()] == kinds
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_interrupted_onnx_export_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _mlp()
+    x = torch.randn(8, 20)
+    ModelQuantizer(_w8a8("4", INT8_PER_TENSOR_ACT)).quantize_model(model, [x])
+
+    def broken(module: nn.Module, args: tuple, f: str, **kwargs: object) -> None:
+        Path(f).write_bytes(b"half a graph")
+        raise RuntimeError("exporter crashed")
+
+    monkeypatch.setattr(torch.onnx, "export", broken)
+    with pytest.raises(RuntimeError, match="exporter crashed"):
+        export_onnx(model, tmp_path, x)
+    assert not list(tmp_path.iterdir())
+
+
+def test_top_level_names() -> None:
+    import quark.torch
+
+    assert quark.torch.export_onnx is export_onnx
+    assert callable(quark.torch.export_safetensors) and callable(quark.torch.import_model_from_safetensors)
