@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from quark.torch.algorithm.capture import LayerInputs, capture_calls, collect_inputs, hidden_of, run_layer
+from quark.torch.algorithm.gptq import observer_qparams
 from quark.torch.algorithm.smoothquant import fold_scales
 from quark.torch.algorithm.structure import ScalingGroup, scaling_groups
 from quark.torch.quantization.config.config import AWQConfig, QuantizationSpec
@@ -29,9 +30,7 @@ def rtn(weight: torch.Tensor, spec: QuantizationSpec | None) -> torch.Tensor:
         return weight
     scale = zero_point = None
     if spec.observer_cls is not None and getattr(spec.observer_cls, "__name__", "") not in ("PlaceholderObserver",):
-        observer = spec.observer_cls(spec, weight.device)  # type: ignore[misc]
-        observer(weight)
-        scale, zero_point = observer.calculate_qparams()
+        scale, zero_point = observer_qparams(spec, weight)
     return fake_quantize(
         weight, spec.dtype, scale, zero_point, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
         round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype,

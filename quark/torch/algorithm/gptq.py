@@ -78,7 +78,7 @@ def check_gptq_spec(spec: QuantizationSpec, where: str) -> None:
         raise ValueError(f"{where}: GPTQ needs weight groups along the input features (ch_axis=1 or -1), got {spec.ch_axis}")
 
 
-def _qparams(spec: QuantizationSpec, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def observer_qparams(spec: QuantizationSpec, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's own observer on ``weight``: the scales the quantizer would compute (same conventions, same shape)."""
     observer = spec.observer_cls(spec, weight.device)  # type: ignore[misc]
     observer(weight)
@@ -148,7 +148,7 @@ def gptq_quantize(
         raise ValueError(f"GPTQ: group_size={group_size} does not divide the {columns} input columns")
     n_groups = columns // group_size if grouped else 1
     if not grouped:
-        scale, zero_point = _qparams(spec, w)
+        scale, zero_point = observer_qparams(spec, w)
         scale_cols = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
         zp_cols = zero_point.reshape(-1, 1) if zero_point.numel() > 1 else zero_point.reshape(1, 1)
         scales = [scale_cols] * 1
@@ -156,7 +156,7 @@ def gptq_quantize(
     else:
         scales, zps = [None] * n_groups, [None] * n_groups  # type: ignore[list-item]
         if static_groups:
-            full_scale, full_zp = _qparams(spec, w)
+            full_scale, full_zp = observer_qparams(spec, w)
             for g in range(n_groups):
                 scales[g], zps[g] = full_scale[:, g : g + 1], full_zp[:, g : g + 1]
 
@@ -179,7 +179,7 @@ def gptq_quantize(
                 cols = torch.arange(g * group_size, (g + 1) * group_size, device=w.device)
                 current = _current_columns(w, w1, perm, cols, i1, i2)
                 group_spec_weight = current  # [rows, group_size]: one group per row
-                s, z = _qparams(spec, group_spec_weight)
+                s, z = observer_qparams(spec, group_spec_weight)
                 scales[g], zps[g] = s.reshape(-1, 1), z.reshape(-1, 1)
             column = w1[:, i]
             d = h1[i, i]

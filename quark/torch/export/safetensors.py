@@ -128,7 +128,8 @@ def decode_weight(tensors: dict[str, torch.Tensor], key: str, info: dict[str, An
         return stored.float().reshape(shape)
     if encoding.startswith("int"):
         fmt = format_of(info["dtype"])
-        assert isinstance(fmt, IntFormat)
+        if not isinstance(fmt, IntFormat):
+            raise ValueError(f"{key}: encoding {encoding!r} with the non-integer dtype {info['dtype']!r}")
         count = int(torch.Size(shape).numel())
         codes = unpack_nibbles(stored, count, fmt.signed).reshape(shape) if encoding == "int_nibbles" else stored.to(torch.int32)
         return dequantize_int(codes, tensors[key + "_scale"], tensors[key + "_zero_point"], qscheme=QSchemeType(info["qscheme"]),
