@@ -61,6 +61,7 @@ class QuantFlow:
 
     name: str = "custom"
     mode: str = "ptq"
+    brevitas: dict[str, Any] | None = None  # a Brevitas-style Config (extensions.brevitas), converted to the engine's
     weight_bits: int | None = None
     act_bits: int | None = None
     calib_batches: int | None = 16
@@ -123,6 +124,8 @@ def build_quant(node: DictConfig | dict[str, Any]) -> tuple[QuantFlow, Config | 
     flow = QuantFlow(**{k: data[k] for k in FLOW_KEYS if k in data})
     config_dict = {k: data[k] for k in CONFIG_KEYS if k in data and data[k] is not None}
     config_dict.setdefault("global_quant_config", {})
+    if flow.brevitas is not None:
+        config_dict = _from_brevitas(flow.brevitas, config_dict)
     if isinstance(config_dict.get("layer_quant_config"), dict):
         config_dict["layer_quant_config"] = flatten_layer_names(config_dict["layer_quant_config"])
     try:
@@ -141,6 +144,20 @@ def build_quant(node: DictConfig | dict[str, Any]) -> tuple[QuantFlow, Config | 
             "or use quant=none for a float run"
         )
     return flow, config
+
+
+def _from_brevitas(brevitas: dict[str, Any], config_dict: dict[str, Any]) -> dict[str, Any]:
+    """The engine's Config dict of ``quant.brevitas``; it replaces the quark roles, so those must be unset."""
+    from quark.torch.extensions.brevitas import Config as BrevitasConfig
+    from quark.torch.extensions.brevitas import to_quark_config
+
+    roles = [r for r, v in (config_dict.get("global_quant_config") or {}).items() if v is not None]
+    if roles or config_dict.get("layer_type_quant_config") or config_dict.get("layer_quant_config"):
+        raise QuantConfigError(f"quant.brevitas and quant.global_quant_config ({roles}) / layer configs are both set; use one")
+    try:
+        return to_quark_config(BrevitasConfig.from_dict(brevitas)).to_dict()
+    except (ValueError, TypeError) as err:
+        raise QuantConfigError(f"quant.brevitas: {err}") from None
 
 
 def flatten_layer_names(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:

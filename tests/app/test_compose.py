@@ -289,3 +289,15 @@ def test_every_preset_fits_the_lm(preset: str) -> None:
     linears |= {f"net.model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")}
     assert {p.name for p in plans} == linears  # embeddings stay float unless named
     ModelQuantizer(config).prepare(model)  # every Linear's in_features fits groups of 32
+
+
+def test_brevitas_preset_converts_to_the_engine_config() -> None:
+    flow, config = build_quant(compose_cfg("quant=brevitas_int8").quant)
+    weight, act = config.global_quant_config.weight, config.global_quant_config.input_tensors
+    assert (weight.dtype, weight.qscheme.name, weight.ch_axis, act.dtype, act.qscheme.name) == (Dtype.int8, "per_channel", 0, Dtype.int8, "per_tensor")
+    config = build_quant(compose_cfg("quant=brevitas_int8", "quant.brevitas.global_quant_config.weight.bit_width=3").quant)[1]
+    assert config.global_quant_config.weight.dtype is Dtype.int3
+    with pytest.raises(QuantConfigError, match=r"quant.brevitas: QuantizationSpec.bit_width=1 is out of range"):
+        build_quant(compose_cfg("quant=brevitas_int8", "quant.brevitas.global_quant_config.weight.bit_width=1").quant)
+    with pytest.raises(QuantConfigError, match="quant.brevitas and quant.global_quant_config"):
+        build_quant(compose_cfg("quant=brevitas_int8", "quant/weight=int8_per_channel_sym").quant)

@@ -1,0 +1,1 @@
+"""Extensions of the engine: the Brevitas-style configuration of the reference docs."""
