@@ -22,6 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from quark.torch import ModelQuantizer
 from quark.torch.export import EXPORT_FORMATS, export_model
+from quark.torch.extensions.brevitas import Config as BrevitasConfig
+from quark.torch.extensions.brevitas import to_quark_config
 from quark.torch.quantization.api import format_plans
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
@@ -39,9 +41,11 @@ _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _to_config(config: Any) -> Config:
-    """A quark Config from a Config, a dict or an OmegaConf DictConfig of the same shape."""
+    """A quark Config from a Config, a Brevitas-style Config, a dict or an OmegaConf DictConfig of the same shape."""
     if isinstance(config, Config):
         return config
+    if isinstance(config, BrevitasConfig):
+        return to_quark_config(config)
     try:
         from omegaconf import DictConfig, OmegaConf
 
@@ -111,7 +115,8 @@ class QuantCallback(Callback):
         trainer.test(model, datamodule=dm)          # PTQ of a trained model: calibrates, then tests quantized
 
     Args:
-        config: a quark ``Config``, or a dict / DictConfig of the same shape.
+        config: a quark ``Config`` (or a dict / DictConfig of the same shape), or a Brevitas-style ``Config`` of
+            ``quark.torch.extensions.brevitas`` (run on this engine).
         mode: ``"qat"`` (fake quantization while training) or ``"ptq"`` (train float, then calibrate).
         observer_steps: QAT: training steps during which observers run (then qparams are fixed). TQT / LSQ
             quantizers initialise from the first batch whatever this is.

@@ -96,3 +96,17 @@ def test_callback_exports_at_the_end_of_fit(tmp_path: Path) -> None:
 def test_unknown_export_format_is_refused() -> None:
     with pytest.raises(ValueError, match=r"`export=\['tflite'\]` is not known; allowed: \['safetensors', 'onnx'\]"):
         QuantCallback(_config(None), mode="ptq", export=["tflite"])
+
+
+def test_brevitas_style_config_in_the_callback(tmp_path: Path) -> None:
+    from quark.torch.extensions.brevitas import Config as BrevitasConfig
+    from quark.torch.extensions.brevitas import QuantizationConfig, QuantizationSpec
+
+    seed()
+    model = BoringMLP()
+    config = BrevitasConfig(global_quant_config=QuantizationConfig(weight=QuantizationSpec(qscheme="per_channel", bit_width=4),
+                                                                   input_tensors=QuantizationSpec()))  # fmt: skip
+    callback = QuantCallback(config, mode="ptq", calib_batches=2, progress_bar=False, save_quantized=False)
+    make_trainer(tmp_path, [callback]).fit(model, datamodule=DataModule(n=32))
+    assert model.fc1._weight_quantizer.spec.dtype.name == "int4" and model.fc1._input_quantizer.spec.dtype.name == "int8"
+    assert callback.calibrated
