@@ -4,8 +4,6 @@ frozen model: each quantizer becomes torch's fused fake-quant op, which the expo
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.export.files import write_atomically
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
 from quark.torch.quantization.nn.modules import QuantMixin
@@ -94,23 +93,15 @@ def export_onnx(
     args = input_args if isinstance(input_args, tuple) else (input_args,)
     names = [f"input_{i}" if len(args) > 1 else "input" for i in range(len(args))]
     axes = {n: {0: "batch"} for n in [*names, "output"]} if dynamic_batch else None
-    out_dir = Path(output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / filename
-    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    try:
+
+    def write(tmp: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter writes Q/DQ for these ops
             torch.onnx.export(export, args, tmp, dynamo=False, opset_version=opset_version, input_names=names,
                               output_names=["output"], dynamic_axes=axes)  # fmt: skip
         fold_weight_quantization(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+
+    return write_atomically(output_dir, filename, write)
 
 
 def fold_weight_quantization(path: str | Path) -> int:

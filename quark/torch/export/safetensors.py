@@ -8,14 +8,13 @@ outputs equal the exported (fake-quantized) model's bit for bit.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, unpack_nibbles
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationSpec
@@ -204,19 +203,8 @@ def export_safetensors(model: nn.Module, output_dir: str | Path, filename: str =
         "format": "pt", "quant_method": "quark",
         "quantization_config": json.dumps(config.to_dict()), "quark_tensors": json.dumps(info),
     }  # fmt: skip
-    out_dir = Path(output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / filename
-    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    try:
-        st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    return write_atomically(output_dir, filename, lambda tmp: st.save_file(tensors, tmp, metadata=metadata))
 
 
 def import_model_from_safetensors(model: nn.Module, model_dir: str | Path, filename: str = FILENAME) -> nn.Module:
