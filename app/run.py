@@ -84,8 +84,8 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         datamodule = _build(cfg.data, "data")
         model = _build(cfg.model, "model")
         metric, higher_is_better = _metric(cfg, model)
-        layers = _check_quantizable(qconfig, model) if qconfig is not None else {}
-        formats = _check_export(cfg, qconfig, model)
+        layers, prepared = _check_quantizable(qconfig, model) if qconfig is not None else ({}, None)
+        formats = _check_export(cfg, prepared)
         if cfg.get("ckpt_path"):
             _load_float_weights(model, str(cfg.ckpt_path))
     except (ValueError, FileNotFoundError) as err:  # before any Trainer: the composed config cannot run
@@ -152,15 +152,16 @@ def _metric(cfg: DictConfig, model: LightningModule) -> tuple[str, bool]:
     return name, mode == "max"
 
 
-def _check_quantizable(config: Config, model: LightningModule) -> dict[str, dict[str, Any]]:
+def _check_quantizable(config: Config, model: LightningModule) -> tuple[dict[str, dict[str, Any]], LightningModule]:
     """The config must match a layer, and each layer's tensors must fit its specs (checked on a copy).
-    Returns what each layer resolves to: per role the spec's main fields and the level it came from."""
+    Returns what each layer resolves to (per role the spec's main fields and the level it came from) and that
+    prepared copy (the export check inspects its quantizers)."""
     quantizer = ModelQuantizer(config)
     plans = quantizer.resolve(model)
     if not plans:
         layers = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if n]
         raise ValueError(f"the quant config matches no layer of {type(model).__name__}; its layers: {layers}")
-    quantizer.prepare(copy.deepcopy(model))  # shape errors (group sizes, channel axes) name the layer
+    prepared = quantizer.prepare(copy.deepcopy(model))  # shape errors (group sizes, channel axes) name the layer
     for algo in config.algo_configs + config.pre_quant_opt_configs:  # AWQ and SmoothQuant work on a decoder stack
         if isinstance(algo, AWQConfig | SmoothQuantConfig):
             found = find_decoder_layers(model, algo.model_decoder_layers)
@@ -182,19 +183,19 @@ def _check_quantizable(config: Config, model: LightningModule) -> dict[str, dict
                     "from": plan.source.get(role),
                 }  # fmt: skip
         layers[plan.name] = entry
-    return layers
+    return layers, prepared
 
 
-def _check_export(cfg: DictConfig, config: Config | None, model: LightningModule) -> list[str]:
-    """The ``export`` list: known formats, a quantized run, and (ONNX) Q/DQ-expressible quantizers."""
+def _check_export(cfg: DictConfig, prepared: LightningModule | None) -> list[str]:
+    """The ``export`` list: known formats, a quantized run, and (ONNX) Q/DQ-expressible quantizers of the
+    ``prepared`` copy (None: a float run)."""
     formats = list(cfg.get("export") or [])
     unknown = [f for f in formats if f not in EXPORT_FORMATS]
     if unknown:
         raise ValueError(f"export={unknown} is not known; allowed: {list(EXPORT_FORMATS)}")
-    if formats and config is None:
+    if formats and prepared is None:
         raise ValueError("export needs a quantized run (quant.mode ptq or qat), not quant=none")
     if "onnx" in formats:
-        prepared = ModelQuantizer(config).prepare(copy.deepcopy(model))
         check_onnx_exportable(prepared)
     return formats
 

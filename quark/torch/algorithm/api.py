@@ -104,7 +104,8 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
             raise ValueError(f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}")
     flags = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in iter_quantizers(model)]
     for q, _, _ in flags:  # float activations, no statistics: the weights themselves become GPTQ's values
-        q.enable_observer(False) if not q.is_dynamic else None
+        if not q.is_dynamic:
+            q.enable_observer(False)
         q.disable_fake_quant()
     losses: dict[str, float] = {}
     try:

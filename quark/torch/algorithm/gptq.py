@@ -149,10 +149,7 @@ def gptq_quantize(
     n_groups = columns // group_size if grouped else 1
     if not grouped:
         scale, zero_point = observer_qparams(spec, w)
-        scale_cols = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
-        zp_cols = zero_point.reshape(-1, 1) if zero_point.numel() > 1 else zero_point.reshape(1, 1)
-        scales = [scale_cols] * 1
-        zps = [zp_cols] * 1
+        scales, zps = [scale.reshape(-1, 1)], [zero_point.reshape(-1, 1)]  # one "group": the whole row (or tensor)
     else:
         scales, zps = [None] * n_groups, [None] * n_groups  # type: ignore[list-item]
         if static_groups:
@@ -178,8 +175,7 @@ def gptq_quantize(
             if scales[g] is None:  # the first column of this group the sweep reaches: its scales, from now
                 cols = torch.arange(g * group_size, (g + 1) * group_size, device=w.device)
                 current = _current_columns(w, w1, perm, cols, i1, i2)
-                group_spec_weight = current  # [rows, group_size]: one group per row
-                s, z = observer_qparams(spec, group_spec_weight)
+                s, z = observer_qparams(spec, current)  # current: [rows, group_size], one group per row
                 scales[g], zps[g] = s.reshape(-1, 1), z.reshape(-1, 1)
             column = w1[:, i]
             d = h1[i, i]

@@ -17,7 +17,7 @@ from torch import nn
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, unpack_nibbles
 from quark.torch.quantization.api import ModelQuantizer
-from quark.torch.quantization.config.config import Config, QuantizationSpec
+from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.config.type import Dtype, QSchemeType
 from quark.torch.quantization.formats import (
     FLOAT_FORMATS,
@@ -58,9 +58,10 @@ def _has_qparams(q: FakeQuantizeBase | None) -> bool:
     return q is not None and not q.is_dynamic and isinstance(format_of(q.spec.dtype), IntFormat | FloatFormat)
 
 
-def _scale_view(scale: torch.Tensor, x: torch.Tensor, spec: QuantizationSpec) -> torch.Tensor:
-    if spec.qscheme == QSchemeType.per_channel:
-        return channel_view(scale.float(), x.ndim, spec.ch_axis)  # type: ignore[arg-type]
+def _scale_view(scale: torch.Tensor, x: torch.Tensor, qscheme: QSchemeType, ch_axis: int | None) -> torch.Tensor:
+    """A per-tensor or per-channel scale shaped to broadcast over ``x``."""
+    if qscheme == QSchemeType.per_channel:
+        return channel_view(scale.float(), x.ndim, ch_axis)  # type: ignore[arg-type]
     return scale.float().reshape(())
 
 
@@ -83,7 +84,7 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
             return {"": stored, "_scale": scale.detach().float(), "_zero_point": zp.detach()}, info
         if spec.qscheme == QSchemeType.per_group:
             raise ValueError(f"export of per-group {spec.dtype.name} weights is not supported (per tensor / channel are)")
-        values = round_to_grid(q(w.detach()).float() / _scale_view(scale, w, spec), fmt)
+        values = round_to_grid(q(w.detach()).float() / _scale_view(scale, w, spec.qscheme, spec.ch_axis), fmt)
         if spec.dtype in TORCH_FLOAT8:
             info["encoding"] = "float8"
             return {"": values.to(TORCH_FLOAT8[spec.dtype]), "_scale": scale.detach().float()}, info
@@ -141,9 +142,8 @@ def decode_weight(tensors: dict[str, torch.Tensor], key: str, info: dict[str, An
             count = int(torch.Size(shape).numel())
             codes = unpack_nibbles(stored, count, signed=False).reshape(shape) if encoding == "minifloat_nibbles" else stored
             values = decode(codes, fmt)
-        spec_like = QuantizationSpec.__new__(QuantizationSpec)
-        spec_like.qscheme, spec_like.ch_axis = QSchemeType(info["qscheme"]), info["ch_axis"]
-        return values.reshape(shape) * _scale_view(tensors[key + "_scale"], values.reshape(shape), spec_like)
+        values = values.reshape(shape)
+        return values * _scale_view(tensors[key + "_scale"], values, QSchemeType(info["qscheme"]), info["ch_axis"])
     if encoding.startswith("mx"):
         blocked = info["blocked_shape"]
         if encoding == "mx_int8":
