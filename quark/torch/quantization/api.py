@@ -25,7 +25,6 @@ from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
 from quark.torch.quantization.nn.modules.quant_modules import (
     EXPLICIT_ONLY,
     QUANT_MODULE_MAP,
-    QUANTIZER_ROLES,
     QuantMixin,
     iter_quantizers,
 )
@@ -77,26 +76,51 @@ def _layer_matches(config: Config, name: str) -> list[str]:
     return exact + patterns
 
 
-def _resolve(config: Config, name: str, module: nn.Module) -> LayerPlan | None:
+def _explicit_levels(config: Config, name: str, module: nn.Module) -> tuple[list[tuple[str, QuantizationConfig]], list[tuple[str, QuantizationConfig]]]:
+    """The layer-name levels and the layer-type level that match one module, most specific first."""
+    by_name = [(f"layer '{k}'", config.layer_quant_config[k]) for k in _layer_matches(config, name)]
+    type_keys = [n for n in _type_names(module) if n in config.layer_type_quant_config]
+    by_type = [(f"type '{type_keys[0]}'", config.layer_type_quant_config[type_keys[0]])] if type_keys else []
+    return by_name, by_type
+
+
+def _owners(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """Child name -> (owner name, owner) for the children a twin owns (an attention's ``out_proj``): they follow
+    the owner's configuration unless named themselves."""
+    owners = {}
+    for name, module in model.named_modules():
+        float_type = _float_type(module)
+        for child in QUANT_MODULE_MAP[float_type].owned_children if float_type else ():
+            if isinstance(getattr(module, child, None), nn.Module):
+                owners[f"{name}.{child}" if name else child] = (name, module)
+    return owners
+
+
+def _resolve(config: Config, name: str, module: nn.Module, owner: tuple[str, nn.Module] | None = None) -> LayerPlan | None:
     """The merged QuantizationConfig of one layer, or None when it stays float."""
     float_type = _float_type(module)
     if float_type is None or isinstance(module, QuantMixin):
         return None
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.exclude):
         return None
-    levels: list[tuple[str, QuantizationConfig]] = [(f"layer '{k}'", config.layer_quant_config[k]) for k in _layer_matches(config, name)]
-    type_keys = [n for n in _type_names(module) if n in config.layer_type_quant_config]
-    levels += [(f"type '{type_keys[0]}'", config.layer_type_quant_config[type_keys[0]])] if type_keys else []
+    by_name, by_type = _explicit_levels(config, name, module)
+    levels = list(by_name)
+    if owner is not None:
+        if any(fnmatch.fnmatchcase(owner[0], pattern) for pattern in config.exclude):
+            return None
+        owner_name, owner_type = _explicit_levels(config, *owner)
+        levels += [(f"{where} (owner)", qc) for where, qc in owner_name + owner_type]
+    levels += by_type
     explicit = bool(levels)
     if float_type in EXPLICIT_ONLY and not explicit:
         return None  # embeddings only when named by type or layer
     levels.append(("global", config.global_quant_config))
-    roles = QUANT_MODULE_MAP[float_type].roles
+    roles = {slot.role for slot in QUANT_MODULE_MAP[float_type].slots_for(module)}
     chosen: dict[str, QuantizationSpec | None] = {}
     source: dict[str, str] = {}
     for role in ROLES:
         chosen[role] = None
-        if role not in roles or (role == "bias" and getattr(module, "bias", None) is None):
+        if role not in roles:
             continue
         for where, qc in levels:
             spec = getattr(qc, role)
@@ -111,12 +135,12 @@ def _resolve(config: Config, name: str, module: nn.Module) -> LayerPlan | None:
 
 def _check_layer(plan: LayerPlan, module: nn.Module) -> None:
     """Shape checks of the weight/bias specs against the layer's tensors (activations are checked when seen)."""
-    for role in ("weight", "bias"):
-        spec: QuantizationSpec | None = getattr(plan.qconfig, role)
-        tensor = getattr(module, role, None)
+    for slot in QUANT_MODULE_MAP[_float_type(module)].slots_for(module):  # type: ignore[index]
+        spec: QuantizationSpec | None = getattr(plan.qconfig, slot.role)
+        tensor = getattr(module, slot.tensor, None) if slot.tensor else None
         if spec is None or not isinstance(tensor, torch.Tensor):
             continue
-        where = f"layer '{plan.name}' ({plan.layer_type}, {role} of shape {tuple(tensor.shape)})"
+        where = f"layer '{plan.name}' ({plan.layer_type}, {slot.tensor} of shape {tuple(tensor.shape)})"
         if spec.ch_axis is not None and spec.qscheme in (QSchemeType.per_channel, QSchemeType.per_group):
             if not -tensor.ndim <= spec.ch_axis < tensor.ndim:
                 raise ValueError(f"{where}: ch_axis={spec.ch_axis} is out of range for {tensor.ndim} dimensions")
@@ -209,9 +233,10 @@ class ModelQuantizer:
         """Per-layer plans, in module order, without changing the model; warns about names that match nothing
         and about subclasses of supported layers that define their own forward (those stay float)."""
         names = [n for n, _ in model.named_modules()]
+        owners = _owners(model)
         plans = []
         for name, module in model.named_modules():
-            plan = _resolve(self.config, name, module)
+            plan = _resolve(self.config, name, module, owners.get(name))
             if plan is not None:
                 _check_layer(plan, module)
                 plans.append(plan)
@@ -375,18 +400,17 @@ class ModelQuantizer:
         for module in model.modules():
             if not isinstance(module, QuantMixin):
                 continue
-            for role, q in list(module.quantizers()):
-                attr = QUANTIZER_ROLES[role]
-                if bake_weights and role in ("weight", "bias"):
-                    tensor = getattr(module, role)
+            for slot, q in list(module.quantizer_slots()):
+                if bake_weights and slot.tensor is not None:
+                    tensor = getattr(module, slot.tensor)
                     with torch.no_grad():
                         tensor.copy_(q(tensor))
-                    module.register_module(attr, None)
+                    module.set_quantizer(slot, None)
                 else:
                     frozen = q.to_frozen()
                     if not q.is_dynamic:
                         frozen.enable_observer(False)  # block formats and casts: nothing left to record
-                    module.register_module(attr, frozen)
+                    module.set_quantizer(slot, frozen)
         return model
 
 
@@ -455,10 +479,9 @@ def _observe_params(model: nn.Module) -> None:
     """Weights and biases are observed once, directly (no data needed)."""
     for m in model.modules():
         if isinstance(m, QuantMixin):
-            for role in ("weight", "bias"):
-                q = getattr(m, QUANTIZER_ROLES[role])
-                tensor = getattr(m, role, None)
-                if q is not None and isinstance(tensor, torch.Tensor):
+            for param, q in m.param_quantizers():
+                tensor = getattr(m, param, None)
+                if isinstance(tensor, torch.Tensor):
                     observer = getattr(q, "observer", None)
                     if observer is not None:
                         observer.reset_state()  # statistics of the current values only, not of earlier ones

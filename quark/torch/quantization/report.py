@@ -44,12 +44,17 @@ def observers_paused(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def weight_sqnr(model: nn.Module) -> dict[str, float]:
-    """SQNR (dB) of every quantized layer's weight against its fake-quantized value."""
+    """SQNR (dB) of every quantized weight against its fake-quantized value, keyed by layer name (a layer with
+    several weights, such as an LSTM or an attention's projections: ``layer.weight_ih_l0``)."""
     out = {}
     with observers_paused(model):
         for name, m in model.named_modules():
-            if isinstance(m, QuantMixin) and m._weight_quantizer is not None and bool(m._weight_quantizer.fake_quant_enabled):
-                out[name] = sqnr_db(m.weight, m._weight_quantizer(m.weight))
+            if not isinstance(m, QuantMixin):
+                continue
+            for slot, q in m.quantizer_slots():
+                if slot.role == "weight" and bool(q.fake_quant_enabled):
+                    key = name if slot.tensor == "weight" else f"{name}.{slot.tensor}"
+                    out[key] = sqnr_db(getattr(m, slot.tensor), q(getattr(m, slot.tensor)))  # type: ignore[arg-type]
     return out
 
 
@@ -84,10 +89,10 @@ def model_size_bits(model: nn.Module) -> tuple[int, int]:
     quantized = {}
     for m in model.modules():
         if isinstance(m, QuantMixin):
-            for role, q in m.quantizers():
-                if role in ("weight", "bias") and isinstance(getattr(m, role, None), torch.Tensor):
+            for param, q in m.param_quantizers():
+                if isinstance(getattr(m, param, None), torch.Tensor) and bool(q.fake_quant_enabled):
                     spec = q.spec
-                    quantized[id(getattr(m, role))] = bits_per_element(spec.dtype, spec.mx_element_dtype, spec.group_size)
+                    quantized[id(getattr(m, param))] = bits_per_element(spec.dtype, spec.mx_element_dtype, spec.group_size)
     total_q = total_f = 0
     for p in model.parameters():
         float_bits = p.numel() * p.element_size() * 8

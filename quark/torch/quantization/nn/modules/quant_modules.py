@@ -9,6 +9,7 @@ them. Quantizer attributes follow Quark: ``_input_quantizer``, ``_weight_quantiz
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,9 @@ __all__ = [
     "QuantEmbedding",
     "QuantEmbeddingBag",
     "QUANT_MODULE_MAP",
+    "QuantSlot",
     "iter_quantizers",
+    "register_quant_module",
 ]
 
 QUANTIZER_ROLES = {
@@ -37,6 +40,25 @@ QUANTIZER_ROLES = {
     "weight": "_weight_quantizer",
     "bias": "_bias_quantizer",
 }
+
+
+@dataclass(frozen=True)
+class QuantSlot:
+    """One quantizer position of a twin: the tensor role it takes its spec from, the attribute that holds it, and
+    (weights and biases) the name of the Parameter it quantizes. Layers with several weights (LSTM gates, attention
+    projections) have several slots of one role."""
+
+    role: str
+    attr: str
+    tensor: str | None = None
+
+
+DEFAULT_SLOTS = (
+    QuantSlot("input_tensors", "_input_quantizer"),
+    QuantSlot("output_tensors", "_output_quantizer"),
+    QuantSlot("weight", "_weight_quantizer", "weight"),
+    QuantSlot("bias", "_bias_quantizer", "bias"),
+)
 
 
 def _make_quantizer(spec: QuantizationSpec | None, device: torch.device | None) -> FakeQuantizeBase | None:
@@ -49,11 +71,22 @@ class QuantMixin(nn.Module):
     _float_class: type[nn.Module] = nn.Module
     #: roles this layer type can quantize (embeddings take integer indices: no input quantizer)
     roles: tuple[str, ...] = ("input_tensors", "output_tensors", "weight", "bias")
+    _quant_slots: tuple[QuantSlot, ...] = ()
+    #: children that follow this layer's configuration unless named themselves (an attention's ``out_proj``)
+    owned_children: tuple[str, ...] = ()
 
     _input_quantizer: FakeQuantizeBase | None
     _weight_quantizer: FakeQuantizeBase | None
     _bias_quantizer: FakeQuantizeBase | None
     _output_quantizer: FakeQuantizeBase | None
+
+    @classmethod
+    def slots_for(cls, module: nn.Module) -> tuple[QuantSlot, ...]:
+        """The quantizer slots a twin of ``module`` has: one per role in ``roles``; no bias slot without a bias."""
+        return tuple(
+            s for s in DEFAULT_SLOTS
+            if s.role in cls.roles and (s.tensor is None or isinstance(getattr(module, s.tensor, None), torch.Tensor))
+        )  # fmt: skip
 
     @classmethod
     def from_float(cls, module: nn.Module, qconfig: QuantizationConfig) -> QuantMixin:
@@ -63,31 +96,52 @@ class QuantMixin(nn.Module):
         for key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             state[key] = type(state[key])(state[key])  # own containers, same Parameter / buffer objects
         twin.__dict__.update(state)
-        weight = getattr(module, "weight", None)
-        device = weight.device if isinstance(weight, torch.Tensor) else None
-        for role, attr in QUANTIZER_ROLES.items():
-            spec = getattr(qconfig, role) if role in cls.roles else None
-            if role == "bias" and getattr(module, "bias", None) is None:
-                spec = None
-            twin.register_module(attr, _make_quantizer(spec, device))
+        device = next((p.device for p in module.parameters(recurse=False)), None)
+        slots = cls.slots_for(module)
+        for slot in DEFAULT_SLOTS:  # the standard attributes always exist (None when not quantized)
+            twin.register_module(slot.attr, None)
+        for slot in slots:
+            twin.register_module(slot.attr, _make_quantizer(getattr(qconfig, slot.role), device))
+        twin._quant_slots = slots
         twin.quant_config = qconfig
+        twin._after_from_float()
         return twin
+
+    def _after_from_float(self) -> None:
+        """Hook for twins that derive state from the float module (e.g. a per-gate view of packed weights)."""
 
     def to_float(self) -> nn.Module:
         """The float module again (same Parameters), quantizers dropped."""
         plain = self._float_class.__new__(self._float_class)
+        attrs = {s.attr for s in DEFAULT_SLOTS} | {s.attr for s in self._quant_slots}
         state = dict(self.__dict__)
-        state["_modules"] = {k: v for k, v in self._modules.items() if k not in QUANTIZER_ROLES.values()}
-        state.pop("quant_config", None)
+        state["_modules"] = {k: v for k, v in self._modules.items() if k not in attrs}
+        for key in ("quant_config", "_quant_slots"):
+            state.pop(key, None)
         plain.__dict__.update(state)
         return plain
 
+    def quantizer_slots(self) -> Iterator[tuple[QuantSlot, FakeQuantizeBase]]:
+        """(slot, quantizer) for every slot that holds a quantizer."""
+        for slot in self._quant_slots:
+            q = getattr(self, slot.attr, None)
+            if q is not None:
+                yield slot, q
+
     def quantizers(self) -> Iterator[tuple[str, FakeQuantizeBase]]:
         """(role, quantizer) for every role that is quantized."""
-        for role, attr in QUANTIZER_ROLES.items():
-            q = getattr(self, attr, None)
-            if q is not None:
-                yield role, q
+        for slot, q in self.quantizer_slots():
+            yield slot.role, q
+
+    def param_quantizers(self) -> Iterator[tuple[str, FakeQuantizeBase]]:
+        """(Parameter name, quantizer) for every quantized weight and bias."""
+        for slot, q in self.quantizer_slots():
+            if slot.tensor is not None:
+                yield slot.tensor, q
+
+    def set_quantizer(self, slot: QuantSlot, quantizer: nn.Module | None) -> None:
+        """Put ``quantizer`` (or None: not quantized) in ``slot``."""
+        self.register_module(slot.attr, quantizer)
 
     @staticmethod
     def _quantize(quantizer: FakeQuantizeBase | None, x: torch.Tensor | None) -> torch.Tensor | None:
@@ -177,6 +231,13 @@ class QuantEmbeddingBag(QuantMixin, nn.EmbeddingBag):
         return self._quantize(self._output_quantizer, out)
 
 
+def register_quant_module(float_class: type[nn.Module], twin: type[QuantMixin], explicit_only: bool = False) -> None:
+    """Make ``twin`` the quantized form of ``float_class`` (``explicit_only``: only when configured by type or name)."""
+    QUANT_MODULE_MAP[float_class] = twin
+    if explicit_only:
+        EXPLICIT_ONLY.add(float_class)
+
+
 def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, FakeQuantizeBase]]:
     """(role, quantizer) of every quantized layer of ``model``, in module order."""
     for module in model.modules():
@@ -195,4 +256,4 @@ QUANT_MODULE_MAP: dict[type[nn.Module], type[QuantMixin]] = {
     nn.Embedding: QuantEmbedding,
     nn.EmbeddingBag: QuantEmbeddingBag,
 }
-EXPLICIT_ONLY: frozenset[type[nn.Module]] = frozenset({nn.Embedding, nn.EmbeddingBag})
+EXPLICIT_ONLY: set[type[nn.Module]] = {nn.Embedding, nn.EmbeddingBag}
