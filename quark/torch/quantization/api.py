@@ -21,6 +21,14 @@ from torch import nn
 
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.config.type import QSchemeType, QuantizationMode
+from quark.torch.quantization.coverage import (
+    FloatLayer,
+    format_float_layers,
+    is_norm,
+    track_forward,
+    unreached_layers,
+    warn_float_layers,
+)
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
 from quark.torch.quantization.nn.modules.quant_modules import (
     EXPLICIT_ONLY,
@@ -28,6 +36,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QuantMixin,
     iter_quantizers,
 )
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +98,7 @@ def _owners(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     the owner's configuration unless named themselves."""
     owners = {}
     for name, module in model.named_modules():
-        float_type = _float_type(module)
+        float_type = module._float_class if isinstance(module, QuantMixin) else _float_type(module)
         for child in QUANT_MODULE_MAP[float_type].owned_children if float_type else ():
             if isinstance(getattr(module, child, None), nn.Module):
                 owners[f"{name}.{child}" if name else child] = (name, module)
@@ -131,6 +140,46 @@ def _resolve(config: Config, name: str, module: nn.Module, owner: tuple[str, nn.
         return None
     target = next((qc.target_device for _, qc in levels if qc.target_device is not None), None)
     return LayerPlan(name, float_type.__name__, QuantizationConfig(**chosen, target_device=target), source)
+
+
+def _float_reason(config: Config, name: str, module: nn.Module, owner: tuple[str, nn.Module] | None) -> str:
+    """Why a module with Parameters of its own is not quantized (it resolved to no plan)."""
+    base = next((c for c in type(module).__mro__ if c in QUANT_MODULE_MAP), None)
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.exclude):
+        return "excluded by Config.exclude"
+    if owner is not None and any(fnmatch.fnmatchcase(owner[0], pattern) for pattern in config.exclude):
+        return f"excluded with its owner '{owner[0]}'"
+    if base is not None and _float_type(module) is None:
+        return f"subclass of {base.__name__} with its own forward (a quantized twin would drop it)"
+    if base in EXPLICIT_ONLY:
+        by_name, by_type = _explicit_levels(config, name, module)
+        if not by_name and not by_type:
+            return "embeddings are quantized only when named in layer_type_quant_config or layer_quant_config"
+    if base is not None:
+        return "no QuantizationSpec for any of its tensors at any config level"
+    if is_norm(module):
+        return "normalization layer (kept float)"
+    params = [n for n, _ in module.named_parameters(recurse=False)]
+    return f"no quantized twin for {type(module).__name__}: its Parameters {params} are used in its own forward"
+
+
+def _float_layers(config: Config, model: nn.Module, planned: set[str]) -> list[FloatLayer]:
+    """Every module holding Parameters of its own that no plan covers, with the reason (before the swap)."""
+    owners = _owners(model)
+    out = []
+    for name, module in model.named_modules():
+        if name in planned or isinstance(module, QuantMixin | FakeQuantizeBase) or _inside_quantized(model, name):
+            continue
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        out.append(FloatLayer(name, type(module).__name__, _float_reason(config, name, module, owners.get(name))))
+    return out
+
+
+def _inside_quantized(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` lies inside a quantizer module (its learnable thresholds are not a layer)."""
+    parts = name.split(".")
+    return any(isinstance(_get_submodule(model, ".".join(parts[:i])), FakeQuantizeBase) for i in range(1, len(parts)))
 
 
 def _check_layer(plan: LayerPlan, module: nn.Module) -> None:
@@ -195,6 +244,8 @@ class AlgorithmRunner(Protocol):
 
 
 _ALGORITHMS: list[AlgorithmRunner] = []
+#: run on the model after every swap (twins that need more than a swap: fused fast paths of containers)
+_PREPARE_HOOKS: list[Callable[[nn.Module], Any]] = []
 
 
 def register_algorithms(runner: AlgorithmRunner) -> None:
@@ -253,9 +304,24 @@ class ModelQuantizer:
             if dead:
                 warnings.warn(f"Config.{field_name} entries match no layer of the model (typo?): {dead}", stacklevel=3)
 
+    def float_layers(self, model: nn.Module) -> list[FloatLayer]:
+        """Modules holding Parameters that stay float, each with the reason (excluded, unsupported type, ...); on a
+        calibrated model also the Parameters a forward used functionally, outside any quantizer."""
+        plans = self.resolve(model, warn=False)
+        uses: dict[str, list[str]] = getattr(model, "_quant_functional_uses", {})
+        out = []
+        for f in _float_layers(self.config, model, {p.name for p in plans}):
+            if f.reason.startswith("no quantized twin") and f.name in uses:
+                f = FloatLayer(f.name, f.layer_type, f"no quantized twin for {f.layer_type}: Parameter {', '.join(uses[f.name])} used functionally")
+            out.append(f)
+        return out + _functional_float(model, uses)
+
     def summary(self, model: nn.Module) -> str:
-        """A readable table of what resolution decides: layer, type, role -> dtype/qscheme/observer (source)."""
-        return format_plans(self.resolve(model))
+        """A readable table of what resolution decides: layer, type, role -> dtype/qscheme/observer (source), then
+        the layers that stay float and why."""
+        plans = self.resolve(model)
+        floats = format_float_layers(self.float_layers(model))
+        return format_plans(plans) + (f"\n\n{floats}" if floats else "")
 
     # -- the two halves
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -263,19 +329,25 @@ class ModelQuantizer:
         return self._prepare(model, self.resolve(model))
 
     def _prepare(self, model: nn.Module, plans: list[LayerPlan]) -> nn.Module:
+        floats = _float_layers(self.config, model, {p.name for p in plans})
         swapped: list[tuple[nn.Module, str, nn.Module]] = []
         try:
             for plan in plans:
                 parent, attr = _parent_of(model, plan.name)
                 original = getattr(parent, attr)
                 twin = QUANT_MODULE_MAP[_float_type(original)].from_float(original, plan.qconfig)  # type: ignore[index]
+                for slot, q in twin.quantizer_slots():
+                    q.where = f"layer '{plan.name}' ({plan.layer_type}, {slot.tensor or slot.role})"
                 setattr(parent, attr, twin)
                 swapped.append((parent, attr, original))
         except BaseException:
             _restore(swapped)
             raise
         model.quant_config = self.config
+        for hook in _PREPARE_HOOKS:
+            hook(model)
         logger.info("prepared %d layer(s) for quantization", len(plans))
+        warn_float_layers(floats, stacklevel=4)
         return model
 
     def calibrate(
@@ -310,9 +382,10 @@ class ModelQuantizer:
             with torch.no_grad():
                 _observe_params(model)
                 if needs_data:
-                    seen = _feed(model, dataloader, forward_loop, max_batches)
+                    seen, record = _feed(model, dataloader, forward_loop, max_batches)
                     if dataloader is not None and seen == 0:
                         raise ValueError("the calibration dataloader yielded no batch; static activation quantization needs data")
+                    _report_coverage(model, record)
         finally:
             for q in quantizers:
                 q.enable_observer(q.is_dynamic)  # dynamic quantizers keep observing every call
@@ -492,17 +565,54 @@ def _observe_params(model: nn.Module) -> None:
 
 def _feed(
     model: nn.Module, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
-) -> int:
+) -> tuple[int, dict[str, Any]]:
+    """Run the calibration data; returns the batch count and what the forwards reached (see ``track_forward``:
+    functional uses of Parameters are looked for on the first batch only, which is enough and keeps the rest fast)."""
+    record: dict[str, Any] = {"reached": set(), "functional": {}}
     if forward_loop is not None:
-        forward_loop(model)
-        return 1
+        with track_forward(model, functional=True) as seen_by_loop:
+            forward_loop(model)
+        return 1, seen_by_loop
     device = _model_device(model)
     seen = 0
     if max_batches is not None and max_batches <= 0:
-        return 0
+        return 0, record
     for batch in dataloader:  # type: ignore[union-attr]
-        run_batch(model, batch, device)
+        with track_forward(model, functional=seen == 0) as one:
+            run_batch(model, batch, device)
+        record["reached"] |= one["reached"]
+        record["functional"].update(one["functional"])
         seen += 1
         if max_batches is not None and seen >= max_batches:
             break  # before asking the loader for a batch that would not be used
-    return seen
+    return seen, record
+
+
+def _report_coverage(model: nn.Module, record: dict[str, Any]) -> None:
+    """After calibration: warn about quantized layers no forward reached (marked so size reports count them as
+    float) and about Parameters that a forward fed to a weight op with no quantizer between (kept on the model for
+    ``float_layers``)."""
+    unreached = unreached_layers(model, record["reached"])
+    if unreached:
+        warnings.warn(
+            f"quantized layer(s) that no forward reached during calibration (their quantizers saw no data, so they are "
+            f"not counted as quantized): {unreached}",
+            stacklevel=4,
+        )
+    uses: dict[str, list[str]] = {}
+    for param, op in record["functional"].items():
+        owner, _, attr = param.rpartition(".")
+        uses.setdefault(owner, []).append(f"'{attr}' ({op})")
+    model._quant_functional_uses = uses
+    tied = [f for f in _functional_float(model, uses) if f.layer_type.startswith("Quant")]
+    warn_float_layers(tied, stacklevel=4)
+
+
+def _functional_float(model: nn.Module, uses: dict[str, list[str]]) -> list[FloatLayer]:
+    """Float entries for the Parameters of quantized layers that a forward also used outside the layer."""
+    out = []
+    for owner, found in uses.items():
+        module = _get_submodule(model, owner)
+        if isinstance(module, QuantMixin):
+            out.append(FloatLayer(owner, type(module).__name__, f"Parameter {', '.join(found)} also used outside the layer, float there"))
+    return out

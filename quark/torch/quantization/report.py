@@ -84,11 +84,12 @@ def model_size_bits(model: nn.Module) -> tuple[int, int]:
     """(bits of the quantized model, bits of the same parameters in their float dtypes).
 
     Quantized weights and biases count their format's bits per element (block formats include their shared
-    scales; per-channel/group scales of integer formats are not counted); every other parameter its dtype's bits.
+    scales; per-channel/group scales of integer formats are not counted); every other parameter its dtype's bits,
+    and so do the weights of layers that no calibration forward reached (they are not run quantized).
     """
     quantized = {}
     for m in model.modules():
-        if isinstance(m, QuantMixin):
+        if isinstance(m, QuantMixin) and not getattr(m, "_quant_unreached", False):
             for param, q in m.param_quantizers():
                 if isinstance(getattr(m, param, None), torch.Tensor) and bool(q.fake_quant_enabled):
                     spec = q.spec

@@ -43,6 +43,8 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
 
     observer_enabled: torch.Tensor
     fake_quant_enabled: torch.Tensor
+    #: which layer and tensor this quantizer serves (set by ModelQuantizer.prepare; used in error messages)
+    where: str = "a quantizer"
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__()
@@ -145,8 +147,8 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         self._sync()
         if not self.initialized:
             raise RuntimeError(
-                f"{type(self).__name__}({self.extra_repr()}) has no qparams yet: it has observed no data and its "
-                "observer is off. Calibrate (observer on) before quantizing."
+                f"{self.where}: {type(self).__name__}({self.extra_repr()}) has no qparams yet: it has observed no data "
+                "and its observer is off. Calibrate (observer on) before quantizing."
             )
         return _apply_format(x, self.spec, self.scale, self.zero_point)
 

@@ -292,10 +292,15 @@ def test_exclude_with_fnmatch_leaves_layers_float_even_when_named() -> None:
     cfg = config(STATIC, exclude=["other.*", "con?"], layer_quant_config={"other.fc2": WEIGHT_ONLY})
     model = Net()
     kept = {n: m for n, m in model.named_modules() if n.startswith("other.") or n == "conv"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # everything matches a layer: no warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         plans = ModelQuantizer(cfg).resolve(model)
         ModelQuantizer(cfg).prepare(model)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "match no layer" in m]  # every key and pattern matches a layer
+    # the excluded layers are named once, with the reason
+    assert len(messages) == 1 and "excluded by Config.exclude" in messages[0]
+    assert all(name in messages[0] for name in ("other.fc1 (Linear)", "other.fc2 (Linear)", "conv (Conv1d)"))
     assert [p.name for p in plans] == ["block.fc1", "block.fc2", "head"]
     layers = dict(model.named_modules())
     for name, module in kept.items():
@@ -337,6 +342,11 @@ def test_summary_is_a_readable_table_of_the_resolution() -> None:
     table = ModelQuantizer(cfg).summary(model)
     assert dict(model.named_modules()) == before and not hasattr(model, "quant_config")  # summary changes nothing
 
+    table, _, floats = table.partition("\n\n")
+    assert floats.splitlines()[0].split() == ["float", "layer", "type", "why"]
+    assert {tuple(line.split(None, 2)) for line in floats.splitlines()[2:]} == {
+        ("other.fc1", "Linear", "excluded by Config.exclude"), ("other.fc2", "Linear", "excluded by Config.exclude")
+    }
     lines = table.splitlines()
     assert lines[0].split() == ["layer", "type", "role", "dtype", "qscheme", "observer", "from"]
     assert set(lines[1]) <= {"-", " "}

@@ -1,0 +1,119 @@
+"""No silent float: layers that stay float are named with the reason, quantizers no forward reaches are reported,
+and the size report counts only what really runs quantized."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from specs import int_spec
+from torch import nn
+
+from quark.torch import ModelQuantizer
+from quark.torch.quantization.config.config import Config, QuantizationConfig
+from quark.torch.quantization.observer.observer import PerChannelMinMaxObserver
+from quark.torch.quantization.report import model_size_bits
+
+W8A8 = QuantizationConfig(
+    weight=int_spec(qscheme="per_channel", observer_cls=PerChannelMinMaxObserver, ch_axis=0), input_tensors=int_spec()
+)
+
+
+class RawLinear(nn.Module):
+    """A user's layer holding its own Parameters and calling F.linear on them."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class FunctionalNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.raw = RawLinear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.raw(torch.relu(self.fc(x)))))
+
+
+class BypassNet(nn.Module):
+    """``tied`` is a Linear whose weight is also used through F.linear (as tied embeddings are); ``skip`` never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.tied = nn.Linear(8, 8)
+        self.skip = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.fc(x), self.tied.weight)
+
+
+def _messages(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record]
+
+
+def test_a_layer_using_f_linear_on_its_own_parameters_is_listed_as_float_once() -> None:
+    model = FunctionalNet()
+    quantizer = ModelQuantizer(Config(global_quant_config=W8A8))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        quantizer.quantize_model(model, [torch.randn(4, 16)])
+    float_warnings = [m for m in _messages(record) if "stay float" in m]
+    assert len(float_warnings) == 1, _messages(record)
+    assert "raw (RawLinear)" in float_warnings[0] and "norm (LayerNorm)" in float_warnings[0]
+    assert "fc (" not in float_warnings[0] and "head (" not in float_warnings[0]
+    listed = {f.name: f for f in quantizer.float_layers(model)}
+    assert set(listed) == {"raw", "norm"}
+    assert "'weight' (linear)" in listed["raw"].reason and "used functionally" in listed["raw"].reason
+    table = quantizer.summary(model)
+    assert "raw" in table.split("float layer")[1] and "RawLinear" in table
+
+
+def test_the_size_report_counts_a_functional_layer_as_float() -> None:
+    model = FunctionalNet()
+    ModelQuantizer(Config(global_quant_config=W8A8)).quantize_model(model, [torch.randn(4, 16)])
+    quantized_bits, float_bits = model_size_bits(model)
+    int8_weights = 16 * 16 + 4 * 16  # fc and head weights, 8 bits each
+    float_params = sum(p.numel() for p in model.parameters()) - int8_weights
+    assert quantized_bits == int8_weights * 8 + float_params * 32
+    assert float_bits == sum(p.numel() for p in model.parameters()) * 32
+
+
+def test_a_quantized_layer_no_forward_reaches_is_reported_and_counted_float() -> None:
+    model = BypassNet()
+    with pytest.warns(UserWarning) as record:
+        ModelQuantizer(Config(global_quant_config=W8A8)).quantize_model(model, [torch.randn(4, 8)])
+    messages = _messages(record)
+    unreached = [m for m in messages if "no forward reached" in m]
+    assert len(unreached) == 1 and "'tied'" in unreached[0] and "'skip'" in unreached[0] and "'fc'" not in unreached[0]
+    tied = [m for m in messages if "also used outside the layer" in m]
+    assert len(tied) == 1 and "tied (QuantLinear)" in tied[0] and "'weight' (linear)" in tied[0]
+    quantized_bits, float_bits = model_size_bits(model)
+    assert float_bits - quantized_bits == 8 * 8 * (32 - 8)  # only fc's weight is really int8
+
+
+def test_a_model_without_float_layers_warns_nothing() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ModelQuantizer(Config(global_quant_config=W8A8)).quantize_model(model, [torch.randn(4, 8)])
+    assert ModelQuantizer(Config(global_quant_config=W8A8)).float_layers(model) == []
+
+
+def test_running_an_unreached_layer_later_errors_with_its_name() -> None:
+    model = BypassNet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ModelQuantizer(Config(global_quant_config=W8A8)).quantize_model(model, [torch.randn(4, 8)])
+    with pytest.raises(RuntimeError, match=r"layer 'skip' \(Linear, input_tensors\)"):
+        model.skip(torch.randn(2, 8))
