@@ -32,6 +32,7 @@ from quark.torch.quantization.coverage import (
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
 from quark.torch.quantization.nn.modules.quant_modules import (
     EXPLICIT_ONLY,
+    PREPARE_HOOKS,
     QUANT_MODULE_MAP,
     QuantMixin,
     iter_quantizers,
@@ -244,8 +245,6 @@ class AlgorithmRunner(Protocol):
 
 
 _ALGORITHMS: list[AlgorithmRunner] = []
-#: run on the model after every swap (twins that need more than a swap: fused fast paths of containers)
-_PREPARE_HOOKS: list[Callable[[nn.Module], Any]] = []
 
 
 def register_algorithms(runner: AlgorithmRunner) -> None:
@@ -344,7 +343,7 @@ class ModelQuantizer:
             _restore(swapped)
             raise
         model.quant_config = self.config
-        for hook in _PREPARE_HOOKS:
+        for hook in PREPARE_HOOKS:
             hook(model)
         logger.info("prepared %d layer(s) for quantization", len(plans))
         warn_float_layers(floats, stacklevel=4)

@@ -8,8 +8,9 @@ them. Quantizer attributes follow Quark: ``_input_quantizer``, ``_weight_quantiz
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ __all__ = [
     "QuantSlot",
     "iter_quantizers",
     "register_quant_module",
+    "register_prepare_hook",
 ]
 
 QUANTIZER_ROLES = {
@@ -238,6 +240,13 @@ def register_quant_module(float_class: type[nn.Module], twin: type[QuantMixin], 
         EXPLICIT_ONLY.add(float_class)
 
 
+def register_prepare_hook(hook: Callable[[nn.Module], Any]) -> None:
+    """Run ``hook(model)`` after every prepare (twins that need more than a swap, e.g. a container's fused fast path
+    that would bypass them)."""
+    if hook not in PREPARE_HOOKS:
+        PREPARE_HOOKS.append(hook)
+
+
 def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, FakeQuantizeBase]]:
     """(role, quantizer) of every quantized layer of ``model``, in module order."""
     for module in model.modules():
@@ -257,3 +266,4 @@ QUANT_MODULE_MAP: dict[type[nn.Module], type[QuantMixin]] = {
     nn.EmbeddingBag: QuantEmbeddingBag,
 }
 EXPLICIT_ONLY: set[type[nn.Module]] = {nn.Embedding, nn.EmbeddingBag}
+PREPARE_HOOKS: list[Callable[[nn.Module], Any]] = []
