@@ -36,6 +36,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QUANT_MODULE_MAP,
     QuantMixin,
     iter_quantizers,
+    slot_label,
 )
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
@@ -336,7 +337,7 @@ class ModelQuantizer:
                 original = getattr(parent, attr)
                 twin = QUANT_MODULE_MAP[_float_type(original)].from_float(original, plan.qconfig)  # type: ignore[index]
                 for slot, q in twin.quantizer_slots():
-                    q.where = f"layer '{plan.name}' ({plan.layer_type}, {slot.tensor or slot.role})"
+                    q.where = f"layer '{plan.name}' ({plan.layer_type}, {slot_label(slot)})"
                 setattr(parent, attr, twin)
                 swapped.append((parent, attr, original))
         except BaseException:

@@ -1,5 +1,6 @@
-"""Quantized twins of the float layers."""
+"""Quantized twins of the float layers (importing this package registers the attention and recurrent twins)."""
 
+from quark.torch.quantization.nn.modules.quant_mha import QuantMultiheadAttention
 from quark.torch.quantization.nn.modules.quant_modules import (
     QUANT_MODULE_MAP,
     QuantConv1d,
@@ -13,6 +14,14 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QuantMixin,
     iter_quantizers,
 )
+from quark.torch.quantization.nn.modules.quant_rnn import (
+    QuantGRU,
+    QuantGRUCell,
+    QuantLSTM,
+    QuantLSTMCell,
+    QuantRNN,
+    QuantRNNCell,
+)
 
 __all__ = [
     "QUANT_MODULE_MAP",
@@ -25,5 +34,12 @@ __all__ = [
     "QuantConvTranspose2d",
     "QuantEmbedding",
     "QuantEmbeddingBag",
+    "QuantMultiheadAttention",
+    "QuantLSTM",
+    "QuantGRU",
+    "QuantRNN",
+    "QuantLSTMCell",
+    "QuantGRUCell",
+    "QuantRNNCell",
     "iter_quantizers",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "iter_quantizers",
     "register_quant_module",
     "register_prepare_hook",
+    "slot_label",
 ]
 
 QUANTIZER_ROLES = {
@@ -61,6 +62,16 @@ DEFAULT_SLOTS = (
     QuantSlot("weight", "_weight_quantizer", "weight"),
     QuantSlot("bias", "_bias_quantizer", "bias"),
 )
+
+
+def slot_label(slot: QuantSlot) -> str:
+    """How messages name a slot: the tensor it quantizes, its role for the standard activation slots, else its
+    attribute (``key_input`` for ``_key_input_quantizer``)."""
+    if slot.tensor is not None:
+        return slot.tensor
+    if any(slot.attr == s.attr for s in DEFAULT_SLOTS):
+        return slot.role
+    return slot.attr.strip("_").removesuffix("_quantizer")
 
 
 def _make_quantizer(spec: QuantizationSpec | None, device: torch.device | None) -> FakeQuantizeBase | None:
