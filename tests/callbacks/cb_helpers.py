@@ -263,7 +263,7 @@ def fake_quant(q: FakeQuantizeBase | None, t: torch.Tensor) -> torch.Tensor:
     scale, zp = q.calculate_qparams()
     if scale.numel() == 1:
         return torch.fake_quantize_per_tensor_affine(t, float(scale), int(zp), qmin, qmax)
-    return torch.fake_quantize_per_channel_affine(t, scale.float(), zp.int(), q.spec.ch_axis, qmin, qmax)
+    return torch.fake_quantize_per_channel_affine(t, scale.float(), zp.int(), q.spec.ch_axis % t.ndim, qmin, qmax)
 
 
 def manual_forward(model: BoringMLP, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ differ and only their reduction makes the qparams agree. Each rank writes what t
 - ``qat``: TQT weights; fc1 input min-max observed for ``observer_steps`` steps; fc2 input a TQT threshold that each
   rank initialises from its own first batch.
 - ``qat_short``: QAT that ends before ``observer_steps``, then test: the qparams used by test must agree too.
-- ``all``: the three in turn, in the same two processes.
+- ``lsq``: QAT with LSQ per-channel weights and fc1 input (per feature), TQT fc2 input: the scales have their final
+  shapes before DDP wraps the module (else backward fails laying out their gradients).
+- ``all``: the four in turn, in the same two processes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ HISTOGRAM_ACT = {**INT8_PER_TENSOR_ACT, "observer_cls": "PerTensorHistogramObser
 PTQ_CONFIG = {
     "global_quant_config": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": INT8_PER_TENSOR_ACT},
     "layer_quant_config": {"fc2": {"input_tensors": HISTOGRAM_ACT}},
+}
+LSQ_WEIGHT = {
+    "dtype": "int8", "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver",
+    "symmetric": True, "scale_type": "float", "round_method": "half_even", "is_dynamic": False,
+    "qat_spec": {"method": "lsq"},
+}  # fmt: skip
+LSQ_CONFIG = {
+    "global_quant_config": {"weight": LSQ_WEIGHT},
+    "layer_quant_config": {"fc1": {"input_tensors": {**LSQ_WEIGHT, "ch_axis": -1}}, "fc2": {"input_tensors": tqt_spec()}},
 }
 QAT_CONFIG = {
     "global_quant_config": {"weight": tqt_spec(), "input_tensors": INT8_PER_TENSOR_ACT},
@@ -66,9 +77,12 @@ class Record(Callback):
             self.at_fix = qstate(pl_module)
 
 
+MODES = ("ptq", "qat", "qat_short", "lsq")
+
+
 def main(mode: str, out: str) -> None:
     if mode == "all":  # one launch of the two processes for every mode: most of a run is starting them
-        for each in ("ptq", "qat", "qat_short"):
+        for each in MODES:
             main(each, out)
         return
     seed(0)
@@ -90,6 +104,10 @@ def main(mode: str, out: str) -> None:
         trainer.fit(model, datamodule=RankData())
         result.update(threshold_before_sync=before.first_threshold, threshold_after_sync=after.first_threshold)
         result["at_fix"] = after.at_fix
+    elif mode == "lsq":
+        cb = QuantCallback(Config.from_dict(LSQ_CONFIG), mode="qat", observer_steps=1)
+        trainer = Trainer(callbacks=[cb], limit_train_batches=3, **kwargs)
+        trainer.fit(model, datamodule=RankData())
     elif mode == "qat_short":
         cb = QuantCallback(Config.from_dict(PTQ_CONFIG), mode="qat", observer_steps=100)
         trainer = Trainer(callbacks=[cb], limit_train_batches=2, **kwargs)

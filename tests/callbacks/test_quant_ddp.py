@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from cb_helpers import BoringMLP, loader, qstate
-from ddp_script import PTQ_CONFIG, rank_data
+from ddp_script import MODES, PTQ_CONFIG, rank_data
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
@@ -35,7 +35,7 @@ def ranks(tmp_path_factory) -> dict[str, list[dict]]:
     )
     assert run.returncode == 0, f"DDP run failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     results = {}
-    for mode in ("ptq", "qat", "qat_short"):
+    for mode in MODES:
         results[mode] = [torch.load(out / f"{mode}_rank{r}.pt", weights_only=False) for r in (0, 1)]
         assert [r["world_size"] for r in results[mode]] == [2, 2]
     return results
@@ -117,3 +117,12 @@ def test_qat_that_ends_before_observer_steps_fixes_reduced_qparams(ranks) -> Non
     union = torch.cat([_x(0, 2), _x(1, 2)])
     assert float(state["fc1.input_tensors.observer.max_val"]) == float(union.max())
     assert float(state["fc1.input_tensors.observer.min_val"]) == float(union.min())
+
+
+def test_lsq_per_channel_and_tqt_train_under_ddp_with_identical_qparams(ranks) -> None:
+    pair = ranks["lsq"]
+    _assert_ranks_identical(pair)
+    _assert_ranks_identical(pair, "weights")
+    state = pair[0]["qstate"]
+    assert state["fc1.weight.<scale>"].numel() == 32 and state["fc1.input_tensors.<scale>"].numel() == 16
+    assert all(bool(v) for k, v in state.items() if k.endswith(".initialized"))

@@ -380,6 +380,22 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
         self.scale = nn.Parameter(torch.ones(1, device=device))
         self.register_buffer("zero_point", torch.zeros(1, dtype=torch.int32, device=device))
         self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
+        self.channels: int | None = None  # per channel: the count, once known before the first batch
+
+    @property
+    def channels_known(self) -> bool:
+        """Whether the scale already has its final shape (per tensor, or per channel sized by ``set_channels``)."""
+        return self.axis is None or self.channels is not None or bool(self.initialized)
+
+    def set_channels(self, count: int) -> None:
+        """Give a per-channel scale its final shape before training, so that a wrapper that lays out gradient
+        buffers once (DDP) sees the Parameter as it will stay."""
+        if self.axis is None or bool(self.initialized):
+            return
+        with torch.no_grad():
+            self.scale.data = torch.ones(count, device=self.scale.device)
+            self.zero_point = torch.zeros(count, dtype=torch.int32, device=self.zero_point.device)
+        self.channels = count
 
     def init_scale(self, x: torch.Tensor) -> None:
         xd = x.detach().float().abs()
@@ -387,9 +403,18 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
             mean = xd.mean().reshape(1)
         else:
             mean = xd.movedim(self.axis, 0).reshape(xd.shape[self.axis], -1).mean(dim=1)
+        value = (2 * mean / math.sqrt(self.qmax)).clamp(min=_EPS).to(self.scale.device)
         with torch.no_grad():
-            self.scale.data = (2 * mean / math.sqrt(self.qmax)).clamp(min=_EPS).to(self.scale.device)
-            self.zero_point = torch.zeros(mean.numel(), dtype=torch.int32, device=self.zero_point.device)
+            if self.channels is not None or self.axis is None:  # shaped before training: fill in place
+                if value.numel() != self.scale.numel():
+                    raise ValueError(
+                        f"{self.where}: the LSQ scale has {self.scale.numel()} channels but the tensor has "
+                        f"{value.numel()} along axis {self.axis}"
+                    )
+                self.scale.copy_(value)
+            else:
+                self.scale.data = value
+                self.zero_point = torch.zeros(mean.numel(), dtype=torch.int32, device=self.zero_point.device)
         self.initialized.fill_(1)
 
     def _initialize(self, x: torch.Tensor) -> None:
@@ -415,5 +440,6 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
         key = prefix + "scale"
         if key in state_dict and state_dict[key].shape != self.scale.shape:
             self.scale.data = torch.empty_like(state_dict[key], device=self.scale.device)
+            self.channels = None if self.axis is None else state_dict[key].numel()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

@@ -117,11 +117,25 @@ class QuantMixin(nn.Module):
             twin.register_module(slot.attr, _make_quantizer(getattr(qconfig, slot.role), device))
         twin._quant_slots = slots
         twin.quant_config = qconfig
-        twin._after_from_float()
+        for slot, q in twin.quantizer_slots():
+            axis = getattr(q, "axis", None)
+            if hasattr(q, "set_channels") and axis is not None:
+                count = twin.channel_count(slot, axis)
+                if count is not None:
+                    q.set_channels(count)
         return twin
 
-    def _after_from_float(self) -> None:
-        """Hook for twins that derive state from the float module (e.g. a per-gate view of packed weights)."""
+    def channel_count(self, slot: QuantSlot, axis: int) -> int | None:
+        """How many channels the tensor of ``slot`` has along ``axis``, when the layer's shape fixes it (weights:
+        always; activations: where the layer says, else None: known only from data)."""
+        if slot.tensor is not None:
+            return getattr(self, slot.tensor).shape[axis]
+        return self._activation_channels.get((slot.role, axis))
+
+    @property
+    def _activation_channels(self) -> dict[tuple[str, int], int]:
+        """(role, axis) -> channel count of activations fixed by the layer's shape."""
+        return {}
 
     def to_float(self) -> nn.Module:
         """The float module again (same Parameters), quantizers dropped."""
@@ -170,6 +184,10 @@ class QuantMixin(nn.Module):
 class QuantLinear(QuantMixin, nn.Linear):
     _float_class = nn.Linear
 
+    @property
+    def _activation_channels(self) -> dict[tuple[str, int], int]:
+        return {("input_tensors", -1): self.in_features, ("output_tensors", -1): self.out_features}
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
@@ -177,6 +195,10 @@ class QuantLinear(QuantMixin, nn.Linear):
 
 
 class _QuantConvNd(QuantMixin):
+    @property
+    def _activation_channels(self) -> dict[tuple[str, int], int]:
+        return {("input_tensors", 1): self.in_channels, ("output_tensors", 1): self.out_channels}  # type: ignore[attr-defined]
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
