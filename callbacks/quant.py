@@ -8,8 +8,11 @@ their Parameters.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
+import pickle
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,6 +20,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -24,7 +28,7 @@ from quark.torch import ModelQuantizer
 from quark.torch.export import EXPORT_FORMATS, export_model
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
 from quark.torch.extensions.brevitas import to_quark_config
-from quark.torch.quantization.api import format_plans
+from quark.torch.quantization.api import format_plans, run_batch
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
@@ -38,6 +42,11 @@ from quark.torch.quantization.tensor_quantize import (
 
 MODES = ("qat", "ptq")
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+CALIB_FORWARD_EXAMPLE = "QuantCallback(..., calib_forward=lambda model, batch: model(batch[0], batch[1]))"
+# Written into the state_dict of every checkpoint of a quantized model: a plain ``Model.load_from_checkpoint`` (no
+# callback, float layers) then fails on this key first, and the key says what to use. The callback's load pre-hook and
+# ``load_quantized_checkpoint`` drop it.
+QUANTIZED_CHECKPOINT_KEY = "QUANTIZED checkpoint: load it with callbacks.quant.load_quantized_checkpoint(model, path)"
 
 
 def _to_config(config: Any) -> Config:
@@ -103,6 +112,85 @@ def _keep_out_of_ddp_broadcast(module: nn.Module) -> None:
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored + [n for n in names if n not in ignored])
 
 
+def _quantizer_keys(module: nn.Module, prefix: str = "") -> dict[str, FakeQuantizeBase]:
+    """state_dict key -> quantizer, for every buffer and Parameter of the quantizers of ``module``."""
+    return {
+        f"{prefix}{name}.{key}": m
+        for name, m in module.named_modules()
+        if isinstance(m, FakeQuantizeBase)
+        for key in m.state_dict()
+    }
+
+
+def _fill_float_checkpoint(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:  # fmt: skip
+    """Load pre-hook of a model prepared by QuantCallback: drops the quantized-checkpoint marker, and a state_dict of
+    the float model (no quantizer key at all) gets the quantizers' current state, so that the float weights load
+    strictly and the quantizers start fresh (the callback then calibrates, or runs its QAT observers)."""
+    state_dict.pop(prefix + QUANTIZED_CHECKPOINT_KEY, None)
+    quant_keys = _quantizer_keys(module, prefix)
+    if not quant_keys or any(k in state_dict for k in quant_keys):
+        return
+    if not any(k.startswith(prefix) for k in state_dict):
+        return  # nothing of this model: strict loading reports it
+    current = module.state_dict(prefix=prefix)
+    for key in quant_keys:
+        state_dict[key] = current[key].detach().clone()
+    module._quant_float_start = True  # read (once) by the callback
+
+
+def _describe(batch: Any) -> str:
+    if isinstance(batch, torch.Tensor):
+        return f"Tensor{list(batch.shape)}"
+    if isinstance(batch, dict):
+        return "dict(" + ", ".join(f"{k}={_describe(v)}" for k, v in batch.items()) + ")"
+    if isinstance(batch, list | tuple):
+        return f"{type(batch).__name__} of {len(batch)}: (" + ", ".join(_describe(v) for v in batch) + ")"
+    return type(batch).__name__
+
+
+def _binds(signature: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if signature is None:
+        return True
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def _feedable(module: nn.Module, batch: Any) -> Any:
+    """``batch`` in a form the engine's default feed (tensor -> forward(x); (input, target...) -> forward(input);
+    dict -> forward(**batch)) calls ``module.forward`` with correctly. A tuple/list whose first element alone does not
+    fit the forward's signature while the whole batch does (``forward(inputs, target)`` with (inputs, target)
+    batches) becomes a dict of its arguments by name. Anything else raises a ValueError naming ``calib_forward=``."""
+    try:
+        signature: inspect.Signature | None = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        signature = None  # nothing to check against: the engine's default feed, as before
+    if isinstance(batch, dict):
+        if _binds(signature, (), batch):
+            return batch
+    elif isinstance(batch, list | tuple) and batch:
+        if _binds(signature, (batch[0],), {}):
+            return batch
+        if signature is not None and _binds(signature, tuple(batch), {}):
+            bound = signature.bind(*batch)
+            kinds = {signature.parameters[name].kind for name in bound.arguments}
+            if kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}:
+                return dict(bound.arguments)
+    elif not isinstance(batch, list | tuple) and _binds(signature, (batch,), {}):
+        return batch
+    raise ValueError(
+        f"QuantCallback cannot feed a calibration batch ({_describe(batch)}) to {type(module).__name__}.forward"
+        f"{signature}: by default a tensor batch is fed as forward(batch), a tuple/list as forward(batch[0]) or "
+        "forward(*batch), a dict as forward(**batch). Say how to run one batch with calib_forward=, for example "
+        f"{CALIB_FORWARD_EXAMPLE}"
+    )
+
+
 class QuantCallback(Callback):
     r"""Quantize the LightningModule with a quark ``Config``: QAT during ``fit`` or PTQ calibration epochs.
 
@@ -118,17 +206,21 @@ class QuantCallback(Callback):
         config: a quark ``Config`` (or a dict / DictConfig of the same shape), or a Brevitas-style ``Config`` of
             ``quark.torch.extensions.brevitas`` (run on this engine).
         mode: ``"qat"`` (fake quantization while training) or ``"ptq"`` (train float, then calibrate).
-        observer_steps: QAT: training steps during which observers run (then qparams are fixed). TQT / LSQ
-            quantizers initialise from the first batch whatever this is.
+        observer_steps: QAT: training batches during which observers run (then qparams are fixed); batches, not
+            optimizer steps (gradient accumulation, several optimizers). TQT / LSQ quantizers initialise from the
+            first batch whatever this is.
         freeze_bn_epoch: QAT: from this epoch on, BatchNorm layers use and keep their running statistics.
         calib_batches: PTQ: calibration batches per calibration epoch (None: the whole dataloader).
         calib_epochs: PTQ: passes over the calibration data.
-        calib_dataloader: PTQ: calibration data; by default the train dataloader of the datamodule or module.
+        calib_dataloader: PTQ: calibration data; by default the train dataloader of the datamodule (set up for
+            ``"fit"`` first when the running stage is another one) or of the module.
         calib_forward: how to feed one calibration batch, ``calib_forward(module, batch)``; by default the module
-            is called on the batch (tensor), on its first element ((input, target) tuples) or with ``**batch`` (dicts).
+            is called on the batch (tensor), on its first element ((input, target) tuples), on all its elements when
+            ``forward`` needs them (``forward(inputs, target)``) or with ``**batch`` (dicts).
         monitor: a logged metric whose FP32 and quantized values are logged side by side when both are known.
         log_sqnr: log per-layer SQNR (dB) of weights and of activations on one batch, and the model size in bits.
-        progress_bar: show a progress bar during calibration (rank zero).
+        progress_bar: show a progress bar during calibration (rank zero, and only when the Trainer has one:
+            ``Trainer(enable_progress_bar=False)`` hides it too).
         save_quantized: PTQ: after calibration at the end of ``fit``, write ``quantized.ckpt`` (the full quantization
             state) next to the ModelCheckpoint files (or in ``default_root_dir``); its path is ``quantized_checkpoint``.
         export: formats written at the end of ``fit`` (PTQ: after calibration; QAT: with the qparams fixed):
@@ -139,6 +231,11 @@ class QuantCallback(Callback):
     Raises:
         ValueError: a bad argument (named, with the allowed values), or, in ``setup``, a config matching no layer,
             or a ``ModelPruning`` placed before this callback.
+
+    Checkpoints: the quantization state is part of the module's state_dict. A float checkpoint (no quantizer state)
+    is a valid start: ``test/validate/predict(ckpt_path=float.ckpt)`` in PTQ loads the weights then calibrates,
+    ``fit(ckpt_path=float.ckpt)`` in QAT starts QAT from them. A quantized checkpoint loads into a fresh model with
+    ``load_quantized_checkpoint`` (a plain ``Model.load_from_checkpoint`` fails with a message saying so).
 
     With ``ModelPruning``, put this callback first (``callbacks=[QuantCallback(...), ModelPruning(...)]``):
     ModelPruning collects the layers to prune in its own ``setup``, so it must see the quantized twins; the other
@@ -204,10 +301,21 @@ class QuantCallback(Callback):
         self._paused: list[tuple[FakeQuantizeBase, bool, bool]] = []
         self._observing = mode == "qat"
         self._learnable_synced = False
+        self._batches_seen = 0  # QAT: training batches run so far (observer_steps counts these)
+        self._counting_for: weakref.ReferenceType[Trainer] | None = None  # the trainer whose batches those are
+        self._calibrated_for: weakref.ReferenceType[nn.Module] | None = None  # PTQ: the module calibrate() last ran on
+        self._datamodule_fit_ready = False  # the datamodule has run setup("fit") in this trainer run
+        self._table_logged = False
+        self._warned_unobserved = False
+        self._warned_report_feed = False
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Swap the configured layers (once: a second fit or test reuses them)."""
+        self._datamodule_fit_ready = stage == TrainerFn.FITTING  # Lightning just ran datamodule.setup(stage)
+        if stage == TrainerFn.FITTING and (self._counting_for is None or self._counting_for() is not trainer):
+            self._batches_seen = 0  # a new trainer counts from its first batch (a checkpoint restores the count)
+            self._counting_for = weakref.ref(trainer)
         swap = not any(isinstance(m, QuantMixin) for m in pl_module.modules())
         if swap:
             plans = self.quantizer.resolve(pl_module)
@@ -219,14 +327,36 @@ class QuantCallback(Callback):
                 )
             self._check_callback_order(trainer)
             self.quantizer.prepare(pl_module)
+            self._check_learnable_shapes(trainer, pl_module)
             _keep_out_of_ddp_broadcast(pl_module)
-            # the table of the plans made before the swap (a prepared model resolves to nothing)
-            rank_zero_info(f"QuantCallback ({self.mode}): quantizing {len(plans)} layer(s)\n{format_plans(plans)}")
+            # the table of the plans made before the swap (a prepared model resolves to nothing), once per callback
+            if not self._table_logged:
+                rank_zero_info(f"QuantCallback ({self.mode}): quantizing {len(plans)} layer(s)\n{format_plans(plans)}")
+                self._table_logged = True
+        if not getattr(pl_module, "_quant_load_hook", False):  # a float checkpoint restores into the quantized model
+            pl_module.register_load_state_dict_pre_hook(_fill_float_checkpoint)
+            pl_module._quant_load_hook = True
         if self.mode == "ptq" and (stage == TrainerFn.FITTING or (swap and not self.calibrated)):
             # train (and validate during fit) in float, every fit: its end calibrates the weights it leaves
             self._set_all(pl_module, observe=False, fake_quant=False)
             if stage == TrainerFn.FITTING:
                 self.calibrated = False
+                self._calibrated_for = None
+
+    @staticmethod
+    def _check_learnable_shapes(trainer: Trainer, pl_module: LightningModule) -> None:
+        """Under DDP, learnable scales must have their final shape before the module is wrapped (DDP lays out its
+        gradient buckets once): a per-channel LSQ activation on an axis the layer does not fix is refused here."""
+        if trainer.world_size <= 1:
+            return
+        lazy = [q.where for _, q in iter_quantizers(pl_module) if isinstance(q, LSQFakeQuantize) and not q.channels_known]
+        if lazy:
+            raise ValueError(
+                f"QuantCallback under {type(trainer.strategy).__name__} ({trainer.world_size} processes): LSQ per-channel "
+                f"scales of {lazy} would take their shape from the first batch, after DDP has laid out its gradient "
+                "buckets. Quantize activations per channel along the layer's feature axis (ch_axis=-1 for a Linear "
+                "input or output, ch_axis=1 for a convolution's), or per tensor."
+            )
 
     def _check_callback_order(self, trainer: Trainer) -> None:
         """ModelPruning collects the layers to prune in its own ``setup``: if it runs before this one, it holds the
@@ -244,6 +374,7 @@ class QuantCallback(Callback):
 
     # ------------------------------------------------------------------------------------------- QAT
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._take_float_start(pl_module)
         if self.mode == "qat":
             self._update_observers(trainer, pl_module)
 
@@ -257,13 +388,17 @@ class QuantCallback(Callback):
                     m.eval()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.mode == "qat" and not self._learnable_synced:
+        if self.mode != "qat":
+            return
+        self._batches_seen += 1
+        if not self._learnable_synced:
             sync_learnable(pl_module)  # each rank initialised its thresholds from its own first batch
             self._learnable_synced = True
 
     def _update_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
-        """Observers run for the first ``observer_steps`` steps (weights: their current values), then are fixed."""
-        observing = trainer.global_step < self.observer_steps
+        """Observers run for the first ``observer_steps`` training batches (weights: their current values), then are
+        fixed. Batches, not optimizer steps: with gradient accumulation or several optimizers they differ."""
+        observing = self._batches_seen < self.observer_steps
         for role, q in iter_quantizers(pl_module):
             if q.is_dynamic:
                 continue
@@ -284,7 +419,7 @@ class QuantCallback(Callback):
             if not q.is_dynamic and not _is_learnable(q):
                 q.disable_observer()
         self._observing = False
-        rank_zero_info(f"QuantCallback: observers fixed after {trainer.global_step} step(s)")
+        rank_zero_info(f"QuantCallback: observers fixed after {self._batches_seen} training batch(es)")
         self._log_report(trainer, pl_module, batch if self.log_sqnr else None)
 
     # ------------------------------------------------------------------------------------------- evaluation stages
@@ -315,9 +450,19 @@ class QuantCallback(Callback):
         self._resume()
 
     def _before_eval(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._take_float_start(pl_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.mode == "ptq" and not fitting and not self._model_calibrated(pl_module):
+        if self.mode == "ptq" and not fitting and self._needs_calibration(pl_module):
             self.calibrate(trainer, pl_module)
+        if self.mode == "qat" and not fitting and not self._warned_unobserved:
+            unobserved = [q.where for _, q in iter_quantizers(pl_module) if not q.is_dynamic and not _ready(q)]
+            if unobserved:
+                self._warned_unobserved = True
+                rank_zero_warn(
+                    f"QuantCallback(mode='qat'): {trainer.state.fn.value}() before the observers have run (fit trains "
+                    f"them): {len(unobserved)} quantizer(s) have no qparams yet and run in float ({unobserved[0]}, ...), "
+                    "so these metrics are not the quantized model's. Run trainer.fit first, or load a QAT checkpoint."
+                )
         self._pause(pl_module)
 
     def _after_eval(self, trainer: Trainer) -> None:
@@ -344,7 +489,7 @@ class QuantCallback(Callback):
                 self.quantized_checkpoint = os.path.join(folder, "quantized.ckpt")
                 trainer.save_checkpoint(self.quantized_checkpoint)
                 rank_zero_info(f"QuantCallback: quantized checkpoint written to {self.quantized_checkpoint}")
-        elif self._observing and trainer.global_step > 0:
+        elif self._observing and self._batches_seen > 0:
             # fit ended before observer_steps: fix the qparams now, the same on every rank (a later fit that is still
             # within observer_steps observes again)
             self._fix_observers(trainer, pl_module, self._first_batch(trainer, pl_module))
@@ -373,6 +518,14 @@ class QuantCallback(Callback):
         quantizers = [q for _, q in iter_quantizers(pl_module)]
         return bool(quantizers) and all(_ready(q) for q in quantizers) and all(bool(q.fake_quant_enabled) for q in quantizers)
 
+    def _needs_calibration(self, pl_module: LightningModule) -> bool:
+        """PTQ before evaluation: not when this callback calibrated (or restored the calibration of) this very module
+        (a quantizer that no forward reaches stays without qparams: calibrating again would not change that), nor
+        when every quantizer has its qparams and is on (a model calibrated elsewhere)."""
+        if self.calibrated and self._calibrated_for is not None and self._calibrated_for() is pl_module:
+            return False
+        return not self._model_calibrated(pl_module)
+
     def calibrate(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Calibration epochs: observers see the calibration batches (eval, no_grad), then the qparams are fixed
         (reduced across ranks) and fake quantization is switched on."""
@@ -385,7 +538,7 @@ class QuantCallback(Callback):
         batches: Iterable[Any] = itertools.chain.from_iterable(
             itertools.islice(data, self.calib_batches) for _ in range(self.calib_epochs)
         )
-        if self.progress_bar and trainer.is_global_zero:
+        if self.progress_bar and trainer.is_global_zero and trainer.progress_bar_callback is not None:
             from tqdm.auto import tqdm
 
             batches = tqdm(batches, total=total, desc="Calibrating", leave=False)
@@ -400,22 +553,36 @@ class QuantCallback(Callback):
                     self.calib_forward(model, trainer.strategy.batch_to_device(batch))  # type: ignore[misc]
             self.quantizer.calibrate(pl_module, forward_loop=forward_loop)
         else:
-            self.quantizer.calibrate(pl_module, batches)
+            self.quantizer.calibrate(pl_module, (_feedable(pl_module, batch) for batch in batches))
         sync_observers(pl_module)
         self.calibrated = True
+        self._calibrated_for = weakref.ref(pl_module)
         rank_zero_info("QuantCallback: calibration done; qparams fixed")
         self._log_report(trainer, pl_module, self._first_batch(trainer, pl_module))
 
     def _calibration_data(self, trainer: Trainer, pl_module: LightningModule) -> Iterable[Any]:
+        """``calib_dataloader``, else the train dataloader of the datamodule (set up for "fit" first, as Lightning's
+        data connector would before asking it, when the running stage is another one), else of the module."""
         if self.calib_dataloader is not None:
             return self.calib_dataloader
-        source = trainer.datamodule if trainer.datamodule is not None else pl_module
-        try:
-            return source.train_dataloader()  # type: ignore[union-attr]
-        except Exception as err:  # noqa: BLE001 - any failure means: no train data available here
+        datamodule = trainer.datamodule
+        source: Any = datamodule if datamodule is not None else pl_module
+        what = f"{'datamodule' if datamodule is not None else 'module'} {type(source).__name__}"
+        if not is_overridden("train_dataloader", source):
             raise ValueError(
-                "QuantCallback(mode='ptq') needs calibration data: give `calib_dataloader=` or a datamodule / module "
-                f"with train_dataloader() ({type(err).__name__}: {err})"
+                f"QuantCallback(mode='{self.mode}') needs calibration data: the {what} has no train_dataloader(). "
+                "Give `calib_dataloader=` (any iterable of batches) or define train_dataloader()."
+            )
+        if datamodule is not None and not self._datamodule_fit_ready:
+            # prepare_data (rank zero) ran for this stage already; setup is per stage: "fit" builds the train split
+            datamodule.setup(TrainerFn.FITTING.value)
+            self._datamodule_fit_ready = True
+        try:
+            return source.train_dataloader()
+        except Exception as err:
+            raise ValueError(
+                f"QuantCallback(mode='{self.mode}') calibrates on the train data of the {what}, but its "
+                f"train_dataloader() raised {type(err).__name__}: {err}. Fix it, or give `calib_dataloader=`."
             ) from err
 
     def _first_batch(self, trainer: Trainer, pl_module: LightningModule) -> Any:
@@ -446,14 +613,13 @@ class QuantCallback(Callback):
         try:
             metrics = {f"quant/sqnr_weight/{k}": v for k, v in weight_sqnr(pl_module).items()}
             if batch is not None:
-                from quark.torch.quantization.api import run_batch
-
                 modes = [(m, m.training) for m in pl_module.modules()]  # per module: a frozen BatchNorm stays in eval
                 pl_module.eval()
                 try:
                     batch = trainer.strategy.batch_to_device(batch)
-                    run = (lambda m: self.calib_forward(m, batch)) if self.calib_forward else (lambda m: run_batch(m, batch))
-                    metrics.update({f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()})
+                    run = (lambda m: self.calib_forward(m, batch)) if self.calib_forward else self._report_feed(pl_module, batch)
+                    if run is not None:
+                        metrics.update({f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()})
                 finally:
                     for m, training in modes:
                         m.training = training
@@ -463,15 +629,93 @@ class QuantCallback(Callback):
         metrics.update({"quant/model_size_bits": float(quantized_bits), "quant/fp32_size_bits": float(float_bits)})
         self._log(trainer, metrics)
 
+    def _report_feed(self, pl_module: LightningModule, batch: Any) -> Callable[[nn.Module], Any] | None:
+        """The default feed of the report's batch, or None (warned once) when the module's forward cannot take it."""
+        try:
+            feedable = _feedable(pl_module, batch)
+        except ValueError as err:
+            if not self._warned_report_feed:
+                self._warned_report_feed = True
+                rank_zero_warn(f"QuantCallback: activation SQNR not reported. {err}")
+            return None
+        return lambda m: run_batch(m, feedable)
+
     # ------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "config": self.config.to_dict(), "calibrated": self.calibrated, "fp32_metric": self.fp32_metric}
+        return {
+            "mode": self.mode, "config": self.config.to_dict(), "calibrated": self.calibrated,
+            "fp32_metric": self.fp32_metric, "batches_seen": self._batches_seen,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("mode") != self.mode:
             rank_zero_warn(f"QuantCallback: the checkpoint was written in mode={state_dict.get('mode')!r}, resuming in {self.mode!r}")
         self.calibrated = bool(state_dict.get("calibrated", False))
         self.fp32_metric = state_dict.get("fp32_metric")
+        if "batches_seen" in state_dict:
+            self._batches_seen = int(state_dict["batches_seen"])
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Mark the state_dict as a quantized model's (see ``QUANTIZED_CHECKPOINT_KEY``)."""
+        if isinstance(checkpoint.get("state_dict"), dict) and any(True for _ in iter_quantizers(pl_module)):
+            checkpoint["state_dict"][QUANTIZED_CHECKPOINT_KEY] = torch.zeros(0)
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Runs after the module's state_dict was restored, before ``load_state_dict`` of this callback."""
+        state = (checkpoint.get("callbacks") or {}).get(self.state_key)
+        if isinstance(state, dict) and "batches_seen" not in state:
+            self._batches_seen = int(checkpoint.get("global_step", 0))  # written before batches were counted
+        if getattr(pl_module, "_quant_float_start", False):
+            self._check_float_optimizer_state(trainer, pl_module, checkpoint)
+            self._take_float_start(pl_module)
+        elif isinstance(state, dict) and state.get("calibrated"):
+            self._calibrated_for = weakref.ref(pl_module)  # the qparams of that calibration were restored
+
+    def _check_float_optimizer_state(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """QAT from a float checkpoint with learnable quantizers: the float optimizer state has no entry for their
+        thresholds, so an optimizer over ``self.parameters()`` cannot take it; say so before torch's size mismatch."""
+        if self.mode != "qat" or trainer.state.fn != TrainerFn.FITTING or not checkpoint.get("optimizer_states"):
+            return
+        quantizer_params = {id(p) for _, q in iter_quantizers(pl_module) for p in q.parameters()}
+        learnable = [q.where for _, q in iter_quantizers(pl_module) if _is_learnable(q)]
+        float_params = [p for p in pl_module.parameters() if id(p) not in quantizer_params]
+        saved = sum(len(g["params"]) for opt in checkpoint["optimizer_states"] for g in opt.get("param_groups", []))
+        if learnable and quantizer_params and saved == len(float_params):
+            raise ValueError(
+                f"QuantCallback(mode='qat'): the float checkpoint's optimizer state covers the {saved} float "
+                f"parameters, but QAT adds {len(quantizer_params)} learnable quantizer parameter(s) ({learnable[0]}, ...), "
+                "so it cannot be restored into the new optimizer. Start QAT from the float weights alone: "
+                "model.load_state_dict(torch.load(path, weights_only=True)['state_dict']) and trainer.fit(model) "
+                "without ckpt_path (or use an observer-based config, whose optimizer state matches)."
+            )
+
+    def _take_float_start(self, pl_module: LightningModule) -> None:
+        """After a float checkpoint was loaded into the quantized module (see ``_fill_float_checkpoint``): the
+        quantizers start over: PTQ calibrates before evaluating (or at the end of fit), QAT observes from its first
+        batch."""
+        if not pl_module.__dict__.pop("_quant_float_start", False):
+            return
+        self.calibrated = False
+        self._calibrated_for = None
+        for _, q in iter_quantizers(pl_module):
+            if q.is_dynamic:
+                continue
+            observer = getattr(q, "observer", None)
+            if observer is not None:
+                observer.reset_state()
+            initialized = getattr(q, "initialized", None)
+            if _is_learnable(q) and isinstance(initialized, torch.Tensor):
+                initialized.zero_()  # thresholds initialise again from the first batch
+        if self.mode == "ptq":
+            self._set_all(pl_module, observe=False, fake_quant=False)
+        else:
+            self._batches_seen = 0
+            self._observing = True
+            self._learnable_synced = False
+        rank_zero_info(
+            "QuantCallback: float checkpoint loaded (no quantizer state): "
+            + ("calibrating before evaluation" if self.mode == "ptq" else "QAT starts from these weights")
+        )
 
     # ------------------------------------------------------------------------------------------- helpers
     def _set_all(self, pl_module: LightningModule, observe: bool, fake_quant: bool) -> None:
@@ -480,25 +724,57 @@ class QuantCallback(Callback):
             q.enable_fake_quant(fake_quant)
 
 
+def _load_trusted_types_only(checkpoint_path: str, map_location: Any) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers only, no code runs while reading."""
+    try:
+        return torch.load(checkpoint_path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()
+        detail = next((line.strip() for line in reason if "GLOBAL" in line or "Unsupported" in line), reason[0] if reason else "")
+        raise ValueError(
+            f"{checkpoint_path} was refused: it holds Python objects other than tensors and plain containers, which "
+            f"loading would have to construct by running code ({detail}). Checkpoints written by QuantCallback never "
+            "need that. If you trust this file and know the types it names, allow exactly those with "
+            "torch.serialization.add_safe_globals([...]) and call load_quantized_checkpoint again."
+        ) from None
+
+
 def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_location: Any = "cpu", freeze: bool = True) -> nn.Module:
     """Load a checkpoint written with QuantCallback into a fresh (float) ``model`` for inference, without a Trainer.
 
-    The Config stored by the callback prepares ``model``, the weights and every qparam load with ``strict=True``,
-    and (``freeze=True``) the quantizers are frozen. Returns the model in eval mode.
+    The file is read with ``torch.load(weights_only=True)`` (a file holding other objects is refused with a
+    ValueError). The Config stored by the callback prepares ``model``, the weights and every qparam load with
+    ``strict=True``, and (``freeze=True``) the quantizers are frozen. Returns the model in eval mode.
     """
-    checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=False)
-    states = [v for k, v in checkpoint.get("callbacks", {}).items() if str(k).startswith("QuantCallback")]
+    checkpoint = _load_trusted_types_only(checkpoint_path, map_location)
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise ValueError(f"{checkpoint_path} is not a Lightning checkpoint (no state_dict)")
+    states = [v for k, v in (checkpoint.get("callbacks") or {}).items() if str(k).startswith("QuantCallback")]
     if not states:
         raise ValueError(f"{checkpoint_path} holds no QuantCallback state; was it written by a Trainer with QuantCallback?")
     quantizer = ModelQuantizer(Config.from_dict(states[0]["config"]))
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         quantizer.prepare(model)
-    model.load_state_dict(checkpoint["state_dict"], strict=True)
+    state = {k: v for k, v in checkpoint["state_dict"].items() if k != QUANTIZED_CHECKPOINT_KEY}
+    missing: dict[str, list[str]] = {}
+    for key, q in _quantizer_keys(model).items():
+        if key not in state:
+            missing.setdefault(q.where, []).append(key.rsplit(".", 1)[-1])
+    if missing:
+        listed = "; ".join(f"{where}: {', '.join(keys)}" for where, keys in missing.items())
+        raise ValueError(
+            f"{checkpoint_path} has no quantizer state for {listed}. Was it written for this model with the Config "
+            "it stores (the same layers quantized)?"
+        )
+    model.load_state_dict(state, strict=True)
     for _, q in iter_quantizers(model):
         if not q.is_dynamic:
             q.disable_observer()
         if isinstance(q, ScaledFakeQuantize) and not _ready(q):
-            raise ValueError(f"{checkpoint_path}: a quantizer of {type(q).__name__} was never calibrated")
+            raise ValueError(
+                f"{checkpoint_path}: {q.where} was never calibrated ({type(q).__name__} has no qparams): no "
+                "calibration or training batch reached it before the checkpoint was written"
+            )
     if freeze:
         ModelQuantizer.freeze(model)
     return model.eval()

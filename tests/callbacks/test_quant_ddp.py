@@ -126,3 +126,15 @@ def test_lsq_per_channel_and_tqt_train_under_ddp_with_identical_qparams(ranks) -
     state = pair[0]["qstate"]
     assert state["fc1.weight.<scale>"].numel() == 32 and state["fc1.input_tensors.<scale>"].numel() == 16
     assert all(bool(v) for k, v in state.items() if k.endswith(".initialized"))
+
+
+def test_lsq_per_channel_on_an_axis_the_layer_does_not_fix_is_refused_before_ddp_wraps() -> None:
+    from cb_helpers import QuantCallback
+    from ddp_script import LSQ_CONFIG
+    from lightning.pytorch import Trainer
+
+    config = {**LSQ_CONFIG, "layer_quant_config": {"fc1": {"input_tensors": {**LSQ_CONFIG["global_quant_config"]["weight"], "ch_axis": 0}}}}
+    trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    assert trainer.world_size == 2
+    with pytest.raises(ValueError, match=r"layer 'fc1' \(Linear, input_tensors\).*ch_axis=-1"):
+        QuantCallback(Config.from_dict(config), mode="qat").setup(trainer, BoringMLP(), "fit")
