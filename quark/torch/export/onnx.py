@@ -15,7 +15,7 @@ from quark.torch.export.files import write_atomically
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
 from quark.torch.quantization.nn.modules import QuantMixin
-from quark.torch.quantization.nn.modules.quant_modules import QUANTIZER_ROLES
+from quark.torch.quantization.nn.modules.quant_modules import slot_label
 
 FILENAME = "model.onnx"
 _RANGES = {Dtype.int8: (-128, 127), Dtype.uint8: (0, 255)}
@@ -49,8 +49,8 @@ def check_onnx_exportable(model: nn.Module) -> None:
     """Before any work: every quantizer of the prepared ``model`` must be expressible as Q/DQ (names the first that is not)."""
     for name, m in model.named_modules():
         if isinstance(m, QuantMixin):
-            for role, q in m.quantizers():
-                check_spec(q.spec, f"layer '{name}' ({role})")
+            for slot, q in m.quantizer_slots():
+                check_spec(q.spec, f"layer '{name}' ({slot_label(slot)})")
 
 
 def _qdq(quantizer: nn.Module, where: str) -> QDQ:
@@ -69,11 +69,9 @@ def qdq_model(model: nn.Module) -> nn.Module:
     export = ModelQuantizer.freeze(copy.deepcopy(model)).eval()
     for name, m in export.named_modules():
         if isinstance(m, QuantMixin):
-            for role, q in list(m.quantizers()):
-                if not bool(q.fake_quant_enabled):
-                    m.register_module(QUANTIZER_ROLES[role], None)
-                    continue
-                m.register_module(QUANTIZER_ROLES[role], _qdq(q, f"layer '{name}' ({role})"))
+            for slot, q in list(m.quantizer_slots()):  # every slot: layers with several weights / inputs included
+                enabled = bool(q.fake_quant_enabled)
+                m.set_quantizer(slot, _qdq(q, f"layer '{name}' ({slot_label(slot)})") if enabled else None)
     return export
 
 
@@ -104,10 +102,47 @@ def export_onnx(
     return write_atomically(output_dir, filename, write)
 
 
+def _subgraph_inputs(node: Any) -> set[str]:
+    """Names read inside a node's subgraphs (If / Loop / Scan bodies), which count as uses of outer values."""
+    import onnx
+
+    names: set[str] = set()
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for g in graphs:
+            for inner in g.node:
+                names.update(inner.input)
+                names |= _subgraph_inputs(inner)
+    return names
+
+
+def _constant_value(node: Any) -> Any:
+    """The value of a ``Constant`` node as a numpy array (None for a sparse constant)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    attr = node.attribute[0]
+    if attr.name == "value":
+        return numpy_helper.to_array(attr.t)
+    value = helper.get_attribute_value(attr)
+    if attr.name in ("value_float", "value_floats"):
+        return np.asarray(value, dtype=np.float32)
+    if attr.name in ("value_int", "value_ints"):
+        return np.asarray(value, dtype=np.int64)
+    return None
+
+
 def fold_weight_quantization(path: str | Path) -> int:
-    """Store weights as integers: every QuantizeLinear fed by a float initializer becomes an int8/uint8 initializer
-    (codes ``clamp(round(w * (1/scale)) + zp)``, as the fake-quant model rounds) that its DequantizeLinear reads.
-    Rewrites the file in place; returns how many weights were folded."""
+    """Store weights as integers: every QuantizeLinear whose input is a constant float tensor (an initializer or a
+    ``Constant``, directly or through ``Identity`` nodes) becomes an int8/uint8 initializer (codes
+    ``clamp(round(w * (1/scale)) + zp)``, as the fake-quant model rounds) that its DequantizeLinear reads.
+
+    The TorchScript exporter merges initializers of equal value (the zero points of two layers of one width, the
+    scales of layers with equal ranges, equal weights) and routes the copies through ``Identity`` nodes; scales,
+    zero points and weights are resolved through those chains. A weight initializer read by other nodes too (a
+    shared weight) stays; one no longer read is removed, with the ``Identity`` nodes that only fed it. Two
+    QuantizeLinear nodes of one weight with equal qparams share one integer initializer. Rewrites the file in
+    place; returns how many QuantizeLinear nodes were folded."""
     import numpy as np
     import onnx
     from onnx import numpy_helper
@@ -115,41 +150,85 @@ def fold_weight_quantization(path: str | Path) -> int:
     model = onnx.load(str(path))
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    consts = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    producers = {out: n for n in graph.node for out in n.output}
 
-    def value(name: str) -> np.ndarray:
+    def source(name: str) -> str:
+        """``name`` followed back through Identity nodes."""
+        seen = set()
+        while name not in inits and name not in seen:
+            seen.add(name)
+            node = producers.get(name)
+            if node is None or node.op_type != "Identity":
+                break
+            name = node.input[0]
+        return name
+
+    def constant(name: str) -> Any:
+        """The constant value behind ``name`` (initializer or Constant, through Identity), else None."""
+        name = source(name)
         if name in inits:
             return numpy_helper.to_array(inits[name])
-        return numpy_helper.to_array(consts[name].attribute[0].t)
+        node = producers.get(name)
+        return _constant_value(node) if node is not None and node.op_type == "Constant" else None
 
-    folded, removed = 0, []
-    for node in list(graph.node):
-        if node.op_type != "QuantizeLinear" or node.input[0] not in inits:
+    taken = set(inits) | set(producers) | {i.name for i in graph.input}
+    graph_outputs = {o.name for o in graph.output}
+    folded_inits: dict[tuple[Any, ...], str] = {}
+    replaced: dict[str, str] = {}  # QuantizeLinear output -> integer initializer
+    sources: set[str] = set()
+    removed = []
+    for node in graph.node:
+        if node.op_type != "QuantizeLinear" or node.output[0] in graph_outputs:
             continue
-        w = value(node.input[0]).astype(np.float32)
-        scale, zp = value(node.input[1]).astype(np.float32), value(node.input[2])
+        w = constant(node.input[0])
+        if w is None or not np.issubdtype(w.dtype, np.floating):
+            continue  # an activation: quantized at run time
+        scale = constant(node.input[1])
+        zp = constant(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), dtype=np.uint8)
+        if scale is None or zp is None:
+            continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-        if scale.ndim == 1 and scale.size > 1:
-            shape = [1] * w.ndim
-            shape[axis] = -1
-            scale, zp_b = scale.reshape(shape), zp.reshape(shape).astype(np.float32)
-        else:
-            zp_b = zp.astype(np.float32)
-        info = np.iinfo(zp.dtype)
-        codes = np.clip(np.rint(w * (np.float32(1.0) / scale)) + zp_b, info.min, info.max).astype(zp.dtype)
-        name = node.input[0] + "_quantized"
-        graph.initializer.append(numpy_helper.from_array(codes, name))
-        for consumer in graph.node:
-            for i, inp in enumerate(consumer.input):
-                if inp == node.output[0]:
-                    consumer.input[i] = name
+        key = (source(node.input[0]), source(node.input[1]), source(node.input[2]) if len(node.input) > 2 else "", axis)
+        if key not in folded_inits:
+            w, scale = w.astype(np.float32), scale.astype(np.float32)
+            if scale.ndim == 1 and scale.size > 1:  # per channel along ``axis``
+                shape = [1] * w.ndim
+                shape[axis % w.ndim] = -1
+                scale, zp_b = scale.reshape(shape), zp.reshape(shape).astype(np.float32)
+            else:
+                zp_b = zp.astype(np.float32)
+            info = np.iinfo(zp.dtype)
+            codes = np.clip(np.rint(w * (np.float32(1.0) / scale)) + zp_b, info.min, info.max).astype(zp.dtype)
+            name, k = key[0] + "_quantized", 1
+            while name in taken:
+                name, k = f"{key[0]}_quantized_{k}", k + 1
+            taken.add(name)
+            graph.initializer.append(numpy_helper.from_array(codes, name))
+            folded_inits[key] = name
+        replaced[node.output[0]] = folded_inits[key]
+        sources.add(key[0])
         removed.append(node)
-        folded += 1
     for node in removed:
         graph.node.remove(node)
-    used = {i for n in graph.node for i in n.input}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in replaced:
+                node.input[i] = replaced[name]
+    # drop what only fed the folded weights: Identity / Constant nodes nobody reads, then the float initializers
+    while True:
+        used = {i for n in graph.node for i in n.input} | graph_outputs
+        for n in graph.node:
+            used |= _subgraph_inputs(n)
+        dead = [n for n in graph.node if n.op_type in ("Identity", "Constant") and not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
     for init in list(graph.initializer):
-        if init.name not in used and init.name.endswith("_quantized") is False and init.name in inits:
+        if init.name in sources and init.name not in used:
             graph.initializer.remove(init)
+    for value in list(graph.input):
+        if value.name in sources and value.name not in used:
+            graph.input.remove(value)
     onnx.save(model, str(path))
-    return folded
+    return len(removed)

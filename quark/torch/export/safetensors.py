@@ -17,7 +17,7 @@ from torch import nn
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, unpack_nibbles
 from quark.torch.quantization.api import ModelQuantizer
-from quark.torch.quantization.config.config import Config
+from quark.torch.quantization.config.config import Config, QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType
 from quark.torch.quantization.formats import (
     FLOAT_FORMATS,
@@ -36,12 +36,10 @@ from quark.torch.quantization.formats import (
 )
 from quark.torch.quantization.formats.grouping import channel_view
 from quark.torch.quantization.nn.modules import QuantMixin
-from quark.torch.quantization.nn.modules.quant_modules import QUANTIZER_ROLES
+from quark.torch.quantization.nn.modules.quant_modules import DEFAULT_SLOTS, QUANT_MODULE_MAP, QuantSlot
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
 
 FILENAME = "model.safetensors"
-ACT_ROLES = ("input_tensors", "output_tensors")
-_ROLE_KEY = {"input_tensors": "input", "output_tensors": "output", "weight": "weight", "bias": "bias"}
 
 
 def _require_safetensors() -> Any:
@@ -111,12 +109,17 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
     return {"": value.float()}, {"encoding": "float", "shape": shape, "dtype": spec.dtype.name}
 
 
-def _store_int(codes: torch.Tensor, fmt: IntFormat) -> torch.Tensor:
+def _int_storage(fmt: IntFormat) -> torch.dtype:
+    """The dtype integer codes are stored in (packed nibbles for 4 bits and fewer)."""
     if fmt.bits <= 4:
-        return pack_nibbles(codes)
+        return torch.uint8
     if fmt.bits <= 8:
-        return codes.to(torch.int8 if fmt.signed else torch.uint8)
-    return codes.to(torch.int16 if fmt.bits <= 16 and fmt.signed else torch.int32)
+        return torch.int8 if fmt.signed else torch.uint8
+    return torch.int16 if fmt.bits <= 16 and fmt.signed else torch.int32
+
+
+def _store_int(codes: torch.Tensor, fmt: IntFormat) -> torch.Tensor:
+    return pack_nibbles(codes) if fmt.bits <= 4 else codes.to(_int_storage(fmt))
 
 
 def decode_weight(tensors: dict[str, torch.Tensor], key: str, info: dict[str, Any]) -> torch.Tensor:
@@ -160,12 +163,46 @@ def decode_weight(tensors: dict[str, torch.Tensor], key: str, info: dict[str, An
     raise ValueError(f"{key}: unknown encoding {encoding!r}")
 
 
-# ----------------------------------------------------------------------------------------------- export / import
+# ----------------------------------------------------------------------------------------------- slots and keys
+def _slots(m: QuantMixin) -> tuple[QuantSlot, ...]:
+    """Every quantizer slot of a twin, those without a quantizer included."""
+    return tuple(getattr(m, "_quant_slots", ()))
+
+
+def activation_key(slot: QuantSlot) -> str:
+    """The stored name of an activation slot's qparams (before ``_scale`` / ``_zero_point``): its attribute without
+    the leading ``_`` and the ``_quantizer`` part (``_input_quantizer`` -> ``input``, ``_key_input_quantizer`` ->
+    ``key_input``, ``_input_quantizer_l1`` -> ``input_l1``)."""
+    name = slot.attr.lstrip("_")
+    if name.endswith("_quantizer"):
+        return name.removesuffix("_quantizer")
+    head, sep, tail = name.rpartition("_quantizer_")
+    return f"{head}_{tail}" if sep else name
+
+
+def _quantizer_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """State-dict prefixes of every quantizer submodule (their state is not part of the export)."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, QuantMixin):
+            prefix = f"{name}." if name else ""
+            out += [f"{prefix}{attr}." for attr in {s.attr for s in (*DEFAULT_SLOTS, *_slots(m))}]
+    return tuple(out)
+
+
+def _is_quantizer_state(key: str, prefixes: tuple[str, ...]) -> bool:
+    return key.startswith(prefixes) or "_quantizer." in key
+
+
+# ----------------------------------------------------------------------------------------------- export
 def export_safetensors(model: nn.Module, output_dir: str | Path, filename: str = FILENAME) -> Path:
     """Write the quantized ``model`` (prepared and calibrated, or frozen) as real-quantized safetensors.
 
-    Quantized layers' weights are stored as codes with their scales; static activation quantizers' scales and zero
-    points are stored; everything else as in the state_dict. The write is atomic (a temporary file renamed).
+    Every weight-like tensor of a quantized layer (each slot: ``weight``, ``bias``, an LSTM's ``weight_ih_l0``, an
+    attention's ``in_proj_weight``) is stored under its own name as codes with ``_scale`` / ``_zero_point``, or as
+    float when it has no quantizer; static activation quantizers' scales and zero points are stored under the slot's
+    name (``input_scale``, ``output_zero_point``, ``key_input_scale``); everything else as in the state_dict. The
+    write is atomic (a temporary file renamed).
     """
     st = _require_safetensors()
     config: Config | None = getattr(model, "quant_config", None)
@@ -174,31 +211,39 @@ def export_safetensors(model: nn.Module, output_dir: str | Path, filename: str =
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
     skip: set[str] = set()
+
+    def put(key: str, value: torch.Tensor) -> None:
+        if key in tensors:
+            raise ValueError(f"export_safetensors: two tensors of the model would be stored as '{key}'")
+        tensors[key] = value.detach().contiguous()
+
     for name, m in model.named_modules():
         if not isinstance(m, QuantMixin):
             continue
         prefix = f"{name}." if name else ""
-        skip.update({prefix + "weight", prefix + "bias"})
-        for role in ("weight", "bias"):
-            tensor = getattr(m, role, None)
-            if isinstance(tensor, torch.Tensor):
-                quantizer = getattr(m, QUANTIZER_ROLES[role], None)
-                if quantizer is not None and not bool(quantizer.fake_quant_enabled):
-                    quantizer = None
-                stored, meta = encode_weight(tensor, quantizer)
+        for slot in _slots(m):
+            q = getattr(m, slot.attr, None)
+            if slot.tensor is not None:
+                tensor = getattr(m, slot.tensor, None)
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                skip.add(prefix + slot.tensor)
+                if q is not None and not bool(q.fake_quant_enabled):
+                    q = None  # the model uses the float tensor
+                stored, meta = encode_weight(tensor, q)
                 for suffix, value in stored.items():
-                    tensors[prefix + role + suffix] = value.contiguous()
-                info[prefix + role] = meta
-        for role in ACT_ROLES:
-            q = getattr(m, QUANTIZER_ROLES[role], None)
-            if _has_qparams(q):
+                    put(prefix + slot.tensor + suffix, value)
+                info[prefix + slot.tensor] = meta
+            elif _has_qparams(q):
                 scale, zp = q.calculate_qparams()  # type: ignore[union-attr]
-                key = prefix + _ROLE_KEY[role]
-                tensors[key + "_scale"], tensors[key + "_zero_point"] = scale.detach().float().clone(), zp.detach().clone()
+                key = prefix + activation_key(slot)
+                put(key + "_scale", scale.float().clone())
+                put(key + "_zero_point", zp.clone())
                 info[key] = {"encoding": "qparams"}
+    prefixes = _quantizer_prefixes(model)
     for key, value in model.state_dict().items():
-        if key not in skip and "_quantizer." not in key and key not in tensors:
-            tensors[key] = value.detach().contiguous()
+        if key not in skip and not _is_quantizer_state(key, prefixes) and key not in tensors:
+            put(key, value)
     metadata = {
         "format": "pt", "quant_method": "quark",
         "quantization_config": json.dumps(config.to_dict()), "quark_tensors": json.dumps(info),
@@ -207,53 +252,294 @@ def export_safetensors(model: nn.Module, output_dir: str | Path, filename: str =
     return write_atomically(output_dir, filename, lambda tmp: st.save_file(tensors, tmp, metadata=metadata))
 
 
+# ----------------------------------------------------------------------------------------------- validation
+def _expected_encoding(spec: QuantizationSpec | None) -> str:
+    """The encoding ``encode_weight`` writes for a weight quantized with ``spec`` ("float" for none)."""
+    if spec is None:
+        return "float"
+    fmt = format_of(spec.dtype)
+    if not spec.is_dynamic and isinstance(fmt, IntFormat):
+        return "int_nibbles" if fmt.bits <= 4 else "int"
+    if not spec.is_dynamic and isinstance(fmt, FloatFormat):
+        if spec.dtype in TORCH_FLOAT8:
+            return "float8"
+        return "minifloat_nibbles" if fmt.bits <= 4 else "minifloat"
+    if spec.dtype == Dtype.mx:
+        element = Dtype(spec.mx_element_dtype)
+        if element == Dtype.int8:
+            return "mx_int8"
+        return "mx_nibbles" if FLOAT_FORMATS[element].bits <= 4 else "mx_codes"
+    return "cast" if spec.dtype in (Dtype.bfloat16, Dtype.float16) else "float"
+
+
+def _blocked_shape(shape: list[int], axis: int, block: int) -> list[int]:
+    """The shape ``to_blocks`` gives a tensor of ``shape``: ``axis`` moved last and split into padded blocks."""
+    shape = shape or [1]
+    axis = axis % len(shape)
+    rest = [n for i, n in enumerate(shape) if i != axis]
+    return [*rest, -(-shape[axis] // block), block]
+
+
+def _qparam_shape(shape: list[int], spec: QuantizationSpec) -> list[int] | None:
+    """The scale / zero-point shape of a weight of ``shape`` (None: one element, any layout)."""
+    if spec.qscheme == QSchemeType.per_channel:
+        return [shape[spec.ch_axis]]  # type: ignore[index]
+    if spec.qscheme == QSchemeType.per_group:
+        return _blocked_shape(shape, spec.ch_axis, spec.group_size)[:-1]  # type: ignore[arg-type]
+    return None
+
+
+def _described(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')} of shape {list(tensor.shape)}"
+
+
+class _Checker:
+    """Checks a file's tensors against its Config and the target model; collects the keys it expects."""
+
+    def __init__(self, where: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.where, self.tensors, self.expected = where, tensors, set()
+
+    def fail(self, key: str, expected: str, found: str) -> None:
+        raise ValueError(f"{self.where}: tensor '{key}': expected {expected}, found {found}")
+
+    def get(self, key: str, dtypes: tuple[torch.dtype, ...], shape: list[int] | None, what: str) -> torch.Tensor:
+        """The tensor ``key`` after checking presence, dtype and shape (``shape`` None: exactly one element)."""
+        self.expected.add(key)
+        if key not in self.tensors:
+            self.fail(key, f"{what} ({' or '.join(str(d).removeprefix('torch.') for d in dtypes)})", "no such tensor in the file")
+        t = self.tensors[key]
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        if t.dtype not in dtypes:
+            self.fail(key, f"{what} of dtype {names}", _described(t))
+        if shape is None and t.numel() != 1:
+            self.fail(key, f"{what} with one element", _described(t))
+        if shape is not None and list(t.shape) != list(shape):
+            self.fail(key, f"{what} of shape {list(shape)}", _described(t))
+        return t
+
+    def finite(self, key: str, t: torch.Tensor, what: str, allow_inf: bool = False) -> None:
+        v = t.float()
+        bad = torch.isnan(v) if allow_inf else ~torch.isfinite(v)
+        if bool(bad.any()):
+            self.fail(key, f"{what} with {'no NaN' if allow_inf else 'finite values'}", f"{int(bad.sum())} value(s) that are {'NaN' if allow_inf else 'NaN or infinite'}")
+
+    def in_range(self, key: str, values: torch.Tensor, low: float, high: float, what: str) -> None:
+        if values.numel() and (bool((values < low).any()) or bool((values > high).any())):
+            self.fail(key, f"{what} in [{low}, {high}]", f"values in [{values.min().item()}, {values.max().item()}]")
+
+    def scale(self, key: str, shape: list[int] | None) -> None:
+        t = self.get(key, (torch.float32,), shape, "a scale")
+        self.finite(key, t, "a scale")
+        if bool((t <= 0).any()):
+            self.fail(key, "a scale > 0", f"min {t.min().item()}")
+
+    def zero_point(self, key: str, shape: list[int] | None, fmt: IntFormat | FloatFormat) -> None:
+        t = self.get(key, (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.float32), shape, "a zero point")
+        self.finite(key, t, "a zero point")
+        if isinstance(fmt, IntFormat):
+            self.in_range(key, t, fmt.qmin, fmt.qmax, "a zero point")
+        else:
+            self.in_range(key, t, 0, 0, "a zero point (minifloats have none)")
+
+    def qparams(self, key: str, spec: QuantizationSpec, shape: list[int] | None) -> None:
+        """An activation slot's ``_scale`` / ``_zero_point`` (per channel: one dimension, as many zero points)."""
+        fmt = format_of(spec.dtype)
+        if spec.qscheme == QSchemeType.per_channel:
+            scale = self.tensors.get(key + "_scale")
+            shape = list(scale.shape) if scale is not None and scale.ndim == 1 else [-1]
+        self.scale(key + "_scale", shape)
+        self.zero_point(key + "_zero_point", shape, fmt)  # type: ignore[arg-type]
+
+    def weight(self, key: str, param: torch.Tensor, spec: QuantizationSpec | None, meta: Any, is_param: bool) -> None:
+        """One weight-like tensor of a quantized layer, stored as ``encode_weight`` writes it."""
+        shape = list(param.shape)
+        if not isinstance(meta, dict) or "encoding" not in meta or meta.get("shape") != shape:
+            self.fail(key, f"a metadata entry with the encoding and shape {shape}", repr(meta))
+        encoding, expected = meta["encoding"], _expected_encoding(spec)
+        plain = encoding == "float" and "dtype" not in meta  # stored unquantized (no quantizer, or switched off)
+        if not plain and encoding != expected:
+            self.fail(key, f"encoding {expected!r} (the Config's {spec.dtype.name if spec else 'no quantizer'}) or 'float'", repr(encoding))
+        if plain or encoding == "float":
+            if not plain and meta["dtype"] != spec.dtype.name:  # type: ignore[union-attr]
+                self.fail(key, f"values of {spec.dtype.name}", f"metadata dtype {meta['dtype']!r}")  # type: ignore[union-attr]
+            self.finite(key, self.get(key, (torch.float32,), shape, "a float tensor"), "a float tensor", allow_inf=not is_param)
+            return
+        assert spec is not None
+        if encoding == "cast":
+            t = self.get(key, (torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16,), shape, f"a {spec.dtype.name} tensor")
+            self.finite(key, t, f"a {spec.dtype.name} tensor")
+            return
+        count = int(torch.Size(shape).numel())
+        if encoding.startswith("mx"):
+            block, axis = spec.group_size or 32, -1 if spec.ch_axis is None else spec.ch_axis
+            blocked = _blocked_shape(shape, axis, block)
+            wanted = {"dtype": "mx", "element": Dtype(spec.mx_element_dtype).name, "block": block, "axis": axis, "blocked_shape": blocked}
+            self._same(key, meta, wanted)
+            n = int(torch.Size(blocked).numel())
+            if encoding == "mx_int8":
+                self.get(key, (torch.int8,), blocked, "MX int8 elements")
+            elif encoding == "mx_nibbles":
+                self.get(key, (torch.uint8,), [(n + 1) // 2], f"{n} MX element codes packed two per byte")
+            else:
+                codes = self.get(key, (torch.uint8,), blocked, "MX element codes")
+                bits = FLOAT_FORMATS[Dtype(spec.mx_element_dtype)].bits
+                self.in_range(key, codes, 0, 2**bits - 1, f"{bits}-bit codes")
+            e8m0 = self.get(key + "_scale", (torch.uint8,), blocked[:-1], "E8M0 block scales")
+            self.in_range(key + "_scale", e8m0, 0, 254, "E8M0 block scales (255 is NaN)")
+            return
+        wanted = {"dtype": spec.dtype.name, "qscheme": spec.qscheme.name if spec.qscheme else None,
+                  "ch_axis": spec.ch_axis, "group_size": spec.group_size}  # fmt: skip
+        self._same(key, meta, wanted)
+        if spec.qscheme == QSchemeType.per_group and not isinstance(format_of(spec.dtype), IntFormat):
+            self.fail(key, "per tensor or per channel minifloat weights", "per_group")
+        qshape = _qparam_shape(shape, spec)
+        fmt = format_of(spec.dtype)
+        if isinstance(fmt, IntFormat):
+            if encoding == "int_nibbles":
+                packed = self.get(key, (torch.uint8,), [(count + 1) // 2], f"{count} {fmt.bits}-bit codes packed two per byte")
+                codes = unpack_nibbles(packed, count, fmt.signed)
+            else:
+                codes = self.get(key, (_int_storage(fmt),), shape, f"{spec.dtype.name} codes")
+            self.in_range(key, codes, fmt.qmin, fmt.qmax, f"{spec.dtype.name} codes")
+            self.scale(key + "_scale", qshape)
+            self.zero_point(key + "_zero_point", qshape, fmt)
+            return
+        assert isinstance(fmt, FloatFormat)
+        if encoding == "float8":
+            self.finite(key, self.get(key, (TORCH_FLOAT8[spec.dtype],), shape, f"{spec.dtype.name} values"), f"{spec.dtype.name} values")
+        elif encoding == "minifloat_nibbles":
+            self.get(key, (torch.uint8,), [(count + 1) // 2], f"{count} {spec.dtype.name} codes packed two per byte")
+        else:
+            self.in_range(key, self.get(key, (torch.uint8,), shape, f"{spec.dtype.name} codes"), 0, 2**fmt.bits - 1, f"{fmt.bits}-bit codes")
+        self.scale(key + "_scale", qshape)
+
+    def _same(self, key: str, meta: dict[str, Any], wanted: dict[str, Any]) -> None:
+        for field, value in wanted.items():
+            if meta.get(field) != value:
+                self.fail(key, f"metadata {field}={value!r} (from the Config and the model)", f"{field}={meta.get(field)!r}")
+
+
+def _quant_layers(model: nn.Module, config: Config) -> list[tuple[str, nn.Module, list[tuple[QuantSlot, QuantizationSpec | None]]]]:
+    """(state-dict prefix, module, [(slot, spec)]) of every layer the Config quantizes, without changing ``model``:
+    a prepared model's twins as they are, else the plan ``prepare`` would follow."""
+    out = []
+    if any(isinstance(m, QuantMixin) for m in model.modules()):
+        for name, m in model.named_modules():
+            if isinstance(m, QuantMixin):
+                slots = [(s, getattr(getattr(m, s.attr, None), "spec", None)) for s in _slots(m)]
+                out.append((f"{name}." if name else "", m, slots))
+        return out
+    for plan in ModelQuantizer(config).resolve(model, warn=False):
+        module = model.get_submodule(plan.name)
+        twin = next(QUANT_MODULE_MAP[c] for c in type(module).__mro__ if c in QUANT_MODULE_MAP)
+        slots = [(s, getattr(plan.qconfig, s.role)) for s in twin.slots_for(module)]
+        out.append((f"{plan.name}." if plan.name else "", module, slots))
+    return out
+
+
+def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tensor], info: dict[str, Any], where: str) -> None:
+    """ValueError (naming the tensor, what was expected and what was found) unless ``tensors`` hold exactly what
+    ``export_safetensors`` writes for ``model`` quantized with ``config``: every tensor present, its dtype and shape
+    (codes, packed byte counts, scales), scales finite and > 0, zero points and codes in range, float tensors
+    finite (NaN never; buffers may hold infinities, as attention masks do), nothing extra. Changes nothing."""
+    check = _Checker(where, tensors)
+    described: set[str] = set()
+    skip: set[str] = set()
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for prefix, module, slots in _quant_layers(model, config):
+        for slot, spec in slots:
+            if slot.tensor is not None:
+                tensor = getattr(module, slot.tensor, None)
+                if isinstance(tensor, torch.Tensor):
+                    key = prefix + slot.tensor
+                    skip.add(key)
+                    described.add(key)
+                    check.weight(key, tensor, spec, info.get(key), key in params)
+            elif spec is not None and not spec.is_dynamic and isinstance(format_of(spec.dtype), IntFormat | FloatFormat):
+                key = prefix + activation_key(slot)
+                described.add(key)
+                if info.get(key) != {"encoding": "qparams"}:
+                    check.fail(key, "a metadata entry {'encoding': 'qparams'}", repr(info.get(key)))
+                check.qparams(key, spec, None)
+    prefixes = _quantizer_prefixes(model)
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key in skip or _is_quantizer_state(key, prefixes):
+            continue
+        dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16) if value.is_floating_point() else (value.dtype,)
+        t = check.get(key, dtypes, list(value.shape), "a tensor of the model")
+        if t.is_floating_point():
+            check.finite(key, t, "a float tensor", allow_inf=key not in params)
+    extra = sorted(set(tensors) - check.expected)
+    if extra:
+        check.fail(extra[0], "only tensors of the model and of its quantized layers", f"'{extra[0]}' that belongs to none" +
+                   (f" (and {len(extra) - 1} more: {extra[1:6]})" if len(extra) > 1 else ""))  # fmt: skip
+    unknown = sorted(set(info) - described)
+    if unknown:
+        check.fail(unknown[0], "metadata only for the quantized layers' tensors", f"an entry for '{unknown[0]}', which is none of them")
+
+
+# ----------------------------------------------------------------------------------------------- import
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Config]:
+    st = _require_safetensors()
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = st.load_file(str(path))
+    except Exception as err:  # a truncated or corrupt file: the reader's own errors vary
+        raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+    if metadata.get("quant_method") != "quark":
+        raise ValueError(f"{path} is not a quark export (metadata quant_method={metadata.get('quant_method')!r})")
+    try:
+        info = json.loads(metadata["quark_tensors"])
+        config = Config.from_dict(json.loads(metadata["quantization_config"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: the metadata 'quark_tensors' / 'quantization_config' cannot be read: {err}") from err
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: the metadata 'quark_tensors' is not a mapping")
+    return tensors, info, config
+
+
 def import_model_from_safetensors(model: nn.Module, model_dir: str | Path, filename: str = FILENAME) -> nn.Module:
     """Rebuild the quantized model from a float ``model`` of the same architecture and an exported directory.
 
-    Returns the model prepared with the stored Config, weights set to their dequantized codes, every static
-    quantizer frozen with the stored qparams, in eval mode."""
-    st = _require_safetensors()
+    Every tensor of the file is checked first against the stored Config and ``model`` (see ``check_import``): on
+    any mismatch a ValueError names the tensor and ``model`` is left as it was. Returns the model prepared with the
+    stored Config, weights set to their dequantized codes, every static quantizer frozen with the stored qparams, in
+    eval mode."""
     path = Path(model_dir) / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (written by export_safetensors?)")
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-    if metadata.get("quant_method") != "quark":
-        raise ValueError(f"{path} is not a quark export (metadata quant_method={metadata.get('quant_method')!r})")
-    tensors = st.load_file(str(path))
-    info: dict[str, dict[str, Any]] = json.loads(metadata["quark_tensors"])
-    config = Config.from_dict(json.loads(metadata["quantization_config"]))
+    tensors, info, config = _read(path)
+    check_import(model, config, tensors, info, str(path))
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     owned = {k for key in info for k in (key, key + "_scale", key + "_zero_point")}
-    plain = {k: v for k, v in tensors.items() if k not in owned}
-    missing, unexpected = model.load_state_dict(plain, strict=False)
-    if unexpected:
-        raise ValueError(f"{path}: tensors {unexpected} do not belong to {type(model).__name__}")
+    model.load_state_dict({k: v for k, v in tensors.items() if k not in owned}, strict=False)
     with torch.no_grad():
         for name, m in model.named_modules():
             if not isinstance(m, QuantMixin):
                 continue
             prefix = f"{name}." if name else ""
-            for role in ("weight", "bias"):
-                if prefix + role in info:
-                    getattr(m, role).copy_(decode_weight(tensors, prefix + role, info[prefix + role]))
-                    q = getattr(m, QUANTIZER_ROLES[role], None)
-                    if prefix + role + "_scale" in tensors and info[prefix + role]["encoding"].startswith(("int", "float8", "minifloat")):
-                        m.register_module(QUANTIZER_ROLES[role], FrozenScaledFakeQuantize(
-                            q.spec, tensors[prefix + role + "_scale"], tensors.get(prefix + role + "_zero_point", torch.zeros((), dtype=torch.int32))))  # fmt: skip
-            for role in ACT_ROLES:
-                key = prefix + _ROLE_KEY[role]
-                q = getattr(m, QUANTIZER_ROLES[role], None)
-                if key in info and q is not None:
-                    m.register_module(QUANTIZER_ROLES[role], FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
-    still = [k for k in missing if "_quantizer." not in k and k not in info]
-    if still:
-        raise ValueError(f"{path}: no tensors for {still}")
+            for slot in _slots(m):
+                q = getattr(m, slot.attr, None)
+                if slot.tensor is not None:
+                    key = prefix + slot.tensor
+                    if key not in info:
+                        continue
+                    meta = info[key]
+                    getattr(m, slot.tensor).copy_(decode_weight(tensors, key, meta))
+                    if meta["encoding"] == "float" and "dtype" not in meta:
+                        m.set_quantizer(slot, None)  # stored as the model used it: unquantized, or baked
+                    elif meta["encoding"].startswith(("int", "float8", "minifloat")):
+                        zp = tensors.get(key + "_zero_point", torch.zeros((), dtype=torch.int32))
+                        m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], zp))  # type: ignore[union-attr]
+                else:
+                    key = prefix + activation_key(slot)
+                    if key in info and q is not None:
+                        m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
     return ModelQuantizer.freeze(model).eval()
-
 
 def size_report(path: str | Path, model: nn.Module) -> dict[str, float]:
     """Bytes of an exported file against the FP32 state of ``model``'s parameters, and bits per parameter."""

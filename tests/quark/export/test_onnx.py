@@ -3,6 +3,7 @@ fake-quantized model computes (within one output quantization step)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
@@ -132,3 +133,165 @@ def test_top_level_names() -> None:
 
     assert quark.torch.export_onnx is export_onnx
     assert callable(quark.torch.export_safetensors) and callable(quark.torch.import_model_from_safetensors)
+
+
+# ----------------------------------------------------------------------------------------------- real architectures
+# The TorchScript exporter merges initializers of equal value: two per-channel layers of one width share one zero
+# point tensor, read through an Identity node. Every ResNet and MobileNet has such layers.
+class TwoConvs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: conv-BN-ReLU-conv-BN, identity or 1x1-conv-BN shortcut, add, ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class TinyResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.layer1 = BasicBlock(8, 8)
+        self.layer2 = BasicBlock(8, 16, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNet-V2's block: 1x1 expand-BN-ReLU6, 3x3 depthwise-BN-ReLU6, 1x1 project-BN, residual add."""
+
+    def __init__(self, channels: int, expand: int = 4) -> None:
+        super().__init__()
+        hidden = channels * expand
+        self.conv = nn.Sequential(
+            nn.Conv2d(channels, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, hidden, 3, 1, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, channels, 1, bias=False), nn.BatchNorm2d(channels),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x)
+
+
+class TinyMobileNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(inplace=True),
+            InvertedResidual(8), InvertedResidual(8),
+        )  # fmt: skip
+        self.classifier = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
+def _randomize_batchnorm(model: nn.Module) -> nn.Module:
+    """Running statistics and affine terms away from the identity, as a trained network has them."""
+    generator = torch.Generator().manual_seed(3)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            n = m.num_features
+            m.running_mean.copy_(0.1 * torch.randn(n, generator=generator))
+            m.running_var.copy_(0.5 + torch.rand(n, generator=generator))
+            m.weight.data.copy_(0.5 + torch.rand(n, generator=generator))
+            m.bias.data.copy_(0.1 * torch.randn(n, generator=generator))
+    return model.eval()
+
+
+def _check_onnxruntime_agrees(model: nn.Module, last: str, x: torch.Tensor, tmp_path: Path) -> onnx.GraphProto:
+    """Quantize (W8A8 per-channel weights, per-tensor activations), export, and compare with onnxruntime."""
+    ModelQuantizer(_w8a8(last, INT8_PER_TENSOR_ACT)).quantize_model(model, [x[:16], x[16:32]])
+    with torch.no_grad():
+        reference = model(x).numpy()
+    out = _run(export_onnx(model, tmp_path, x[:2]), x)
+    step = float(dict(model.named_modules())[last]._output_quantizer.calculate_qparams()[0])
+    assert np.abs(out - reference).max() <= step * 1.0001
+    assert (np.abs(out - reference) > 1e-6).mean() < 0.2
+    graph = onnx.load(str(tmp_path / "model.onnx")).graph
+    twins = [m for m in model.modules() if isinstance(m, QuantMixin)]
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("QuantizeLinear") == len(twins) + 1 and ops.count("DequantizeLinear") == 2 * len(twins) + 1
+    int_weights = [i for i in graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2]
+    assert sorted(tuple(i.dims) for i in int_weights) == sorted(tuple(m.weight.shape) for m in twins)
+    assert sum(len(i.raw_data) for i in int_weights) == sum(m.weight.numel() for m in twins)  # one byte per weight
+    float_weights = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) >= 2]
+    assert not float_weights  # no float copy of a weight is left in the file
+    return graph
+
+
+def test_two_convs_of_one_width(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    graph = _check_onnxruntime_agrees(TwoConvs().eval(), "fc", torch.randn(48, 3, 6, 6), tmp_path)
+    # the case that crashed: both convs' zero points are one tensor, the second read through an Identity node
+    producers = {out: n for n in graph.node for out in n.output}
+    zero_points = [n.input[2] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0].endswith("_quantized")]
+    assert any(producers.get(z) is not None and producers[z].op_type == "Identity" for z in zero_points)
+
+
+def test_resnet_basic_blocks(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(TinyResNet())
+    graph = _check_onnxruntime_agrees(model, "fc", torch.randn(48, 3, 8, 8), tmp_path)
+    assert [n.op_type for n in graph.node].count("Add") == 2  # the two residual adds
+
+
+def test_mobilenet_v2_inverted_residual_blocks(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(TinyMobileNet())
+    graph = _check_onnxruntime_agrees(model, "classifier", torch.randn(48, 3, 8, 8), tmp_path)
+    depthwise = [i for i in graph.initializer if i.data_type == onnx.TensorProto.INT8 and list(i.dims) == [32, 1, 3, 3]]
+    assert len(depthwise) == 2  # both blocks' depthwise convs stored as int8
+
+
+@pytest.mark.parametrize("mode", ["equal_values", "tied"])
+def test_shared_or_merged_weights_are_folded(mode: str, tmp_path: Path) -> None:
+    """Equal weights are merged by the exporter (the second read through Identity); a tied weight is one
+    initializer read by two QuantizeLinear nodes. Both end as integers, no float copy left."""
+    torch.manual_seed(0)
+    first = nn.Linear(16, 16)
+    second = copy.deepcopy(first)
+    if mode == "tied":
+        second.weight = first.weight
+    model = nn.Sequential(first, nn.ReLU(), second).eval()
+    x = torch.randn(32, 16)
+    ModelQuantizer(_w8a8("2", INT8_PER_TENSOR_ACT)).quantize_model(model, [x])
+    with torch.no_grad():
+        reference = model(x).numpy()
+    path = export_onnx(model, tmp_path, x[:2])
+    step = float(model[2]._output_quantizer.calculate_qparams()[0])
+    assert np.abs(_run(path, x) - reference).max() <= step * 1.0001
+    graph = onnx.load(str(path)).graph
+    assert not [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) >= 2]
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("QuantizeLinear") == 3 and ops.count("DequantizeLinear") == 5  # weights: DequantizeLinear only
+    int_weights = [i for i in graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) == 2]
+    assert len(int_weights) == 1  # equal weights with equal qparams: one integer tensor
