@@ -295,3 +295,40 @@ def test_shared_or_merged_weights_are_folded(mode: str, tmp_path: Path) -> None:
     assert ops.count("QuantizeLinear") == 3 and ops.count("DequantizeLinear") == 5  # weights: DequantizeLinear only
     int_weights = [i for i in graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) == 2]
     assert len(int_weights) == 1  # equal weights with equal qparams: one integer tensor
+
+
+class _EncoderModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x))
+
+
+class _LSTMModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 12, num_layers=2, batch_first=True)
+        self.head = nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+@pytest.mark.filterwarnings("ignore:.*stay float.*")
+@pytest.mark.parametrize(("build", "x"), [(_EncoderModel, torch.randn(3, 5, 16)), (_LSTMModel, torch.randn(3, 5, 8))],
+                         ids=["transformer_encoder_layer", "lstm"])  # fmt: skip
+def test_attention_and_lstm_export_agrees_with_onnxruntime(build, x: torch.Tensor, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build().eval()
+    ModelQuantizer({"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}).quantize_model(model, [x])
+    with torch.no_grad():
+        reference = model(x).numpy()
+    path = export_onnx(model, tmp_path, x, dynamic_batch=False)
+    assert np.abs(_run(path, x) - reference).max() < 1e-5
+    graph = onnx.load(str(path)).graph
+    weights = [q for m in model.modules() if isinstance(m, QuantMixin) for s, q in m.quantizer_slots() if s.role == "weight"]
+    int_weights = [i for i in graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2]
+    assert len(int_weights) == len(weights)  # attention in-projection / every LSTM gate matrix stored as int8
