@@ -7,13 +7,19 @@ is built, so a mistake costs seconds, not a training run.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import json
 import logging
 import math
 import os
+import pickle
+import re
 import time
+import typing
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +29,9 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.base import ContainerMetadata, Metadata
+from omegaconf.nodes import AnyNode
 
 from app.conf import ConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
 from callbacks import QuantCallback
@@ -33,6 +41,11 @@ from quark.torch.export import EXPORT_FORMATS, check_onnx_exportable, export_mod
 from quark.torch.quantization.api import run_batch
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): runs are not locked
+    fcntl = None  # type: ignore[assignment]
 
 for _message in (
     ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
@@ -73,11 +86,30 @@ class ScaleLearningRates(Callback):
 
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
-    """Run the composed config; writes ``results.json`` (and checkpoints, logs) under ``output_dir``; returns it."""
+    """Run the composed config; writes ``results.json`` (and checkpoints, logs) under ``output_dir``; returns it.
+    The directory is locked for the whole run: a second run on it meanwhile stops at once (ConfigError)."""
     start = time.perf_counter()
     _one_log_line_per_message()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with _run_dir_lock(out):
+        _save_composed_config(cfg, out)
+        return _run_locked(cfg, out, start)
+
+
+def _save_composed_config(cfg: DictConfig, out: Path) -> None:
+    """``.hydra/config.yaml`` and ``overrides.yaml``, written by us once the directory is ours (``hydra.output_subdir``
+    is null: Hydra would write them before any code of ours runs, over a running job's)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    folder = out / ".hydra"
+    folder.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    if HydraConfig.initialized():
+        OmegaConf.save(OmegaConf.create(list(HydraConfig.get().overrides.task)), folder / "overrides.yaml")
+
+
+def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
     flow, qconfig = build_quant(cfg.quant)  # first: a bad quant config stops here
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
@@ -205,11 +237,79 @@ def _first_input(datamodule: Any) -> torch.Tensor:
     return batch[0] if isinstance(batch, tuple | list) else batch
 
 
+def _run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
+    """An exclusive ``flock`` on ``<out>/.lock`` for the whole run, so that two runs never mix their files in one
+    directory. Taken without waiting: if another live run holds it, ConfigError. The OS drops the lock when its
+    process ends, so a crashed run leaves nothing stale; the ``.lock`` file itself stays (emptied on release)."""
+    if fcntl is None:
+        return contextlib.nullcontext()
+    return _flock(out)
+
+
+@contextlib.contextmanager
+def _flock(out: Path) -> Iterator[None]:
+    path = out / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            by = f" (pid {holder})" if holder.isdigit() else ""
+            raise ConfigError(
+                f"the run directory {out} is in use by another run{by}, which holds {path}; this run stops before "
+                "training or writing results there. Wait for that run to finish, or give this one a directory of its "
+                "own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())  # named in the message of a run that is refused
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+# What a Lightning checkpoint holds besides tensors and plain containers when a model's hyper-parameters are omegaconf
+# containers (a Hydra-built model given a DictConfig/ListConfig argument, or save_hyperparameters(cfg)): data classes
+# whose unpickling only fills in attributes. Anything else (a class, a function) makes torch.load refuse the file.
+_CHECKPOINT_SAFE_GLOBALS: list[Any] = [
+    DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any,
+    dict, list, int, collections.defaultdict,
+]  # fmt: skip
+
+
+def _load_checkpoint(path: str) -> Any:
+    """``torch.load(weights_only=True)`` of a user's file: no code in it runs. A file it refuses is a ValueError that
+    says what it holds and what to do with a trusted file."""
+    try:
+        allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; before: plain data only
+        with allow(_CHECKPOINT_SAFE_GLOBALS) if allow else contextlib.nullcontext():
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if found is None:
+            reason = re.search(r"WeightsUnpickler error: \s*(.+)", str(err))
+            detail = reason.group(1).strip() if reason else str(err).splitlines()[0]
+            raise ValueError(f"ckpt_path={path!r} is not a checkpoint torch.load can read ({detail})") from None
+        raise ValueError(
+            f"ckpt_path={path!r} was refused: it holds objects other than tensors and plain containers "
+            f"({found.group(1)}), and unpickling those can run code, so it is read with torch.load(weights_only=True) "
+            "only. If you trust the file, re-save its weights alone and pass that file instead: python -c "
+            f'"import torch; c = torch.load({path!r}, weights_only=False); '
+            "torch.save(c.get('state_dict', c), 'weights.ckpt')\" then ckpt_path=weights.ckpt"
+        ) from None
+    except (RuntimeError, EOFError) as err:  # a truncated or corrupted file
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"ckpt_path={path!r} is not a checkpoint torch.load can read ({detail})") from None
+
+
 def _load_float_weights(model: LightningModule, path: str) -> None:
     """Weights of a Lightning checkpoint (read only: the file is never written) into the freshly built model."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"ckpt_path={path!r} does not exist")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = _load_checkpoint(path)
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"ckpt_path={path!r} holds no state_dict")

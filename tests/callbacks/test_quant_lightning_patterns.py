@@ -462,3 +462,37 @@ def test_lightning_cli_fit_with_quant_callback(tmp_path, monkeypatch, form) -> N
     assert {name for name, _ in quantizers(cli.model)} == {"fc1.weight", "fc2.weight"}
     _assert_calibrated(cli.model)
     assert os.path.isdir(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- recurrent QAT
+class LSTMClassifier(BoringMLP):
+    """A sequence classifier: the (16-feature) samples as 4 steps of 4 features through a 2-layer LSTM."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.1)
+        self.lstm = nn.LSTM(4, 8, num_layers=2, batch_first=True)
+        self.fc1 = None  # BoringMLP's own fc1 check (manual_forward) does not apply
+        self.proj = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x.view(x.shape[0], 4, 4))
+        return self.fc2(self.act(self.proj(out[:, -1])))
+
+
+def test_qat_trains_an_lstm_and_its_checkpoint_reloads_bit_for_bit(tmp_path) -> None:
+    seed(0)
+    model = LSTMClassifier()
+    before = model.lstm.weight_hh_l1.detach().clone()
+    trainer = make_trainer(tmp_path, [QuantCallback(tqt_config(), mode="qat", observer_steps=2)], limit_train_batches=3)
+    trainer.fit(model, datamodule=DataModule())
+    assert type(model.lstm).__name__ == "QuantLSTM" and not torch.equal(model.lstm.weight_hh_l1, before)
+    thresholds = [n for n, _ in model.named_parameters() if n.startswith("lstm.") and n.endswith("log_threshold")]
+    assert len(thresholds) == 4  # weight_ih/hh of both layers
+    assert bool(model.lstm._input_quantizer_l1.initialized)  # the second layer's input was observed
+    path = str(tmp_path / "qat.ckpt")
+    trainer.save_checkpoint(path)
+    restored = load_quantized_checkpoint(LSTMClassifier(), path)
+    x = make_data(8).tensors[0]
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(restored(x), model(x))
