@@ -118,7 +118,7 @@ def main() -> None:
     dm.setup()
     if args.ckpt:
         model = CharLM()
-        model.load_state_dict(torch.load(args.ckpt, map_location="cpu", weights_only=False)["state_dict"])
+        model.load_state_dict(torch.load(args.ckpt, map_location="cpu", weights_only=True)["state_dict"])
     else:
         model = CharLM()
         L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
