@@ -7,17 +7,13 @@ is built, so a mistake costs seconds, not a training run.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import json
 import logging
 import math
 import os
-import pickle
-import re
 import time
-import typing
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,12 +25,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.base import ContainerMetadata, Metadata
-from omegaconf.nodes import AnyNode
+from omegaconf import DictConfig, OmegaConf
 
 from app.conf import ConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
 from callbacks import QuantCallback
+from callbacks.quant import read_checkpoint
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm import find_decoder_layers, scaling_groups
 from quark.torch.export import EXPORT_FORMATS, check_onnx_exportable, export_model
@@ -271,38 +266,14 @@ def _flock(out: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-# What a Lightning checkpoint holds besides tensors and plain containers when a model's hyper-parameters are omegaconf
-# containers (a Hydra-built model given a DictConfig/ListConfig argument, or save_hyperparameters(cfg)): data classes
-# whose unpickling only fills in attributes. Anything else (a class, a function) makes torch.load refuse the file.
-_CHECKPOINT_SAFE_GLOBALS: list[Any] = [
-    DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any,
-    dict, list, int, collections.defaultdict,
-]  # fmt: skip
-
-
 def _load_checkpoint(path: str) -> Any:
-    """``torch.load(weights_only=True)`` of a user's file: no code in it runs. A file it refuses is a ValueError that
-    says what it holds and what to do with a trusted file."""
-    try:
-        allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; before: plain data only
-        with allow(_CHECKPOINT_SAFE_GLOBALS) if allow else contextlib.nullcontext():
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if found is None:
-            reason = re.search(r"WeightsUnpickler error: \s*(.+)", str(err))
-            detail = reason.group(1).strip() if reason else str(err).splitlines()[0]
-            raise ValueError(f"ckpt_path={path!r} is not a checkpoint torch.load can read ({detail})") from None
-        raise ValueError(
-            f"ckpt_path={path!r} was refused: it holds objects other than tensors and plain containers "
-            f"({found.group(1)}), and unpickling those can run code, so it is read with torch.load(weights_only=True) "
-            "only. If you trust the file, re-save its weights alone and pass that file instead: python -c "
-            f'"import torch; c = torch.load({path!r}, weights_only=False); '
-            "torch.save(c.get('state_dict', c), 'weights.ckpt')\" then ckpt_path=weights.ckpt"
-        ) from None
-    except (RuntimeError, EOFError) as err:  # a truncated or corrupted file
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"ckpt_path={path!r} is not a checkpoint torch.load can read ({detail})") from None
+    """The user's ``ckpt_path`` file, read without running code in it (``read_checkpoint``)."""
+    return read_checkpoint(
+        path, name=f"ckpt_path={path!r}",
+        if_trusted="If you trust the file, re-save its weights alone and pass that file instead: python -c "
+        f'"import torch; c = torch.load({path!r}, weights_only=False); '
+        "torch.save(c.get('state_dict', c), 'weights.ckpt')\" then ckpt_path=weights.ckpt",
+    )  # fmt: skip
 
 
 def _load_float_weights(model: LightningModule, path: str) -> None:

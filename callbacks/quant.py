@@ -8,10 +8,14 @@ their Parameters.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import inspect
 import itertools
 import os
 import pickle
+import re
+import typing
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -724,19 +728,47 @@ class QuantCallback(Callback):
             q.enable_fake_quant(fake_quant)
 
 
-def _load_trusted_types_only(checkpoint_path: str, map_location: Any) -> Any:
-    """``torch.load(weights_only=True)``: tensors and plain containers only, no code runs while reading."""
+def _checkpoint_safe_globals() -> list[Any]:
+    """What a Lightning checkpoint holds besides tensors and plain containers when a model's hyper-parameters are
+    omegaconf containers (a Hydra-built model given a DictConfig/ListConfig, or ``save_hyperparameters(cfg)``): data
+    classes whose unpickling only fills in attributes. Anything else (a class, a function) is refused."""
     try:
-        return torch.load(checkpoint_path, map_location=map_location, weights_only=True)
+        from omegaconf import DictConfig, ListConfig
+        from omegaconf.base import ContainerMetadata, Metadata
+        from omegaconf.nodes import AnyNode
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return []
+    return [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any, dict, list, int, collections.defaultdict]
+
+
+_IF_TRUSTED = (
+    "Checkpoints written by QuantCallback never need that. If you trust this file and know the types it names, allow "
+    "exactly those with torch.serialization.add_safe_globals([...]) and load it again."
+)
+
+
+def read_checkpoint(path: str, map_location: Any = "cpu", name: str | None = None, if_trusted: str = _IF_TRUSTED) -> Any:
+    """``torch.load(path, weights_only=True)`` of a user's file (plus the omegaconf containers Lightning stores as
+    hyper-parameters): no code in it runs. A file it refuses, or cannot read, is a ValueError naming it (``name``,
+    default the path) and saying what to do with a trusted file (``if_trusted``)."""
+    name = name or str(path)
+    allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; before: plain data only
+    try:
+        with allow(_checkpoint_safe_globals()) if allow else contextlib.nullcontext():
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()
-        detail = next((line.strip() for line in reason if "GLOBAL" in line or "Unsupported" in line), reason[0] if reason else "")
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if found is None:
+            reason = re.search(r"WeightsUnpickler error: \s*(.+)", str(err))
+            detail = reason.group(1).strip() if reason else str(err).splitlines()[0]
+            raise ValueError(f"{name} is not a checkpoint torch.load can read ({detail})") from None
         raise ValueError(
-            f"{checkpoint_path} was refused: it holds Python objects other than tensors and plain containers, which "
-            f"loading would have to construct by running code ({detail}). Checkpoints written by QuantCallback never "
-            "need that. If you trust this file and know the types it names, allow exactly those with "
-            "torch.serialization.add_safe_globals([...]) and call load_quantized_checkpoint again."
+            f"{name} was refused: it holds objects other than tensors and plain containers ({found.group(1)}), and "
+            f"unpickling those can run code, so it is read with torch.load(weights_only=True) only. {if_trusted}"
         ) from None
+    except (RuntimeError, EOFError) as err:  # a truncated or corrupted file
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{name} is not a checkpoint torch.load can read ({detail})") from None
 
 
 def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_location: Any = "cpu", freeze: bool = True) -> nn.Module:
@@ -746,7 +778,7 @@ def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_locati
     ValueError). The Config stored by the callback prepares ``model``, the weights and every qparam load with
     ``strict=True``, and (``freeze=True``) the quantizers are frozen. Returns the model in eval mode.
     """
-    checkpoint = _load_trusted_types_only(checkpoint_path, map_location)
+    checkpoint = read_checkpoint(checkpoint_path, map_location)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError(f"{checkpoint_path} is not a Lightning checkpoint (no state_dict)")
     states = [v for k, v in (checkpoint.get("callbacks") or {}).items() if str(k).startswith("QuantCallback")]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from quark.torch.quantization.formats import (
 )
 from quark.torch.quantization.formats.grouping import channel_view
 from quark.torch.quantization.nn.modules import QuantMixin
-from quark.torch.quantization.nn.modules.quant_modules import DEFAULT_SLOTS, QUANT_MODULE_MAP, QuantSlot
+from quark.torch.quantization.nn.modules.quant_modules import DEFAULT_SLOTS, QUANT_MODULE_MAP, QuantSlot, slot_name
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
 
 FILENAME = "model.safetensors"
@@ -169,15 +169,8 @@ def _slots(m: QuantMixin) -> tuple[QuantSlot, ...]:
     return tuple(getattr(m, "_quant_slots", ()))
 
 
-def activation_key(slot: QuantSlot) -> str:
-    """The stored name of an activation slot's qparams (before ``_scale`` / ``_zero_point``): its attribute without
-    the leading ``_`` and the ``_quantizer`` part (``_input_quantizer`` -> ``input``, ``_key_input_quantizer`` ->
-    ``key_input``, ``_input_quantizer_l1`` -> ``input_l1``)."""
-    name = slot.attr.lstrip("_")
-    if name.endswith("_quantizer"):
-        return name.removesuffix("_quantizer")
-    head, sep, tail = name.rpartition("_quantizer_")
-    return f"{head}_{tail}" if sep else name
+#: the stored name of an activation slot's qparams (before ``_scale`` / ``_zero_point``)
+activation_key = slot_name
 
 
 def _quantizer_prefixes(model: nn.Module) -> tuple[str, ...]:
@@ -299,7 +292,7 @@ class _Checker:
     def __init__(self, where: str, tensors: dict[str, torch.Tensor]) -> None:
         self.where, self.tensors, self.expected = where, tensors, set()
 
-    def fail(self, key: str, expected: str, found: str) -> None:
+    def fail(self, key: str, expected: str, found: str) -> NoReturn:
         raise ValueError(f"{self.where}: tensor '{key}': expected {expected}, found {found}")
 
     def get(self, key: str, dtypes: tuple[torch.dtype, ...], shape: list[int] | None, what: str) -> torch.Tensor:
@@ -364,7 +357,8 @@ class _Checker:
                 self.fail(key, f"values of {spec.dtype.name}", f"metadata dtype {meta['dtype']!r}")  # type: ignore[union-attr]
             self.finite(key, self.get(key, (torch.float32,), shape, "a float tensor"), "a float tensor", allow_inf=not is_param)
             return
-        assert spec is not None
+        if spec is None:  # unreachable: with no spec only "float" passes the encoding check above
+            self.fail(key, "a float tensor (the Config quantizes no such tensor)", repr(encoding))
         if encoding == "cast":
             t = self.get(key, (torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16,), shape, f"a {spec.dtype.name} tensor")
             self.finite(key, t, f"a {spec.dtype.name} tensor")
@@ -404,7 +398,8 @@ class _Checker:
             self.scale(key + "_scale", qshape)
             self.zero_point(key + "_zero_point", qshape, fmt)
             return
-        assert isinstance(fmt, FloatFormat)
+        if not isinstance(fmt, FloatFormat):
+            self.fail(key, "an integer or minifloat encoding", f"{encoding!r} for {spec.dtype.name}")
         if encoding == "float8":
             self.finite(key, self.get(key, (TORCH_FLOAT8[spec.dtype],), shape, f"{spec.dtype.name} values"), f"{spec.dtype.name} values")
         elif encoding == "minifloat_nibbles":
@@ -540,6 +535,7 @@ def import_model_from_safetensors(model: nn.Module, model_dir: str | Path, filen
                     if key in info and q is not None:
                         m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
     return ModelQuantizer.freeze(model).eval()
+
 
 def size_report(path: str | Path, model: nn.Module) -> dict[str, float]:
     """Bytes of an exported file against the FP32 state of ``model``'s parameters, and bits per parameter."""

@@ -166,11 +166,13 @@ def disable_fused_transformer_paths(model: nn.Module) -> None:
     kernel accepts. The fused path is taken only for ReLU/GELU layers (``activation_relu_or_gelu``), so marking the
     layer as neither (its ``activation`` is untouched) and the encoder as not nesting keeps the module path."""
     for module in model.modules():
+        if not isinstance(module, nn.TransformerEncoderLayer | nn.TransformerEncoder):
+            continue  # only those two hold a fused path; checking their children only keeps this linear in depth
         if not any(isinstance(m, QuantMixin) for m in module.modules()):
             continue
         if isinstance(module, nn.TransformerEncoderLayer):
             module.activation_relu_or_gelu = 0
-        elif isinstance(module, nn.TransformerEncoder):
+        else:
             module.use_nested_tensor = False
 
 

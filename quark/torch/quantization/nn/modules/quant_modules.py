@@ -35,6 +35,7 @@ __all__ = [
     "register_quant_module",
     "register_prepare_hook",
     "slot_label",
+    "slot_name",
 ]
 
 QUANTIZER_ROLES = {
@@ -64,14 +65,22 @@ DEFAULT_SLOTS = (
 )
 
 
+def slot_name(slot: QuantSlot) -> str:
+    """A slot's attribute without the leading ``_`` and the ``_quantizer`` part (``_input_quantizer`` -> ``input``,
+    ``_key_input_quantizer`` -> ``key_input``, ``_input_quantizer_l1`` -> ``input_l1``): how exports store its qparams."""
+    name = slot.attr.lstrip("_")
+    head, sep, tail = name.rpartition("_quantizer")
+    return f"{head}{tail}" if sep else name
+
+
 def slot_label(slot: QuantSlot) -> str:
     """How messages name a slot: the tensor it quantizes, its role for the standard activation slots, else its
-    attribute (``key_input`` for ``_key_input_quantizer``)."""
+    name (``key_input``, ``input_l1``)."""
     if slot.tensor is not None:
         return slot.tensor
     if any(slot.attr == s.attr for s in DEFAULT_SLOTS):
         return slot.role
-    return slot.attr.strip("_").removesuffix("_quantizer")
+    return slot_name(slot)
 
 
 def _make_quantizer(spec: QuantizationSpec | None, device: torch.device | None) -> FakeQuantizeBase | None:
