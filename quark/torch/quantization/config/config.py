@@ -53,6 +53,7 @@ __all__ = [
     "GPTQConfig",
     "AWQConfig",
     "SmoothQuantConfig",
+    "CLEConfig",
     "Config",
 ]
 
@@ -508,7 +509,35 @@ class GPTQConfig(AlgoConfig):
         _check_str_list(own, "embedding_layers", self.embedding_layers)
 
 
-_ALGOS: dict[str, type[AlgoConfig]] = {"gptq": GPTQConfig, "awq": AWQConfig, "smoothquant": SmoothQuantConfig}
+@dataclass(eq=True)
+class CLEConfig(PreQuantOptConfig):
+    """Cross-layer equalization (Nagel et al. 2019) of conv/linear -> ReLU(6) -> conv/linear chains, depthwise
+    included, on the BatchNorm-folded graph (``quant_mode=fx_graph_mode``): rescales output channel i of the first
+    layer by 1/s_i and input channel i of the second by s_i so both have equal ranges; the float function is unchanged.
+
+    :param int iterations: Passes over all chains (a chain of three layers converges over several passes).
+    :param float threshold: Stop early once no channel scale of a pass differs from 1 by more than this (relative).
+    :param bool high_bias_absorption: Also move the part of a bias that ReLU never cuts (beta - 3 gamma of the folded
+        BatchNorm) into the next layer's bias (section 4.2 of the paper; ReLU chains only).
+    """
+
+    name: str = "cle"
+    iterations: int = 5
+    threshold: float = 1e-3
+    high_bias_absorption: bool = True
+
+    def __post_init__(self) -> None:
+        own = "CLEConfig"
+        _check_positive_int(own, "iterations", self.iterations)
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) or self.threshold < 0:
+            raise ValueError(f"{own}.threshold={self.threshold!r} must be a number >= 0")
+        if not isinstance(self.high_bias_absorption, bool):
+            raise ValueError(f"{own}.high_bias_absorption={self.high_bias_absorption!r} must be true or false")
+
+
+_ALGOS: dict[str, type[AlgoConfig]] = {
+    "gptq": GPTQConfig, "awq": AWQConfig, "smoothquant": SmoothQuantConfig, "cle": CLEConfig,
+}  # fmt: skip
 
 
 def _algo(owner: str, value: Any, base: type[AlgoConfig]) -> Any:
@@ -536,7 +565,7 @@ class Config(ConfigBase):
     :param Dict[str, QuantizationConfig] layer_quant_config: By layer name (fnmatch patterns such as ``"*.fc2"``).
     :param List[str] exclude: Layer names (fnmatch patterns) left in float.
     :param Optional[AlgoConfig] algo_config: GPTQ / AWQ, one or a list applied in order.
-    :param Optional[PreQuantOptConfig] pre_quant_opt_config: SmoothQuant, one or a list.
+    :param Optional[PreQuantOptConfig] pre_quant_opt_config: SmoothQuant (eager mode) or CLE (graph mode), one or a list.
     :param QuantizationMode quant_mode: eager_mode (module swapping) or fx_graph_mode.
     """
 
@@ -558,6 +587,16 @@ class Config(ConfigBase):
         self.algo_config = _algo("Config.algo_config", self.algo_config, AlgoConfig)
         self.pre_quant_opt_config = _algo("Config.pre_quant_opt_config", self.pre_quant_opt_config, PreQuantOptConfig)
         self.quant_mode = _enum("Config", "quant_mode", QuantizationMode, self.quant_mode, optional=False)  # type: ignore[assignment]
+        graph_only = [a.name for a in self.pre_quant_opt_configs if isinstance(a, CLEConfig)]  # type: ignore[attr-defined]
+        if graph_only and self.quant_mode != QuantizationMode.fx_graph_mode:
+            raise ValueError(
+                f"Config.pre_quant_opt_config {graph_only} needs quant_mode=fx_graph_mode (it equalizes the "
+                "BatchNorm-folded layer chains of the captured graph)"
+            )
+        eager_only = [a.name for a in self.algo_configs + [p for p in self.pre_quant_opt_configs if not isinstance(p, CLEConfig)]]  # type: ignore[attr-defined]
+        if self.quant_mode == QuantizationMode.fx_graph_mode and eager_only:
+            names = eager_only
+            raise ValueError(f"Config algorithm(s) {names} run in eager_mode only; fx_graph_mode has pre_quant_opt_config=[CLEConfig()]")
 
     @staticmethod
     def _mapping(name: str, value: Any, types: bool) -> dict[str, QuantizationConfig]:
