@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
+from quark.torch.quantization import graph
+from quark.torch.quantization.config.config import CLEConfig, Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.config.type import QSchemeType, QuantizationMode
 from quark.torch.quantization.coverage import (
     FloatLayer,
@@ -270,10 +271,9 @@ class ModelQuantizer:
             config = Config.from_dict(config)
         if not isinstance(config, Config):
             raise ValueError(f"ModelQuantizer needs a Config (or its dict), got {type(config).__name__}")
-        if config.quant_mode != QuantizationMode.eager_mode:
-            raise ValueError(f"Config.quant_mode={config.quant_mode.name} is not supported; allowed: ['eager_mode']")
+        self.graph_mode = config.quant_mode == QuantizationMode.fx_graph_mode
         unknown = [k for k in config.layer_type_quant_config if k not in SUPPORTED_TYPE_NAMES]
-        if unknown:
+        if unknown and not self.graph_mode:  # graph mode also matches the class names of the model's own modules
             raise ValueError(
                 f"Config.layer_type_quant_config names unsupported layer type(s) {unknown}; supported: {SUPPORTED_TYPE_NAMES}"
             )
@@ -282,7 +282,10 @@ class ModelQuantizer:
     # -- planning
     def resolve(self, model: nn.Module, warn: bool = True) -> list[LayerPlan]:
         """Per-layer plans, in module order, without changing the model; warns about names that match nothing
-        and about subclasses of supported layers that define their own forward (those stay float)."""
+        and about subclasses of supported layers that define their own forward (those stay float). Graph mode:
+        one plan per compute op of the captured graph."""
+        if self.graph_mode:
+            return self._graph_plans(model)
         names = [n for n, _ in model.named_modules()]
         owners = _owners(model)
         plans = []
@@ -304,9 +307,29 @@ class ModelQuantizer:
             if dead:
                 warnings.warn(f"Config.{field_name} entries match no layer of the model (typo?): {dead}", stacklevel=3)
 
+    def _graph_plans(self, model: nn.Module) -> list[LayerPlan]:
+        prepared = model if hasattr(model, "_graph_units") else graph.prepare_graph(self._require_graph(model), self.config)
+        return [
+            LayerPlan(u.name or "<top>", u.type_name or u.op, u.qconfig, u.source)
+            for u in prepared._graph_units  # type: ignore[union-attr]
+            if u.qconfig is not None
+        ]  # fmt: skip
+
+    def _require_graph(self, model: nn.Module) -> Any:
+        if not graph.is_graph_module(model):
+            raise graph.GraphModeError(
+                f"quant_mode=fx_graph_mode works on a captured graph, got {type(model).__name__}: capture it first with "
+                "quark.torch.quantization.graph.capture(model, example_inputs) (torch.export.export(model, args).module() "
+                "works too), or pass it with a dataloader to quantize_model, which captures it on the first batch"
+            )
+        return model
+
     def float_layers(self, model: nn.Module) -> list[FloatLayer]:
         """Modules holding Parameters that stay float, each with the reason (excluded, unsupported type, ...); on a
         calibrated model also the Parameters a forward used functionally, outside any quantizer."""
+        if self.graph_mode:
+            prepared = model if hasattr(model, "_graph_float_layers") else graph.prepare_graph(self._require_graph(model), self.config)
+            return list(prepared._graph_float_layers)  # type: ignore[arg-type]
         plans = self.resolve(model, warn=False)
         uses: dict[str, list[str]] = getattr(model, "_quant_functional_uses", {})
         out = []
@@ -325,7 +348,14 @@ class ModelQuantizer:
 
     # -- the two halves
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Swap every configured layer for its quantized twin (same Parameters), in place. Idempotent."""
+        """Swap every configured layer for its quantized twin (same Parameters), in place. Idempotent.
+
+        Graph mode: returns a new, quantized graph module (same Parameter objects; conv + BatchNorm units simulate
+        the folding for QAT); the captured graph passed in is left as it was."""
+        if self.graph_mode:
+            prepared = graph.prepare_graph(self._require_graph(model), self.config)
+            warn_float_layers(prepared._graph_float_layers, stacklevel=3)  # type: ignore[arg-type]
+            return prepared
         return self._prepare(model, self.resolve(model))
 
     def _prepare(self, model: nn.Module, plans: list[LayerPlan]) -> nn.Module:
@@ -362,6 +392,11 @@ class ModelQuantizer:
         Weights and biases are observed directly; activations see ``dataloader``'s batches (or ``forward_loop(model)``).
         Weight-only and fully dynamic configs need no data. The model's train/eval mode is restored.
         """
+        if self.graph_mode:  # PTQ: fold BatchNorm, then equalize, on the float function, before any statistic
+            graph.fold_batch_norms(model)
+            for cle in self.config.pre_quant_opt_configs:
+                if isinstance(cle, CLEConfig):
+                    graph.equalize_graph(self._require_graph(model), cle)
         quantizers = [q for _, q in iter_quantizers(model)]
         needs_data = _needs_data(model)
         if needs_data:
@@ -405,7 +440,7 @@ class ModelQuantizer:
         self, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
     ) -> list[Any] | None:
         """The calibration batches as a list when the Config has algorithms (they pass over them several times)."""
-        algos = self.config.algo_configs + self.config.pre_quant_opt_configs
+        algos = self.config.algo_configs + [a for a in self.config.pre_quant_opt_configs if not isinstance(a, CLEConfig)]
         if not algos:
             return None
         names = [a.name for a in algos]  # type: ignore[attr-defined]
@@ -425,7 +460,12 @@ class ModelQuantizer:
         forward_loop: Callable[[nn.Module], Any] | None = None,
         max_batches: int | None = None,
     ) -> nn.Module:
-        """Prepare and calibrate ``model`` in place and return it. On failure the model is left as it was."""
+        """Prepare and calibrate ``model`` in place and return it. On failure the model is left as it was.
+
+        Graph mode: returns the quantized graph module (a plain ``nn.Module`` is first captured with the first
+        calibration batch as example input); the model passed in is not changed."""
+        if self.graph_mode:
+            return self._quantize_graph(model, dataloader, forward_loop, max_batches)
         plans = self.resolve(model)
         if any(_plan_needs_data(p) for p in plans):
             _check_data(dataloader, forward_loop)
@@ -451,13 +491,31 @@ class ModelQuantizer:
             raise
         return model
 
+    def _quantize_graph(
+        self, model: nn.Module, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
+    ) -> nn.Module:
+        if not graph.is_graph_module(model):
+            if dataloader is None:
+                self._require_graph(model)
+            first = next(iter(dataloader), None)  # type: ignore[arg-type]
+            if first is None:
+                raise ValueError("the calibration dataloader yielded no batch; graph capture needs an example input")
+            example = first[0] if isinstance(first, list | tuple) else first
+            model = graph.capture(model, _to_device(example, _model_device(model)))
+        prepared = self.prepare(model)
+        if any(_spec_needs_data(q.spec) for role, q in iter_quantizers(prepared) if role in ("input_tensors", "output_tensors")):
+            _check_data(dataloader, forward_loop)
+        return self.calibrate(prepared, dataloader, forward_loop, max_batches)
+
     @staticmethod
     def freeze(model: nn.Module, bake_weights: bool = False) -> nn.Module:
         """Fix every quantizer for inference (observers leave the forward path) and return the model.
 
         ``bake_weights=True`` also writes the quantized weights into the float weight tensors (in place) and drops
-        the weight quantizers, so inference does not re-quantize them on every call.
+        the weight quantizers, so inference does not re-quantize them on every call. Conv + BatchNorm units of graph
+        mode become plain convs with the folded weights first.
         """
+        graph.fold_batch_norms(model)
         for name, module in model.named_modules():  # checked before anything is changed
             if isinstance(module, QuantMixin):
                 for role, q in module.quantizers():

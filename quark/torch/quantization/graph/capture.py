@@ -124,6 +124,8 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
     """Make a captured graph follow ``train()`` / ``eval()``: BatchNorm calls become BatchNorm modules (same tensors),
     dropout calls ``nn.Dropout`` modules, and the ``num_batches_tracked += 1`` updates go (the modules do them).
     Idempotent. Returns ``gm``, changed in place."""
+    for name in ("train", "eval"):  # torch.export's module() refuses train()/eval(): the modules below make them work
+        gm.__dict__.pop(name, None)
     graph = gm.graph
     aten = torch.ops.aten
     baked: set[bool] = set()  # the train/eval mode capture baked into BatchNorm and dropout calls

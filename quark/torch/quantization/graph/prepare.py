@@ -261,15 +261,20 @@ def _per_tensor_static(spec: QuantizationSpec) -> bool:
 class _Placer:
     """Puts the activation quantizers into the graph, one per tensor (and spec)."""
 
-    def __init__(self, gm: fx.GraphModule, holders: nn.Module) -> None:
-        self.gm, self.graph, self.holders = gm, gm.graph, holders
+    def __init__(self, gm: fx.GraphModule, holders: nn.Module, passthrough: set[fx.Node]) -> None:
+        self.gm, self.graph, self.holders, self.passthrough = gm, gm.graph, holders, passthrough
         self.needs: dict[fx.Node, list[tuple[fx.Node, QuantizationSpec]]] = {}
         self.own: dict[fx.Node, QuantizationSpec] = {}
         self.grid: dict[fx.Node, FakeQuantizeBase] = {}  # node -> the quantizer whose grid its values are on
 
     def need(self, producer: Any, consumer: fx.Node, spec: QuantizationSpec | None) -> None:
-        if spec is not None and float_tensor(producer):
-            self.needs.setdefault(producer, []).append((consumer, spec))
+        """``consumer`` reads ``producer`` quantized by ``spec``. Through max-pool and layout ops the need goes back
+        to the op that computed the values (quantized once, there; the pass-through op keeps its grid)."""
+        if spec is None or not float_tensor(producer):
+            return
+        self.needs.setdefault(producer, []).append((consumer, spec))
+        if producer in self.passthrough and _per_tensor_static(spec) and producer.args and float_tensor(producer.args[0]):
+            self.need(producer.args[0], producer, spec)
 
     def _holder(self, name: str, spec: QuantizationSpec | None, where: str, quantizer: FakeQuantizeBase | None = None) -> str:
         holder = QuantActivation.from_float(nn.Identity(), QuantizationConfig(output_tensors=spec))
@@ -306,10 +311,14 @@ class _Placer:
         for node in order:
             if node.op == "output" or node.graph is not self.graph:
                 continue
-            source = self.grid.get(node.args[0]) if node in passthrough and node.args and isinstance(node.args[0], fx.Node) else None
+            source = self.grid.get(node)  # a concatenation's shared input quantizer
+            if source is None and node in passthrough and node.args and isinstance(node.args[0], fx.Node):
+                source = self.grid.get(node.args[0])
             if source is not None and _per_tensor_static(source.spec) and node not in self.own:
                 self.grid[node] = source
             wanted = self.needs.get(node, [])
+            if node in passthrough and node not in pooling and wanted and all(c in passthrough for c, _ in wanted):
+                continue  # a layout op between layout ops: the grid passes through, quantized where it is read
             spec = self.own.get(node) or (wanted[0][1] if wanted else None)
             if node in self.own or wanted or (node in pooling and source is not None):
                 if source is not None and node not in self.own and all(s == source.spec for _, s in wanted):
@@ -364,8 +373,9 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config) -> fx.GraphModul
     for unit in units:
         _swap_unit(gm, unit)
         _functional_weights(gm, unit, holders)
-    placer = _Placer(gm, holders)
-    passthrough, pooling = set(), set()
+    passthrough = {n for n in gm.graph.nodes if kind_of(n, gm) == "passthrough"}
+    pooling = {n for n in passthrough if "max_pool" in str(n.target) or str(n.target).startswith("_dropout")}
+    placer = _Placer(gm, holders, passthrough)
     unit_tails = {u.tail: u for u in units}
     for node in list(gm.graph.nodes):
         kind = kind_of(node, gm) if node.op != "call_module" or not str(node.target).startswith(QUANTIZERS) else "quantizer"
@@ -381,10 +391,6 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config) -> fx.GraphModul
             placer.own[node] = unit_tails[node].qconfig.output_tensors  # type: ignore[union-attr]
         if kind == "quantized_output":
             _quantized_output(gm, placer, node, config)
-        elif kind == "passthrough":
-            passthrough.add(node)
-            if "max_pool" in str(node.target) or str(node.target).startswith("_dropout"):
-                pooling.add(node)
     placer.place(list(gm.graph.nodes), passthrough, pooling)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
