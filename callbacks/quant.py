@@ -32,6 +32,7 @@ from quark.torch import ModelQuantizer
 from quark.torch.export import EXPORT_FORMATS, export_model
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
 from quark.torch.extensions.brevitas import to_quark_config
+from quark.torch.quantization import graph
 from quark.torch.quantization.api import format_plans, run_batch
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
@@ -312,6 +313,7 @@ class QuantCallback(Callback):
         self._table_logged = False
         self._warned_unobserved = False
         self._warned_report_feed = False
+        self._graph_inputs: dict[str, list[list[Any]]] = {}  # graph mode: the captured children's input shapes
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -321,7 +323,9 @@ class QuantCallback(Callback):
             self._batches_seen = 0  # a new trainer counts from its first batch (a checkpoint restores the count)
             self._counting_for = weakref.ref(trainer)
         swap = not any(isinstance(m, QuantMixin) for m in pl_module.modules())
-        if swap:
+        if swap and self.quantizer.graph_mode:
+            self._prepare_graphs(trainer, pl_module)
+        elif swap:
             plans = self.quantizer.resolve(pl_module)
             if not plans:
                 layers = [f"{n} ({type(m).__name__})" for n, m in pl_module.named_modules() if n]
@@ -338,6 +342,8 @@ class QuantCallback(Callback):
                 rank_zero_info(f"QuantCallback ({self.mode}): quantizing {len(plans)} layer(s)\n{format_plans(plans)}")
                 self._table_logged = True
         if not getattr(pl_module, "_quant_load_hook", False):  # a float checkpoint restores into the quantized model
+            if self.quantizer.graph_mode:  # a checkpoint written after PTQ folded BatchNorm: fold before loading
+                pl_module.register_load_state_dict_pre_hook(_FoldForCheckpoint(self.config))
             pl_module.register_load_state_dict_pre_hook(_fill_float_checkpoint)
             pl_module._quant_load_hook = True
         if self.mode == "ptq" and (stage == TrainerFn.FITTING or (swap and not self.calibrated)):
@@ -346,6 +352,66 @@ class QuantCallback(Callback):
             if stage == TrainerFn.FITTING:
                 self.calibrated = False
                 self._calibrated_for = None
+
+    def _prepare_graphs(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Graph mode: capture each child of the module that holds Parameters and that one forward calls once (on
+        ``example_input_array`` or the first batch), and put its quantized graph in its place; the LightningModule,
+        its steps, logging and checkpointing stay as they are (state_dict keys keep the child's name)."""
+        calls = self._record_child_calls(trainer, pl_module)
+        prepared, skipped = [], []
+        for name, child in list(pl_module.named_children()):
+            if next(child.parameters(), None) is None:
+                continue
+            if len(calls.get(name, [])) != 1:
+                skipped.append(f"{name} (called {len(calls.get(name, []))} times by one forward)")
+                continue
+            args, kwargs = calls[name][0]
+            gm = graph.capture(child, args, kwargs)
+            setattr(pl_module, name, self.quantizer.prepare(gm, name_prefix=f"{name}."))
+            self._graph_inputs[name] = [[list(a.shape), str(a.dtype).replace("torch.", "")] for a in args if isinstance(a, torch.Tensor)]
+            prepared.append(name)
+        if not prepared:
+            raise ValueError(
+                f"QuantCallback (fx_graph_mode): no child module of {type(pl_module).__name__} holding Parameters is called "
+                f"exactly once by its forward ({skipped}); graph mode captures such children. {graph.EAGER_FALLBACK}."
+            )
+        if skipped:
+            rank_zero_warn(f"QuantCallback (fx_graph_mode): these children stay float: {skipped}")
+        plans = [p for name in prepared for p in self.quantizer.resolve(getattr(pl_module, name))]
+        _keep_out_of_ddp_broadcast(pl_module)
+        if not self._table_logged:
+            rank_zero_info(f"QuantCallback ({self.mode}, graph mode: {prepared}): quantizing {len(plans)} op(s)\n{format_plans(plans)}")
+            self._table_logged = True
+
+    def _record_child_calls(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+        """The arguments each direct child receives in one forward of ``pl_module`` (eval, no_grad)."""
+        example = getattr(pl_module, "example_input_array", None)
+        batch = None if example is not None else next(iter(self._calibration_data(trainer, pl_module)))
+        calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+
+        def record(name: str) -> Callable[..., None]:
+            return lambda module, args, kwargs: calls.setdefault(name, []).append((args, kwargs))
+
+        hooks = [child.register_forward_pre_hook(record(name), with_kwargs=True) for name, child in pl_module.named_children()]
+        modes = [(m, m.training) for m in pl_module.modules()]
+        pl_module.eval()
+        try:
+            with torch.no_grad():
+                if example is not None:
+                    if isinstance(example, dict):
+                        pl_module(**example)
+                    else:
+                        pl_module(*(example if isinstance(example, tuple) else (example,)))
+                elif self.calib_forward is not None:
+                    self.calib_forward(pl_module, batch)
+                else:
+                    run_batch(pl_module, _feedable(pl_module, batch))
+        finally:
+            for h in hooks:
+                h.remove()
+            for m, training in modes:
+                m.training = training
+        return calls
 
     @staticmethod
     def _check_learnable_shapes(trainer: Trainer, pl_module: LightningModule) -> None:
@@ -648,7 +714,7 @@ class QuantCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode, "config": self.config.to_dict(), "calibrated": self.calibrated,
-            "fp32_metric": self.fp32_metric, "batches_seen": self._batches_seen,
+            "fp32_metric": self.fp32_metric, "batches_seen": self._batches_seen, "graph_inputs": self._graph_inputs,
         }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -771,6 +837,27 @@ def read_checkpoint(path: str, map_location: Any = "cpu", name: str | None = Non
         raise ValueError(f"{name} is not a checkpoint torch.load can read ({detail})") from None
 
 
+def _prepare_graphs_like(model: nn.Module, quantizer: ModelQuantizer, inputs: dict[str, list[list[Any]]], path: str) -> None:
+    """Graph mode: capture the children the callback captured, on zero tensors of the recorded shapes and dtypes."""
+    if not inputs:
+        raise ValueError(f"{path} is a graph-mode checkpoint without the captured children's input shapes (written by an older version?)")
+    for name, specs in inputs.items():
+        args = tuple(torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in specs)
+        setattr(model, name, quantizer.prepare(graph.capture(getattr(model, name), args), name_prefix=f"{name}."))
+
+
+class _FoldForCheckpoint:
+    """Load pre-hook (graph mode): a state_dict saved after PTQ folded the BatchNorms loads into a model whose conv +
+    BatchNorm units are not folded yet by folding them first (the folded values then come from the file)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if graph.is_folded_state(module, state_dict, prefix):
+            graph.fold_and_equalize(module, self.config)
+
+
 def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_location: Any = "cpu", freeze: bool = True) -> nn.Module:
     """Load a checkpoint written with QuantCallback into a fresh (float) ``model`` for inference, without a Trainer.
 
@@ -785,9 +872,14 @@ def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_locati
     if not states:
         raise ValueError(f"{checkpoint_path} holds no QuantCallback state; was it written by a Trainer with QuantCallback?")
     quantizer = ModelQuantizer(Config.from_dict(states[0]["config"]))
-    if not any(isinstance(m, QuantMixin) for m in model.modules()):
-        quantizer.prepare(model)
     state = {k: v for k, v in checkpoint["state_dict"].items() if k != QUANTIZED_CHECKPOINT_KEY}
+    if not any(isinstance(m, QuantMixin) for m in model.modules()):
+        if quantizer.graph_mode:
+            _prepare_graphs_like(model, quantizer, states[0].get("graph_inputs") or {}, checkpoint_path)
+        else:
+            quantizer.prepare(model)
+    if quantizer.graph_mode and graph.is_folded_state(model, state):
+        graph.fold_and_equalize(model, quantizer.config)
     missing: dict[str, list[str]] = {}
     for key, q in _quantizer_keys(model).items():
         if key not in state:

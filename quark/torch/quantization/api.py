@@ -347,13 +347,14 @@ class ModelQuantizer:
         return format_plans(plans) + (f"\n\n{floats}" if floats else "")
 
     # -- the two halves
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, name_prefix: str = "") -> nn.Module:
         """Swap every configured layer for its quantized twin (same Parameters), in place. Idempotent.
 
         Graph mode: returns a new, quantized graph module (same Parameter objects; conv + BatchNorm units simulate
-        the folding for QAT); the captured graph passed in is left as it was."""
+        the folding for QAT); the captured graph passed in is left as it was. ``name_prefix``: what the graph's module
+        names are under in the Config (``"net."`` for a captured ``self.net`` of a LightningModule)."""
         if self.graph_mode:
-            prepared = graph.prepare_graph(self._require_graph(model), self.config)
+            prepared = graph.prepare_graph(self._require_graph(model), self.config, name_prefix)
             warn_float_layers(prepared._graph_float_layers, stacklevel=3)  # type: ignore[arg-type]
             return prepared
         return self._prepare(model, self.resolve(model))
@@ -393,10 +394,7 @@ class ModelQuantizer:
         Weight-only and fully dynamic configs need no data. The model's train/eval mode is restored.
         """
         if self.graph_mode:  # PTQ: fold BatchNorm, then equalize, on the float function, before any statistic
-            graph.fold_batch_norms(model)
-            for cle in self.config.pre_quant_opt_configs:
-                if isinstance(cle, CLEConfig):
-                    graph.equalize_graph(self._require_graph(model), cle)
+            graph.fold_and_equalize(model, self.config)
         quantizers = [q for _, q in iter_quantizers(model)]
         needs_data = _needs_data(model)
         if needs_data:

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from quark.torch.quantization.config.config import CLEConfig
+from quark.torch.quantization.config.config import CLEConfig, Config
 from quark.torch.quantization.graph.cle import absorb_high_bias, equalize
 from quark.torch.quantization.graph.modules import ChannelClamp, QuantActivation, _QuantConvBnNd, fold_conv_bn
 from quark.torch.quantization.graph.rules import ACTIVATIONS, is_relu, is_relu6
 from quark.torch.quantization.nn.modules.quant_modules import QuantConv1d, QuantConv2d, QuantConv3d, QuantLinear
 
-__all__ = ["fold_batch_norms", "find_cle_pairs", "equalize_graph", "CLEPair"]
+__all__ = ["fold_batch_norms", "find_cle_pairs", "equalize_graph", "CLEPair", "fold_and_equalize", "is_folded_state"]
 
 logger = logging.getLogger(__name__)
 _EQUALIZABLE = (QuantConv1d, QuantConv2d, QuantConv3d, QuantLinear)
@@ -31,9 +31,29 @@ def fold_batch_norms(model: nn.Module) -> int:
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, _QuantConvBnNd)]
     for name, unit in units:
         _set(model, name, fold_conv_bn(unit))
-    if units and isinstance(model, fx.GraphModule):
-        model.delete_all_unused_submodules()
+    if units:
+        for gm in [m for m in model.modules() if isinstance(m, fx.GraphModule)]:
+            gm.delete_all_unused_submodules()
     return len(units)
+
+
+def fold_and_equalize(model: nn.Module, config: Config) -> None:
+    """The PTQ passes on the float function, before any statistic: BatchNorm folding, then CLE when the Config
+    asks for it, on every captured graph inside ``model`` (the model itself or, in a LightningModule, its children)."""
+    fold_batch_norms(model)
+    for cle in config.pre_quant_opt_configs:
+        if isinstance(cle, CLEConfig):
+            for gm in [m for m in model.modules() if isinstance(m, fx.GraphModule)]:
+                equalize_graph(gm, cle)
+
+
+def is_folded_state(model: nn.Module, state_dict: dict[str, object], prefix: str = "") -> bool:
+    """Whether ``state_dict`` was saved after BatchNorm folding (PTQ) while ``model`` still has conv + BatchNorm
+    units: it holds none of their BatchNorms' statistics."""
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [m for m in model.modules() if isinstance(m, _QuantConvBnNd)]
+    bns = [names.get(id(u.bn)) for u in units]
+    return bool(units) and all(n is not None and f"{prefix}{n}.running_mean" not in state_dict for n in bns)
 
 
 @dataclass

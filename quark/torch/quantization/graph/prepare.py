@@ -42,6 +42,17 @@ _MODULE_TYPES = {"conv": ("Conv1d", "Conv2d", "Conv3d"), "linear": ("Linear",), 
 _EXPLICIT_ONLY_OPS = {"embedding"}
 
 
+@dataclass(frozen=True)
+class UnitPlan:
+    """What resolution decided for one compute op (kept on the prepared graph for summaries)."""
+
+    name: str
+    type_name: str
+    op: str
+    qconfig: QuantizationConfig | None
+    source: dict[str, str]
+
+
 @dataclass
 class GraphUnit:
     """A compute op and what is fused into it."""
@@ -177,7 +188,7 @@ def _check_rules(gm: fx.GraphModule) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- units
-def _find_units(gm: fx.GraphModule, config: Config) -> list[GraphUnit]:
+def _find_units(gm: fx.GraphModule, config: Config, prefix: str) -> list[GraphUnit]:
     bn_calls = _bn_calls(gm)
     units = []
     for node in gm.graph.nodes:
@@ -187,7 +198,7 @@ def _find_units(gm: fx.GraphModule, config: Config) -> list[GraphUnit]:
         name, type_name = module_path(node)
         roles = {"embedding": ("weight", "output_tensors"), "matmul": ("input_tensors", "output_tensors", "weight")}.get(op, QuantizationConfig.ROLES)
         types = [type_name, *_MODULE_TYPES.get(op, ())]
-        qconfig, source = resolve_node(config, name, types, roles, explicit_only=op in _EXPLICIT_ONLY_OPS)
+        qconfig, source = resolve_node(config, prefix + name, types, roles, explicit_only=op in _EXPLICIT_ONLY_OPS)
         unit = GraphUnit(node, op, name, type_name, qconfig, source)
         tail = node
         nxt = _single_user(node)
@@ -354,7 +365,7 @@ class _Placer:
 
 
 # ----------------------------------------------------------------------------------------------- entry
-def prepare_graph(graph_module: fx.GraphModule, config: Config) -> fx.GraphModule:
+def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str = "") -> fx.GraphModule:
     """A quantized copy of ``graph_module`` (same Parameter and buffer objects, new graph and containers): units
     swapped for twins, activation quantizers inserted. The input graph is left as it was."""
     memo = {id(t): t for t in itertools.chain(graph_module.parameters(), graph_module.buffers())}
@@ -365,7 +376,7 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config) -> fx.GraphModul
     if any(isinstance(m, QuantMixin) for m in gm.modules()):
         raise GraphModeError("the graph is already prepared for quantization (it holds quantized layers); prepare a captured float graph")
     _check_rules(gm)
-    units = _find_units(gm, config)
+    units = _find_units(gm, config, name_prefix)
     holders = nn.Module()
     gm.add_module(QUANTIZERS, holders)
     for unit in units:
@@ -390,21 +401,21 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config) -> fx.GraphModul
         if node in unit_tails and unit_tails[node].qconfig is not None and unit_tails[node].qconfig.output_tensors is not None:  # type: ignore[union-attr]
             placer.own[node] = unit_tails[node].qconfig.output_tensors  # type: ignore[union-attr]
         if kind == "quantized_output":
-            _quantized_output(gm, placer, node, config)
+            _quantized_output(gm, placer, node, config, name_prefix)
     placer.place(list(gm.graph.nodes), passthrough, pooling)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     gm.quant_config = config
-    gm._graph_units = units
-    gm._graph_float_layers = _graph_float_layers(gm, units, config)
+    gm._graph_units = [UnitPlan(u.name, u.type_name, u.op, u.qconfig, dict(u.source)) for u in units]  # no fx nodes: copyable
+    gm._graph_float_layers = _graph_float_layers(gm, units, config, name_prefix)
     return gm
 
 
-def _quantized_output(gm: fx.GraphModule, placer: _Placer, node: fx.Node, config: Config) -> None:
+def _quantized_output(gm: fx.GraphModule, placer: _Placer, node: fx.Node, config: Config, prefix: str) -> None:
     """add / mul / cat / mean / average pooling: quantized inputs, a quantized output (after a following ReLU)."""
     name, type_name = module_path(node)
-    qconfig, _ = resolve_node(config, name, [type_name], ("input_tensors", "output_tensors"))
+    qconfig, _ = resolve_node(config, prefix + name, [type_name], ("input_tensors", "output_tensors"))
     if qconfig is None:
         return
     in_spec = qconfig.input_tensors
@@ -433,14 +444,14 @@ def _check_unit(gm: fx.GraphModule, unit: GraphUnit) -> None:
     _check_layer(LayerPlan(unit.name, type(layer).__name__, unit.qconfig, unit.source), layer)
 
 
-def _graph_float_layers(gm: fx.GraphModule, units: list[GraphUnit], config: Config) -> list[FloatLayer]:
+def _graph_float_layers(gm: fx.GraphModule, units: list[GraphUnit], config: Config, prefix: str) -> list[FloatLayer]:
     """The layers with Parameters graph mode leaves float, each with the reason."""
     out: list[FloatLayer] = []
     for unit in units:
         if unit.qconfig is None or (unit.twin_path is not None and unit.qconfig.weight is None and unit.op != "matmul"):
             if unit.op == "matmul" and unit.qconfig is None and not any(isinstance(a, fx.Node) and a.op == "get_attr" for a in unit.node.args[:2]):
                 continue
-            reason = "excluded by Config.exclude" if _excluded(config, unit.name) else (
+            reason = "excluded by Config.exclude" if _excluded(config, prefix + unit.name) else (
                 "embeddings are quantized only when named in layer_type_quant_config or layer_quant_config"
                 if unit.op == "embedding" else "no QuantizationSpec for its weight at any config level"
             )  # fmt: skip
