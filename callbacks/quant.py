@@ -386,7 +386,7 @@ class QuantCallback(Callback):
     def _record_child_calls(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
         """The arguments each direct child receives in one forward of ``pl_module`` (eval, no_grad)."""
         example = getattr(pl_module, "example_input_array", None)
-        batch = None if example is not None else next(iter(self._calibration_data(trainer, pl_module)))
+        batch = None if example is not None else self._example_batch(trainer, pl_module)
         calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
 
         def record(name: str) -> Callable[..., None]:
@@ -412,6 +412,18 @@ class QuantCallback(Callback):
             for m, training in modes:
                 m.training = training
         return calls
+
+    def _example_batch(self, trainer: Trainer, pl_module: LightningModule) -> Any:
+        """The first batch of the running stage's dataloader (the ones given to fit/test/...), else of the
+        calibration data (datamodule or module train_dataloader)."""
+        loop = {TrainerFn.FITTING: "fit_loop", TrainerFn.VALIDATING: "validate_loop", TrainerFn.TESTING: "test_loop",
+                TrainerFn.PREDICTING: "predict_loop"}.get(trainer.state.fn)  # fmt: skip
+        source = getattr(getattr(trainer, loop, None), "_data_source", None) if loop else None
+        if self.calib_dataloader is None and source is not None and source.is_defined():
+            loaders = source.dataloader()
+            first = loaders[0] if isinstance(loaders, list | tuple) else loaders
+            return next(iter(first))
+        return next(iter(self._calibration_data(trainer, pl_module)))
 
     @staticmethod
     def _check_learnable_shapes(trainer: Trainer, pl_module: LightningModule) -> None:
