@@ -184,6 +184,8 @@ def _check_quantizable(config: Config, model: LightningModule) -> tuple[dict[str
     Returns what each layer resolves to (per role the spec's main fields and the level it came from) and that
     prepared copy (the export check inspects its quantizers)."""
     quantizer = ModelQuantizer(config)
+    if quantizer.graph_mode:  # the graph is captured on the first batch: QuantCallback.setup checks it before training
+        return {}, copy.deepcopy(model)
     plans = quantizer.resolve(model)
     if not plans:
         layers = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if n]
