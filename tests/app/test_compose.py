@@ -54,6 +54,13 @@ def test_every_preset_composes_and_instantiates(preset: str) -> None:
         assert config is None and flow.mode == "none"
         return
     assert flow.mode in ("ptq", "qat")
+    if config.quant_mode.name == "fx_graph_mode":  # graph presets: the network is captured (the callback's job)
+        from quark.torch.quantization.graph import capture
+
+        data.setup("fit")
+        graph = ModelQuantizer(config).prepare(capture(model.net, (next(iter(data.train_dataloader()))[0],)), name_prefix="net.")
+        assert {p.name for p in ModelQuantizer(config).resolve(graph)} == {"conv1", "conv2", "fc1", "fc2"}
+        return
     plans = ModelQuantizer(config).resolve(model)
     assert {p.name for p in plans} == {"net.conv1", "net.conv2", "net.fc1", "net.fc2"}
     ModelQuantizer(config).prepare(model)  # shapes fit (group sizes, channel axes) on the demo CNN

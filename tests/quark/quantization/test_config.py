@@ -11,6 +11,7 @@ from torch import nn
 
 from quark.torch.quantization.config.config import (
     AWQConfig,
+    CLEConfig,
     Config,
     GPTQConfig,
     LSQSpec,
@@ -536,7 +537,7 @@ def test_config_round_trip_with_class_keys_and_algo_lists() -> None:
         exclude=["lm_head"],
         algo_config=[AWQConfig(model_decoder_layers="model.layers"), GPTQConfig(damp_percent=0.1, desc_act=False)],
         pre_quant_opt_config=[SmoothQuantConfig(alpha=0.5, scaling_layers=[{"prev_op": "ln", "layers": ["q", "k"], "inp": "q"}])],
-        quant_mode=QuantizationMode.fx_graph_mode,
+        quant_mode=QuantizationMode.eager_mode,
     )
     assert set(cfg.layer_type_quant_config) == {"Linear", "Conv2d"}  # the class became its name
     data = json.loads(json.dumps(cfg.to_dict()))
@@ -549,7 +550,12 @@ def test_config_round_trip_with_class_keys_and_algo_lists() -> None:
     assert back.algo_config[1].damp_percent == 0.1
     assert back.algo_configs == back.algo_config
     assert back.pre_quant_opt_configs[0].alpha == 0.5
-    assert back.quant_mode is QuantizationMode.fx_graph_mode
+    assert back.quant_mode is QuantizationMode.eager_mode
+    graph = Config(global_quant_config=QuantizationConfig(weight=int_spec()), quant_mode="fx_graph_mode",
+                   pre_quant_opt_config=[CLEConfig(iterations=3, high_bias_absorption=False)])  # fmt: skip
+    back = Config.from_dict(json.loads(json.dumps(graph.to_dict())))
+    assert back == graph and back.quant_mode is QuantizationMode.fx_graph_mode
+    assert back.pre_quant_opt_configs[0].iterations == 3
 
 
 def test_config_round_trip_single_algos() -> None:
