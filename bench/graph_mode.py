@@ -1,0 +1,356 @@
+"""Graph-mode quantization on Fashion-MNIST: our engine (eager and fx_graph_mode) against PyTorch's PT2E flow.
+
+Two small networks from bench/models_graph.py (a ResNet with residual adds, a MobileNet-V2-style network with
+depthwise convs and ReLU6) are trained in float on a seeded subset of the training images, then deep copies are
+quantized and every row is scored on the 10,000 test images:
+
+1. float
+2. eager W8A8 PTQ                 our engine, module swapping (BatchNorm stays float, adds are not quantized)
+3. graph W8A8 PTQ                 our engine, ``quant_mode=fx_graph_mode`` on the exported graph (BatchNorm folded)
+4. graph W8A8 PTQ + CLE           the same with cross-layer equalization first
+5. graph W4A8 TQT QAT             the w4a8_tqt preset (int4 / int8 power-of-two scales, learned TQT thresholds),
+                                  fine-tuned from the float weights
+6. PT2E W8A8 PTQ                  torchao's ``prepare_pt2e`` / ``convert_pt2e`` with X86InductorQuantizer (or XNNPACK):
+                                  int8 per-channel symmetric weights, static per-tensor activations
+7. PT2E W8A8 QAT                  ``prepare_qat_pt2e``, fine-tuned with the same schedule as row 5
+
+W8A8 (ours) is the w8a8 preset: int8 per-channel symmetric weights, int8 per-tensor symmetric static activations; the
+quantizer specs are read from conf/quant/spec/*.yaml, so the rows follow the presets. All PTQ rows calibrate on the same
+batches; both QAT rows start from the float weights and run the same optimizer, learning rate and epochs, with the
+BatchNorm statistics frozen in the last epoch. A row that cannot run shows "n/a (reason)".
+
+    .venv/bin/python -m bench.graph_mode                       # defaults: about 5 minutes on 2 cores
+    .venv/bin/python -m bench.graph_mode --epochs 8 --train-size 40000 --qat-epochs 2 --pt2e-quantizer xnnpack
+
+PT2E comes from torchao (``pip install -e .[bench]``); it was removed from torch.ao.quantization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from bench.models_graph import MODELS
+from quark.torch import ModelQuantizer
+from quark.torch.quantization.config.config import CLEConfig, Config
+from quark.torch.quantization.config.type import QuantizationMode
+from tasks.fashion import load_fashion
+
+SPEC_DIR = Path(__file__).resolve().parents[1] / "conf" / "quant" / "spec"
+ROWS = (
+    "float", "eager W8A8 PTQ", "graph W8A8 PTQ", "graph W8A8 PTQ + CLE", "graph W4A8 TQT QAT",
+    "PT2E W8A8 PTQ", "PT2E W8A8 QAT",
+)  # fmt: skip
+Result = float | str  # accuracy in percent, or "n/a (reason)"
+EvalFn = Callable[[], Result]
+
+
+# ----------------------------------------------------------------------------------------------- data and training
+@dataclass
+class Data:
+    train: Subset
+    calib: list[tuple[torch.Tensor, torch.Tensor]]  # the same batches for every PTQ row
+    test: TensorDataset
+    example: torch.Tensor  # one batch of inputs, for torch.export
+
+
+def load_data(train_size: int, calib_batches: int, calib_batch_size: int, seed: int) -> Data:
+    train = load_fashion("train")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    subset = Subset(train, order[:train_size])
+    calib = list(DataLoader(subset, batch_size=calib_batch_size))[:calib_batches]
+    return Data(subset, calib, load_fashion("t10k"), calib[0][0])
+
+
+def batches(data: Data, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of shuffled, full training batches (full: a graph exported with a fixed batch still runs)."""
+    gen = torch.Generator().manual_seed(seed)
+    yield from DataLoader(data.train, batch_size=batch_size, shuffle=True, drop_last=True, generator=gen)
+
+
+def fit(
+    model: nn.Module, data: Data, epochs: int, lr: float, batch_size: int, seed: int,
+    before_epoch: Callable[[int], None] | None = None,
+) -> None:  # fmt: skip
+    """Adam with a cosine schedule over all steps; ``model`` is expected in training mode. ``before_epoch(e)`` runs
+    before each epoch (QAT: freeze BatchNorm statistics for the last one). The optimizer is built here, after any
+    quantizer preparation, so learnable thresholds (TQT) are trained too."""
+    torch.manual_seed(seed)
+    steps = epochs * (len(data.train) // batch_size)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1))
+    for epoch in range(epochs):
+        if before_epoch is not None:
+            before_epoch(epoch)
+        for x, y in batches(data, batch_size, seed + epoch):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module | Callable[[torch.Tensor], torch.Tensor], test: TensorDataset) -> float:
+    """Top-1 accuracy (%) on the test split; ``model`` must already be in inference mode."""
+    correct = sum(int((model(x).argmax(dim=1) == y).sum()) for x, y in DataLoader(test, batch_size=500))
+    return 100.0 * correct / len(test)
+
+
+def eval_float(model: nn.Module, data: Data) -> float:
+    return accuracy(model.eval(), data.test)
+
+
+# ----------------------------------------------------------------------------------------------- our engine
+def spec(name: str) -> dict[str, Any]:
+    """A quantizer spec of the Hydra presets (conf/quant/spec/<name>.yaml) as a dict."""
+    return OmegaConf.to_container(OmegaConf.load(SPEC_DIR / f"{name}.yaml"))  # type: ignore[return-value]
+
+
+W8A8 = {"weight": spec("int8_per_channel_sym"), "input_tensors": spec("int8_per_tensor")}  # conf/quant/w8a8.yaml
+W4A8_TQT = {"weight": spec("int4_tqt"), "input_tensors": spec("int8_tqt")}  # conf/quant/w4a8_tqt.yaml
+
+
+def quark_config(qconfig: dict[str, Any], graph: bool, cle_iterations: int = 0) -> Config:
+    mode = QuantizationMode.fx_graph_mode if graph else QuantizationMode.eager_mode
+    cle = [CLEConfig(iterations=cle_iterations)] if cle_iterations else None
+    return Config(global_quant_config=qconfig, quant_mode=mode, pre_quant_opt_config=cle)  # type: ignore[arg-type]
+
+
+def eager_ptq(model: nn.Module, data: Data) -> float:
+    with warnings.catch_warnings():  # eager mode keeps BatchNorm float (and says so): stated in the docstring
+        warnings.filterwarnings("ignore", ".*stay float.*")
+        quantized = ModelQuantizer(quark_config(W8A8, graph=False)).quantize_model(model.eval(), data.calib)
+    return accuracy(ModelQuantizer.freeze(quantized).eval(), data.test)
+
+
+def capture(model: nn.Module, data: Data) -> torch.fx.GraphModule:
+    from quark.torch.quantization.graph import capture as quark_capture
+
+    return quark_capture(model.eval(), (data.example,))
+
+
+def graph_ptq(model: nn.Module, data: Data, cle_iterations: int = 0) -> float:
+    gm = capture(model, data)
+    gm = ModelQuantizer(quark_config(W8A8, graph=True, cle_iterations=cle_iterations)).quantize_model(gm, data.calib)
+    return accuracy(ModelQuantizer.freeze(gm).eval(), data.test)
+
+
+def graph_qat(model: nn.Module, data: Data, args: argparse.Namespace) -> float:
+    from quark.torch.quantization.graph import freeze_bn_stats
+
+    gm = ModelQuantizer(quark_config(W4A8_TQT, graph=True)).prepare(capture(model, data))
+    gm.train()
+
+    def before_epoch(epoch: int) -> None:
+        if epoch == freeze_epoch(args.qat_epochs):
+            freeze_bn_stats(gm)
+
+    fit(gm, data, args.qat_epochs, args.qat_lr, args.batch_size, args.seed + 1, before_epoch)
+    return accuracy(ModelQuantizer.freeze(gm).eval(), data.test)
+
+
+def freeze_epoch(qat_epochs: int) -> int | None:
+    """The QAT epoch from which BatchNorm statistics (and PT2E's observers) are frozen: the last one, when there
+    are at least two (with one, the statistics have to adapt to quantization first)."""
+    return qat_epochs - 1 if qat_epochs >= 2 else None
+
+
+# ----------------------------------------------------------------------------------------------- PT2E (torchao)
+def quiet_torchao() -> None:
+    """torchao's CPU wheel logs a warning per CUDA kernel library it cannot load, torch one per Enum it registers."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def pt2e_quantizer(kind: str, is_qat: bool) -> Any:
+    """int8 per-channel symmetric weights, static per-tensor int8 activations (X86: uint8 affine, histogram
+    observer for PTQ; XNNPACK: int8 affine, min-max)."""
+    if kind == "x86":
+        from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+            X86InductorQuantizer,
+            get_default_x86_inductor_quantization_config,
+        )
+
+        return X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_qat=is_qat))
+    from torchao.testing.pt2e._xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "XNNPACKQuantizer is deprecated")
+        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_qat=is_qat))
+
+
+def pt2e_export(model: nn.Module, data: Data) -> torch.fx.GraphModule:
+    batch = torch.export.Dim("batch")
+    return torch.export.export(model, (data.example,), dynamic_shapes=({0: batch},)).module()  # type: ignore[return-value]
+
+
+def pt2e_ptq(model: nn.Module, data: Data, kind: str) -> float:
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    prepared = prepare_pt2e(pt2e_export(model.eval(), data), pt2e_quantizer(kind, is_qat=False))
+    with torch.no_grad():
+        for x, _ in data.calib:
+            prepared(x)
+    return accuracy(convert_pt2e(prepared), data.test)
+
+
+def pt2e_freeze_bn_stats(gm: torch.fx.GraphModule) -> None:
+    """BatchNorm on running statistics from now on (the ``training`` argument of the exported batch_norm ops)."""
+    targets = (torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit.default)
+    for node in gm.graph.nodes:
+        if node.target in targets:
+            args = list(node.args)
+            args[5] = False  # input, weight, bias, running_mean, running_var, training, ...
+            node.args = tuple(args)
+    gm.recompile()
+
+
+def pt2e_qat(model: nn.Module, data: Data, args: argparse.Namespace) -> float:
+    from torchao.quantization.pt2e import disable_observer, move_exported_model_to_eval, move_exported_model_to_train
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
+
+    prepared = prepare_qat_pt2e(pt2e_export(model.train(), data), pt2e_quantizer(args.pt2e_quantizer, is_qat=True))
+    move_exported_model_to_train(prepared)
+
+    def before_epoch(epoch: int) -> None:
+        if epoch == freeze_epoch(args.qat_epochs):  # as PyTorch's QAT tutorial: BatchNorm and observers fixed
+            pt2e_freeze_bn_stats(prepared)
+            prepared.apply(disable_observer)
+
+    fit(prepared, data, args.qat_epochs, args.qat_lr, args.batch_size, args.seed + 1, before_epoch)
+    move_exported_model_to_eval(prepared)
+    return accuracy(convert_pt2e(prepared), data.test)
+
+
+# ----------------------------------------------------------------------------------------------- the table
+def attempt(fn: EvalFn) -> Result:
+    """The row's accuracy, or "n/a (reason)" when it cannot run (engine feature missing, torchao absent...)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a failed row is reported in the table, the others still run
+        reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        return f"n/a ({reason[:140]})"
+
+
+def run_net(name: str, data: Data, args: argparse.Namespace) -> dict[str, Result]:
+    """Train ``name`` in float, then every row on a deep copy of it."""
+    torch.manual_seed(args.seed)
+    model = MODELS[name]()
+    t0 = time.perf_counter()
+    fit(model.train(), data, args.epochs, args.lr, args.batch_size, args.seed)
+    print(f"[{name}] float training: {time.perf_counter() - t0:.0f} s", flush=True)
+    rows: dict[str, EvalFn] = {
+        "float": lambda: eval_float(copy.deepcopy(model), data),
+        "eager W8A8 PTQ": lambda: eager_ptq(copy.deepcopy(model), data),
+        "graph W8A8 PTQ": lambda: graph_ptq(copy.deepcopy(model), data),
+        "graph W8A8 PTQ + CLE": lambda: graph_ptq(copy.deepcopy(model), data, args.cle_iterations),
+        "graph W4A8 TQT QAT": lambda: graph_qat(copy.deepcopy(model), data, args),
+        "PT2E W8A8 PTQ": lambda: pt2e_ptq(copy.deepcopy(model), data, args.pt2e_quantizer),
+        "PT2E W8A8 QAT": lambda: pt2e_qat(copy.deepcopy(model), data, args),
+    }
+    results: dict[str, Result] = {}
+    for row, fn in rows.items():
+        t0 = time.perf_counter()
+        results[row] = attempt(fn)
+        print(f"[{name}] {row}: {fmt(results[row])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return results
+
+
+def fmt(value: Result) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else value
+
+
+def print_table(results: dict[str, dict[str, Result]]) -> None:
+    nets = list(results)
+    print("| row | " + " | ".join(f"{n} acc % | {n} vs float (points) | {n} ratio" for n in nets) + " |")
+    print("|---|" + "---|---|---|" * len(nets))
+    for row in ROWS:
+        cells = []
+        for net in nets:
+            acc, ref = results[net][row], results[net]["float"]
+            if isinstance(acc, float) and isinstance(ref, float):
+                cells += [f"{acc:.2f}", f"{acc - ref:+.2f}", f"{acc / ref:.4f}"]
+            else:
+                cells += [fmt(acc), "", ""]
+        print(f"| {row} | " + " | ".join(cells) + " |")
+
+
+def _ge(a: Result, b: Result, slack: float = 0.0) -> bool | None:
+    return a >= b - slack if isinstance(a, float) and isinstance(b, float) else None
+
+
+def check_targets(results: dict[str, dict[str, Result]]) -> None:
+    """The issue's targets, per network: met / MISSED / n/a."""
+    for net, r in results.items():
+        best_ptq = max(
+            (v for v in (r["graph W8A8 PTQ"], r["graph W8A8 PTQ + CLE"]) if isinstance(v, float)), default="n/a"
+        )
+        targets = {
+            "graph W8A8 PTQ within 0.5 points of float": _ge(r["graph W8A8 PTQ"], r["float"], 0.5),
+            "graph PTQ (best of +/- CLE) >= PT2E PTQ": _ge(best_ptq, r["PT2E W8A8 PTQ"]),
+            "graph W4A8 TQT QAT within 0.5 points of float": _ge(r["graph W4A8 TQT QAT"], r["float"], 0.5),
+            "graph W4A8 TQT QAT >= PT2E W8A8 QAT": _ge(r["graph W4A8 TQT QAT"], r["PT2E W8A8 QAT"]),
+        }
+        for text, ok in targets.items():
+            print(f"[{net}] {text}: {'n/a' if ok is None else 'met' if ok else 'MISSED'}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--epochs", type=int, default=8, help="float training epochs")
+    p.add_argument("--train-size", type=int, default=30000, help="training images (seeded subset of the 60,000)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3, help="float training: Adam, cosine to 0")
+    p.add_argument("--qat-epochs", type=int, default=2, help="QAT fine-tuning epochs (ours and PT2E)")
+    p.add_argument("--qat-lr", type=float, default=5e-4, help="QAT fine-tuning: Adam, cosine to 0")
+    p.add_argument(
+        "--calib-batches", type=int, default=8, help="calibration batches of 64 training images (all PTQ rows)"
+    )
+    p.add_argument("--cle-iterations", type=int, default=5)
+    p.add_argument("--pt2e-quantizer", choices=["x86", "xnnpack"], default="x86")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(2)
+    quiet_torchao()
+    t0 = time.perf_counter()
+    data = load_data(args.train_size, args.calib_batches, 64, args.seed)
+    results = {name: run_net(name, data, args) for name in args.models}
+    print()
+    print_table(results)
+    print()
+    check_targets(results)
+    print(
+        f"({time.perf_counter() - t0:.0f} s; Fashion-MNIST test split of {len(data.test)} images; float: {args.epochs} epochs "
+        f"on {args.train_size} images; QAT: {args.qat_epochs} epochs at lr {args.qat_lr}; PT2E: torchao "
+        f"{_torchao_version()} {args.pt2e_quantizer} quantizer)"
+    )
+
+
+def _torchao_version() -> str:
+    try:
+        import torchao
+
+        return torchao.__version__
+    except ImportError:
+        return "(not installed: pip install -e .[bench])"
+
+
+if __name__ == "__main__":
+    main()
