@@ -500,10 +500,7 @@ class ModelQuantizer:
                 raise ValueError("the calibration dataloader yielded no batch; graph capture needs an example input")
             example = first[0] if isinstance(first, list | tuple) else first
             model = graph.capture(model, _to_device(example, _model_device(model)))
-        prepared = self.prepare(model)
-        if any(_spec_needs_data(q.spec) for role, q in iter_quantizers(prepared) if role in ("input_tensors", "output_tensors")):
-            _check_data(dataloader, forward_loop)
-        return self.calibrate(prepared, dataloader, forward_loop, max_batches)
+        return self.calibrate(self.prepare(model), dataloader, forward_loop, max_batches)  # it checks the data
 
     @staticmethod
     def freeze(model: nn.Module, bake_weights: bool = False) -> nn.Module:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["GraphModeError", "capture", "normalize", "is_graph_module", "module_path"]
+__all__ = ["GraphModeError", "capture", "normalize", "is_graph_module", "module_path", "fetch_attr"]
 
 EAGER_FALLBACK = "Config(quant_mode=QuantizationMode.eager_mode) quantizes such a model by swapping its layers instead"
 _BATCH_NORMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -79,13 +79,11 @@ def capture(
 
 
 # ----------------------------------------------------------------------------------------------- normalize
-def _fetch(gm: fx.GraphModule, node: Any) -> Any:
-    """The tensor behind a ``get_attr`` node (None for a None argument)."""
-    if node is None:
-        return None
+def fetch_attr(gm: fx.GraphModule, node: Any) -> Any:
+    """The tensor behind a ``get_attr`` node; None for anything else (a None argument, a computed tensor)."""
     if not isinstance(node, fx.Node) or node.op != "get_attr":
-        raise TypeError("not a get_attr node")
-    owner, _, name = node.target.rpartition(".")
+        return None
+    owner, _, name = str(node.target).rpartition(".")
     return getattr(gm.get_submodule(owner), name)
 
 
@@ -107,11 +105,11 @@ def _batch_norm_module(gm: fx.GraphModule, node: fx.Node) -> str | None:
     if isinstance(holder, nn.modules.batchnorm._BatchNorm):
         return path  # a second call of one BatchNorm
     bn_cls = _BATCH_NORMS.get(ndim, nn.BatchNorm2d)
-    channels = _fetch(gm, mean).shape[0]
+    channels = fetch_attr(gm, mean).shape[0]
     bn = bn_cls(channels, eps=float(eps), momentum=momentum, affine=weight is not None, device="meta")  # type: ignore[arg-type]
     if weight is not None:
-        bn.weight, bn.bias = _fetch(gm, weight), _fetch(gm, bias)
-    bn.running_mean, bn.running_var = _fetch(gm, mean), _fetch(gm, var)
+        bn.weight, bn.bias = fetch_attr(gm, weight), fetch_attr(gm, bias)
+    bn.running_mean, bn.running_var = fetch_attr(gm, mean), fetch_attr(gm, var)
     tracked = getattr(holder, "num_batches_tracked", None)
     bn.num_batches_tracked = tracked if isinstance(tracked, torch.Tensor) else torch.tensor(0, dtype=torch.long, device=bn.running_mean.device)
     for child_name, child in holder.named_children():

@@ -18,6 +18,7 @@ import copy
 import fnmatch
 import itertools
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from quark.torch.quantization.config.config import Config, QuantizationConfig, Q
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.coverage import FloatLayer
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
-from quark.torch.quantization.graph.capture import EAGER_FALLBACK, GraphModeError, module_path, normalize
+from quark.torch.quantization.graph.capture import EAGER_FALLBACK, GraphModeError, fetch_attr, module_path, normalize
 from quark.torch.quantization.graph.modules import CONV_BN, QuantActivation, QuantFunctionalWeight, SharedFakeQuantize
 from quark.torch.quantization.graph.rules import COMPUTE, float_tensor, kind_of
 from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, QuantMixin
@@ -108,13 +109,6 @@ def resolve_node(config: Config, name: str, type_names: list[str], roles: tuple[
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _fetch(gm: fx.GraphModule, node: Any) -> Any:
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        return None
-    owner, _, attr = str(node.target).rpartition(".")
-    return getattr(gm.get_submodule(owner), attr)
-
-
 def _arg(node: fx.Node, index: int, default: Any) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(_ARG_NAMES.get(index, ""), default)
 
@@ -122,26 +116,29 @@ def _arg(node: fx.Node, index: int, default: Any) -> Any:
 _ARG_NAMES = {3: "stride", 4: "padding", 5: "dilation", 6: "groups"}
 
 
+def _hyper(value: Any) -> Any:
+    """A conv hyper-parameter from the graph (an int, a "same"/"valid" string, or a list) as nn.Conv takes it."""
+    return value if isinstance(value, str | int) else tuple(value)
+
+
 def _float_module(gm: fx.GraphModule, unit: GraphUnit) -> nn.Module:
     """The float layer a compute node computes, rebuilt around the graph's Parameter objects."""
     node = unit.node
     if unit.op == "embedding":
-        weight = _fetch(gm, node.args[0])
+        weight = fetch_attr(gm, node.args[0])
         padding_idx = _arg(node, 2, -1)
         layer = nn.Embedding(weight.shape[0], weight.shape[1], padding_idx=None if padding_idx == -1 else padding_idx, device="meta")
         layer.weight = weight
         return layer
-    weight, bias = _fetch(gm, node.args[1]), _fetch(gm, _arg(node, 2, None))
+    weight, bias = fetch_attr(gm, node.args[1]), fetch_attr(gm, _arg(node, 2, None))
     if unit.op == "linear":
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     else:
-        dims = weight.ndim - 2
         groups = int(_arg(node, 6, 1))
-        padding = _arg(node, 4, 0)
-        layer = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1](
-            weight.shape[1] * groups, weight.shape[0], tuple(weight.shape[2:]), stride=tuple(_arg(node, 3, [1] * dims)) if not isinstance(_arg(node, 3, 1), int) else _arg(node, 3, 1),
-            padding=padding if isinstance(padding, str | int) else tuple(padding), dilation=_arg(node, 5, 1) if isinstance(_arg(node, 5, 1), int) else tuple(_arg(node, 5, 1)),
-            groups=groups, bias=bias is not None, device="meta",
+        layer = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[weight.ndim - 3](
+            weight.shape[1] * groups, weight.shape[0], tuple(weight.shape[2:]), stride=_hyper(_arg(node, 3, 1)),
+            padding=_hyper(_arg(node, 4, 0)), dilation=_hyper(_arg(node, 5, 1)), groups=groups, bias=bias is not None,
+            device="meta",
         )  # fmt: skip
     layer.weight = weight
     if bias is not None:
@@ -157,7 +154,7 @@ def _module_owned(gm: fx.GraphModule, unit: GraphUnit) -> str | None:
     owner, _, attr = str(weight_arg.target).rpartition(".")
     if attr != "weight" or owner != unit.name or unit.type_name not in _MODULE_TYPES.get(unit.op, ()):
         return None
-    if not isinstance(_fetch(gm, weight_arg), nn.Parameter):
+    if not isinstance(fetch_attr(gm, weight_arg), nn.Parameter):
         return None
     return owner
 
@@ -167,8 +164,9 @@ def _single_user(node: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def _bn_calls(gm: fx.GraphModule) -> dict[str, int]:
-    return {t: sum(1 for _ in g) for t, g in itertools.groupby(sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_module"))}
+def _bn_calls(gm: fx.GraphModule) -> Counter[str]:
+    """How often each module is called by the graph (a BatchNorm called twice is not folded)."""
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
 
 
 def _check_rules(gm: fx.GraphModule) -> None:
@@ -241,7 +239,6 @@ def _swap_unit(gm: fx.GraphModule, unit: GraphUnit) -> None:
         graph.erase_node(unit.bn)
     graph.erase_node(unit.node)
     unit.node, unit.bn = call, None
-    unit.has_bn = True  # type: ignore[attr-defined]
 
 
 def _functional_weights(gm: fx.GraphModule, unit: GraphUnit, holders: nn.Module) -> None:
@@ -462,7 +459,7 @@ def _graph_float_layers(gm: fx.GraphModule, units: list[GraphUnit], config: Conf
             seen.add(str(node.target))
             out.append(FloatLayer(str(node.target), type(gm.get_submodule(str(node.target))).__name__, "BatchNorm not after a conv (kept float, not folded)"))
         elif node.op == "call_function" and kind_of(node, gm) == "float":
-            params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(_fetch(gm, a), nn.Parameter)]
+            params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(fetch_attr(gm, a), nn.Parameter)]
             path, type_name = module_path(node)
             if params and path not in seen:
                 seen.add(path)

@@ -49,7 +49,7 @@ PASSTHROUGH = {
     aten.contiguous.default, aten.clone.default, aten.slice.Tensor, aten.select.int, aten.expand.default,
     aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int, aten.narrow.default,
     aten.upsample_nearest2d.vec, aten.pixel_shuffle.default, aten.alias.default, aten.unflatten.int,
-    aten.detach.default, aten.identity.default if hasattr(aten, "identity") else aten.alias.default,
+    aten.detach.default,
     operator.getitem,
 }  # fmt: skip
 
