@@ -33,7 +33,7 @@ def rtn(weight: torch.Tensor, spec: QuantizationSpec | None) -> torch.Tensor:
         scale, zero_point = observer_qparams(spec, weight)
     return fake_quantize(
         weight, spec.dtype, scale, zero_point, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
-        round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype,
+        round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype, mx_scale_mode=spec.mx_scale_mode,
     )  # fmt: skip
 
 

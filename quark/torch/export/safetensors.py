@@ -92,7 +92,7 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
     if spec.dtype == Dtype.mx:
         element = Dtype(spec.mx_element_dtype)
         block, axis = spec.group_size or 32, -1 if spec.ch_axis is None else spec.ch_axis
-        elements, e8m0 = quantize_mx(w.detach(), element, block, axis)
+        elements, e8m0 = quantize_mx(w.detach(), element, block, axis, spec.mx_scale_mode)
         info = {"dtype": "mx", "element": element.name, "shape": shape, "block": block, "axis": axis,
                 "blocked_shape": list(elements.shape)}  # fmt: skip
         if element == Dtype.int8:

@@ -108,7 +108,7 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
 def _apply_format(x: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor | None, zp: torch.Tensor | None) -> torch.Tensor:
     return fake_quantize(
         x, spec.dtype, scale, zp, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
-        round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype,
+        round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype, mx_scale_mode=spec.mx_scale_mode,
     )  # fmt: skip
 
 

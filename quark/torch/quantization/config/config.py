@@ -26,6 +26,7 @@ from quark.torch.quantization.formats import (
     BLOCK_FORMATS,
     CAST_FORMATS,
     MX_ELEMENT_DTYPES,
+    MX_SCALE_MODES,
     FloatFormat,
     IntFormat,
     format_of,
@@ -204,6 +205,14 @@ class QuantizationSpec(ConfigBase):
     :param Optional[Dtype] mx_element_dtype: The element type of ``dtype=mx``.
     :param Optional[ZeroPointType] zero_point_type: int32 (rounded, clamped) or float32 zero point.
     :param Optional[QATSpec] qat_spec: A learnable quantizer (TQTSpec or LSQSpec) for quantization-aware training.
+    :param Optional[str] scale_format: How block scales are stored, as amd-quark >= 0.11 spells formats: ``"e8m0"``
+        (OCP MX: a minifloat dtype with ``qscheme=per_group`` and this format is read as ``dtype=mx`` with that
+        element) or ``"float32"`` (a scale in float: what scaled formats have anyway).
+    :param Optional[str] scale_calculation_mode: The E8M0 scale rule of OCP MX: ``"floor"`` (OCP MX v1.0),
+        ``"even"`` (amd-quark's choice: the block max rounded to the element's precision first) or ``"ceil"``.
+        None means ``"floor"`` for ``dtype=mx`` and ``"even"`` for the ``scale_format="e8m0"`` spelling, as each
+        spelling behaves in the Quark release that has it. Accepted and unused for mx6 / mx9 / bfp16, whose
+        exponent rule is fixed (amd-quark 0.13's kernels ignore it there too).
     """
 
     dtype: Dtype
@@ -218,9 +227,14 @@ class QuantizationSpec(ConfigBase):
     mx_element_dtype: Dtype | None = None
     zero_point_type: ZeroPointType | None = ZeroPointType.int32
     qat_spec: QATSpec | None = None
+    scale_format: str | None = None
+    scale_calculation_mode: str | None = None
+
+    SCALE_FORMATS = ("e8m0", "float32")
 
     def __post_init__(self) -> None:
         self._coerce()
+        self._check_scale_format()
         fmt = format_of(self.dtype)
         if self.dtype in CAST_FORMATS:
             self._check_cast()
@@ -250,6 +264,49 @@ class QuantizationSpec(ConfigBase):
             raise ValueError(f"QuantizationSpec.group_size={self.group_size} must be a positive int")
         if self.mx_element_dtype is not None and self.dtype != Dtype.mx:
             logger.warning("QuantizationSpec.mx_element_dtype is only used with dtype=mx; ignored for %s", self.dtype.name)
+
+    def _check_scale_format(self) -> None:
+        """Validate ``scale_format`` / ``scale_calculation_mode`` and read amd-quark's MX spelling (a minifloat,
+        per_group, ``scale_format="e8m0"``) as ``dtype=mx`` with that element."""
+        own = f"QuantizationSpec(dtype={self.dtype.name})"
+        if self.scale_format is not None:
+            self.scale_format = str(self.scale_format).lower()
+            if self.scale_format not in self.SCALE_FORMATS:
+                raise ValueError(
+                    f"{own}.scale_format={self.scale_format!r}; allowed: {list(self.SCALE_FORMATS)} or None "
+                    "(amd-quark's two-level e4m3 / e5m3 scales are not supported)"
+                )
+        if self.scale_calculation_mode is not None:
+            self.scale_calculation_mode = str(self.scale_calculation_mode).lower()
+            if self.scale_calculation_mode not in MX_SCALE_MODES:
+                raise ValueError(f"{own}.scale_calculation_mode={self.scale_calculation_mode!r}; allowed: {list(MX_SCALE_MODES)} or None")
+        if self.scale_format == "e8m0" and self.dtype in MX_ELEMENT_DTYPES and self.dtype != Dtype.int8:
+            if self.qscheme not in (None, QSchemeType.per_group):
+                raise ValueError(f"{own}.scale_format='e8m0' (OCP MX) needs qscheme=per_group, got {self.qscheme.name}")
+            self.dtype, self.mx_element_dtype = Dtype.mx, self.dtype
+            self.group_size = 32 if self.group_size is None else self.group_size
+            if self.scale_calculation_mode is None:
+                self.scale_calculation_mode = "even"
+            return
+        if self.scale_format == "e8m0" and self.dtype != Dtype.mx:
+            raise ValueError(
+                f"{own}.scale_format='e8m0' (an OCP MX scale) needs dtype=mx, or a minifloat element "
+                f"({[d.name for d in MX_ELEMENT_DTYPES if d != Dtype.int8]}) with qscheme=per_group"
+            )
+        if self.scale_format == "float32" and self.dtype in BLOCK_FORMATS:
+            raise ValueError(f"{own}.scale_format='float32': a block format's scales are shared exponents; allowed: 'e8m0' or None")
+        if self.scale_calculation_mode is not None and self.dtype not in BLOCK_FORMATS:
+            raise ValueError(
+                f"{own}.scale_calculation_mode={self.scale_calculation_mode!r} applies to OCP MX scales only; "
+                "leave it None for integer and minifloat scales"
+            )
+
+    @property
+    def mx_scale_mode(self) -> str | None:
+        """The E8M0 scale rule this spec runs with (dtype=mx), else None."""
+        if self.dtype != Dtype.mx:
+            return None
+        return self.scale_calculation_mode or "floor"
 
     def _check_cast(self) -> None:
         if self.observer_cls is None:
@@ -628,3 +685,16 @@ def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
+
+
+# ----------------------------------------------------------------------------------------------- amd-quark >= 0.11 names
+#: amd-quark 0.11 renamed the three levels; scripts written for it run unchanged with these aliases
+QConfig = Config
+QLayerConfig = QuantizationConfig
+QTensorConfig = QuantizationSpec
+__all__ += ["QConfig", "QLayerConfig", "QTensorConfig"]
+
+from quark.torch.quantization.config.spec_helpers import *  # noqa: E402,F403  (the spec helpers import this module)
+from quark.torch.quantization.config.spec_helpers import __all__ as _helper_names  # noqa: E402
+
+__all__ += list(_helper_names)

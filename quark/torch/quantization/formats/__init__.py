@@ -10,6 +10,7 @@ import torch
 
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
 from quark.torch.quantization.formats.block import (
+    MX_SCALE_MODES,
     bfp_codes,
     fake_quantize_bfp16,
     fake_quantize_mx,
@@ -82,6 +83,7 @@ __all__ = [
     "fake_quantize_bfp16",
     "quantize_mx",
     "mx_shared_exponent",
+    "MX_SCALE_MODES",
     "microexponent_codes",
     "bfp_codes",
     "to_blocks",
@@ -122,8 +124,10 @@ def fake_quantize(
     group_size: int | None = None,
     round_method: RoundType | None = RoundType.half_even,
     mx_element_dtype: Dtype | None = None,
+    mx_scale_mode: str | None = None,
 ) -> torch.Tensor:
-    """Quantize ``x`` to ``dtype`` and back. Scaled formats need ``scale`` (and ``zero_point`` for integers)."""
+    """Quantize ``x`` to ``dtype`` and back. Scaled formats need ``scale`` (and ``zero_point`` for integers);
+    ``mx_scale_mode`` is the E8M0 scale rule of dtype=mx (floor, ceil or even; None: floor)."""
     fmt = format_of(dtype)
     if isinstance(fmt, IntFormat):
         if scale is None or zero_point is None:
@@ -145,7 +149,7 @@ def fake_quantize(
     if fmt.kind == "mx":
         if mx_element_dtype is None:
             raise ValueError(f"dtype=mx needs mx_element_dtype, one of {[d.name for d in MX_ELEMENT_DTYPES]}")
-        return fake_quantize_mx(x, mx_element_dtype, block, axis)
+        return fake_quantize_mx(x, mx_element_dtype, block, axis, mx_scale_mode or "floor")
     if dtype == Dtype.mx6:
         return fake_quantize_mx6(x, block, axis)
     if dtype == Dtype.mx9:

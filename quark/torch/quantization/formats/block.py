@@ -20,6 +20,8 @@ from quark.torch.quantization.formats.table import (
 )
 
 E8M0_BIAS = 127
+#: how an MX block's E8M0 scale is derived from its max|x| (``QuantizationSpec.scale_calculation_mode``)
+MX_SCALE_MODES = ("floor", "ceil", "even")
 
 
 def _floor_log2(a: torch.Tensor) -> torch.Tensor:
@@ -27,14 +29,31 @@ def _floor_log2(a: torch.Tensor) -> torch.Tensor:
     return torch.frexp(a)[1] - 1
 
 
-def mx_shared_exponent(xb: torch.Tensor, element: Dtype) -> torch.Tensor:
-    """OCP MX shared exponent per block: ``floor(log2 max|V|) - emax_elem``, clamped to E8M0's [-127, 127].
+def mx_mantissa_bits(element: Dtype) -> int:
+    """Mantissa bits of an MX element for the "even" scale rule (amd-quark's table: int8 counts as 8)."""
+    return 8 if element == Dtype.int8 else FLOAT_FORMATS[element].mbits
+
+
+def mx_shared_exponent(xb: torch.Tensor, element: Dtype, mode: str = "floor") -> torch.Tensor:
+    """MX shared exponent per block from ``a = max|V|``, minus ``emax_elem``, clamped to E8M0's [-127, 127]:
+
+    - ``floor``: ``floor(log2 a)``, OCP MX v1.0's rule (the block max may saturate the element's largest value);
+    - ``ceil``: ``ceil(log2 a)`` (never saturates; coarser);
+    - ``even``: ``floor(log2 a')`` with ``a`` first rounded to the element's mantissa width, so a block whose max
+      would round past the element's top binade takes the next exponent (amd-quark's default).
 
     xb [..., n_blocks, block] -> [..., n_blocks, 1] (int32). An all-zero block gets a finite exponent (its elements are 0 anyway).
     """
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    exp = _floor_log2(amax) - element_emax(element)  # frexp(0) gives -1 - emax: clamped like any tiny block
-    return exp.clamp(-E8M0_BIAS, E8M0_BIAS)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1) (0 for 0)
+    exp = exponent - 1  # floor(log2 amax); frexp(0) gives -1 - emax: clamped like any tiny block
+    if mode == "ceil":
+        exp = exp + (mantissa > 0.5).to(exp.dtype)
+    elif mode == "even":  # 2 * mantissa in [1, 2) rounds up to 2 at the element's precision
+        exp = exp + (mantissa >= 1.0 - 2.0 ** -(mx_mantissa_bits(element) + 2)).to(exp.dtype)
+    elif mode != "floor":
+        raise ValueError(f"MX scale_calculation_mode={mode!r}; allowed: {list(MX_SCALE_MODES)}")
+    return (exp - element_emax(element)).clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
 def _mx_elements(v: torch.Tensor, element: Dtype) -> torch.Tensor:
@@ -49,22 +68,22 @@ def _mx_elements(v: torch.Tensor, element: Dtype) -> torch.Tensor:
 
 
 def quantize_mx(
-    x: torch.Tensor, element: Dtype, block_size: int = 32, axis: int = -1
+    x: torch.Tensor, element: Dtype, block_size: int = 32, axis: int = -1, mode: str = "floor"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MX encoding: (element values on the element grid, in blocked layout [..., n_blocks, block]; E8M0 bytes [..., n_blocks]).
 
     Dequantization is ``elements * 2^(e8m0 - 127)``; ``fake_quantize_mx`` returns exactly that in x's layout.
     """
     xb, _ = to_blocks(x.detach().float(), axis, block_size)
-    exp = mx_shared_exponent(xb, element)
+    exp = mx_shared_exponent(xb, element, mode)
     elements = _mx_elements(torch.ldexp(xb, -exp), element)
     return elements, (exp.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
 
 
 @compilable
-def _fake_mx(x: torch.Tensor, element: Dtype, block_size: int, axis: int) -> torch.Tensor:
+def _fake_mx(x: torch.Tensor, element: Dtype, block_size: int, axis: int, mode: str = "floor") -> torch.Tensor:
     xb, layout = to_blocks(x.float(), axis, block_size)
-    exp = mx_shared_exponent(xb, element)
+    exp = mx_shared_exponent(xb, element, mode)
     out = torch.ldexp(_mx_elements(torch.ldexp(xb, -exp), element), exp)
     return from_blocks(out, layout, x.shape)
 
@@ -133,9 +152,12 @@ class _BlockSTE(torch.autograd.Function):
         return grad, None, None
 
 
-def fake_quantize_mx(x: torch.Tensor, element: Dtype | str, block_size: int = 32, axis: int = -1) -> torch.Tensor:
-    """OCP MX: blocks of ``block_size`` along ``axis`` share ``2^(floor(log2 amax) - emax_elem)``; elements RNE."""
-    return _BlockSTE.apply(x, _fake_mx, (Dtype(element), block_size, axis))
+def fake_quantize_mx(
+    x: torch.Tensor, element: Dtype | str, block_size: int = 32, axis: int = -1, mode: str = "floor"
+) -> torch.Tensor:
+    """OCP MX: blocks of ``block_size`` along ``axis`` share ``2^(floor(log2 amax) - emax_elem)`` (``mode``: the
+    scale rule of ``mx_shared_exponent``); elements RNE."""
+    return _BlockSTE.apply(x, _fake_mx, (Dtype(element), block_size, axis, mode))
 
 
 def fake_quantize_mx6(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:

@@ -328,7 +328,7 @@ class PerBlockMXObserver(ObserverBase):
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared scales ``2^e`` per block (E8M0 exponents of OCP MX for dtype=mx) and zero points of 0."""
         element = self.qspec.mx_element_dtype if self.dtype == Dtype.mx else Dtype.int8
-        exp = mx_shared_exponent(self.amax.unsqueeze(-1), element).squeeze(-1)
+        exp = mx_shared_exponent(self.amax.unsqueeze(-1), element, self.qspec.mx_scale_mode).squeeze(-1)
         scale = torch.exp2(exp.float())
         return scale, torch.zeros_like(scale, dtype=torch.int32)
 
