@@ -228,3 +228,11 @@ def test_bad_mx_scale_fields_name_the_field_and_the_choices() -> None:
         QuantizationSpec(
             dtype="fp4", qscheme="per_channel", ch_axis=0, scale_format="e8m0", observer_cls="PerChannelMinMaxObserver"
         )
+
+
+def test_scaling_layers_take_quarks_help_key_as_a_comment() -> None:
+    entry = {"prev_op": "ln", "layers": ["q", "k"], "inp": "q", "help": "q/k read the LayerNorm's output"}
+    assert C.AWQConfig(scaling_layers=[entry]).scaling_layers == [entry]
+    assert C.SmoothQuantConfig(scaling_layers=[entry]).scaling_layers == [entry]
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['hint'\]"):
+        C.AWQConfig(scaling_layers=[{**entry, "hint": "typo"}])

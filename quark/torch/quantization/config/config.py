@@ -485,7 +485,7 @@ def _check_str_list(owner: str, name: str, value: Any) -> None:
 def _check_scaling_layers(owner: str, value: Any) -> None:
     if value is None:
         return
-    keys = {"prev_op", "layers", "inp", "module2inspect"}
+    keys = {"prev_op", "layers", "inp", "module2inspect", "help"}  # "help": Quark's documented comment key, unused
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise ValueError(f"{owner}.scaling_layers must be a list of dicts with keys {sorted(keys)}, got {value!r}")
     for i, entry in enumerate(value):
