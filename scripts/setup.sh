@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create the virtual environment $VENV (default .venv) if it is missing and install the project into it:
 # torch pinned to 2.13.0 (the CPU build here; any other spec may pull a multi-GB CUDA build), then this project
-# with its dev (tests, lint), export (safetensors, onnx) and brevitas extras. Idempotent: a second run only checks that everything is installed.
+# with its dev (tests, lint), export (safetensors, onnx), brevitas and hf (transformers, for Hugging Face models and
+# amd-quark's HF-style export directories) extras. Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -10,4 +11,4 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
 fi
 "$VENV/bin/pip" install --quiet torch==2.13.0
-"$VENV/bin/pip" install --quiet -e ".[dev,export,brevitas]"
+"$VENV/bin/pip" install --quiet -e ".[dev,export,brevitas,hf]"

@@ -1,0 +1,333 @@
+"""amd-quark 0.13's export directory, both ways: ``config.json`` (the model's config, for a Hugging Face model, plus
+``quantization_config`` with ``quant_method: "quark"``) and ``model.safetensors`` with amd-quark's key names, dtypes and
+packing. This is what amd-quark's ``import_model_from_safetensors`` and vLLM's quark loader read.
+
+Per quantized layer (a twin with a ``weight`` slot), for ``weight_format="real_quantized"``:
+
+| weight spec | ``<layer>.weight`` | ``weight_scale`` | ``weight_zero_point`` |
+|---|---|---|---|
+| int8 / uint8, per tensor or channel | int8 / uint8 codes [out, in] | float32, () or [out] | int8 / uint8, same shape |
+| fp8 e4m3 / e5m2, per tensor or channel | float8 values [out, in] | float32, () or [out] | none |
+| int4 / uint4 per channel | int32 [out, in/8], 8 nibbles each | float32 [out] | int32 [out/8], packed |
+| int4 / uint4 per group (axis 1) | int32 [in, out/8]: transposed, packed | float32 [in/g, out] | int32 [in/g, out/8] |
+| OCP MX fp4 (blocks along in) | uint8 [out, in/2], element 2k in the low nibble | uint8 E8M0 [out, in/32] | none |
+
+4-bit packing puts element ``8c + order[i]`` in bits ``4i..4i+3`` of int32 ``c``, with ``order = 0 2 4 6 1 3 5 7``
+for ``pack_method="reorder"`` (amd-quark's default) and ``0..7`` for ``"order"``. Static activation quantizers
+store ``input_scale`` (float32) and ``input_zero_point`` (integer formats, in their 8-bit dtype); ``output_*``
+likewise. Everything else of the state_dict is stored as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from quark.torch.export.files import write_atomically
+from quark.torch.quantization.api import ModelQuantizer
+from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
+from quark.torch.quantization.config.type import Dtype, QSchemeType
+from quark.torch.quantization.formats import (
+    FLOAT_FORMATS,
+    TORCH_FLOAT8,
+    decode,
+    encode,
+    format_of,
+    quantize_int,
+    quantize_mx,
+)
+from quark.torch.quantization.formats.table import FloatFormat, IntFormat
+from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
+
+__all__ = ["export_quark_dir", "import_quark_dir", "is_quark_dir", "to_quark_dict", "from_quark_dict", "pack_int4", "unpack_int4"]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+QUARK_VERSION = "0.13"
+PACK_ORDER = {"reorder": (0, 2, 4, 6, 1, 3, 5, 7), "order": (0, 1, 2, 3, 4, 5, 6, 7)}
+SUPPORTED = (
+    "int8/uint8 and fp8 e4m3/e5m2 weights per tensor or channel, int4/uint4 per channel or per group (axis 1), "
+    "OCP MX fp4 with blocks along the input features; static int8/uint8/fp8 activations or dynamic ones"
+)
+_SPEC_KEYS = ("dtype", "is_dynamic", "observer_cls", "qscheme", "ch_axis", "group_size", "symmetric", "round_method",
+              "scale_type", "mx_element_dtype", "zero_point_type", "scale_format", "scale_calculation_mode")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- 4-bit packing
+def pack_int4(codes: torch.Tensor, pack_method: str = "reorder") -> torch.Tensor:
+    """amd-quark's 4-bit packing along the last axis: [..., n] integer codes -> [..., ceil(n/8)] int32."""
+    order = torch.tensor(PACK_ORDER[pack_method])
+    n = codes.shape[-1]
+    flat = codes.to(torch.int64) & 0xF
+    pad = (-n) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(*flat.shape[:-1], pad)], dim=-1)
+    groups = flat.reshape(*flat.shape[:-1], -1, 8)[..., order]  # nibble i holds element 8c + order[i]
+    word = (groups << (4 * torch.arange(8))).sum(dim=-1)
+    word = torch.where(word >= 2**31, word - 2**32, word)
+    return word.to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, count: int, signed: bool, pack_method: str = "reorder") -> torch.Tensor:
+    """The inverse of ``pack_int4``: [..., m] int32 -> [..., count] int32 codes (sign-extended when ``signed``)."""
+    order = torch.tensor(PACK_ORDER[pack_method])
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    nibbles = (words.unsqueeze(-1) >> (4 * torch.arange(8))) & 0xF  # [..., m, 8], position i
+    out = torch.empty_like(nibbles)
+    out[..., order] = nibbles
+    out = out.reshape(*packed.shape[:-1], -1)[..., :count]
+    if signed:
+        out = torch.where(out >= 8, out - 16, out)
+    return out.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------- the config
+def _spec_to_quark(spec: QuantizationSpec | None) -> dict[str, Any] | None:
+    """One QuantizationSpec as amd-quark 0.13 writes a QTensorConfig (MX with its element dtype and e8m0)."""
+    if spec is None:
+        return None
+    d = {k: v for k, v in spec.to_dict().items() if k in _SPEC_KEYS}
+    if spec.dtype == Dtype.mx and spec.mx_element_dtype != Dtype.int8:
+        d.update(dtype=spec.mx_element_dtype.name, mx_element_dtype=None, scale_format="e8m0",  # type: ignore[union-attr]
+                 scale_calculation_mode=spec.mx_scale_mode)  # fmt: skip
+    d.update(block_size=None, enable_buffer_reuse=False, is_scale_quant=False, max_input_numel=4 * 1024 * 1024)
+    d.pop("qat_spec", None)
+    return dict(sorted(d.items()))
+
+
+def _layer_to_quark(qc: QuantizationConfig) -> dict[str, Any]:
+    return {role: _spec_to_quark(getattr(qc, role)) for role in QuantizationConfig.ROLES} | {"target_device": None}
+
+
+def to_quark_dict(config: Config, weight_format: str = "real_quantized", pack_method: str = "reorder") -> dict[str, Any]:
+    """The ``quantization_config`` amd-quark 0.13 writes into config.json for ``config``."""
+    return {
+        "algo_config": None,  # already applied to the weights
+        "exclude": list(config.exclude),
+        "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": pack_method, "weight_format": weight_format,
+                   "weight_merge_groups": None},  # fmt: skip
+        "global_quant_config": _layer_to_quark(config.global_quant_config),
+        "kv_cache_post_rope": False,
+        "kv_cache_quant_config": {},
+        "layer_quant_config": {k: _layer_to_quark(v) for k, v in config.layer_quant_config.items()},
+        "layer_type_quant_config": {k: _layer_to_quark(v) for k, v in config.layer_type_quant_config.items()},
+        "quant_method": "quark",
+        "quant_mode": config.quant_mode.name,
+        "softmax_quant_spec": None,
+        "version": QUARK_VERSION,
+    }
+
+
+def _spec_from_quark(d: dict[str, Any] | None) -> QuantizationSpec | None:
+    return None if d is None else QuantizationSpec.from_dict({k: v for k, v in d.items() if k in _SPEC_KEYS})
+
+
+def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
+    """Our Config from amd-quark's ``quantization_config``, and its ``export`` block."""
+    if q.get("quant_method") != "quark":
+        raise ValueError(f"quantization_config.quant_method={q.get('quant_method')!r}; only 'quark' directories are read")
+    for key in ("kv_cache_quant_config", "softmax_quant_spec"):
+        if q.get(key):
+            raise ValueError(f"quantization_config.{key} is set; KV-cache and softmax quantization are not supported here")
+
+    def layer(d: dict[str, Any]) -> QuantizationConfig:
+        return QuantizationConfig(**{role: _spec_from_quark(d.get(role)) for role in QuantizationConfig.ROLES})
+
+    config = Config(
+        global_quant_config=layer(q["global_quant_config"]),
+        layer_quant_config={k: layer(v) for k, v in (q.get("layer_quant_config") or {}).items()},
+        layer_type_quant_config={k: layer(v) for k, v in (q.get("layer_type_quant_config") or {}).items()},
+        exclude=list(q.get("exclude") or []),
+        quant_mode=q.get("quant_mode", "eager_mode"),
+    )
+    return config, dict(q.get("export") or {})
+
+
+# ----------------------------------------------------------------------------------------------- weights
+def _unsupported(where: str, spec: QuantizationSpec) -> ValueError:
+    return ValueError(f"{where}: {spec.dtype.name} {spec.qscheme.name if spec.qscheme else ''} weights have no amd-quark "
+                      f"0.13 layout here; supported: {SUPPORTED}")  # fmt: skip
+
+
+def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where: str) -> dict[str, torch.Tensor]:
+    spec = q.spec
+    fmt = format_of(spec.dtype)
+    w = w.detach().float()
+    if spec.dtype == Dtype.mx:
+        axis = -1 if spec.ch_axis is None else spec.ch_axis
+        if spec.mx_element_dtype != Dtype.fp4 or w.ndim != 2 or axis not in (-1, 1):
+            raise _unsupported(where, spec)
+        elements, e8m0 = quantize_mx(w, Dtype.fp4, spec.group_size or 32, -1, spec.mx_scale_mode or "floor")
+        elements = elements.reshape(w.shape[0], -1)[:, : w.shape[1]] + 0.0  # -0 -> +0: amd-quark stores zeros unsigned
+        codes = encode(elements, FLOAT_FORMATS[Dtype.fp4]).to(torch.int32)
+        if codes.shape[1] % 2:
+            codes = torch.cat([codes, codes.new_zeros(codes.shape[0], 1)], dim=1)
+        return {"": (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8), "_scale": e8m0.reshape(w.shape[0], -1)}
+    scale, zp = q.calculate_qparams()
+    scale = scale.detach().float()
+    if isinstance(fmt, FloatFormat) and spec.dtype in TORCH_FLOAT8 and spec.qscheme in (QSchemeType.per_tensor, QSchemeType.per_channel):
+        view = scale if scale.ndim == 0 else scale.reshape(-1, *([1] * (w.ndim - 1)))
+        values = (w / view).clamp(-fmt.max_normal, fmt.max_normal).to(TORCH_FLOAT8[spec.dtype])
+        return {"": values, "_scale": scale}
+    if not isinstance(fmt, IntFormat):
+        raise _unsupported(where, spec)
+    codes = quantize_int(w, scale, zp, fmt.qmin, fmt.qmax, round_method=spec.round_method, qscheme=spec.qscheme,
+                         axis=spec.ch_axis, group_size=spec.group_size)  # fmt: skip
+    if fmt.bits == 8 and spec.qscheme in (QSchemeType.per_tensor, QSchemeType.per_channel):
+        store = torch.int8 if fmt.signed else torch.uint8
+        return {"": codes.to(store), "_scale": scale, "_zero_point": zp.to(store)}
+    if fmt.bits == 4 and w.ndim == 2 and spec.qscheme == QSchemeType.per_channel and spec.ch_axis == 0:
+        return {"": pack_int4(codes, pack_method), "_scale": scale, "_zero_point": pack_int4(zp.reshape(1, -1), pack_method)[0]}
+    if fmt.bits == 4 and w.ndim == 2 and spec.qscheme == QSchemeType.per_group and spec.ch_axis in (1, -1):
+        return {"": pack_int4(codes.t(), pack_method), "_scale": scale.t().contiguous(),
+                "_zero_point": pack_int4(zp.t(), pack_method)}  # fmt: skip
+    raise _unsupported(where, spec)
+
+
+def _decode_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec: QuantizationSpec, pack_method: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dequantized weight, scale, zero point in our layout) of one stored weight."""
+    fmt = format_of(spec.dtype)
+    stored, scale = t[key], t.get(key + "_scale")
+    if spec.dtype == Dtype.mx:
+        b = stored.to(torch.int32)
+        codes = torch.stack([b & 0xF, (b >> 4) & 0xF], dim=-1).reshape(shape[0], -1)[:, : shape[1]]
+        block = spec.group_size or 32
+        exp = scale.to(torch.int32) - 127  # type: ignore[union-attr]
+        values = decode(codes, FLOAT_FORMATS[Dtype.fp4]) * torch.exp2(exp.float()).repeat_interleave(block, dim=1)[:, : shape[1]]
+        return values, None, None
+    if stored.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        view = scale if scale.ndim == 0 else scale.reshape(-1, *([1] * (len(shape) - 1)))  # type: ignore[union-attr]
+        return stored.float() * view, scale, torch.zeros_like(scale, dtype=torch.int32)  # type: ignore[arg-type]
+    assert isinstance(fmt, IntFormat)
+    zp_stored = t.get(key + "_zero_point")
+    if stored.dtype == torch.int32 and spec.qscheme == QSchemeType.per_group:
+        codes = unpack_int4(stored, shape[0], fmt.signed, pack_method).t()
+        scale = scale.t().contiguous()  # type: ignore[union-attr]
+        zp = unpack_int4(zp_stored, shape[0], fmt.signed, pack_method).t() if zp_stored is not None else torch.zeros_like(codes[:, :1])
+    elif stored.dtype == torch.int32:
+        codes = unpack_int4(stored, shape[1], fmt.signed, pack_method)
+        zp = unpack_int4(zp_stored.reshape(1, -1), shape[0], fmt.signed, pack_method)[0] if zp_stored is not None else None
+    else:
+        codes, zp = stored.to(torch.int32), None if zp_stored is None else zp_stored.to(torch.int32)
+    zp = torch.zeros_like(scale, dtype=torch.int32) if zp is None else zp.to(torch.int32)  # type: ignore[arg-type]
+    if spec.qscheme == QSchemeType.per_group:
+        g = spec.group_size
+        values = (codes - zp.repeat_interleave(g, dim=1)[:, : shape[1]]) * scale.repeat_interleave(g, dim=1)[:, : shape[1]]  # type: ignore[union-attr]
+    elif scale.ndim == 0:  # type: ignore[union-attr]
+        values = (codes - zp) * scale
+    else:
+        view = [-1] + [1] * (len(shape) - 1)
+        values = (codes - zp.reshape(view)) * scale.reshape(view)  # type: ignore[union-attr]
+    return values.float(), scale, zp
+
+
+# ----------------------------------------------------------------------------------------------- export / import
+def _layers(model: nn.Module) -> list[tuple[str, QuantMixin]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, QuantMixin)]
+
+
+def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: str = "real_quantized", pack_method: str = "reorder") -> Path:
+    """Write amd-quark 0.13's export directory for a model prepared and calibrated (or frozen) by ModelQuantizer.
+    Returns the directory. Each file is written atomically."""
+    st = _safetensors()
+    if weight_format != "real_quantized":
+        raise ValueError(f"weight_format={weight_format!r}; allowed here: 'real_quantized'")
+    if pack_method not in PACK_ORDER:
+        raise ValueError(f"pack_method={pack_method!r}; allowed: {list(PACK_ORDER)}")
+    config: Config | None = getattr(model, "quant_config", None)
+    if config is None:
+        raise ValueError("export needs a model prepared by ModelQuantizer (it has no quant_config)")
+    tensors: dict[str, torch.Tensor] = {}
+    owned: set[str] = set()
+    for name, m in _layers(model):
+        prefix = f"{name}." if name else ""
+        owned.update(f"{prefix}{a}." for a in ("_input_quantizer", "_output_quantizer", "_weight_quantizer", "_bias_quantizer"))
+        wq = getattr(m, "_weight_quantizer", None)
+        if isinstance(getattr(m, "weight", None), torch.Tensor) and wq is not None and bool(wq.fake_quant_enabled):
+            for suffix, value in _encode_weight(m.weight, wq, pack_method, f"layer '{name}'").items():  # type: ignore[arg-type]
+                tensors[prefix + "weight" + suffix] = value.detach().contiguous()
+        for role in ("input", "output"):
+            q = getattr(m, f"_{role}_quantizer", None)
+            if q is None or q.is_dynamic or not hasattr(q, "calculate_qparams") or q.spec.dtype in (Dtype.mx,):
+                continue
+            scale, zp = q.calculate_qparams()
+            tensors[f"{prefix}{role}_scale"] = scale.detach().float().clone()
+            fmt = format_of(q.spec.dtype)
+            if isinstance(fmt, IntFormat):
+                tensors[f"{prefix}{role}_zero_point"] = zp.detach().to(torch.int8 if fmt.signed else torch.uint8).clone()
+    for key, value in model.state_dict().items():  # the rest as it is (quantized weights are already stored)
+        if key not in tensors and not key.startswith(tuple(owned)) and "_quantizer." not in key:
+            tensors[key] = value.detach().contiguous()
+    hf = getattr(model, "config", None)
+    document = hf.to_dict() if hasattr(hf, "to_dict") else {}
+    document["quantization_config"] = to_quark_dict(config, weight_format, pack_method)
+    out = Path(output_dir)
+    write_atomically(out, WEIGHTS_FILE, lambda tmp: st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}))
+    write_atomically(out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n"))
+    return out
+
+
+def is_quark_dir(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds an amd-quark style export (config.json with a quark quantization_config)."""
+    path = Path(model_dir) / CONFIG_FILE
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("quantization_config", {}).get("quant_method") == "quark"
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
+    """Rebuild a quantized model from amd-quark's export directory and a float ``model`` of the same architecture:
+    prepared with the stored Config, weights set to their dequantized values, static quantizers frozen with the
+    stored qparams, in eval mode."""
+    st = _safetensors()
+    root = Path(model_dir)
+    q = json.loads((root / CONFIG_FILE).read_text())["quantization_config"]
+    config, export = from_quark_dict(q)
+    if export.get("weight_format", "real_quantized") != "real_quantized":
+        raise ValueError(f"{root}: weight_format={export.get('weight_format')!r}; only real_quantized directories are read")
+    pack_method = export.get("pack_method", "reorder")
+    with st.safe_open(str(root / WEIGHTS_FILE), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
+    if not any(isinstance(m, QuantMixin) for m in model.modules()):
+        ModelQuantizer(config).prepare(model)
+    plain = {k: v for k, v in t.items() if not k.endswith(("_scale", "_zero_point"))}
+    with torch.no_grad():
+        for name, m in _layers(model):
+            prefix = f"{name}." if name else ""
+            wq = getattr(m, "_weight_quantizer", None)
+            key = prefix + "weight"
+            if wq is not None and key + "_scale" in t:
+                values, scale, zp = _decode_weight(t, key, m.weight.shape, wq.spec, pack_method)  # type: ignore[union-attr]
+                m.weight.copy_(values.to(m.weight.dtype))  # type: ignore[union-attr, operator]
+                plain.pop(key, None)
+                if scale is not None:
+                    m._weight_quantizer = FrozenScaledFakeQuantize(wq.spec, scale, zp)
+            for role in ("input", "output"):
+                aq = getattr(m, f"_{role}_quantizer", None)
+                if aq is not None and f"{prefix}{role}_scale" in t:
+                    s = t[f"{prefix}{role}_scale"].float()
+                    z = t.get(f"{prefix}{role}_zero_point", torch.zeros_like(s)).to(torch.int32)
+                    setattr(m, f"_{role}_quantizer", FrozenScaledFakeQuantize(aq.spec, s, z))
+    missing, unexpected = model.load_state_dict(plain, strict=False)
+    if unexpected:
+        raise ValueError(f"{root / WEIGHTS_FILE}: tensors the model has no place for: {sorted(unexpected)[:8]}")
+    return ModelQuantizer.freeze(model).eval()
+
+
+def _safetensors() -> Any:
+    """safetensors' ``safe_open`` and ``save_file`` (the export extra)."""
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+    except ImportError as err:  # pragma: no cover - the export extra is installed by scripts/setup.sh
+        raise ImportError("amd-quark's export format needs safetensors: pip install -e .[export]") from err
+    return SimpleNamespace(safe_open=safe_open, save_file=save_file)
