@@ -169,6 +169,8 @@ def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where
         if codes.shape[1] % 2:
             codes = torch.cat([codes, codes.new_zeros(codes.shape[0], 1)], dim=1)
         return {"": (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8), "_scale": e8m0.reshape(w.shape[0], -1)}
+    if not isinstance(fmt, IntFormat | FloatFormat):
+        raise _unsupported(where, spec)
     scale, zp = q.calculate_qparams()
     scale = scale.detach().float()
     if isinstance(fmt, FloatFormat) and spec.dtype in TORCH_FLOAT8 and spec.qscheme in (QSchemeType.per_tensor, QSchemeType.per_channel):

@@ -188,8 +188,16 @@ def _is_quantizer_state(key: str, prefixes: tuple[str, ...]) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- export
-def export_safetensors(model: nn.Module, output_dir: str | Path, filename: str = FILENAME) -> Path:
+def export_safetensors(
+    model: nn.Module, output_dir: str | Path, filename: str = FILENAME, *, custom_mode: str | None = None,
+    weight_format: str = "real_quantized", pack_method: str = "reorder",
+) -> Path:  # fmt: skip
     """Write the quantized ``model`` (prepared and calibrated, or frozen) as real-quantized safetensors.
+
+    ``custom_mode="quark"`` writes amd-quark 0.13's directory instead (``config.json`` with the
+    ``quantization_config`` + ``model.safetensors`` in its key names, dtypes and ``pack_method`` packing: see
+    ``quark.torch.export.quark_format``), which amd-quark and vLLM load; the schemes it covers are listed there.
+    Without it, this project's single-file format below, which covers every format of the engine.
 
     Every weight-like tensor of a quantized layer (each slot: ``weight``, ``bias``, an LSTM's ``weight_ih_l0``, an
     attention's ``in_proj_weight``) is stored under its own name as codes with ``_scale`` / ``_zero_point``, or as
@@ -197,6 +205,12 @@ def export_safetensors(model: nn.Module, output_dir: str | Path, filename: str =
     name (``input_scale``, ``output_zero_point``, ``key_input_scale``); everything else as in the state_dict. The
     write is atomic (a temporary file renamed).
     """
+    if custom_mode is not None:
+        if custom_mode != "quark":
+            raise ValueError(f"export_safetensors: custom_mode={custom_mode!r}; allowed: 'quark' or None (this project's format)")
+        from quark.torch.export.quark_format import WEIGHTS_FILE, export_quark_dir
+
+        return export_quark_dir(model, output_dir, weight_format, pack_method) / WEIGHTS_FILE
     st = _require_safetensors()
     config: Config | None = getattr(model, "quant_config", None)
     if config is None:
@@ -497,12 +511,17 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Config]:
 
 
 def import_model_from_safetensors(model: nn.Module, model_dir: str | Path, filename: str = FILENAME) -> nn.Module:
-    """Rebuild the quantized model from a float ``model`` of the same architecture and an exported directory.
+    """Rebuild the quantized model from a float ``model`` of the same architecture and an exported directory: this
+    project's file, or amd-quark 0.13's directory (config.json with a quark ``quantization_config``).
 
     Every tensor of the file is checked first against the stored Config and ``model`` (see ``check_import``): on
     any mismatch a ValueError names the tensor and ``model`` is left as it was. Returns the model prepared with the
     stored Config, weights set to their dequantized codes, every static quantizer frozen with the stored qparams, in
     eval mode."""
+    from quark.torch.export.quark_format import import_quark_dir, is_quark_dir
+
+    if filename == FILENAME and is_quark_dir(model_dir):  # amd-quark 0.13's directory (or ours with custom_mode="quark")
+        return import_quark_dir(model, model_dir)
     path = Path(model_dir) / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (written by export_safetensors?)")

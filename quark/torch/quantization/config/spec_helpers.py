@@ -35,7 +35,8 @@ ROUND_METHODS = {"round": RoundType.round, "floor": RoundType.floor, "half_even"
 ZERO_POINT_TYPES = {"int32": ZeroPointType.int32, "float32": ZeroPointType.float32}
 
 REQUIRED = MISSING
-_MX_KW = {"qscheme": "per_group", "group_size": 32, "scale_format": "e8m0", "observer_cls": "PerBlockMXObserver"}
+_MX_KW = {"qscheme": "per_group", "group_size": 32, "scale_format": "e8m0", "observer_cls": "PerBlockMXObserver",
+          "scale_type": ScaleType.float, "round_method": RoundType.half_even}
 _PER_GROUP_FLOAT_FIELDS = {"ch_axis": REQUIRED, "group_size": REQUIRED, "scale_format": "float32",
                            "scale_calculation_mode": None, "is_dynamic": True}  # fmt: skip
 
