@@ -51,15 +51,15 @@ def check_embedding_layers(model: nn.Module, algo: Any) -> None:
 
 
 def apply_pre_quant_and_awq(model: nn.Module, config: Config, batches: list[Any], run: RunFn, weight_spec_of: Callable[[str], QuantizationSpec | None]) -> None:
-    """SmoothQuant(s), then AWQ(s), in the Config's order, on the float ``model`` (weights change in place)."""
+    """SmoothQuant(s) of ``pre_quant_opt_config``, then ``algo_config``'s SmoothQuant(s) and AWQ(s) in its order
+    (amd-quark 0.13 places SmoothQuantConfig there), on the float ``model`` (weights change in place)."""
     for algo in config.pre_quant_opt_configs + config.algo_configs:
         check_embedding_layers(model, algo)
-    for algo in config.pre_quant_opt_configs:
+    for algo in config.pre_quant_opt_configs + config.algo_configs:
         if isinstance(algo, SmoothQuantConfig):
             _per_decoder_layer(model, algo.model_decoder_layers, batches, run, "SmoothQuant",
                                lambda prefix, layer, inputs, a=algo: smooth_layer(layer, inputs, a))  # fmt: skip
-    for algo in config.algo_configs:
-        if isinstance(algo, AWQConfig):
+        elif isinstance(algo, AWQConfig):
             _per_decoder_layer(model, algo.model_decoder_layers, batches, run, "AWQ",
                                lambda prefix, layer, inputs, a=algo: awq_layer(layer, inputs, a, prefix, weight_spec_of))  # fmt: skip
 

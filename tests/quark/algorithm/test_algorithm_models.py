@@ -317,6 +317,23 @@ def _with_outlier_channels(lm: CharTransformer, factor: float = 30.0) -> CharTra
     return model
 
 
+def test_smoothquant_in_algo_config_runs_as_in_pre_quant_opt_config(lm, calib, held_x) -> None:
+    """amd-quark 0.13 places SmoothQuantConfig in algo_config: it runs there (not silently skipped), with the same
+    result as from pre_quant_opt_config, and before an AWQ that follows it in the list."""
+    outliers = _with_outlier_channels(lm)
+    sq = {"name": "smoothquant", "alpha": 0.5}
+    pre = quantized(outliers, calib, global_quant_config=W8A8, pre_quant_opt_config=sq)
+    algo = quantized(outliers, calib, global_quant_config=W8A8, algo_config=sq)
+    naive = quantized(outliers, calib, global_quant_config=W8A8)
+    with torch.no_grad():
+        assert torch.equal(algo(held_x), pre(held_x))
+        assert not torch.equal(algo(held_x), naive(held_x))
+    for layer, ref in zip(algo.model.layers, outliers.model.layers, strict=True):
+        assert not torch.equal(layer.input_layernorm.weight, ref.input_layernorm.weight)
+    with pytest.raises(ValueError, match="CLEConfig, which runs from pre_quant_opt_config only"):
+        Config.from_dict({"global_quant_config": {"weight": W3}, "algo_config": {"name": "cle"}})
+
+
 def test_lm_smoothquant_keeps_the_float_function_and_helps_w8a8_with_outliers(lm, calib, held_x) -> None:
     outliers = _with_outlier_channels(lm)
     naive = quantized(outliers, calib, global_quant_config=W8A8)

@@ -621,7 +621,7 @@ class Config(ConfigBase):
     :param Dict[str, QuantizationConfig] layer_type_quant_config: By layer type ("Linear", "Conv2d" or the class).
     :param Dict[str, QuantizationConfig] layer_quant_config: By layer name (fnmatch patterns such as ``"*.fc2"``).
     :param List[str] exclude: Layer names (fnmatch patterns) left in float.
-    :param Optional[AlgoConfig] algo_config: GPTQ / AWQ, one or a list applied in order.
+    :param Optional[AlgoConfig] algo_config: GPTQ / AWQ / SmoothQuant (amd-quark 0.13 places it here), one or a list applied in order.
     :param Optional[PreQuantOptConfig] pre_quant_opt_config: SmoothQuant (eager mode) or CLE (graph mode), one or a list.
     :param QuantizationMode quant_mode: eager_mode (module swapping) or fx_graph_mode.
     """
@@ -644,6 +644,8 @@ class Config(ConfigBase):
         self.algo_config = _algo("Config.algo_config", self.algo_config, AlgoConfig)
         self.pre_quant_opt_config = _algo("Config.pre_quant_opt_config", self.pre_quant_opt_config, PreQuantOptConfig)
         self.quant_mode = _enum("Config", "quant_mode", QuantizationMode, self.quant_mode, optional=False)  # type: ignore[assignment]
+        if any(isinstance(a, CLEConfig) for a in self.algo_configs):
+            raise ValueError("Config.algo_config holds a CLEConfig, which runs from pre_quant_opt_config only: move it there")
         graph_only = [a.name for a in self.pre_quant_opt_configs if isinstance(a, CLEConfig)]  # type: ignore[attr-defined]
         if graph_only and self.quant_mode != QuantizationMode.fx_graph_mode:
             raise ValueError(
