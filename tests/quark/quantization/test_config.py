@@ -388,9 +388,10 @@ def test_tqt_on_per_channel() -> None:
         )  # fmt: skip
 
 
-def test_tqt_needs_pof2_and_signed_symmetric() -> None:
-    with pytest.raises(ValueError, match="qat_spec.*pof2"):
-        int_spec(qat_spec=TQTSpec())
+def test_tqt_takes_pof2_or_float_scale_type_and_needs_signed_symmetric() -> None:
+    assert int_spec(scale_type=ScaleType.float, qat_spec=TQTSpec()).qat_spec == TQTSpec()  # amd-quark's examples write float
+    with pytest.raises(ValueError, match="qat_spec.*pof2 or float"):
+        int_spec(scale_type=ScaleType.bfloat16, qat_spec=TQTSpec())
     with pytest.raises(ValueError, match="qat_spec.*symmetric"):
         int_spec(scale_type=ScaleType.pof2, symmetric=False, qat_spec=TQTSpec())
     with pytest.raises(ValueError, match="qat_spec"):

@@ -365,6 +365,12 @@ class QuantizationSpec(ConfigBase):
             )
 
     def _check_qat(self, fmt: Any) -> None:
+        marker = {"TQTObserver": TQTSpec, "LSQObserver": LSQSpec}.get(_name(self.observer_cls))
+        if marker is not None and not isinstance(self.qat_spec, marker):
+            raise ValueError(
+                f"QuantizationSpec.observer_cls={_name(self.observer_cls)} needs qat_spec={marker.__name__}(...), "
+                f"got {type(self.qat_spec).__name__ if self.qat_spec is not None else None}"
+            )
         if self.qat_spec is None:
             return
         own = f"QuantizationSpec(dtype={self.dtype.name}).qat_spec={type(self.qat_spec).__name__}"
@@ -375,8 +381,11 @@ class QuantizationSpec(ConfigBase):
                 raise ValueError(f"{own} needs qscheme=per_tensor (one learned threshold per tensor)")
             if self.symmetric is False or not fmt.signed:
                 raise ValueError(f"{own} needs a signed dtype with symmetric=True (TQT thresholds are symmetric)")
-            if self.scale_type != ScaleType.pof2:
-                raise ValueError(f"{own} needs scale_type=pof2 (TQT learns power-of-two scales), got {_name(self.scale_type)}")
+            if self.scale_type not in (None, ScaleType.pof2, ScaleType.float):  # TQT's scale is 2^k by construction
+                raise ValueError(
+                    f"{own} needs scale_type=pof2 or float (TQT learns power-of-two scales; amd-quark's examples "
+                    f"write float), got {_name(self.scale_type)}"
+                )
         elif self.qscheme not in (QSchemeType.per_tensor, QSchemeType.per_channel):
             raise ValueError(f"{own} needs qscheme=per_tensor or per_channel")
 

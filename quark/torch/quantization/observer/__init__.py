@@ -3,17 +3,22 @@
 from quark.torch.quantization.observer.observer import (
     OBSERVER_CLASSES,
     OBSERVER_MAP,
+    LSQObserver,
     ObserverBase,
     PerBlockBFPObserver,
     PerBlockMXObserver,
     PerChannelMinMaxObserver,
+    PerChannelPowOf2MinMaxObserver,
     PerGroupMinMaxObserver,
     PerTensorHistogramObserver,
     PerTensorHistogramObserverPro,
     PerTensorMinMaxObserver,
     PerTensorMSEObserver,
     PerTensorPercentileObserver,
+    PerTensorPowOf2MinMaxObserver,
+    PerTensorPowOf2MinMSEObserver,
     PlaceholderObserver,
+    TQTObserver,
     UniformScalingObserver,
 )
 
@@ -32,4 +37,9 @@ __all__ = [
     "PerTensorHistogramObserverPro",
     "PerTensorPercentileObserver",
     "PerTensorMSEObserver",
+    "PerTensorPowOf2MinMaxObserver",
+    "PerTensorPowOf2MinMSEObserver",
+    "PerChannelPowOf2MinMaxObserver",
+    "TQTObserver",
+    "LSQObserver",
 ]
