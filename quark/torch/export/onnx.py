@@ -17,7 +17,7 @@ from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import slot_label
 
-FILENAME = "model.onnx"
+FILENAME = "quark_model.onnx"  # amd-quark's name
 _RANGES = {Dtype.int8: (-128, 127), Dtype.uint8: (0, 255)}
 
 
@@ -76,27 +76,41 @@ def qdq_model(model: nn.Module) -> nn.Module:
 
 
 def export_onnx(
-    model: nn.Module, output_dir: str | Path, input_args: Any, filename: str = FILENAME, opset_version: int = 17,
-    dynamic_batch: bool = True,
+    model: nn.Module, output_dir: str | Path, input_args: Any, opset_version: int | None = None,
+    input_names: list[str] | None = None, output_names: list[str] | None = None, verbose: bool = False,
+    do_constant_folding: bool = True, operator_export_type: Any = None, uint4_int4_flag: bool = False,
+    dynamo: bool = False, *, filename: str = FILENAME, dynamic_batch: bool = True,
 ) -> Path:  # fmt: skip
-    """Write ``model`` (prepared and calibrated, or frozen; not modified) as an ONNX QDQ graph; returns the path.
+    """Write ``model`` (prepared and calibrated, or frozen; not modified) as an ONNX QDQ graph,
+    ``<output_dir>/quark_model.onnx`` as amd-quark names it; returns the path.
 
-    ``input_args``: an example input tensor (or a tuple of them). The batch dimension is dynamic by default. The
-    write is atomic (a temporary file renamed)."""
+    The positional parameters are amd-quark 0.13's, so its calls run unchanged. ``input_args`` is an example input
+    tensor (or a tuple of them). ``opset_version`` None means 17. ``input_names`` / ``output_names`` name the graph's
+    inputs and outputs (default ``input`` / ``input_i``, ``output``). The batch dimension is dynamic by default.
+    amd-quark's ``uint4_int4_flag`` (4-bit Q/DQ) and ``dynamo=True`` are refused with the reason, and
+    ``operator_export_type`` must stay the default ONNX one. The write is atomic (a temporary file renamed)."""
+    if uint4_int4_flag:
+        raise ValueError("export_onnx: uint4_int4_flag=True (int4/uint4 Q/DQ) needs opset 21, which the TorchScript exporter used here does not write")
+    if dynamo:
+        raise ValueError("export_onnx: dynamo=True is not supported; the Q/DQ folding here works on the TorchScript exporter's graph")
+    if operator_export_type not in (None, torch.onnx.OperatorExportTypes.ONNX):
+        raise ValueError(f"export_onnx: operator_export_type={operator_export_type!r}; only OperatorExportTypes.ONNX")
     try:
         import onnx  # noqa: F401 - the exporter needs it
     except ImportError as err:  # pragma: no cover - depends on the install
         raise ImportError("ONNX export needs `onnx`: pip install 'quark-lightning[export]'") from err
     export = qdq_model(model)
     args = input_args if isinstance(input_args, tuple) else (input_args,)
-    names = [f"input_{i}" if len(args) > 1 else "input" for i in range(len(args))]
-    axes = {n: {0: "batch"} for n in [*names, "output"]} if dynamic_batch else None
+    names = list(input_names) if input_names else [f"input_{i}" if len(args) > 1 else "input" for i in range(len(args))]
+    outputs = list(output_names) if output_names else ["output"]
+    axes = {n: {0: "batch"} for n in [*names, *outputs]} if dynamic_batch else None
 
     def write(tmp: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter writes Q/DQ for these ops
-            torch.onnx.export(export, args, tmp, dynamo=False, opset_version=opset_version, input_names=names,
-                              output_names=["output"], dynamic_axes=axes)  # fmt: skip
+            torch.onnx.export(export, args, tmp, dynamo=False, opset_version=opset_version or 17, input_names=names,
+                              output_names=outputs, dynamic_axes=axes, verbose=verbose,
+                              do_constant_folding=do_constant_folding)  # fmt: skip
         fold_weight_quantization(tmp)
 
     return write_atomically(output_dir, filename, write)

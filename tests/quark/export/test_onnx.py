@@ -236,7 +236,7 @@ def _check_onnxruntime_agrees(model: nn.Module, last: str, x: torch.Tensor, tmp_
     step = float(dict(model.named_modules())[last]._output_quantizer.calculate_qparams()[0])
     assert np.abs(out - reference).max() <= step * 1.0001
     assert (np.abs(out - reference) > 1e-6).mean() < 0.2
-    graph = onnx.load(str(tmp_path / "model.onnx")).graph
+    graph = onnx.load(str(tmp_path / "quark_model.onnx")).graph
     twins = [m for m in model.modules() if isinstance(m, QuantMixin)]
     ops = [n.op_type for n in graph.node]
     assert ops.count("QuantizeLinear") == len(twins) + 1 and ops.count("DequantizeLinear") == 2 * len(twins) + 1
@@ -337,3 +337,18 @@ def test_attention_and_lstm_export_agrees_with_onnxruntime(build, features: int,
     weights = [q for m in model.modules() if isinstance(m, QuantMixin) for s, q in m.quantizer_slots() if s.role == "weight"]
     int_weights = [i for i in graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2]
     assert len(int_weights) == len(weights)  # attention in-projection / every LSTM gate matrix stored as int8
+
+
+def test_amd_quarks_export_onnx_call_runs_as_written(tmp_path) -> None:
+    """export_onnx(model, output_dir, input_args, opset_version, input_names, output_names) as amd-quark 0.13 takes
+    it, writing quark_model.onnx; its 4-bit and dynamo switches are refused with the reason."""
+    model, x = _mlp(), torch.randn(16, 20)
+    ModelQuantizer(_w8a8("4", INT8_PER_TENSOR_ACT)).quantize_model(model, [x])
+    path = export_onnx(model, tmp_path, (x[:2],), 17, ["features"], ["logits"])
+    assert path == tmp_path / "quark_model.onnx"
+    graph = onnx.load(str(path)).graph
+    assert [i.name for i in graph.input] == ["features"] and [o.name for o in graph.output] == ["logits"]
+    with pytest.raises(ValueError, match="uint4_int4_flag=True .* needs opset 21"):
+        export_onnx(model, tmp_path / "b", (x[:2],), uint4_int4_flag=True)
+    with pytest.raises(ValueError, match="dynamo=True is not supported"):
+        export_onnx(model, tmp_path / "c", (x[:2],), dynamo=True)
