@@ -299,6 +299,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
     pack_method = export.get("pack_method", "reorder")
     with st.safe_open(str(root / WEIGHTS_FILE), "pt") as f:
         t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
+    _check_before_import(model, config, t, root / WEIGHTS_FILE)  # every problem found before the model is touched
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     plain = {k: v for k, v in t.items() if not k.endswith(("_scale", "_zero_point"))}
@@ -323,6 +324,75 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
     if unexpected:
         raise ValueError(f"{root / WEIGHTS_FILE}: tensors the model has no place for: {sorted(unexpected)[:8]}")
     return ModelQuantizer.freeze(model).eval()
+
+
+def _stored_weight(spec: QuantizationSpec, shape: torch.Size) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]] | None:
+    """The dtype(s) and shape amd-quark stores a 2-D weight of ``shape`` quantized with ``spec`` in (None: no rule)."""
+    fmt = format_of(spec.dtype)
+    out, inp = int(shape[0]), int(shape[-1])
+    if spec.dtype == Dtype.mx:
+        return (torch.uint8,), (out, (inp + 1) // 2)
+    if isinstance(fmt, FloatFormat) and spec.dtype in TORCH_FLOAT8:
+        return (TORCH_FLOAT8[spec.dtype],), tuple(int(d) for d in shape)
+    if isinstance(fmt, IntFormat) and fmt.bits == 8:
+        return (torch.int8, torch.uint8), tuple(int(d) for d in shape)
+    if isinstance(fmt, IntFormat) and fmt.bits == 4:
+        return ((torch.int32,), (inp, (out + 7) // 8)) if spec.qscheme == QSchemeType.per_group else ((torch.int32,), (out, (inp + 7) // 8))
+    return None
+
+
+def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Tensor], path: Path) -> None:
+    """Every tensor a quantized layer needs is there with amd-quark's dtype and shape, scales finite and positive,
+    and the float tensors match the model; raises a ValueError naming the tensor otherwise."""
+    owned: set[str] = set()
+    for plan in ModelQuantizer(config).resolve(model):
+        module = model.get_submodule(plan.name)
+        prefix = f"{plan.name}." if plan.name else ""
+        spec = plan.qconfig.weight
+        weight = getattr(module, "weight", None)
+        if spec is not None and isinstance(weight, torch.Tensor):
+            key = prefix + "weight"
+            expected = _stored_weight(spec, weight.shape)
+            if expected is None:
+                raise ValueError(f"{path}: '{key}' is quantized as {spec.dtype.name} {_name_of(spec.qscheme)}, which has no amd-quark layout here; supported: {SUPPORTED}")
+            for need in (key, key + "_scale"):
+                if need not in t:
+                    raise ValueError(f"{path}: tensor '{need}' is missing (the config quantizes '{plan.name}' as {spec.dtype.name})")
+            dtypes, shape = expected
+            if t[key].dtype not in dtypes or tuple(t[key].shape) != shape:
+                raise ValueError(f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(shape)}, found {t[key].dtype} of shape {list(t[key].shape)}")
+            if spec.dtype != Dtype.mx:
+                _check_scale(path, key + "_scale", t[key + "_scale"])
+            owned.update({key, key + "_scale", key + "_zero_point"})
+        for role, spec_a in (("input", plan.qconfig.input_tensors), ("output", plan.qconfig.output_tensors)):
+            if spec_a is None or spec_a.is_dynamic or spec_a.dtype == Dtype.mx:
+                continue
+            key = f"{prefix}{role}_scale"
+            if key not in t:
+                raise ValueError(f"{path}: tensor '{key}' is missing (the config quantizes the {role} of '{plan.name}' statically)")
+            _check_scale(path, key, t[key])
+            owned.update({key, f"{prefix}{role}_zero_point"})
+    state = model.state_dict()
+    for key, value in state.items():
+        if key in owned or "_quantizer." in key:
+            continue
+        if key not in t:
+            raise ValueError(f"{path}: tensor '{key}' of the model is missing")
+        if tuple(t[key].shape) != tuple(value.shape):
+            raise ValueError(f"{path}: tensor '{key}': expected shape {list(value.shape)}, found {list(t[key].shape)}")
+    unknown = sorted(k for k in t if k not in owned and k not in state)
+    if unknown:
+        raise ValueError(f"{path}: tensors the model has no place for: {unknown[:8]}")
+
+
+def _check_scale(path: Path, key: str, scale: torch.Tensor) -> None:
+    s = scale.float()
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise ValueError(f"{path}: tensor '{key}': expected finite scales > 0, found min {float(s.min())}, max {float(s.max())}")
+
+
+def _name_of(value: Any) -> str:
+    return value.name if value is not None else ""
 
 
 def _safetensors() -> Any:

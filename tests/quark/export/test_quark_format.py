@@ -27,6 +27,7 @@ from quark.torch.quantization.config.config import (
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
+save_file = pytest.importorskip("safetensors.torch").save_file
 
 EXPORTS = Path(__file__).resolve().parents[3] / "bench" / "amd_quark_reference" / "exports"
 FP8 = FP8E4M3PerTensorSpec().to_quantization_spec()
@@ -118,3 +119,28 @@ def test_a_format_amd_quark_cannot_hold_is_refused_by_name(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"custom_mode='awq'; allowed: 'quark'"):
         export_safetensors(model, tmp_path, custom_mode="awq")
     assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda t: t.pop("model.layers.0.mlp.down_proj.weight_scale"), r"tensor 'model.layers.0.mlp.down_proj.weight_scale' is missing"),
+        (lambda t: t.__setitem__("model.layers.1.self_attn.q_proj.input_scale", torch.tensor(0.0)),
+         r"'model.layers.1.self_attn.q_proj.input_scale': expected finite scales > 0, found min 0.0"),
+        (lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64, dtype=torch.int16)),
+         r"'model.layers.0.self_attn.k_proj.weight': expected \['torch.int8', 'torch.uint8'\] of shape \[32, 64\], found torch.int16"),
+        (lambda t: t.__setitem__("model.extra", torch.zeros(1)), r"tensors the model has no place for: \['model.extra'\]"),
+    ],
+)  # fmt: skip
+def test_a_damaged_directory_is_refused_before_the_model_changes(tamper, message: str, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(EXPORTS / "w8a8_int8", tmp_path, dirs_exist_ok=True)
+    stored = tensors(tmp_path / "model.safetensors")
+    tamper(stored)
+    save_file(stored, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        import_model_from_safetensors(model, tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and set(before) == set(model.state_dict())
