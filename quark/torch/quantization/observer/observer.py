@@ -776,6 +776,13 @@ class _PowOf2Mixin:
             new_zp = torch.full_like(new_zp, 128)
         return pof2, new_zp
 
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        """The running range (the min/max observer after this mixin), then this tensor's pow2 qparams recorded."""
+        super().forward(x_orig)  # type: ignore[misc]
+        if x_orig.numel():
+            self._record(*self._pow2_qparams(self.min_val, self.max_val))
+        return x_orig
+
     def _record(self, scale: torch.Tensor, zp: torch.Tensor) -> None:
         self.records.append((tuple(scale.reshape(-1).tolist()), tuple(zp.reshape(-1).tolist())))
 
@@ -800,12 +807,6 @@ class PerTensorPowOf2MinMaxObserver(_PowOf2Mixin, PerTensorMinMaxObserver):
     def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, eps: float = _EPS) -> None:
         super().__init__(qspec, device, eps)
         self._init_pow2(qspec)
-
-    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        super().forward(x_orig)
-        if x_orig.numel():
-            self._record(*self._pow2_qparams(self.min_val, self.max_val))
-        return x_orig
 
 
 class PerTensorPowOf2MinMSEObserver(PerTensorPowOf2MinMaxObserver):
@@ -835,12 +836,6 @@ class PerChannelPowOf2MinMaxObserver(_PowOf2Mixin, PerChannelMinMaxObserver):
     def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, eps: float = _EPS) -> None:
         super().__init__(qspec, device, eps)
         self._init_pow2(qspec)
-
-    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        super().forward(x_orig)
-        if x_orig.numel():
-            self._record(*self._pow2_qparams(self.min_val, self.max_val))
-        return x_orig
 
 
 # ----------------------------------------------------------------------------------------------- QAT markers
