@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from quark.torch.export.files import write_atomically
+from quark.torch.export.packing import pack_nibbles, unpack_nibbles
+from quark.torch.export.safetensors import _require_safetensors
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType
@@ -165,10 +166,10 @@ def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where
             raise _unsupported(where, spec)
         elements, e8m0 = quantize_mx(w, Dtype.fp4, spec.group_size or 32, -1, spec.mx_scale_mode or "floor")
         elements = elements.reshape(w.shape[0], -1)[:, : w.shape[1]] + 0.0  # -0 -> +0: amd-quark stores zeros unsigned
-        codes = encode(elements, FLOAT_FORMATS[Dtype.fp4]).to(torch.int32)
-        if codes.shape[1] % 2:
+        codes = encode(elements, FLOAT_FORMATS[Dtype.fp4])
+        if codes.shape[1] % 2:  # each row packs on its own
             codes = torch.cat([codes, codes.new_zeros(codes.shape[0], 1)], dim=1)
-        return {"": (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8), "_scale": e8m0.reshape(w.shape[0], -1)}
+        return {"": pack_nibbles(codes).reshape(w.shape[0], -1), "_scale": e8m0.reshape(w.shape[0], -1)}
     if not isinstance(fmt, IntFormat | FloatFormat):
         raise _unsupported(where, spec)
     scale, zp = q.calculate_qparams()
@@ -197,8 +198,7 @@ def _decode_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec
     fmt = format_of(spec.dtype)
     stored, scale = t[key], t.get(key + "_scale")
     if spec.dtype == Dtype.mx:
-        b = stored.to(torch.int32)
-        codes = torch.stack([b & 0xF, (b >> 4) & 0xF], dim=-1).reshape(shape[0], -1)[:, : shape[1]]
+        codes = unpack_nibbles(stored, stored.numel() * 2, signed=False).reshape(shape[0], -1)[:, : shape[1]]
         block = spec.group_size or 32
         exp = scale.to(torch.int32) - 127  # type: ignore[union-attr]
         values = decode(codes, FLOAT_FORMATS[Dtype.fp4]) * torch.exp2(exp.float()).repeat_interleave(block, dim=1)[:, : shape[1]]
@@ -206,7 +206,8 @@ def _decode_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec
     if stored.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         view = scale if scale.ndim == 0 else scale.reshape(-1, *([1] * (len(shape) - 1)))  # type: ignore[union-attr]
         return stored.float() * view, scale, torch.zeros_like(scale, dtype=torch.int32)  # type: ignore[arg-type]
-    assert isinstance(fmt, IntFormat)
+    if not isinstance(fmt, IntFormat):
+        raise ValueError(f"tensor '{key}': stored as {stored.dtype}, which no {spec.dtype.name} weight is stored as")
     zp_stored = t.get(key + "_zero_point")
     if stored.dtype == torch.int32 and spec.qscheme == QSchemeType.per_group:
         codes = unpack_int4(stored, shape[0], fmt.signed, pack_method).t()
@@ -237,7 +238,7 @@ def _layers(model: nn.Module) -> list[tuple[str, QuantMixin]]:
 def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: str = "real_quantized", pack_method: str = "reorder") -> Path:
     """Write amd-quark 0.13's export directory for a model prepared and calibrated (or frozen) by ModelQuantizer.
     Returns the directory. Each file is written atomically."""
-    st = _safetensors()
+    st = _require_safetensors()
     if weight_format != "real_quantized":
         raise ValueError(f"weight_format={weight_format!r}; allowed here: 'real_quantized'")
     if pack_method not in PACK_ORDER:
@@ -246,10 +247,8 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
     if config is None:
         raise ValueError("export needs a model prepared by ModelQuantizer (it has no quant_config)")
     tensors: dict[str, torch.Tensor] = {}
-    owned: set[str] = set()
     for name, m in _layers(model):
         prefix = f"{name}." if name else ""
-        owned.update(f"{prefix}{a}." for a in ("_input_quantizer", "_output_quantizer", "_weight_quantizer", "_bias_quantizer"))
         wq = getattr(m, "_weight_quantizer", None)
         if isinstance(getattr(m, "weight", None), torch.Tensor) and wq is not None and bool(wq.fake_quant_enabled):
             for suffix, value in _encode_weight(m.weight, wq, pack_method, f"layer '{name}'").items():  # type: ignore[arg-type]
@@ -264,7 +263,7 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
             if isinstance(fmt, IntFormat):
                 tensors[f"{prefix}{role}_zero_point"] = zp.detach().to(torch.int8 if fmt.signed else torch.uint8).clone()
     for key, value in model.state_dict().items():  # the rest as it is (quantized weights are already stored)
-        if key not in tensors and not key.startswith(tuple(owned)) and "_quantizer." not in key:
+        if key not in tensors and "_quantizer." not in key:  # quantizer state is never stored
             tensors[key] = value.detach().contiguous()
     hf = getattr(model, "config", None)
     document = hf.to_dict() if hasattr(hf, "to_dict") else {}
@@ -290,7 +289,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
     """Rebuild a quantized model from amd-quark's export directory and a float ``model`` of the same architecture:
     prepared with the stored Config, weights set to their dequantized values, static quantizers frozen with the
     stored qparams, in eval mode."""
-    st = _safetensors()
+    st = _require_safetensors()
     root = Path(model_dir)
     q = json.loads((root / CONFIG_FILE).read_text())["quantization_config"]
     config, export = from_quark_dict(q)
@@ -320,9 +319,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
                     s = t[f"{prefix}{role}_scale"].float()
                     z = t.get(f"{prefix}{role}_zero_point", torch.zeros_like(s)).to(torch.int32)
                     setattr(m, f"_{role}_quantizer", FrozenScaledFakeQuantize(aq.spec, s, z))
-    missing, unexpected = model.load_state_dict(plain, strict=False)
-    if unexpected:
-        raise ValueError(f"{root / WEIGHTS_FILE}: tensors the model has no place for: {sorted(unexpected)[:8]}")
+    model.load_state_dict(plain, strict=False)  # _check_before_import made sure every key has its place
     return ModelQuantizer.freeze(model).eval()
 
 
@@ -354,7 +351,7 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
             key = prefix + "weight"
             expected = _stored_weight(spec, weight.shape)
             if expected is None:
-                raise ValueError(f"{path}: '{key}' is quantized as {spec.dtype.name} {_name_of(spec.qscheme)}, which has no amd-quark layout here; supported: {SUPPORTED}")
+                raise _unsupported(f"{path}: '{key}'", spec)
             for need in (key, key + "_scale"):
                 if need not in t:
                     raise ValueError(f"{path}: tensor '{need}' is missing (the config quantizes '{plan.name}' as {spec.dtype.name})")
@@ -389,17 +386,3 @@ def _check_scale(path: Path, key: str, scale: torch.Tensor) -> None:
     s = scale.float()
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise ValueError(f"{path}: tensor '{key}': expected finite scales > 0, found min {float(s.min())}, max {float(s.max())}")
-
-
-def _name_of(value: Any) -> str:
-    return value.name if value is not None else ""
-
-
-def _safetensors() -> Any:
-    """safetensors' ``safe_open`` and ``save_file`` (the export extra)."""
-    try:
-        from safetensors import safe_open
-        from safetensors.torch import save_file
-    except ImportError as err:  # pragma: no cover - the export extra is installed by scripts/setup.sh
-        raise ImportError("amd-quark's export format needs safetensors: pip install -e .[export]") from err
-    return SimpleNamespace(safe_open=safe_open, save_file=save_file)

@@ -96,9 +96,8 @@ def _per_group(symmetric: bool) -> dict[str, Any]:
 
 
 _CHANNEL = ("per_channel", {"observer_cls": "PerChannelMinMaxObserver"})
-_GROUP = ("per_group", {"observer_cls": "PerGroupMinMaxObserver"})
+_GROUP = ("per_group", {"observer_cls": "PerGroupMinMaxObserver"})  # FP*PerGroupSpec too: float32 scales ("e8m0": MX)
 _TENSOR = ("per_tensor", {})
-_FP_GROUP = ("per_group", {"observer_cls": "PerGroupMinMaxObserver"})  # float32 scales; "e8m0" makes it MX
 _MX_FIELDS = {"ch_axis": REQUIRED, "is_dynamic": True, "scale_calculation_mode": "even"}
 
 #: name -> (dtype, (qscheme, fixed QuantizationSpec fields), the helper's fields and defaults), as in amd-quark 0.13
@@ -125,11 +124,11 @@ _HELPERS: dict[str, tuple[Dtype, tuple[str | None, dict[str, Any]], dict[str, An
     "FP8E5M2PerTensorSpec": (Dtype.fp8_e5m2, _TENSOR, _per_tensor(True)),
     "FP8E4M3PerChannelSpec": (Dtype.fp8_e4m3, _CHANNEL, _per_channel(True)),
     "FP8E5M2PerChannelSpec": (Dtype.fp8_e5m2, _CHANNEL, _per_channel(True)),
-    "FP8E4M3PerGroupSpec": (Dtype.fp8_e4m3, _FP_GROUP, dict(_PER_GROUP_FLOAT_FIELDS)),
-    "FP8E5M2PerGroupSpec": (Dtype.fp8_e5m2, _FP_GROUP, dict(_PER_GROUP_FLOAT_FIELDS)),
-    "FP6E2M3PerGroupSpec": (Dtype.fp6_e2m3, _FP_GROUP, dict(_PER_GROUP_FLOAT_FIELDS)),
-    "FP6E3M2PerGroupSpec": (Dtype.fp6_e3m2, _FP_GROUP, dict(_PER_GROUP_FLOAT_FIELDS)),
-    "FP4PerGroupSpec": (Dtype.fp4, _FP_GROUP, {**_PER_GROUP_FLOAT_FIELDS, "scale_type": "float"}),
+    "FP8E4M3PerGroupSpec": (Dtype.fp8_e4m3, _GROUP, dict(_PER_GROUP_FLOAT_FIELDS)),
+    "FP8E5M2PerGroupSpec": (Dtype.fp8_e5m2, _GROUP, dict(_PER_GROUP_FLOAT_FIELDS)),
+    "FP6E2M3PerGroupSpec": (Dtype.fp6_e2m3, _GROUP, dict(_PER_GROUP_FLOAT_FIELDS)),
+    "FP6E3M2PerGroupSpec": (Dtype.fp6_e3m2, _GROUP, dict(_PER_GROUP_FLOAT_FIELDS)),
+    "FP4PerGroupSpec": (Dtype.fp4, _GROUP, {**_PER_GROUP_FLOAT_FIELDS, "scale_type": "float"}),
     "Float16Spec": (Dtype.float16, (None, {"observer_cls": "PlaceholderObserver"}), {}),
     "Bfloat16Spec": (Dtype.bfloat16, (None, {"observer_cls": "PlaceholderObserver"}), {}),
     "OCP_MXFP8E4M3Spec": (Dtype.fp8_e4m3, (None, _MX_KW), dict(_MX_FIELDS)),
