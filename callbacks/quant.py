@@ -38,6 +38,7 @@ from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
+from quark.torch.quantization.resolve import config_from_stored
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
     LSQFakeQuantize,
@@ -883,7 +884,7 @@ def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_locati
     states = [v for k, v in (checkpoint.get("callbacks") or {}).items() if str(k).startswith("QuantCallback")]
     if not states:
         raise ValueError(f"{checkpoint_path} holds no QuantCallback state; was it written by a Trainer with QuantCallback?")
-    quantizer = ModelQuantizer(Config.from_dict(states[0]["config"]))
+    quantizer = ModelQuantizer(config_from_stored(states[0]["config"]))
     state = {k: v for k, v in checkpoint["state_dict"].items() if k != QUANTIZED_CHECKPOINT_KEY}
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         if quantizer.graph_mode:

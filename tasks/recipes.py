@@ -47,7 +47,7 @@ def recipe(name: str, first_layer: str = "conv1") -> Config:
         "w4a8_tqt_ll_j": {"global_quant_config": {"weight": _tqt(INT4_POF2_WEIGHT, "_LL_J"), "input_tensors": _tqt(INT8_POF2_ACT, "_LL_J")}},
         "mxfp4": {
             "global_quant_config": {"weight": {**MXFP4, "ch_axis": 1}, "input_tensors": MXFP4},
-            "layer_type_quant_config": {"Conv2d": {"input_tensors": MXFP4_CONV_INPUT}},
+            "layer_type_quant_config": {"Conv2d": {"weight": {**MXFP4, "ch_axis": 1}, "input_tensors": MXFP4_CONV_INPUT}},
         },
     }
     if name not in recipes:

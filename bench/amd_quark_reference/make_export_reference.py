@@ -33,13 +33,21 @@ if "site-packages" not in (quark.__file__ or ""):
 
 from quark.torch import ModelQuantizer, export_safetensors, import_model_from_safetensors  # noqa: E402
 from quark.torch.quantization.config.config import (  # noqa: E402
+    FP8E4M3PerChannelSpec,
     FP8E4M3PerTensorSpec,
+    Int4PerChannelSpec,
     Int8PerChannelSpec,
+    Int8PerGroupSpec,
     Int8PerTensorSpec,
     OCP_MXFP4Spec,
+    OCP_MXFP6E2M3Spec,
+    OCP_MXFP6E3M2Spec,
+    OCP_MXFP8E4M3Spec,
     QConfig,
     QLayerConfig,
     Uint4PerGroupSpec,
+    Uint8PerChannelSpec,
+    Uint8PerTensorSpec,
 )
 
 OUT = HERE / "exports"
@@ -54,18 +62,35 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def schemes() -> dict[str, QLayerConfig]:
+def schemes() -> dict[str, QLayerConfig | dict]:
+    """Scheme name -> the global QLayerConfig, or a dict of QConfig fields (per-layer entries)."""
     int8_w = Int8PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec()
     int8_a = Int8PerTensorSpec(symmetric=True).to_quantization_spec()
     fp8 = FP8E4M3PerTensorSpec().to_quantization_spec()
-    mxfp4 = OCP_MXFP4Spec(ch_axis=-1).to_quantization_spec()
-    mxfp4_w = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()  # 0.13's import refuses dynamic weights
+    uint4_g32 = Uint4PerGroupSpec(ch_axis=1, group_size=32).to_quantization_spec()
+
+    def mx(helper: type) -> QLayerConfig:  # 0.13's import refuses dynamic weights: static weights, dynamic inputs
+        return QLayerConfig(weight=helper(ch_axis=-1, is_dynamic=False).to_quantization_spec(),
+                            input_tensors=helper(ch_axis=-1).to_quantization_spec())  # fmt: skip
+
     return {
         "w8a8_int8": QLayerConfig(weight=int8_w, input_tensors=int8_a),
         "w8a8_fp8": QLayerConfig(weight=fp8, input_tensors=fp8),
-        "w_uint4_g32": QLayerConfig(weight=Uint4PerGroupSpec(ch_axis=1, group_size=32).to_quantization_spec()),
-        "w_mxfp4_a_mxfp4": QLayerConfig(weight=mxfp4_w, input_tensors=mxfp4),
-    }
+        "w_uint4_g32": QLayerConfig(weight=uint4_g32),
+        "w_mxfp4_a_mxfp4": mx(OCP_MXFP4Spec),
+        "w_mxfp6e3m2_a_mxfp6e3m2": mx(OCP_MXFP6E3M2Spec),
+        "w_mxfp6e2m3_a_mxfp6e2m3": mx(OCP_MXFP6E2M3Spec),
+        "w_mxfp8e4m3_a_mxfp8e4m3": mx(OCP_MXFP8E4M3Spec),
+        "w8a8_int8_dynamic": QLayerConfig(weight=int8_w, input_tensors=Int8PerTensorSpec(symmetric=True, is_dynamic=True).to_quantization_spec()),
+        "w8a8_uint8_asym": QLayerConfig(weight=Uint8PerChannelSpec(ch_axis=0, symmetric=False).to_quantization_spec(),
+                                        input_tensors=Uint8PerTensorSpec(symmetric=False).to_quantization_spec()),
+        "w_int4_per_channel": QLayerConfig(weight=Int4PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec()),
+        "w_int8_g32": QLayerConfig(weight=Int8PerGroupSpec(ch_axis=1, group_size=32, symmetric=True).to_quantization_spec()),
+        "w_fp8_per_channel_a_fp8": QLayerConfig(weight=FP8E4M3PerChannelSpec(ch_axis=0).to_quantization_spec(), input_tensors=fp8),
+        # a layer_quant_config entry replaces the whole config: down_proj gets uint4 weights and no input quantizer
+        "w8a8_int8_down_proj_w_uint4": {"global_quant_config": QLayerConfig(weight=int8_w, input_tensors=int8_a),
+                                        "layer_quant_config": {"*down_proj": QLayerConfig(weight=uint4_g32)}},
+    }  # fmt: skip
 
 
 def main(names: list[str]) -> None:
@@ -77,14 +102,20 @@ def main(names: list[str]) -> None:
         if names and name not in names:
             continue
         model = tiny_llama()
-        config = QConfig(global_quant_config=qlayer, exclude=["lm_head"])
-        model = ModelQuantizer(config).quantize_model(model, [{"input_ids": ids} for ids in calib])
-        with torch.no_grad():
-            logits_quantized = model(input_ids=eval_ids).logits
+        fields = qlayer if isinstance(qlayer, dict) else {"global_quant_config": qlayer}
+        config = QConfig(**fields, exclude=["lm_head"])
         target = OUT / name
         shutil.rmtree(target, ignore_errors=True)
-        export_safetensors(model, target)
-        reimported = import_model_from_safetensors(tiny_llama(), str(target))
+        try:
+            model = ModelQuantizer(config).quantize_model(model, [{"input_ids": ids} for ids in calib])
+            with torch.no_grad():
+                logits_quantized = model(input_ids=eval_ids).logits
+            export_safetensors(model, target)
+            reimported = import_model_from_safetensors(tiny_llama(), str(target))
+        except Exception as err:  # noqa: BLE001 - a scheme amd-quark cannot export is reported, not kept
+            shutil.rmtree(target, ignore_errors=True)
+            print(f"{name}: amd-quark 0.13 fails: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            continue
         with torch.no_grad():
             logits_reimported = reimported(input_ids=eval_ids).logits
         torch.save(

@@ -37,7 +37,7 @@ def rank_data(rank: int):
 HISTOGRAM_ACT = {**INT8_PER_TENSOR_ACT, "observer_cls": "PerTensorHistogramObserver"}
 PTQ_CONFIG = {
     "global_quant_config": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": INT8_PER_TENSOR_ACT},
-    "layer_quant_config": {"fc2": {"input_tensors": HISTOGRAM_ACT}},
+    "layer_quant_config": {"fc2": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": HISTOGRAM_ACT}},
 }
 LSQ_WEIGHT = {
     "dtype": "int8", "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver",
@@ -46,11 +46,14 @@ LSQ_WEIGHT = {
 }  # fmt: skip
 LSQ_CONFIG = {
     "global_quant_config": {"weight": LSQ_WEIGHT},
-    "layer_quant_config": {"fc1": {"input_tensors": {**LSQ_WEIGHT, "ch_axis": -1}}, "fc2": {"input_tensors": tqt_spec()}},
+    "layer_quant_config": {
+        "fc1": {"weight": LSQ_WEIGHT, "input_tensors": {**LSQ_WEIGHT, "ch_axis": -1}},
+        "fc2": {"weight": LSQ_WEIGHT, "input_tensors": tqt_spec()},
+    },
 }
 QAT_CONFIG = {
     "global_quant_config": {"weight": tqt_spec(), "input_tensors": INT8_PER_TENSOR_ACT},
-    "layer_quant_config": {"fc2": {"input_tensors": tqt_spec()}},
+    "layer_quant_config": {"fc2": {"weight": tqt_spec(), "input_tensors": tqt_spec()}},
 }
 
 

@@ -133,7 +133,8 @@ def test_lsq_per_channel_on_an_axis_the_layer_does_not_fix_is_refused_before_ddp
     from ddp_script import LSQ_CONFIG
     from lightning.pytorch import Trainer
 
-    config = {**LSQ_CONFIG, "layer_quant_config": {"fc1": {"input_tensors": {**LSQ_CONFIG["global_quant_config"]["weight"], "ch_axis": 0}}}}
+    weight = LSQ_CONFIG["global_quant_config"]["weight"]
+    config = {**LSQ_CONFIG, "layer_quant_config": {"fc1": {"weight": weight, "input_tensors": {**weight, "ch_axis": 0}}}}
     trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
     assert trainer.world_size == 2
     with pytest.raises(ValueError, match=r"layer 'fc1' \(Linear, input_tensors\).*ch_axis=-1"):

@@ -34,6 +34,7 @@ def rtn(weight: torch.Tensor, spec: QuantizationSpec | None) -> torch.Tensor:
     return fake_quantize(
         weight, spec.dtype, scale, zero_point, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
         round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype, mx_scale_mode=spec.mx_scale_mode,
+        block_size=spec.block_size,
     )  # fmt: skip
 
 

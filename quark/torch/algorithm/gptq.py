@@ -72,6 +72,8 @@ def check_gptq_spec(spec: QuantizationSpec, where: str) -> None:
         raise ValueError(f"{where}: GPTQ needs an integer or minifloat weight dtype with scales, got {spec.dtype.name}")
     if spec.is_dynamic:
         raise ValueError(f"{where}: GPTQ fixes the weight qparams; the weight spec must have is_dynamic=False")
+    if spec.qscheme == QSchemeType.per_block:
+        raise ValueError(f"{where}: GPTQ quantizes column by column and does not support qscheme=per_block; use per_channel or per_group")
     if spec.qscheme == QSchemeType.per_channel and spec.ch_axis not in (0,):
         raise ValueError(f"{where}: GPTQ needs per-channel weight scales along the output channels (ch_axis=0), got {spec.ch_axis}")
     if spec.qscheme == QSchemeType.per_group and spec.ch_axis not in (1, -1):

@@ -267,11 +267,21 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
             tensors[key] = value.detach().contiguous()
     hf = getattr(model, "config", None)
     document = hf.to_dict() if hasattr(hf, "to_dict") else {}
-    document["quantization_config"] = to_quark_dict(config, weight_format, pack_method)
+    document["quantization_config"] = to_quark_dict(_as_amd_quark(config, model), weight_format, pack_method)
     out = Path(output_dir)
     write_atomically(out, WEIGHTS_FILE, lambda tmp: st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}))
     write_atomically(out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n"))
     return out
+
+
+def _as_amd_quark(config: Config, model: nn.Module) -> Config:
+    """``config`` under amd-quark's rule (an entry is a layer's whole config). With ``inherit_roles`` the per-layer
+    and per-type entries become, for each layer whose config differs from the global one, the config it got."""
+    if not config.inherit_roles or not (config.layer_quant_config or config.layer_type_quant_config):
+        return config
+    own = {name: m.quant_config for name, m in _layers(model) if m.quant_config != config.global_quant_config}
+    return Config(global_quant_config=config.global_quant_config, layer_quant_config=own, exclude=list(config.exclude),
+                  quant_mode=config.quant_mode)  # fmt: skip
 
 
 def is_quark_dir(model_dir: str | Path) -> bool:

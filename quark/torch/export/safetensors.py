@@ -1,5 +1,7 @@
 """Real-quantized safetensors: integer codes (int4/uint4 packed two per byte), fp8 as torch float8, fp4/fp6 and MX
 elements as packed codes with their E8M0 scales, plus scales, zero points and the quark Config in the metadata.
+Per-block (2-D tile) weights store their scales as [ceil(R / rows), ceil(C / cols)]; weight scales of
+``scale_type=float8_e8m0fnu`` are stored as torch.float8_e8m0fnu (one byte each, exact).
 
 ``import_model_from_safetensors`` rebuilds the quantized model from a float instance of the same architecture; its
 outputs equal the exported (fake-quantized) model's bit for bit.
@@ -18,7 +20,7 @@ from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, unpack_nibbles
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationSpec
-from quark.torch.quantization.config.type import Dtype, QSchemeType
+from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType
 from quark.torch.quantization.formats import (
     FLOAT_FORMATS,
     TORCH_FLOAT8,
@@ -34,9 +36,10 @@ from quark.torch.quantization.formats import (
     round_to_grid,
     to_blocks,
 )
-from quark.torch.quantization.formats.grouping import channel_view
+from quark.torch.quantization.formats.grouping import channel_view, from_tiles, tile_layout, tile_view
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import DEFAULT_SLOTS, QUANT_MODULE_MAP, QuantSlot, slot_name
+from quark.torch.quantization.resolve import config_from_stored
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
 
 FILENAME = "model.safetensors"
@@ -56,11 +59,30 @@ def _has_qparams(q: FakeQuantizeBase | None) -> bool:
     return q is not None and not q.is_dynamic and isinstance(format_of(q.spec.dtype), IntFormat | FloatFormat)
 
 
-def _scale_view(scale: torch.Tensor, x: torch.Tensor, qscheme: QSchemeType, ch_axis: int | None) -> torch.Tensor:
-    """A per-tensor or per-channel scale shaped to broadcast over ``x``."""
+def _scale_view(
+    scale: torch.Tensor, x: torch.Tensor, qscheme: QSchemeType, ch_axis: int | None, block_size: list[int] | None = None
+) -> torch.Tensor:
+    """A per-tensor or per-channel scale shaped to broadcast over ``x``; a per-block one expanded to x's shape."""
     if qscheme == QSchemeType.per_channel:
         return channel_view(scale.float(), x.ndim, ch_axis)  # type: ignore[arg-type]
+    if qscheme == QSchemeType.per_block:
+        tiles = tile_layout(x.shape, block_size)
+        (nr, nc), (br, bc) = tiles.n_tiles, tiles.block
+        return from_tiles(tile_view(scale.float(), tiles).expand(nr, br, nc, bc), tiles)
     return scale.float().reshape(())
+
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def _stored_scale(scale: torch.Tensor, spec: QuantizationSpec) -> torch.Tensor:
+    """A weight's scale as stored: float32, or float8_e8m0fnu (1 byte, exact) for ``scale_type=float8_e8m0fnu``."""
+    scale = scale.detach().float()
+    if spec.scale_type == ScaleType.float8_e8m0fnu and _E8M0 is not None:
+        e8m0 = scale.to(_E8M0)
+        if torch.equal(e8m0.float(), scale):  # powers of two in range, as the observer makes them
+            return e8m0
+    return scale
 
 
 def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -74,21 +96,25 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
         scale, zp = q.calculate_qparams()
         info: dict[str, Any] = {"dtype": spec.dtype.name, "shape": shape, "qscheme": spec.qscheme.name,
                                 "ch_axis": spec.ch_axis, "group_size": spec.group_size}  # fmt: skip
+        if spec.block_size is not None:
+            info["block_size"] = list(spec.block_size)
+        stored_scale = _stored_scale(scale, spec)
         if isinstance(fmt, IntFormat):
             codes = quantize_int(w.detach(), scale, zp, fmt.qmin, fmt.qmax, round_method=spec.round_method,
-                                 qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size)  # fmt: skip
+                                 qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
+                                 block_size=spec.block_size)  # fmt: skip
             stored = _store_int(codes, fmt)
             info["encoding"] = "int_nibbles" if fmt.bits <= 4 else "int"
-            return {"": stored, "_scale": scale.detach().float(), "_zero_point": zp.detach()}, info
+            return {"": stored, "_scale": stored_scale, "_zero_point": zp.detach()}, info
         if spec.qscheme == QSchemeType.per_group:
-            raise ValueError(f"export of per-group {spec.dtype.name} weights is not supported (per tensor / channel are)")
-        values = round_to_grid(q(w.detach()).float() / _scale_view(scale, w, spec.qscheme, spec.ch_axis), fmt)
+            raise ValueError(f"export of per-group {spec.dtype.name} weights is not supported (per tensor / channel / block are)")
+        values = round_to_grid(q(w.detach()).float() / _scale_view(scale, w, spec.qscheme, spec.ch_axis, spec.block_size), fmt)
         if spec.dtype in TORCH_FLOAT8:
             info["encoding"] = "float8"
-            return {"": values.to(TORCH_FLOAT8[spec.dtype]), "_scale": scale.detach().float()}, info
+            return {"": values.to(TORCH_FLOAT8[spec.dtype]), "_scale": stored_scale}, info
         codes = encode(values, fmt)
         info["encoding"] = "minifloat_nibbles" if fmt.bits <= 4 else "minifloat"
-        return {"": pack_nibbles(codes) if fmt.bits <= 4 else codes, "_scale": scale.detach().float()}, info
+        return {"": pack_nibbles(codes) if fmt.bits <= 4 else codes, "_scale": stored_scale}, info
     if spec.dtype == Dtype.mx:
         element = Dtype(spec.mx_element_dtype)
         block, axis = spec.group_size or 32, -1 if spec.ch_axis is None else spec.ch_axis
@@ -136,7 +162,7 @@ def decode_weight(tensors: dict[str, torch.Tensor], key: str, info: dict[str, An
         count = int(torch.Size(shape).numel())
         codes = unpack_nibbles(stored, count, fmt.signed).reshape(shape) if encoding == "int_nibbles" else stored.to(torch.int32)
         return dequantize_int(codes, tensors[key + "_scale"], tensors[key + "_zero_point"], qscheme=QSchemeType(info["qscheme"]),
-                              axis=info["ch_axis"], group_size=info["group_size"])  # fmt: skip
+                              axis=info["ch_axis"], group_size=info["group_size"], block_size=info.get("block_size"))  # fmt: skip
     if encoding in ("float8", "minifloat", "minifloat_nibbles"):
         fmt = FLOAT_FORMATS[Dtype(info["dtype"])]
         if encoding == "float8":
@@ -146,7 +172,7 @@ def decode_weight(tensors: dict[str, torch.Tensor], key: str, info: dict[str, An
             codes = unpack_nibbles(stored, count, signed=False).reshape(shape) if encoding == "minifloat_nibbles" else stored
             values = decode(codes, fmt)
         values = values.reshape(shape)
-        return values * _scale_view(tensors[key + "_scale"], values, QSchemeType(info["qscheme"]), info["ch_axis"])
+        return values * _scale_view(tensors[key + "_scale"], values, QSchemeType(info["qscheme"]), info["ch_axis"], info.get("block_size"))
     if encoding.startswith("mx"):
         blocked = info["blocked_shape"]
         if encoding == "mx_int8":
@@ -293,6 +319,8 @@ def _qparam_shape(shape: list[int], spec: QuantizationSpec) -> list[int] | None:
         return [shape[spec.ch_axis]]  # type: ignore[index]
     if spec.qscheme == QSchemeType.per_group:
         return _blocked_shape(shape, spec.ch_axis, spec.group_size)[:-1]  # type: ignore[arg-type]
+    if spec.qscheme == QSchemeType.per_block:
+        return list(tile_layout(shape, spec.block_size).n_tiles)
     return None
 
 
@@ -334,8 +362,9 @@ class _Checker:
         if values.numel() and (bool((values < low).any()) or bool((values > high).any())):
             self.fail(key, f"{what} in [{low}, {high}]", f"values in [{values.min().item()}, {values.max().item()}]")
 
-    def scale(self, key: str, shape: list[int] | None) -> None:
-        t = self.get(key, (torch.float32,), shape, "a scale")
+    def scale(self, key: str, shape: list[int] | None, spec: QuantizationSpec | None = None) -> None:
+        e8m0 = spec is not None and spec.scale_type == ScaleType.float8_e8m0fnu and _E8M0 is not None
+        t = self.get(key, (torch.float32, _E8M0) if e8m0 else (torch.float32,), shape, "a scale").float()  # type: ignore[arg-type]
         self.finite(key, t, "a scale")
         if bool((t <= 0).any()):
             self.fail(key, "a scale > 0", f"min {t.min().item()}")
@@ -396,7 +425,7 @@ class _Checker:
             self.in_range(key + "_scale", e8m0, 0, 254, "E8M0 block scales (255 is NaN)")
             return
         wanted = {"dtype": spec.dtype.name, "qscheme": spec.qscheme.name if spec.qscheme else None,
-                  "ch_axis": spec.ch_axis, "group_size": spec.group_size}  # fmt: skip
+                  "ch_axis": spec.ch_axis, "group_size": spec.group_size, "block_size": spec.block_size}  # fmt: skip
         self._same(key, meta, wanted)
         if spec.qscheme == QSchemeType.per_group and not isinstance(format_of(spec.dtype), IntFormat):
             self.fail(key, "per tensor or per channel minifloat weights", "per_group")
@@ -409,7 +438,7 @@ class _Checker:
             else:
                 codes = self.get(key, (_int_storage(fmt),), shape, f"{spec.dtype.name} codes")
             self.in_range(key, codes, fmt.qmin, fmt.qmax, f"{spec.dtype.name} codes")
-            self.scale(key + "_scale", qshape)
+            self.scale(key + "_scale", qshape, spec)
             self.zero_point(key + "_zero_point", qshape, fmt)
             return
         if not isinstance(fmt, FloatFormat):
@@ -420,7 +449,7 @@ class _Checker:
             self.get(key, (torch.uint8,), [(count + 1) // 2], f"{count} {spec.dtype.name} codes packed two per byte")
         else:
             self.in_range(key, self.get(key, (torch.uint8,), shape, f"{spec.dtype.name} codes"), 0, 2**fmt.bits - 1, f"{fmt.bits}-bit codes")
-        self.scale(key + "_scale", qshape)
+        self.scale(key + "_scale", qshape, spec)
 
     def _same(self, key: str, meta: dict[str, Any], wanted: dict[str, Any]) -> None:
         for field, value in wanted.items():
@@ -502,7 +531,7 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Config]:
         raise ValueError(f"{path} is not a quark export (metadata quant_method={metadata.get('quant_method')!r})")
     try:
         info = json.loads(metadata["quark_tensors"])
-        config = Config.from_dict(json.loads(metadata["quantization_config"]))
+        config = config_from_stored(json.loads(metadata["quantization_config"]))
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: the metadata 'quark_tensors' / 'quantization_config' cannot be read: {err}") from err
     if not isinstance(info, dict):
@@ -548,7 +577,7 @@ def import_model_from_safetensors(model: nn.Module, model_dir: str | Path, filen
                         m.set_quantizer(slot, None)  # stored as the model used it: unquantized, or baked
                     elif meta["encoding"].startswith(("int", "float8", "minifloat")):
                         zp = tensors.get(key + "_zero_point", torch.zeros((), dtype=torch.int32))
-                        m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], zp))  # type: ignore[union-attr]
+                        m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"].float(), zp))  # type: ignore[union-attr]
                 else:
                     key = prefix + activation_key(slot)
                     if key in info and q is not None:

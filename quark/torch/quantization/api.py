@@ -1,8 +1,9 @@
 """ModelQuantizer: resolve the Config per layer and role, swap layers for their quantized twins, calibrate, freeze.
 
-Resolution, per layer and per tensor role, field by field: ``layer_quant_config`` (exact name, then fnmatch patterns
-in the order given) over ``layer_type_quant_config`` (the class name, or a base class's) over
-``global_quant_config``; a role None at one level falls back to the next; ``exclude`` (fnmatch) leaves a layer float.
+Resolution, per layer: the first of ``layer_quant_config`` (exact name, then fnmatch patterns in the order given),
+``layer_type_quant_config`` (the class name, or a base class's) and ``global_quant_config`` that matches is the
+layer's QuantizationConfig (amd-quark's rule; ``Config.inherit_roles=True`` fills a role left None from the next level
+instead, see ``resolve.merge_levels``); ``exclude`` (fnmatch) leaves a layer float.
 Everything that can be checked is checked before the model is touched, and a failure midway restores it.
 """
 
@@ -39,6 +40,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     iter_quantizers,
     slot_label,
 )
+from quark.torch.quantization.resolve import merge_levels
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 logger = logging.getLogger(__name__)
@@ -128,21 +130,10 @@ def _resolve(config: Config, name: str, module: nn.Module, owner: tuple[str, nn.
         return None  # embeddings only when named by type or layer
     levels.append(("global", config.global_quant_config))
     roles = {slot.role for slot in QUANT_MODULE_MAP[float_type].slots_for(module)}
-    chosen: dict[str, QuantizationSpec | None] = {}
-    source: dict[str, str] = {}
-    for role in ROLES:
-        chosen[role] = None
-        if role not in roles:
-            continue
-        for where, qc in levels:
-            spec = getattr(qc, role)
-            if spec is not None:
-                chosen[role], source[role] = spec, where
-                break
-    if not any(chosen.values()):
+    qconfig, source = merge_levels(levels, roles, config.inherit_roles)
+    if qconfig is None:
         return None
-    target = next((qc.target_device for _, qc in levels if qc.target_device is not None), None)
-    return LayerPlan(name, float_type.__name__, QuantizationConfig(**chosen, target_device=target), source)
+    return LayerPlan(name, float_type.__name__, qconfig, source)
 
 
 def _float_reason(config: Config, name: str, module: nn.Module, owner: tuple[str, nn.Module] | None) -> str:
@@ -193,6 +184,11 @@ def _check_layer(plan: LayerPlan, module: nn.Module) -> None:
         if spec is None or not isinstance(tensor, torch.Tensor):
             continue
         where = f"layer '{plan.name}' ({plan.layer_type}, {slot.tensor} of shape {tuple(tensor.shape)})"
+        if spec.qscheme == QSchemeType.per_block and tensor.ndim != 2:
+            raise ValueError(
+                f"{where}: qscheme=per_block (block_size={spec.block_size}) quantizes 2-D weights [out, in] only; use "
+                "per_channel or per_group for this layer, exclude it, or override it in layer_type_quant_config"
+            )
         if spec.ch_axis is not None and spec.qscheme in (QSchemeType.per_channel, QSchemeType.per_group):
             if not -tensor.ndim <= spec.ch_axis < tensor.ndim:
                 raise ValueError(f"{where}: ch_axis={spec.ch_axis} is out of range for {tensor.ndim} dimensions")

@@ -101,6 +101,8 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
             parts.append(f"ch_axis={s.ch_axis}")
         if s.group_size is not None:
             parts.append(f"group_size={s.group_size}")
+        if s.block_size is not None:
+            parts.append(f"block_size={list(s.block_size)}")
         parts.append("dynamic" if self.is_dynamic else "static")
         return ", ".join(parts)
 
@@ -109,6 +111,7 @@ def _apply_format(x: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor |
     return fake_quantize(
         x, spec.dtype, scale, zp, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
         round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype, mx_scale_mode=spec.mx_scale_mode,
+        block_size=spec.block_size,
     )  # fmt: skip
 
 

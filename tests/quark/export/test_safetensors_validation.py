@@ -22,7 +22,7 @@ from tasks.recipes import INT4_G32_WEIGHT, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TEN
 
 CONFIG = {
     "global_quant_config": {"weight": INT4_G32_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT},
-    "layer_quant_config": {"conv": {"weight": INT8_PER_CHANNEL_WEIGHT}},
+    "layer_quant_config": {"conv": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}},
 }
 
 

@@ -234,7 +234,8 @@ def test_resolution_precedence_exact_name_over_pattern_over_type_over_global(lin
     assert type(model.conv) is QuantConv1d and model.conv._output_quantizer is None  # the Linear type config only
 
 
-def test_resolution_falls_back_role_by_role() -> None:
+def test_an_entry_is_the_layers_whole_config_as_in_amd_quark() -> None:
+    """amd-quark 0.13's rule (the default): the first matching entry replaces everything; its None roles stay float."""
     cfg = Config(
         global_quant_config=QuantizationConfig(input_tensors=int_spec(dtype="int8"), weight=int_spec(dtype="int8")),
         layer_type_quant_config={"Linear": QuantizationConfig(output_tensors=int_spec(dtype="int16"))},
@@ -242,6 +243,30 @@ def test_resolution_falls_back_role_by_role() -> None:
             "block.fc2": QuantizationConfig(weight=int_spec(dtype="int5")),
             "*.fc2": QuantizationConfig(input_tensors=int_spec(dtype="int7"), weight=int_spec(dtype="int6")),
         },
+    )
+    plans = {p.name: p for p in ModelQuantizer(cfg).resolve(Net())}
+    fc2 = plans["block.fc2"].qconfig
+    assert fc2.weight.dtype.name == "int5" and fc2.input_tensors is None and fc2.output_tensors is None
+    assert plans["block.fc2"].source == {"weight": "layer 'block.fc2'"}
+    other = plans["other.fc2"].qconfig
+    assert other.input_tensors.dtype.name == "int7" and other.output_tensors is None
+    fc1 = plans["block.fc1"]  # the type entry: output only, no weight and no input
+    assert fc1.qconfig.weight is None and fc1.qconfig.input_tensors is None
+    assert fc1.qconfig.output_tensors.dtype.name == "int16" and fc1.source == {"output_tensors": "type 'Linear'"}
+    assert plans["conv"].source == {"input_tensors": "global", "weight": "global"}
+    empty = Config(global_quant_config=cfg.global_quant_config, layer_quant_config={"block.fc1": QuantizationConfig()})
+    assert "block.fc1" not in {p.name for p in ModelQuantizer(empty).resolve(Net())}  # an empty entry: float
+
+
+def test_inherit_roles_falls_back_role_by_role() -> None:
+    cfg = Config(
+        global_quant_config=QuantizationConfig(input_tensors=int_spec(dtype="int8"), weight=int_spec(dtype="int8")),
+        layer_type_quant_config={"Linear": QuantizationConfig(output_tensors=int_spec(dtype="int16"))},
+        layer_quant_config={
+            "block.fc2": QuantizationConfig(weight=int_spec(dtype="int5")),
+            "*.fc2": QuantizationConfig(input_tensors=int_spec(dtype="int7"), weight=int_spec(dtype="int6")),
+        },
+        inherit_roles=True,
     )
     model = Net()
     plans = {p.name: p for p in ModelQuantizer(cfg).resolve(model)}
@@ -336,6 +361,7 @@ def test_summary_is_a_readable_table_of_the_resolution() -> None:
         layer_type_quant_config={"Linear": QuantizationConfig(weight=per_group(4))},
         layer_quant_config={"head": QuantizationConfig(weight=mx_spec())},
         exclude=["other.*"],
+        inherit_roles=True,
     )
     model = Net()
     before = dict(model.named_modules())

@@ -195,6 +195,7 @@ def test_embedding_named_by_layer_and_bag_by_type() -> None:
         global_quant_config=GLOBAL_ONLY,
         layer_quant_config={"emb": QuantizationConfig(output_tensors=int_spec())},
         layer_type_quant_config={nn.EmbeddingBag: QuantizationConfig()},  # named: every role falls back to global
+        inherit_roles=True,
     )
     ModelQuantizer(cfg).quantize_model(model, [idx])
     emb, bag = model.emb, model.bag

@@ -27,6 +27,7 @@ def test_qscheme_members() -> None:
         "per_tensor": "per_tensor",
         "per_channel": "per_channel",
         "per_group": "per_group",
+        "per_block": "per_block",
     }
 
 
@@ -54,6 +55,7 @@ def test_scale_type_members() -> None:
         "float32": "float32",
         "float16": "float16",
         "bfloat16": "bfloat16",
+        "float8_e8m0fnu": "float8_e8m0fnu",
     }
 
 
@@ -187,6 +189,6 @@ def test_scalar_float_bitwidths() -> None:
 
 
 def test_choices_lists_member_names() -> None:
-    assert QSchemeType.choices() == ["per_tensor", "per_channel", "per_group"]
+    assert QSchemeType.choices() == ["per_tensor", "per_channel", "per_group", "per_block"]
     assert RoundType.choices() == ["round", "floor", "half_even"]
     assert "int8" in Dtype.choices() and "bfp16" in Dtype.choices()

@@ -196,12 +196,16 @@ class QuantizationSpec(ConfigBase):
     :param Dtype dtype: The data type for quantization (e.g., int8, int4).
     :param Optional[bool] is_dynamic: Dynamic (qparams per call) or static quantization; None means static.
     :param Optional[Type[ObserverBase]] observer_cls: The observer that determines the qparams (or its class name).
-    :param Optional[QSchemeType] qscheme: per_tensor, per_channel or per_group.
-    :param Optional[int] ch_axis: The channel axis for per-channel and per-group quantization.
+    :param Optional[QSchemeType] qscheme: per_tensor, per_channel, per_group or per_block (2-D weights only).
+    :param Optional[int] ch_axis: The channel axis for per-channel and per-group quantization (unused by per_block).
     :param Optional[int] group_size: The size of a group for per-group quantization (also the block of MX formats).
+    :param Optional[List[int]] block_size: The tile ``[rows, cols]`` of ``qscheme=per_block``: one scale per tile of
+        a 2-D weight ``[out, in]`` (e.g. ``[128, 128]``, DeepSeek-V3's block-wise fp8; edge tiles may be partial);
+        scales of shape ``[ceil(out / rows), ceil(in / cols)]``. Only with per_block; held as a list.
     :param Optional[bool] symmetric: Symmetric around zero (required for integer dtypes).
     :param Optional[RoundType] round_method: Rounding of x / scale (required for integer dtypes).
-    :param Optional[ScaleType] scale_type: How the scale is held (required for integer dtypes).
+    :param Optional[ScaleType] scale_type: How the scale is held (required for integer dtypes); ``float8_e8m0fnu``
+        rounds it up to a power of two (UE8M0).
     :param Optional[Dtype] mx_element_dtype: The element type of ``dtype=mx``.
     :param Optional[ZeroPointType] zero_point_type: int32 (rounded, clamped) or float32 zero point.
     :param Optional[QATSpec] qat_spec: A learnable quantizer (TQTSpec or LSQSpec) for quantization-aware training.
@@ -221,6 +225,7 @@ class QuantizationSpec(ConfigBase):
     qscheme: QSchemeType | None = None
     ch_axis: int | None = None
     group_size: int | None = None
+    block_size: list[int] | None = None
     symmetric: bool | None = None
     round_method: RoundType | None = None
     scale_type: ScaleType | None = None
@@ -235,6 +240,7 @@ class QuantizationSpec(ConfigBase):
     def __post_init__(self) -> None:
         self._coerce()
         self._check_scale_format()
+        self._check_block_size()
         fmt = format_of(self.dtype)
         if self.dtype in CAST_FORMATS:
             self._check_cast()
@@ -300,6 +306,42 @@ class QuantizationSpec(ConfigBase):
                 f"{own}.scale_calculation_mode={self.scale_calculation_mode!r} applies to OCP MX scales only; "
                 "leave it None for integer and minifloat scales"
             )
+
+    def _check_block_size(self) -> None:
+        """``block_size`` is the ``[rows, cols]`` tile of ``qscheme=per_block``, required there and used nowhere else."""
+        own = f"QuantizationSpec(dtype={self.dtype.name})"
+        size = self.block_size
+        if size is not None:
+            if not isinstance(size, list | tuple) or len(size) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in size):
+                raise ValueError(
+                    f"{own}.block_size={size!r} must be a list of two positive ints [rows, cols] (e.g. [128, 128]) or None"
+                )
+            self.block_size = [int(b) for b in size]
+        if self.qscheme != QSchemeType.per_block:
+            if self.block_size is not None:
+                raise ValueError(
+                    f"{own}.block_size={self.block_size} is used only with qscheme=per_block (2-D tiles of a weight), got "
+                    f"qscheme={_name(self.qscheme)}; set qscheme='per_block' or leave block_size None "
+                    "(per_group takes group_size, the MX / MX6 / MX9 / BFP16 block too)"
+                )
+            return
+        if self.block_size is None:
+            raise ValueError(
+                f"{own}.block_size is required with qscheme=per_block: a list of two positive ints [rows, cols] of the "
+                "2-D weight, e.g. [128, 128]"
+            )
+        if not isinstance(format_of(self.dtype), IntFormat | FloatFormat):
+            raise ValueError(
+                f"{own}.qscheme=per_block needs an integer or minifloat dtype with a scale (e.g. fp8_e4m3, int8), "
+                f"got {self.dtype.name}"
+            )
+        if self.group_size is not None:
+            raise ValueError(
+                f"{own}.group_size={self.group_size} cannot be used with qscheme=per_block, whose tile is "
+                f"block_size={self.block_size}; leave group_size None"
+            )
+        if self.ch_axis is not None:
+            logger.warning("QuantizationSpec.ch_axis=%s is not used with qscheme=per_block (tiles of block_size)", self.ch_axis)
 
     @property
     def mx_scale_mode(self) -> str | None:
@@ -452,6 +494,12 @@ class QuantizationConfig(ConfigBase):
     def __post_init__(self) -> None:
         for role in self.ROLES:
             setattr(self, role, _spec(f"QuantizationConfig.{role}", getattr(self, role)))
+            spec = getattr(self, role)
+            if role != "weight" and spec is not None and spec.qscheme == QSchemeType.per_block:
+                raise ValueError(
+                    f"QuantizationConfig.{role}: qscheme=per_block (block_size={spec.block_size}) quantizes 2-D "
+                    "weights in tiles; allowed for weight only (per_tensor, per_channel or per_group elsewhere)"
+                )
         self.target_device = _enum("QuantizationConfig", "target_device", DeviceType, self.target_device)
 
 
@@ -633,6 +681,9 @@ class Config(ConfigBase):
     :param Optional[AlgoConfig] algo_config: GPTQ / AWQ / SmoothQuant (amd-quark 0.13 places it here), one or a list applied in order.
     :param Optional[PreQuantOptConfig] pre_quant_opt_config: SmoothQuant (eager mode) or CLE (graph mode), one or a list.
     :param QuantizationMode quant_mode: eager_mode (module swapping) or fx_graph_mode.
+    :param bool inherit_roles: False (amd-quark's rule): the most specific entry that matches a layer (name, then
+        type, then global) is its whole QuantizationConfig, and a role left None there is not quantized. True (ours,
+        opt-in): a role left None in an entry is taken from the next level, so an entry can override one role.
     """
 
     global_quant_config: QuantizationConfig
@@ -642,8 +693,11 @@ class Config(ConfigBase):
     algo_config: AlgoConfig | list[AlgoConfig] | None = None
     pre_quant_opt_config: PreQuantOptConfig | list[PreQuantOptConfig] | None = None
     quant_mode: QuantizationMode = QuantizationMode.eager_mode
+    inherit_roles: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.inherit_roles, bool):
+            raise ValueError(f"Config.inherit_roles={self.inherit_roles!r} must be true or false")
         self.global_quant_config = _qconfig("Config.global_quant_config", self.global_quant_config)
         self.layer_type_quant_config = self._mapping("layer_type_quant_config", self.layer_type_quant_config, types=True)
         self.layer_quant_config = self._mapping("layer_quant_config", self.layer_quant_config, types=False)

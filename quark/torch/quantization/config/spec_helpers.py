@@ -5,6 +5,9 @@ Each helper is a small dataclass with amd-quark 0.13's fields and defaults; ``to
 ``_HELPERS``: a row names the dtype, the scheme and the fields. String options (``observer_method``, ``scale_type``,
 ``round_method``, ``zero_point_type``) take amd-quark's names. Not provided: amd-quark's ``FP8E5M3PerTensorSpec`` and
 ``AmdFP4Spec`` (fp8 e5m3 values / e5m3 scales) and ``OCP_MXFP4DiffsSpec`` (its observer), formats this engine lacks.
+amd-quark 0.13 has no helper for ``qscheme=per_block`` (2-D ``block_size``): write that QuantizationSpec directly; the
+``block_size`` of MX6Spec / MX9Spec is their 1-D block, i.e. ``group_size``. ``scale_type="float8_e8m0fnu"`` is
+accepted here too (amd-quark's helpers do not take it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ SCALE_TYPES = {
     "bfloat16": ScaleType.bfloat16,
     "float": ScaleType.float,
     "power_of_2": ScaleType.pof2,
+    "float8_e8m0fnu": ScaleType.float8_e8m0fnu,  # ours: amd-quark 0.13's helpers do not take it
 }
 ROUND_METHODS = {"round": RoundType.round, "floor": RoundType.floor, "half_even": RoundType.half_even}
 ZERO_POINT_TYPES = {"int32": ZeroPointType.int32, "float32": ZeroPointType.float32}

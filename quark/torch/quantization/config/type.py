@@ -36,11 +36,16 @@ class _LenientEnum(Enum):
 
 
 class QSchemeType(_LenientEnum):
-    """Granularity of the quantization parameters."""
+    """Granularity of the quantization parameters.
+
+    ``per_block``: one scale per 2-D tile of ``QuantizationSpec.block_size = [rows, cols]`` of a 2-D weight
+    (DeepSeek-V3-style block-wise fp8: [128, 128]); weights only.
+    """
 
     per_tensor = "per_tensor"
     per_channel = "per_channel"
     per_group = "per_group"
+    per_block = "per_block"
 
 
 class ZeroPointType(_LenientEnum):
@@ -132,13 +137,38 @@ class Dtype(_LenientEnum):
 
 
 class ScaleType(_LenientEnum):
-    """How a scale is held: in the model's float dtype, as a power of two, or in a fixed float precision."""
+    """How a scale is held: in the model's float dtype, as a power of two, or in a fixed float precision.
+
+    ``pof2`` rounds the scale to the nearest power of two in the log domain (``2^round(log2 s)``, Quark's rule);
+    ``float8_e8m0fnu`` (UE8M0, as DeepSeek-V3 / DeepGEMM store block scales) rounds it up to the next power of two
+    (``2^ceil(log2 s)``, so no value that fitted before clips), clamped to E8M0's range [2^-127, 2^127]; such a scale
+    is exactly representable as ``torch.float8_e8m0fnu``.
+    """
 
     float = "float"
     pof2 = "pof2"
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
+    float8_e8m0fnu = "float8_e8m0fnu"
+
+    @classmethod
+    def _aliases(cls) -> dict[str, str]:
+        return {"ue8m0": "float8_e8m0fnu", "e8m0fnu": "float8_e8m0fnu"}
+
+    def to_torch_dtype(self) -> Any:
+        """The torch dtype a scale of this type is stored in (amd-quark's method); ``float`` and ``pof2`` have none."""
+        import torch
+
+        dtypes = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float8_e8m0fnu": "float8_e8m0fnu"}
+        if self.name not in dtypes:
+            raise ValueError(
+                f"ScaleType.{self.name} is held in the model's float dtype, not one torch dtype; "
+                f"to_torch_dtype() serves {list(dtypes)}"
+            )
+        if not hasattr(torch, dtypes[self.name]):
+            raise RuntimeError(f"ScaleType.{self.name} needs a torch build with torch.{dtypes[self.name]}")
+        return getattr(torch, dtypes[self.name])
 
 
 class RoundType(_LenientEnum):

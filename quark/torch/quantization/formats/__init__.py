@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
@@ -23,10 +25,13 @@ from quark.torch.quantization.formats.block import (
 from quark.torch.quantization.formats.grouping import (
     Backend,
     BlockLayout,
+    TileLayout,
     from_blocks,
+    from_tiles,
     round_to_int,
     set_compile,
     to_blocks,
+    to_tiles,
 )
 from quark.torch.quantization.formats.integer import apply_scale_type, dequantize_int, fake_quantize_int, quantize_int
 from quark.torch.quantization.formats.minifloat import decode, encode, fake_quantize_minifloat, round_to_grid
@@ -89,6 +94,9 @@ __all__ = [
     "to_blocks",
     "from_blocks",
     "BlockLayout",
+    "to_tiles",
+    "from_tiles",
+    "TileLayout",
 ]
 
 
@@ -125,8 +133,10 @@ def fake_quantize(
     round_method: RoundType | None = RoundType.half_even,
     mx_element_dtype: Dtype | None = None,
     mx_scale_mode: str | None = None,
+    block_size: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Quantize ``x`` to ``dtype`` and back. Scaled formats need ``scale`` (and ``zero_point`` for integers);
+    ``block_size`` = [rows, cols] is the tile of ``qscheme=per_block`` (scale [ceil(R / rows), ceil(C / cols)]);
     ``mx_scale_mode`` is the E8M0 scale rule of dtype=mx (floor, ceil or even; None: floor)."""
     fmt = format_of(dtype)
     if isinstance(fmt, IntFormat):
@@ -135,12 +145,12 @@ def fake_quantize(
         return fake_quantize_int(
             x, scale, zero_point, fmt.qmin, fmt.qmax,
             round_method=round_method or RoundType.half_even, qscheme=qscheme or QSchemeType.per_tensor,
-            axis=axis, group_size=group_size,
+            axis=axis, group_size=group_size, block_size=block_size,
         )  # fmt: skip
     if isinstance(fmt, FloatFormat):
         return fake_quantize_minifloat(
             x, fmt, scale, qscheme=qscheme or QSchemeType.per_tensor, axis=axis, group_size=group_size,
-            torch_dtype=TORCH_FLOAT8.get(dtype),
+            torch_dtype=TORCH_FLOAT8.get(dtype), block_size=block_size,
         )  # fmt: skip
     if isinstance(fmt, CastFormat):
         return fake_cast(x, fmt.torch_dtype)

@@ -1,10 +1,11 @@
-"""Shape plumbing shared by every format: blocks along an axis (padded when ragged), channel broadcasting, rounding."""
+"""Shape plumbing shared by every format: blocks along an axis (padded when ragged), 2-D tiles of a matrix (per_block),
+channel broadcasting, rounding."""
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -91,6 +92,63 @@ def from_blocks(xb: torch.Tensor, layout: BlockLayout, shape: torch.Size) -> tor
     if layout.pad:
         moved = moved[..., : layout.length]
     return moved.movedim(-1, layout.axis).reshape(shape)
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """How ``to_tiles`` cut a 2-D tensor [R, C] into tiles of ``block`` = (rows, cols), so ``from_tiles`` can undo it."""
+
+    shape: tuple[int, int]
+    block: tuple[int, int]
+
+    @property
+    def n_tiles(self) -> tuple[int, int]:
+        """The tile grid, ``[ceil(R / rows), ceil(C / cols)]``: the shape of per-block qparams."""
+        return (-(-self.shape[0] // self.block[0]), -(-self.shape[1] // self.block[1]))
+
+    @property
+    def pad(self) -> tuple[int, int]:
+        return (self.n_tiles[0] * self.block[0] - self.shape[0], self.n_tiles[1] * self.block[1] - self.shape[1])
+
+
+def tile_layout(shape: Sequence[int], block_size: Sequence[int] | None) -> TileLayout:
+    """The tiling of a 2-D ``shape`` by ``block_size`` = [rows, cols], with a clear error for anything else."""
+    if block_size is None or len(block_size) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size):
+        raise ValueError(f"qscheme=per_block needs block_size=[rows, cols] of two positive ints, got {block_size!r}")
+    if len(shape) != 2:
+        raise ValueError(f"qscheme=per_block quantizes 2-D tensors [rows, cols] only, got one of shape {tuple(shape)}")
+    return TileLayout((int(shape[0]), int(shape[1])), (int(block_size[0]), int(block_size[1])))
+
+
+def to_tiles(x: torch.Tensor, block_size: Sequence[int] | None) -> tuple[torch.Tensor, TileLayout]:
+    """Cut a 2-D ``x`` [R, C] into tiles: -> [n_rows, rows, n_cols, cols], so that per-tile qparams of shape
+    [n_rows, n_cols] broadcast over it as ``tile_view(param)``. Ragged edge tiles are zero-padded (zeros never raise
+    a tile's maximum); ``from_tiles`` cuts the padding off again."""
+    layout = tile_layout(x.shape, block_size)
+    (pr, pc), (br, bc), (nr, nc) = layout.pad, layout.block, layout.n_tiles
+    if pr or pc:
+        x = F.pad(x, (0, pc, 0, pr))
+    return x.reshape(nr, br, nc, bc), layout
+
+
+def from_tiles(xt: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Undo ``to_tiles``: [n_rows, rows, n_cols, cols] -> [R, C]."""
+    (nr, nc), (br, bc) = layout.n_tiles, layout.block
+    out = xt.reshape(nr * br, nc * bc)
+    if any(layout.pad):
+        out = out[: layout.shape[0], : layout.shape[1]]
+    return out
+
+
+def tile_view(param: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Per-tile qparams [n_rows, n_cols] shaped [n_rows, 1, n_cols, 1], to broadcast over ``to_tiles``' output."""
+    nr, nc = layout.n_tiles
+    if param.numel() != nr * nc:
+        raise ValueError(
+            f"per_block qparams of shape {tuple(param.shape)} do not fit a tensor of shape {layout.shape} in tiles of "
+            f"{list(layout.block)}: expected {nr * nc} values ([{nr}, {nc}])"
+        )
+    return param.reshape(nr, 1, nc, 1)
 
 
 def channel_view(param: torch.Tensor, ndim: int, axis: int) -> torch.Tensor:

@@ -4,7 +4,9 @@ Layout of the qparams (``scale`` and ``zero_point`` alike):
 - per_tensor: one element;
 - per_channel: [C], C the size of ``axis``;
 - per_group: [..., n_groups], the shape of ``x.movedim(axis, -1)`` with its last dim split into groups of
-  ``group_size`` (a ragged last group is padded, see ``to_blocks``).
+  ``group_size`` (a ragged last group is padded, see ``to_blocks``);
+- per_block: [ceil(R / rows), ceil(C / cols)] for a 2-D x [R, C] in tiles of ``block_size`` = [rows, cols] (ragged
+  edge tiles allowed, see ``to_tiles``).
 
 Arithmetic follows torch's fused kernels exactly: ``q = round(x * (1 / scale)) + zp``, ``y = (clamp(q) - zp) * scale``,
 and the straight-through gradient is 1 where ``qmin <= q <= qmax``, else 0. Half-even with an integer zero point
@@ -13,6 +15,8 @@ dispatches to ``torch.fake_quantize_per_{tensor,channel}_affine``; every other c
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
@@ -20,18 +24,24 @@ from quark.torch.quantization.formats.grouping import (
     channel_view,
     compilable,
     from_blocks,
+    from_tiles,
     normalize_axis,
     round_to_int,
+    tile_layout,
+    tile_view,
     to_blocks,
+    to_tiles,
 )
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_E8M0_MIN, _E8M0_MAX = 2.0**-127, 2.0**127  # the finite range of float8_e8m0fnu
 
 
 def apply_scale_type(scale: torch.Tensor, scale_type: ScaleType | None, model_dtype: torch.dtype) -> torch.Tensor:
     """Hold ``scale`` in the precision of ``scale_type``; returned as float32 for the arithmetic.
 
-    float: the model's float dtype; pof2: ``2^round(log2 s)`` (Quark's convention); float32/float16/bfloat16: that dtype.
+    float: the model's float dtype; pof2: ``2^round(log2 s)`` (Quark's convention); float32/float16/bfloat16: that dtype;
+    float8_e8m0fnu: ``2^ceil(log2 s)`` (UE8M0, rounded up so no value clips), clamped to [2^-127, 2^127].
     """
     if scale_type in (None, ScaleType.float32):
         held = scale.float()
@@ -43,9 +53,19 @@ def apply_scale_type(scale: torch.Tensor, scale_type: ScaleType | None, model_dt
         held = scale.to(torch.float16)
     elif scale_type == ScaleType.bfloat16:
         held = scale.to(torch.bfloat16)
+    elif scale_type == ScaleType.float8_e8m0fnu:
+        held = ceil_pow2(scale)
     else:
         raise ValueError(f"scale_type={scale_type!r} is not one of {ScaleType.choices()}")
     return held.float()
+
+
+def ceil_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2 s)`` clamped to E8M0's range [2^-127, 2^127], exactly (from the float32 exponent, no log)."""
+    s = scale.float().clamp(_E8M0_MIN, _E8M0_MAX)
+    mantissa, exp = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1): a power of two has m == 0.5
+    exp = torch.where(mantissa == 0.5, exp - 1, exp)
+    return torch.ldexp(torch.ones_like(s), exp).clamp(_E8M0_MIN, _E8M0_MAX)
 
 
 @compilable
@@ -106,6 +126,7 @@ def fake_quantize_int(
     axis: int | None = None,
     group_size: int | None = None,
     use_torch_kernel: bool = True,
+    block_size: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Quantize ``x`` to integers in ``[qmin, qmax]`` and back; differentiable (straight-through) in ``x``."""
     orig_dtype = x.dtype
@@ -139,6 +160,10 @@ def fake_quantize_int(
         else:
             outb = _fake_quantize_elementwise(xb, scale.unsqueeze(-1), zero_point.unsqueeze(-1), qmin, qmax, round_method)
         out = from_blocks(outb, layout, xf.shape)
+    elif qscheme == QSchemeType.per_block:
+        xt, tiles = to_tiles(xf, block_size)  # [n_rows, rows, n_cols, cols]; qparams [n_rows, 1, n_cols, 1]
+        outt = _fake_quantize_elementwise(xt, tile_view(scale, tiles), tile_view(zero_point, tiles), qmin, qmax, round_method)
+        out = from_tiles(outt, tiles)
     else:
         raise ValueError(f"qscheme={qscheme!r} is not one of {QSchemeType.choices()}")
     return out if out.dtype == orig_dtype else out.to(orig_dtype)
@@ -155,20 +180,15 @@ def quantize_int(
     qscheme: QSchemeType = QSchemeType.per_tensor,
     axis: int | None = None,
     group_size: int | None = None,
+    block_size: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The integer codes ``clamp(round(x / scale) + zp)`` in x's layout, as int32 (the export form)."""
     xf = x.float()
-    s, z = _broadcast_qparams(xf, scale.float(), zero_point, qscheme, axis, group_size)
-    if qscheme == QSchemeType.per_group:
-        xb, layout = to_blocks(xf, axis, group_size)  # type: ignore[arg-type]
-        v = xb * torch.reciprocal(s)
-    else:
-        v = xf * torch.reciprocal(s)
+    xv, back = _qparam_layout(xf, qscheme, axis, group_size, block_size)
+    s, z = _broadcast_qparams(xf, scale.float(), zero_point, qscheme, axis, group_size, block_size)
+    v = xv * torch.reciprocal(s)
     q = round_to_int(v + z, round_method) if z.is_floating_point() else round_to_int(v, round_method) + z
-    q = q.clamp(qmin, qmax)
-    if qscheme == QSchemeType.per_group:
-        q = from_blocks(q, layout, xf.shape)
-    return q.to(torch.int32)
+    return back(q.clamp(qmin, qmax)).to(torch.int32)
 
 
 def dequantize_int(
@@ -180,14 +200,26 @@ def dequantize_int(
     axis: int | None = None,
     group_size: int | None = None,
     dtype: torch.dtype = torch.float32,
+    block_size: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``(q - zp) * scale``: the inverse of ``quantize_int`` (equal to ``fake_quantize_int`` of the same input)."""
     qf = q.float()
-    s, z = _broadcast_qparams(qf, scale.float(), zero_point, qscheme, axis, group_size)
+    qv, back = _qparam_layout(qf, qscheme, axis, group_size, block_size)
+    s, z = _broadcast_qparams(qf, scale.float(), zero_point, qscheme, axis, group_size, block_size)
+    return back((qv - z) * s).to(dtype)
+
+
+def _qparam_layout(
+    x: torch.Tensor, qscheme: QSchemeType, axis: int | None, group_size: int | None, block_size: Sequence[int] | None
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``x`` in the layout its qparams broadcast over (groups, tiles or as is), and the way back to x's shape."""
     if qscheme == QSchemeType.per_group:
-        qb, layout = to_blocks(qf, axis, group_size)  # type: ignore[arg-type]
-        return from_blocks((qb - z) * s, layout, qf.shape).to(dtype)
-    return ((qf - z) * s).to(dtype)
+        xb, layout = to_blocks(x, _require_axis(axis, qscheme), _require_group(group_size))
+        return xb, lambda y: from_blocks(y, layout, x.shape)
+    if qscheme == QSchemeType.per_block:
+        xt, tiles = to_tiles(x, block_size)
+        return xt, lambda y: from_tiles(y, tiles)
+    return x, lambda y: y
 
 
 def _broadcast_qparams(
@@ -197,6 +229,7 @@ def _broadcast_qparams(
     qscheme: QSchemeType,
     axis: int | None,
     group_size: int | None,
+    block_size: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     zp = zero_point if zero_point.is_floating_point() else zero_point.to(torch.int32)
     if qscheme == QSchemeType.per_tensor:
@@ -208,6 +241,9 @@ def _broadcast_qparams(
         _require_axis(axis, qscheme)
         _require_group(group_size)
         return scale.unsqueeze(-1), zp.unsqueeze(-1)
+    if qscheme == QSchemeType.per_block:
+        tiles = tile_layout(x.shape, block_size)
+        return tile_view(scale, tiles), tile_view(zp, tiles)
     raise ValueError(f"qscheme={qscheme!r} is not one of {QSchemeType.choices()}")
 
 

@@ -2,15 +2,25 @@
 
 Rounding is to nearest, ties to even, on the element grid: subnormals are kept, magnitudes beyond ``max_normal``
 saturate to it (as torch's float8 casts do for every finite input inside the range; outside it torch gives NaN
-or inf, we saturate). The scaled variants divide by a scale first (per tensor, channel or group).
+or inf, we saturate). The scaled variants divide by a scale first (per tensor, channel, group or 2-D block).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from quark.torch.quantization.config.type import QSchemeType
-from quark.torch.quantization.formats.grouping import channel_view, compilable, from_blocks, to_blocks
+from quark.torch.quantization.formats.grouping import (
+    channel_view,
+    compilable,
+    from_blocks,
+    from_tiles,
+    tile_view,
+    to_blocks,
+    to_tiles,
+)
 from quark.torch.quantization.formats.table import FloatFormat
 
 
@@ -65,8 +75,9 @@ def fake_quantize_minifloat(
     axis: int | None = None,
     group_size: int | None = None,
     torch_dtype: torch.dtype | None = None,
+    block_size: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """``round_to_grid(x / scale) * scale`` with a per tensor, channel or group scale (None: scale 1).
+    """``round_to_grid(x / scale) * scale`` with a per tensor, channel, group or block scale (None: scale 1).
 
     When ``torch_dtype`` (a torch float8 dtype of the same format) is given, the rounding is done by torch's cast,
     which is bit-identical inside the range and faster.
@@ -79,6 +90,9 @@ def fake_quantize_minifloat(
     if qscheme == QSchemeType.per_group:
         xb, layout = to_blocks(xf, axis, group_size)  # type: ignore[arg-type]
         out = from_blocks(_scaled_round(xb, scale.unsqueeze(-1), fmt, torch_dtype), layout, xf.shape)
+    elif qscheme == QSchemeType.per_block:
+        xt, tiles = to_tiles(xf, block_size)  # [n_rows, rows, n_cols, cols]; scale [n_rows, 1, n_cols, 1]
+        out = from_tiles(_scaled_round(xt, tile_view(scale, tiles), fmt, torch_dtype), tiles)
     else:
         s = channel_view(scale, xf.ndim, axis) if qscheme == QSchemeType.per_channel else scale.reshape(())  # type: ignore[arg-type]
         out = _scaled_round(xf, s, fmt, torch_dtype)

@@ -33,6 +33,7 @@ from quark.torch.quantization.graph.capture import EAGER_FALLBACK, GraphModeErro
 from quark.torch.quantization.graph.modules import CONV_BN, QuantActivation, QuantFunctionalWeight, SharedFakeQuantize
 from quark.torch.quantization.graph.rules import COMPUTE, float_tensor, kind_of
 from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, QuantMixin
+from quark.torch.quantization.resolve import merge_levels
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = ["prepare_graph", "GraphUnit", "QUANTIZERS"]
@@ -80,8 +81,8 @@ def _excluded(config: Config, name: str) -> bool:
 
 
 def resolve_node(config: Config, name: str, type_names: list[str], roles: tuple[str, ...], explicit_only: bool = False) -> tuple[QuantizationConfig | None, dict[str, str]]:
-    """The QuantizationConfig of one op, field by field: layer name (exact, then patterns) > layer type > global,
-    like eager mode; None when excluded or nothing applies."""
+    """The QuantizationConfig of one op: layer name (exact, then patterns) > layer type > global, combined as in
+    eager mode (``merge_levels``); None when excluded or nothing applies."""
     if _excluded(config, name):
         return None, {}
     exact = [k for k in config.layer_quant_config if k == name]
@@ -93,19 +94,7 @@ def resolve_node(config: Config, name: str, type_names: list[str], roles: tuple[
     if explicit_only and not levels:
         return None, {}
     levels.append(("global", config.global_quant_config))
-    chosen: dict[str, QuantizationSpec | None] = {}
-    source: dict[str, str] = {}
-    for role in QuantizationConfig.ROLES:
-        chosen[role] = None
-        for where, qc in levels if role in roles else ():
-            spec = getattr(qc, role)
-            if spec is not None:
-                chosen[role], source[role] = spec, where
-                break
-    if not any(chosen.values()):
-        return None, {}
-    target = next((qc.target_device for _, qc in levels if qc.target_device is not None), None)
-    return QuantizationConfig(**chosen, target_device=target), source
+    return merge_levels(levels, roles, config.inherit_roles)
 
 
 # ----------------------------------------------------------------------------------------------- helpers

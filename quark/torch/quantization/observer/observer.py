@@ -30,6 +30,7 @@ from quark.torch.quantization.formats import (
     format_of,
     mx_shared_exponent,
     to_blocks,
+    to_tiles,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ __all__ = [
     "PerBlockMXObserver",
     "PerBlockBFPObserver",
     "PerGroupMinMaxObserver",
+    "PerBlock2DMinMaxObserver",
     "PerTensorHistogramObserver",
     "PerTensorHistogramObserverPro",
     "PerTensorPercentileObserver",
@@ -292,6 +294,41 @@ class PerGroupMinMaxObserver(UniformScalingObserver):
             mn, mx = torch.aminmax(xb, dim=-1)
             self._update(mn, mx, x_orig)
         return x_orig
+
+
+class PerBlock2DMinMaxObserver(UniformScalingObserver):
+    """Running minimum and maximum of each ``block_size = [rows, cols]`` tile of a 2-D tensor (``qscheme=per_block``,
+    e.g. DeepSeek-V3's fp8 weights in 128 x 128 tiles): qparams of shape ``[ceil(R / rows), ceil(C / cols)]``, edge
+    tiles partial.
+
+    The qparams follow the per-tensor rules tile by tile: symmetric scale = amax / max_normal (minifloats) or
+    amax / ((qmax - qmin) / 2) (integers); asymmetric integers get scale = (max - min) / (qmax - qmin) and a zero
+    point per tile. amd-quark 0.13 has this class as a placeholder that raises on use.
+    """
+
+    qschemes = frozenset({QSchemeType.per_block})
+
+    def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None, eps: float = _EPS) -> None:
+        super().__init__(qspec, device, eps)
+        self.block_size = qspec.block_size
+
+    @classmethod
+    def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
+        return _is_scaled(dtype) and qscheme in cls.qschemes
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if x_orig.ndim != 2:
+            raise ValueError(
+                f"{type(self).__name__}: qscheme=per_block (block_size={self.block_size}) needs a 2-D tensor "
+                f"[rows, cols], got shape {tuple(x_orig.shape)}"
+            )
+        if x_orig.numel():
+            xt, _ = to_tiles(x_orig.detach(), self.block_size)  # [n_rows, rows, n_cols, cols], zero-padded
+            self._update(xt.amin(dim=(1, 3)), xt.amax(dim=(1, 3)), x_orig)
+        return x_orig
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block_size={self.block_size}"
 
 
 class PerBlockMXObserver(ObserverBase):
@@ -877,6 +914,7 @@ OBSERVER_CLASSES: frozenset[type[ObserverBase]] = frozenset(
         PerBlockMXObserver,
         PerBlockBFPObserver,
         PerGroupMinMaxObserver,
+        PerBlock2DMinMaxObserver,
         PerTensorHistogramObserver,
         PerTensorHistogramObserverPro,
         PerTensorPercentileObserver,
