@@ -21,6 +21,6 @@ def export_model(model, output_dir, formats, example_input=None) -> dict:  # noq
         raise ValueError("ONNX export needs an example input")
     out = {}
     for fmt in formats:
-        path = export_safetensors(model, output_dir) if fmt == "safetensors" else export_onnx(model, output_dir, example_input)
+        path = export_safetensors(model, output_dir, custom_mode=None) if fmt == "safetensors" else export_onnx(model, output_dir, example_input)
         out[fmt] = {"path": str(path), **size_report(path, model)}
     return out

@@ -1,4 +1,5 @@
-"""Bit packing of sub-byte codes: two 4-bit codes per byte (low nibble first), as int4/uint4/fp4 are stored."""
+"""Bit packing of sub-byte codes: two 4-bit codes per byte (low nibble first), as int4/uint4/fp4 are stored; four
+6-bit codes per three bytes, as amd-quark stores MX fp6."""
 
 from __future__ import annotations
 
@@ -23,3 +24,23 @@ def unpack_nibbles(packed: torch.Tensor, count: int, signed: bool) -> torch.Tens
     if signed:
         flat = torch.where(flat >= 8, flat - 16, flat)
     return flat
+
+
+def pack_sextets(codes: torch.Tensor) -> torch.Tensor:
+    """6-bit codes [..., n] (n a multiple of 4) -> uint8 [..., 3n/4]: each run of four codes v0..v3 becomes the
+    24-bit little-endian word ``v0 | v1 << 6 | v2 << 12 | v3 << 18`` (amd-quark's MX fp6 layout, which AMD's
+    f8f6f4 MFMA instructions read)."""
+    if codes.shape[-1] % 4:
+        raise ValueError(f"6-bit packing needs a multiple of 4 codes along the last axis, got {codes.shape[-1]}")
+    v = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 4) & 0x3F
+    word = v[..., 0] | (v[..., 1] << 6) | (v[..., 2] << 12) | (v[..., 3] << 18)
+    packed = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
+    return packed.reshape(*codes.shape[:-1], -1).to(torch.uint8)
+
+
+def unpack_sextets(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_sextets``: uint8 [..., 3m] -> int32 codes [..., 4m]."""
+    b = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, 3)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    v = torch.stack([(word >> (6 * i)) & 0x3F for i in range(4)], dim=-1)
+    return v.reshape(*packed.shape[:-1], -1)

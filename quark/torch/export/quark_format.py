@@ -2,20 +2,31 @@
 ``quantization_config`` with ``quant_method: "quark"``) and ``model.safetensors`` with amd-quark's key names, dtypes and
 packing. This is what amd-quark's ``import_model_from_safetensors`` and vLLM's quark loader read.
 
-Per quantized layer (a twin with a ``weight`` slot), for ``weight_format="real_quantized"``:
+Per quantized layer (a twin with a ``weight`` slot), for ``weight_format="real_quantized"``. Rows marked (ext.) are
+formats amd-quark 0.13 does not export; they follow the same rules (codes under the weight's name, ``_scale`` /
+``_zero_point`` beside them, per-group weights transposed, 4-bit codes packed eight per int32):
 
 | weight spec | ``<layer>.weight`` | ``weight_scale`` | ``weight_zero_point`` |
 |---|---|---|---|
-| int8 / uint8, per tensor or channel | int8 / uint8 codes [out, in] | float32, () or [out] | int8 / uint8, same shape |
-| fp8 e4m3 / e5m2, per tensor or channel | float8 values [out, in] | float32, () or [out] | none |
+| int8 / uint8, per tensor or channel (axis 0) | int8 / uint8 codes, the weight's shape | float32, () or [out] | int8 / uint8, same shape |
+| int8 / uint8 per group (axis 1) | int8 / uint8 [in, out]: transposed | float32 [in/g, out] | int8 / uint8 [in/g, out] |
 | int4 / uint4 per channel | int32 [out, in/8], 8 nibbles each | float32 [out] | int32 [out/8], packed |
 | int4 / uint4 per group (axis 1) | int32 [in, out/8]: transposed, packed | float32 [in/g, out] | int32 [in/g, out/8] |
+| fp8 e4m3 / e5m2, per tensor or channel | float8 values, the weight's shape | float32, () or [out] | none |
 | OCP MX fp4 (blocks along in) | uint8 [out, in/2], element 2k in the low nibble | uint8 E8M0 [out, in/32] | none |
+| OCP MX fp6 e3m2 / e2m3 | uint8 [out, 3 in/4]: 4 codes per 24-bit little-endian word | uint8 E8M0 [out, in/32] | none |
+| (ext.) OCP MX fp8 / int8 | float8 / int8 (element x 64) [out, in] | uint8 E8M0 [out, in/32] | none |
+| (ext.) fp8 or integer per_block [r, c] | as per tensor | float32 [out/r, in/c] | integers: [out/r, in/c] |
+| (ext.) int2/3/5-7 (int8 / uint8), int9-16 (int16), uint9-16 (int32) | codes as the 8-bit rows | as the 8-bit rows | as the codes |
+| (ext.) int4 per tensor / channel of a conv | int32 [out, k/8]: the weight flattened per output channel | float32 | int32 / int8 |
+| (ext.) bf16 / fp16 | the rounded weight in that dtype | none | none |
 
 4-bit packing puts element ``8c + order[i]`` in bits ``4i..4i+3`` of int32 ``c``, with ``order = 0 2 4 6 1 3 5 7``
 for ``pack_method="reorder"`` (amd-quark's default) and ``0..7`` for ``"order"``. Static activation quantizers
-store ``input_scale`` (float32) and ``input_zero_point`` (integer formats, in their 8-bit dtype); ``output_*``
-likewise. Everything else of the state_dict is stored as it is.
+store ``input_scale`` (float32) and ``input_zero_point`` (integer formats, in the codes' dtype); ``output_*``
+likewise; dynamic and MX activations store nothing. Everything else of the state_dict is stored as it is. Not
+expressible here (a ValueError before anything is written; ``custom_mode=None`` stores them): mx6 / mx9 / bfp16,
+non-MX fp6 / fp4, per-group fp8, quantized biases and the extra slots of LSTMs and attention.
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ import torch
 from torch import nn
 
 from quark.torch.export.files import write_atomically
-from quark.torch.export.packing import pack_nibbles, unpack_nibbles
+from quark.torch.export.packing import pack_nibbles, pack_sextets, unpack_nibbles, unpack_sextets
 from quark.torch.export.safetensors import _require_safetensors
+from quark.torch.export.skeleton import materialize
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType
@@ -37,6 +49,7 @@ from quark.torch.quantization.formats import (
     FLOAT_FORMATS,
     TORCH_FLOAT8,
     decode,
+    dequantize_int,
     encode,
     format_of,
     quantize_int,
@@ -44,6 +57,7 @@ from quark.torch.quantization.formats import (
 )
 from quark.torch.quantization.formats.table import FloatFormat, IntFormat
 from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.nn.modules.quant_modules import slot_label
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
 
 __all__ = ["export_quark_dir", "import_quark_dir", "is_quark_dir", "to_quark_dict", "from_quark_dict", "pack_int4", "unpack_int4"]
@@ -53,11 +67,12 @@ WEIGHTS_FILE = "model.safetensors"
 QUARK_VERSION = "0.13"
 PACK_ORDER = {"reorder": (0, 2, 4, 6, 1, 3, 5, 7), "order": (0, 1, 2, 3, 4, 5, 6, 7)}
 SUPPORTED = (
-    "int8/uint8 and fp8 e4m3/e5m2 weights per tensor or channel, int4/uint4 per channel or per group (axis 1), "
-    "OCP MX fp4 with blocks along the input features; static int8/uint8/fp8 activations or dynamic ones"
+    "integer weights (2-16 bits) per tensor, channel (axis 0), group (axis 1 of a 2-D weight) or block; fp8 e4m3/e5m2 "
+    "per tensor, channel or block; OCP MX fp4/fp6/fp8/int8 with blocks along the input features of a 2-D weight; "
+    "bf16/fp16"
 )
 _SPEC_KEYS = ("dtype", "is_dynamic", "observer_cls", "qscheme", "ch_axis", "group_size", "symmetric", "round_method",
-              "scale_type", "mx_element_dtype", "zero_point_type", "scale_format", "scale_calculation_mode")  # fmt: skip
+              "scale_type", "mx_element_dtype", "zero_point_type", "scale_format", "scale_calculation_mode", "block_size")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- 4-bit packing
@@ -97,7 +112,8 @@ def _spec_to_quark(spec: QuantizationSpec | None) -> dict[str, Any] | None:
     if spec.dtype == Dtype.mx and spec.mx_element_dtype != Dtype.int8:
         d.update(dtype=spec.mx_element_dtype.name, mx_element_dtype=None, scale_format="e8m0",  # type: ignore[union-attr]
                  scale_calculation_mode=spec.mx_scale_mode)  # fmt: skip
-    d.update(block_size=None, enable_buffer_reuse=False, is_scale_quant=False, max_input_numel=4 * 1024 * 1024)
+    d.setdefault("block_size", None)
+    d.update(enable_buffer_reuse=False, is_scale_quant=False, max_input_numel=4 * 1024 * 1024)
     d.pop("qat_spec", None)
     return dict(sorted(d.items()))
 
@@ -153,80 +169,160 @@ def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------- weights
 def _unsupported(where: str, spec: QuantizationSpec) -> ValueError:
     return ValueError(f"{where}: {spec.dtype.name} {spec.qscheme.name if spec.qscheme else ''} weights have no amd-quark "
-                      f"0.13 layout here; supported: {SUPPORTED}")  # fmt: skip
+                      f"style layout; supported: {SUPPORTED}. custom_mode=None writes this project's single-file "
+                      "format, which stores every format of the engine")  # fmt: skip
+
+
+def _container(fmt: IntFormat) -> torch.dtype:
+    """The dtype integer codes other than 4-bit ones are stored in (one code per element)."""
+    if fmt.bits <= 8:
+        return torch.int8 if fmt.signed else torch.uint8
+    return torch.int16 if fmt.signed else torch.int32
+
+
+def _mx_axis_ok(spec: QuantizationSpec, w: torch.Tensor) -> bool:
+    return w.ndim == 2 and (-1 if spec.ch_axis is None else spec.ch_axis) in (-1, 1)
+
+
+def _per_group_ok(spec: QuantizationSpec, w: torch.Tensor) -> bool:
+    return w.ndim == 2 and spec.ch_axis in (1, -1)
+
+
+def _layout(spec: QuantizationSpec, w: torch.Tensor) -> str | None:
+    """Which layout rule stores a weight of ``spec`` (None: none does)."""
+    fmt = format_of(spec.dtype)
+    if spec.is_dynamic and spec.dtype not in (Dtype.bfloat16, Dtype.float16):
+        return None
+    if spec.dtype == Dtype.mx:
+        return "mx" if _mx_axis_ok(spec, w) and spec.mx_element_dtype in _MX_ELEMENTS else None
+    if spec.dtype in (Dtype.bfloat16, Dtype.float16):
+        return "cast"
+    scheme = spec.qscheme
+    if isinstance(fmt, FloatFormat) and spec.dtype in TORCH_FLOAT8:
+        ok = scheme in (QSchemeType.per_tensor, QSchemeType.per_block) or (scheme == QSchemeType.per_channel and spec.ch_axis == 0)
+        return "float8" if ok else None
+    if isinstance(fmt, IntFormat):
+        if scheme == QSchemeType.per_group:
+            return "int_group" if _per_group_ok(spec, w) else None
+        ok = scheme in (QSchemeType.per_tensor, QSchemeType.per_block) or (scheme == QSchemeType.per_channel and spec.ch_axis == 0)
+        return "int" if ok else None
+    return None
+
+
+_MX_ELEMENTS = (Dtype.fp4, Dtype.fp6_e3m2, Dtype.fp6_e2m3, Dtype.fp8_e4m3, Dtype.fp8_e5m2, Dtype.int8)
+
+
+def _encode_mx(w: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tensor]:
+    """MX weights, blocks along the input features: packed elements [out, ...] and E8M0 scales uint8 [out, in/block]."""
+    element = Dtype(spec.mx_element_dtype)
+    elements, e8m0 = quantize_mx(w, element, spec.group_size or 32, -1, spec.mx_scale_mode or "floor")
+    elements = elements.reshape(w.shape[0], -1)[:, : w.shape[1]] + 0.0  # -0 -> +0: amd-quark stores zeros unsigned
+    scale = e8m0.reshape(w.shape[0], -1)
+    if element == Dtype.int8:
+        return {"": torch.round(elements * 64).to(torch.int8), "_scale": scale}
+    if element in TORCH_FLOAT8:
+        return {"": elements.to(TORCH_FLOAT8[element]), "_scale": scale}
+    codes = encode(elements, FLOAT_FORMATS[element])
+    if element == Dtype.fp4:
+        if codes.shape[1] % 2:  # each row packs on its own
+            codes = torch.cat([codes, codes.new_zeros(codes.shape[0], 1)], dim=1)
+        return {"": pack_nibbles(codes).reshape(w.shape[0], -1), "_scale": scale}
+    return {"": pack_sextets(codes), "_scale": scale}
 
 
 def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where: str) -> dict[str, torch.Tensor]:
+    """One weight in amd-quark's layout (the table in the module docstring): ``{suffix: tensor}``."""
     spec = q.spec
-    fmt = format_of(spec.dtype)
     w = w.detach().float()
-    if spec.dtype == Dtype.mx:
-        axis = -1 if spec.ch_axis is None else spec.ch_axis
-        if spec.mx_element_dtype != Dtype.fp4 or w.ndim != 2 or axis not in (-1, 1):
-            raise _unsupported(where, spec)
-        elements, e8m0 = quantize_mx(w, Dtype.fp4, spec.group_size or 32, -1, spec.mx_scale_mode or "floor")
-        elements = elements.reshape(w.shape[0], -1)[:, : w.shape[1]] + 0.0  # -0 -> +0: amd-quark stores zeros unsigned
-        codes = encode(elements, FLOAT_FORMATS[Dtype.fp4])
-        if codes.shape[1] % 2:  # each row packs on its own
-            codes = torch.cat([codes, codes.new_zeros(codes.shape[0], 1)], dim=1)
-        return {"": pack_nibbles(codes).reshape(w.shape[0], -1), "_scale": e8m0.reshape(w.shape[0], -1)}
-    if not isinstance(fmt, IntFormat | FloatFormat):
+    layout = _layout(spec, w)
+    if layout is None:
         raise _unsupported(where, spec)
+    if layout == "mx":
+        return _encode_mx(w, spec)
+    if layout == "cast":
+        return {"": q(w).to(torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16)}
+    fmt = format_of(spec.dtype)
     scale, zp = q.calculate_qparams()
     scale = scale.detach().float()
-    if isinstance(fmt, FloatFormat) and spec.dtype in TORCH_FLOAT8 and spec.qscheme in (QSchemeType.per_tensor, QSchemeType.per_channel):
-        view = scale if scale.ndim == 0 else scale.reshape(-1, *([1] * (w.ndim - 1)))
-        values = (w / view).clamp(-fmt.max_normal, fmt.max_normal).to(TORCH_FLOAT8[spec.dtype])
+    if layout == "float8":
+        limit = FLOAT_FORMATS[spec.dtype].max_normal
+        values = (w / _scale_view(scale, w, spec)).clamp(-limit, limit).to(TORCH_FLOAT8[spec.dtype])
         return {"": values, "_scale": scale}
-    if not isinstance(fmt, IntFormat):
-        raise _unsupported(where, spec)
+    assert isinstance(fmt, IntFormat)
     codes = quantize_int(w, scale, zp, fmt.qmin, fmt.qmax, round_method=spec.round_method, qscheme=spec.qscheme,
-                         axis=spec.ch_axis, group_size=spec.group_size)  # fmt: skip
-    if fmt.bits == 8 and spec.qscheme in (QSchemeType.per_tensor, QSchemeType.per_channel):
-        store = torch.int8 if fmt.signed else torch.uint8
-        return {"": codes.to(store), "_scale": scale, "_zero_point": zp.to(store)}
-    if fmt.bits == 4 and w.ndim == 2 and spec.qscheme == QSchemeType.per_channel and spec.ch_axis == 0:
-        return {"": pack_int4(codes, pack_method), "_scale": scale, "_zero_point": pack_int4(zp.reshape(1, -1), pack_method)[0]}
-    if fmt.bits == 4 and w.ndim == 2 and spec.qscheme == QSchemeType.per_group and spec.ch_axis in (1, -1):
-        return {"": pack_int4(codes.t(), pack_method), "_scale": scale.t().contiguous(),
-                "_zero_point": pack_int4(zp.t(), pack_method)}  # fmt: skip
-    raise _unsupported(where, spec)
+                         axis=spec.ch_axis, group_size=spec.group_size, block_size=spec.block_size)  # fmt: skip
+    if layout == "int_group":  # transposed: [in, out], scales and zero points [in / g, out]
+        codes, scale, zp = codes.t(), scale.t().contiguous(), zp.t()
+        if fmt.bits == 4:
+            return {"": pack_int4(codes, pack_method), "_scale": scale, "_zero_point": pack_int4(zp, pack_method)}
+        return {"": codes.to(_container(fmt)).contiguous(), "_scale": scale, "_zero_point": zp.to(_container(fmt)).contiguous()}
+    if fmt.bits == 4:
+        packed = pack_int4(codes.reshape(w.shape[0], -1), pack_method)
+        if spec.qscheme == QSchemeType.per_channel:
+            return {"": packed, "_scale": scale, "_zero_point": pack_int4(zp.reshape(1, -1), pack_method)[0]}
+        return {"": packed, "_scale": scale, "_zero_point": zp.to(torch.int8 if fmt.signed else torch.uint8)}
+    return {"": codes.to(_container(fmt)), "_scale": scale, "_zero_point": zp.to(_container(fmt))}
+
+
+def _scale_view(scale: torch.Tensor, w: torch.Tensor, spec: QuantizationSpec) -> torch.Tensor:
+    """A per-tensor, per-channel (axis 0) or per-block scale broadcast over ``w``."""
+    if spec.qscheme == QSchemeType.per_block:
+        (br, bc) = spec.block_size  # type: ignore[misc]
+        return scale.repeat_interleave(br, dim=0)[: w.shape[0]].repeat_interleave(bc, dim=1)[:, : w.shape[1]]
+    return scale if scale.ndim == 0 else scale.reshape(-1, *([1] * (w.ndim - 1)))
+
+
+def _decode_mx(stored: torch.Tensor, scale: torch.Tensor, shape: torch.Size, spec: QuantizationSpec) -> torch.Tensor:
+    element = Dtype(spec.mx_element_dtype)
+    if element == Dtype.int8:
+        values = stored.float() / 64
+    elif element in TORCH_FLOAT8:
+        values = stored.float()
+    elif element == Dtype.fp4:
+        codes = unpack_nibbles(stored, stored.numel() * 2, signed=False).reshape(shape[0], -1)[:, : shape[1]]
+        values = decode(codes, FLOAT_FORMATS[element])
+    else:
+        values = decode(unpack_sextets(stored), FLOAT_FORMATS[element])
+    exp = scale.to(torch.int32) - 127
+    return values * torch.exp2(exp.float()).repeat_interleave(spec.group_size or 32, dim=1)[:, : shape[1]]
 
 
 def _decode_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec: QuantizationSpec, pack_method: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dequantized weight, scale, zero point in our layout) of one stored weight."""
-    fmt = format_of(spec.dtype)
+    """(dequantized weight, scale, zero point in our layout; None for formats without qparams) of one stored weight."""
     stored, scale = t[key], t.get(key + "_scale")
-    if spec.dtype == Dtype.mx:
-        codes = unpack_nibbles(stored, stored.numel() * 2, signed=False).reshape(shape[0], -1)[:, : shape[1]]
-        block = spec.group_size or 32
-        exp = scale.to(torch.int32) - 127  # type: ignore[union-attr]
-        values = decode(codes, FLOAT_FORMATS[Dtype.fp4]) * torch.exp2(exp.float()).repeat_interleave(block, dim=1)[:, : shape[1]]
-        return values, None, None
-    if stored.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        view = scale if scale.ndim == 0 else scale.reshape(-1, *([1] * (len(shape) - 1)))  # type: ignore[union-attr]
-        return stored.float() * view, scale, torch.zeros_like(scale, dtype=torch.int32)  # type: ignore[arg-type]
+    layout = _layout(spec, torch.empty(shape, device="meta"))
+    if layout == "mx":
+        return _decode_mx(stored, scale, shape, spec), None, None  # type: ignore[arg-type]
+    if layout == "cast":
+        return stored.float(), None, None
+    assert scale is not None
+    scale = scale.float()
+    if layout == "float8":
+        values = stored.float()
+        return values * _scale_view(scale, values, spec), scale, torch.zeros_like(scale, dtype=torch.int32)
+    fmt = format_of(spec.dtype)
     if not isinstance(fmt, IntFormat):
         raise ValueError(f"tensor '{key}': stored as {stored.dtype}, which no {spec.dtype.name} weight is stored as")
     zp_stored = t.get(key + "_zero_point")
-    if stored.dtype == torch.int32 and spec.qscheme == QSchemeType.per_group:
-        codes = unpack_int4(stored, shape[0], fmt.signed, pack_method).t()
-        scale = scale.t().contiguous()  # type: ignore[union-attr]
-        zp = unpack_int4(zp_stored, shape[0], fmt.signed, pack_method).t() if zp_stored is not None else torch.zeros_like(codes[:, :1])
-    elif stored.dtype == torch.int32:
-        codes = unpack_int4(stored, shape[1], fmt.signed, pack_method)
-        zp = unpack_int4(zp_stored.reshape(1, -1), shape[0], fmt.signed, pack_method)[0] if zp_stored is not None else None
+    if layout == "int_group":
+        if fmt.bits == 4:
+            codes = unpack_int4(stored, shape[0], fmt.signed, pack_method).t()
+            zp = unpack_int4(zp_stored, shape[0], fmt.signed, pack_method).t() if zp_stored is not None else None
+        else:
+            codes, zp = stored.to(torch.int32).t(), None if zp_stored is None else zp_stored.to(torch.int32).t()
+        scale = scale.t().contiguous()
+    elif fmt.bits == 4:
+        count = int(torch.Size(shape[1:]).numel())
+        codes = unpack_int4(stored, count, fmt.signed, pack_method).reshape(shape)
+        if zp_stored is not None and spec.qscheme == QSchemeType.per_channel:
+            zp = unpack_int4(zp_stored.reshape(1, -1), shape[0], fmt.signed, pack_method)[0]
+        else:
+            zp = None if zp_stored is None else zp_stored.to(torch.int32)
     else:
         codes, zp = stored.to(torch.int32), None if zp_stored is None else zp_stored.to(torch.int32)
-    zp = torch.zeros_like(scale, dtype=torch.int32) if zp is None else zp.to(torch.int32)  # type: ignore[arg-type]
-    if spec.qscheme == QSchemeType.per_group:
-        g = spec.group_size
-        values = (codes - zp.repeat_interleave(g, dim=1)[:, : shape[1]]) * scale.repeat_interleave(g, dim=1)[:, : shape[1]]  # type: ignore[union-attr]
-    elif scale.ndim == 0:  # type: ignore[union-attr]
-        values = (codes - zp) * scale
-    else:
-        view = [-1] + [1] * (len(shape) - 1)
-        values = (codes - zp.reshape(view)) * scale.reshape(view)  # type: ignore[union-attr]
+    zp = torch.zeros_like(scale, dtype=torch.int32) if zp is None else zp.to(torch.int32)
+    values = dequantize_int(codes, scale, zp, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
+                            block_size=spec.block_size)  # fmt: skip
     return values.float(), scale, zp
 
 
@@ -246,6 +342,7 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
     config: Config | None = getattr(model, "quant_config", None)
     if config is None:
         raise ValueError("export needs a model prepared by ModelQuantizer (it has no quant_config)")
+    _check_exportable(model)
     tensors: dict[str, torch.Tensor] = {}
     for name, m in _layers(model):
         prefix = f"{name}." if name else ""
@@ -261,7 +358,7 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
             tensors[f"{prefix}{role}_scale"] = scale.detach().float().clone()
             fmt = format_of(q.spec.dtype)
             if isinstance(fmt, IntFormat):
-                tensors[f"{prefix}{role}_zero_point"] = zp.detach().to(torch.int8 if fmt.signed else torch.uint8).clone()
+                tensors[f"{prefix}{role}_zero_point"] = zp.detach().to(_container(fmt)).clone()
     for key, value in model.state_dict().items():  # the rest as it is (quantized weights are already stored)
         if key not in tensors and "_quantizer." not in key:  # quantizer state is never stored
             tensors[key] = value.detach().contiguous()
@@ -272,6 +369,22 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
     write_atomically(out, WEIGHTS_FILE, lambda tmp: st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}))
     write_atomically(out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n"))
     return out
+
+
+_STORED_SLOTS = {"_weight_quantizer", "_input_quantizer", "_output_quantizer"}
+
+
+def _check_exportable(model: nn.Module) -> None:
+    """Before anything is written: every quantized tensor of ``model`` has a layout here (a ValueError names the
+    first layer and slot that has none)."""
+    for name, m in _layers(model):
+        for slot, q in m.quantizer_slots():
+            where = f"layer '{name}' ({slot_label(slot)})"
+            if slot.attr not in _STORED_SLOTS:
+                raise ValueError(f"{where}: amd-quark's layout stores the weight, input and output quantizers of a layer "
+                                 "only; custom_mode=None writes this project's single-file format, which stores every slot")  # fmt: skip
+            if slot.attr == "_weight_quantizer" and bool(q.fake_quant_enabled) and _layout(q.spec, m.weight) is None:  # type: ignore[arg-type]
+                raise _unsupported(where, q.spec)
 
 
 def _as_amd_quark(config: Config, model: nn.Module) -> Config:
@@ -295,10 +408,10 @@ def is_quark_dir(model_dir: str | Path) -> bool:
         return False
 
 
-def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
+def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torch.device | None = None) -> nn.Module:
     """Rebuild a quantized model from amd-quark's export directory and a float ``model`` of the same architecture:
     prepared with the stored Config, weights set to their dequantized values, static quantizers frozen with the
-    stored qparams, in eval mode."""
+    stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first."""
     st = _require_safetensors()
     root = Path(model_dir)
     q = json.loads((root / CONFIG_FILE).read_text())["quantization_config"]
@@ -309,6 +422,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
     with st.safe_open(str(root / WEIGHTS_FILE), "pt") as f:
         t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
     _check_before_import(model, config, t, root / WEIGHTS_FILE)  # every problem found before the model is touched
+    materialize(model, device, set(t))  # a skeleton's meta Parameters get storage (every one is filled below)
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     plain = {k: v for k, v in t.items() if not k.endswith(("_scale", "_zero_point"))}
@@ -317,7 +431,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
             prefix = f"{name}." if name else ""
             wq = getattr(m, "_weight_quantizer", None)
             key = prefix + "weight"
-            if wq is not None and key + "_scale" in t:
+            if wq is not None and key in t:
                 values, scale, zp = _decode_weight(t, key, m.weight.shape, wq.spec, pack_method)  # type: ignore[union-attr]
                 m.weight.copy_(values.to(m.weight.dtype))  # type: ignore[union-attr, operator]
                 plain.pop(key, None)
@@ -334,18 +448,27 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path) -> nn.Module:
 
 
 def _stored_weight(spec: QuantizationSpec, shape: torch.Size) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]] | None:
-    """The dtype(s) and shape amd-quark stores a 2-D weight of ``shape`` quantized with ``spec`` in (None: no rule)."""
+    """The dtype(s) and shape a weight of ``shape`` quantized with ``spec`` is stored in (None: no layout)."""
+    layout = _layout(spec, torch.empty(shape, device="meta"))
+    dims = tuple(int(d) for d in shape)
+    out, rest = dims[0], int(torch.Size(dims[1:]).numel())
+    if layout == "mx":
+        element = Dtype(spec.mx_element_dtype)
+        if element == Dtype.fp4:
+            return (torch.uint8,), (out, (rest + 1) // 2)
+        if element in (Dtype.fp6_e3m2, Dtype.fp6_e2m3):
+            return (torch.uint8,), (out, rest * 3 // 4)
+        return ((TORCH_FLOAT8[element] if element in TORCH_FLOAT8 else torch.int8),), dims
+    if layout == "cast":
+        return (torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16,), dims
+    if layout == "float8":
+        return (TORCH_FLOAT8[spec.dtype],), dims
     fmt = format_of(spec.dtype)
-    out, inp = int(shape[0]), int(shape[-1])
-    if spec.dtype == Dtype.mx:
-        return (torch.uint8,), (out, (inp + 1) // 2)
-    if isinstance(fmt, FloatFormat) and spec.dtype in TORCH_FLOAT8:
-        return (TORCH_FLOAT8[spec.dtype],), tuple(int(d) for d in shape)
-    if isinstance(fmt, IntFormat) and fmt.bits == 8:
-        return (torch.int8, torch.uint8), tuple(int(d) for d in shape)
-    if isinstance(fmt, IntFormat) and fmt.bits == 4:
-        return ((torch.int32,), (inp, (out + 7) // 8)) if spec.qscheme == QSchemeType.per_group else ((torch.int32,), (out, (inp + 7) // 8))
-    return None
+    if layout is None or not isinstance(fmt, IntFormat):
+        return None
+    if layout == "int_group":
+        return ((torch.int32,), (rest, (out + 7) // 8)) if fmt.bits == 4 else ((_container(fmt),), (rest, out))
+    return ((torch.int32,), (out, (rest + 7) // 8)) if fmt.bits == 4 else ((_container(fmt),), dims)
 
 
 def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Tensor], path: Path) -> None:
@@ -362,13 +485,13 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
             expected = _stored_weight(spec, weight.shape)
             if expected is None:
                 raise _unsupported(f"{path}: '{key}'", spec)
-            for need in (key, key + "_scale"):
+            for need in (key, key + "_scale") if spec.dtype not in (Dtype.bfloat16, Dtype.float16) else (key,):
                 if need not in t:
                     raise ValueError(f"{path}: tensor '{need}' is missing (the config quantizes '{plan.name}' as {spec.dtype.name})")
             dtypes, shape = expected
             if t[key].dtype not in dtypes or tuple(t[key].shape) != shape:
                 raise ValueError(f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(shape)}, found {t[key].dtype} of shape {list(t[key].shape)}")
-            if spec.dtype != Dtype.mx:
+            if spec.dtype not in (Dtype.mx, Dtype.bfloat16, Dtype.float16):
                 _check_scale(path, key + "_scale", t[key + "_scale"])
             owned.update({key, key + "_scale", key + "_zero_point"})
         for role, spec_a in (("input", plan.qconfig.input_tensors), ("output", plan.qconfig.output_tensors)):

@@ -18,6 +18,7 @@ from torch import nn
 
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, unpack_nibbles
+from quark.torch.export.skeleton import materialize
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType
@@ -215,15 +216,17 @@ def _is_quantizer_state(key: str, prefixes: tuple[str, ...]) -> bool:
 
 # ----------------------------------------------------------------------------------------------- export
 def export_safetensors(
-    model: nn.Module, output_dir: str | Path, filename: str = FILENAME, *, custom_mode: str | None = None,
-    weight_format: str = "real_quantized", pack_method: str = "reorder",
+    model: nn.Module, output_dir: str | Path, custom_mode: str | None = "quark", weight_format: str = "real_quantized",
+    pack_method: str = "reorder", *, filename: str = FILENAME,
 ) -> Path:  # fmt: skip
-    """Write the quantized ``model`` (prepared and calibrated, or frozen) as real-quantized safetensors.
+    """Write the quantized ``model`` (prepared and calibrated, or frozen) as real-quantized safetensors; amd-quark
+    0.13's signature. Returns the path of the safetensors file.
 
-    ``custom_mode="quark"`` writes amd-quark 0.13's directory instead (``config.json`` with the
-    ``quantization_config`` + ``model.safetensors`` in its key names, dtypes and ``pack_method`` packing: see
-    ``quark.torch.export.quark_format``), which amd-quark and vLLM load; the schemes it covers are listed there.
-    Without it, this project's single-file format below, which covers every format of the engine.
+    ``custom_mode="quark"`` (the default, as in amd-quark) writes amd-quark's directory: ``config.json`` with the
+    ``quantization_config`` + ``model.safetensors`` in its key names, dtypes and ``pack_method`` packing, which
+    amd-quark and vLLM load; formats amd-quark lacks follow the same rules (see ``quark.torch.export.quark_format``),
+    and a format no rule covers is refused before anything is written. ``custom_mode=None`` writes this project's
+    single file ``filename`` (below), which stores every format and slot of the engine.
 
     Every weight-like tensor of a quantized layer (each slot: ``weight``, ``bias``, an LSTM's ``weight_ih_l0``, an
     attention's ``in_proj_weight``) is stored under its own name as codes with ``_scale`` / ``_zero_point``, or as
@@ -539,23 +542,40 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Config]:
     return tensors, info, config
 
 
-def import_model_from_safetensors(model: nn.Module, model_dir: str | Path, filename: str = FILENAME) -> nn.Module:
-    """Rebuild the quantized model from a float ``model`` of the same architecture and an exported directory: this
-    project's file, or amd-quark 0.13's directory (config.json with a quark ``quantization_config``).
+def import_model_from_safetensors(
+    model: nn.Module | None, model_dir: str | Path, multi_device: bool = False, trust_remote_code: bool = False,
+    attn_implementation: str = "eager", device: str | torch.device | None = None, multi_gpu: bool | str | None = False,
+    *, filename: str = FILENAME,
+) -> nn.Module:  # fmt: skip
+    """Rebuild the quantized model from a float ``model`` of the same architecture and an exported directory:
+    amd-quark 0.13's directory (config.json with a quark ``quantization_config``) or this project's single file;
+    amd-quark 0.13's signature.
 
-    Every tensor of the file is checked first against the stored Config and ``model`` (see ``check_import``): on
-    any mismatch a ValueError names the tensor and ``model`` is left as it was. Returns the model prepared with the
-    stored Config, weights set to their dequantized codes, every static quantizer frozen with the stored qparams, in
-    eval mode."""
+    ``model=None`` builds the Hugging Face model ``config.json`` describes as a skeleton (Parameters on the meta
+    device, see ``skeleton.hf_skeleton``; ``trust_remote_code`` and ``attn_implementation`` go to transformers). A
+    ``model`` whose Parameters are on meta is filled the same way. ``device`` places the result (None: where the
+    model's tensors are, the CPU for a skeleton; amd-quark's default is "cuda"). Every tensor of the file is checked
+    first against the stored Config and ``model``: on any mismatch a ValueError names the tensor and ``model`` is
+    left as it was. Returns the model prepared with the stored Config, weights set to their dequantized codes, every
+    static quantizer frozen with the stored qparams, in eval mode."""
     from quark.torch.export.quark_format import import_quark_dir, is_quark_dir
+    from quark.torch.export.skeleton import hf_skeleton
 
+    if multi_device or multi_gpu:
+        raise ValueError("import_model_from_safetensors: multi_device / multi_gpu loading is not supported here; "
+                         "pass device= (one device) and shard the returned model yourself")  # fmt: skip
+    if model is None:
+        if not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"model=None needs {Path(model_dir) / 'config.json'} (a Hugging Face config) to build the model")
+        model = hf_skeleton(model_dir, trust_remote_code, attn_implementation)
     if filename == FILENAME and is_quark_dir(model_dir):  # amd-quark 0.13's directory (or ours with custom_mode="quark")
-        return import_quark_dir(model, model_dir)
+        return _placed(import_quark_dir(model, model_dir, device), device)
     path = Path(model_dir) / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (written by export_safetensors?)")
     tensors, info, config = _read(path)
     check_import(model, config, tensors, info, str(path))
+    materialize(model, device, set(tensors))
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     owned = {k for key in info for k in (key, key + "_scale", key + "_zero_point")}
@@ -582,7 +602,11 @@ def import_model_from_safetensors(model: nn.Module, model_dir: str | Path, filen
                     key = prefix + activation_key(slot)
                     if key in info and q is not None:
                         m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
-    return ModelQuantizer.freeze(model).eval()
+    return _placed(ModelQuantizer.freeze(model).eval(), device)
+
+
+def _placed(model: nn.Module, device: str | torch.device | None) -> nn.Module:
+    return model if device is None else model.to(device)
 
 
 def size_report(path: str | Path, model: nn.Module) -> dict[str, float]:

@@ -26,9 +26,10 @@ UINT8_ACT = {**INT8_PER_TENSOR_ACT, "dtype": "uint8", "symmetric": False}
 
 
 def _w8a8(last: str, act: dict) -> dict:
-    """W8A8 with the last layer's output quantized too, so 'one output quantization step' is defined."""
-    return {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": act},
-            "layer_quant_config": {last: {"output_tensors": INT8_PER_TENSOR_ACT}}}  # fmt: skip
+    """W8A8 with the last layer's output quantized too, so 'one output quantization step' is defined (its entry is
+    whole: a layer_quant_config entry is the layer's entire config, amd-quark's rule)."""
+    layer = {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": act}
+    return {"global_quant_config": layer, "layer_quant_config": {last: {**layer, "output_tensors": INT8_PER_TENSOR_ACT}}}
 
 
 def _mlp() -> nn.Module:
@@ -96,8 +97,9 @@ def test_unsupported_formats_are_named(tmp_path: Path) -> None:
     x = torch.randn(8, 20)
     group = {"dtype": "int4", "qscheme": "per_group", "ch_axis": 1, "group_size": 4, "observer_cls": "PerGroupMinMaxObserver",
              "symmetric": True, "round_method": "half_even", "scale_type": "float", "is_dynamic": False}  # fmt: skip
-    ModelQuantizer({"global_quant_config": {"weight": group}}).quantize_model(model, [x])
-    with pytest.raises(ValueError, match=r"layer '0' \(weight\): ONNX QDQ export supports static int8/uint8 .* got int4, per_group"):
+    int4_act = {**INT8_PER_TENSOR_ACT, "dtype": "int4"}  # int4 group weights export now (test_onnx_lowbit); int4 inputs do not
+    ModelQuantizer({"global_quant_config": {"weight": group, "input_tensors": int4_act}}).quantize_model(model, [x])
+    with pytest.raises(ValueError, match=r"layer '0' \(input_tensors\): ONNX QDQ export supports static int8/uint8 .* got int4, per_tensor"):
         export_onnx(model, tmp_path, x)
     assert not list(tmp_path.iterdir())  # nothing written, not even a temporary
 
@@ -341,14 +343,15 @@ def test_attention_and_lstm_export_agrees_with_onnxruntime(build, features: int,
 
 def test_amd_quarks_export_onnx_call_runs_as_written(tmp_path) -> None:
     """export_onnx(model, output_dir, input_args, opset_version, input_names, output_names) as amd-quark 0.13 takes
-    it, writing quark_model.onnx; its 4-bit and dynamo switches are refused with the reason."""
+    it, writing quark_model.onnx; its 4-bit switch is checked (this model has no int4/uint4 quantizer) and its dynamo
+    switch refused, with the reason."""
     model, x = _mlp(), torch.randn(16, 20)
     ModelQuantizer(_w8a8("4", INT8_PER_TENSOR_ACT)).quantize_model(model, [x])
     path = export_onnx(model, tmp_path, (x[:2],), 17, ["features"], ["logits"])
     assert path == tmp_path / "quark_model.onnx"
     graph = onnx.load(str(path)).graph
     assert [i.name for i in graph.input] == ["features"] and [o.name for o in graph.output] == ["logits"]
-    with pytest.raises(ValueError, match="uint4_int4_flag=True .* needs opset 21"):
+    with pytest.raises(ValueError, match="uint4_int4_flag=True declares an int4/uint4 model, but no quantizer is int4"):
         export_onnx(model, tmp_path / "b", (x[:2],), uint4_int4_flag=True)
     with pytest.raises(ValueError, match="dynamo=True is not supported"):
         export_onnx(model, tmp_path / "c", (x[:2],), dynamo=True)

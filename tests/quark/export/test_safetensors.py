@@ -73,12 +73,12 @@ def test_round_trip_is_bit_exact(name: str, tmp_path: Path) -> None:
     model, x = _quantized(CONFIGS[name])
     with torch.no_grad():
         reference = model(x)
-    export_safetensors(model, tmp_path)
+    export_safetensors(model, tmp_path, custom_mode=None)
     restored = import_model_from_safetensors(DigitsCNN(width=32), tmp_path)
     with torch.no_grad():
         assert torch.equal(restored(x), reference)
     frozen = ModelQuantizer.freeze(model)  # the frozen model exports the same file content
-    export_safetensors(frozen, tmp_path / "frozen")
+    export_safetensors(frozen, tmp_path / "frozen", custom_mode=None)
     with torch.no_grad():
         assert torch.equal(import_model_from_safetensors(DigitsCNN(width=32), tmp_path / "frozen")(x), reference)
 
@@ -90,7 +90,7 @@ def _stored(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 def test_stored_forms_are_real_quantized(tmp_path: Path) -> None:
     model, _ = _quantized(CONFIGS["int4_per_group"])
-    tensors, meta = _stored(export_safetensors(model, tmp_path))
+    tensors, meta = _stored(export_safetensors(model, tmp_path, custom_mode=None))
     assert meta["quant_method"] == "quark" and json.loads(meta["quantization_config"])["global_quant_config"]["weight"]["dtype"] == "int4"
     fc1 = model.fc1.weight
     assert tensors["fc1.weight"].dtype == torch.uint8 and tensors["fc1.weight"].numel() == fc1.numel() // 2  # two per byte
@@ -104,11 +104,11 @@ def test_stored_forms_are_real_quantized(tmp_path: Path) -> None:
     assert torch.equal(codes, expected)
 
     model, _ = _quantized(CONFIGS["fp8_e4m3_w8a8"])
-    tensors, _ = _stored(export_safetensors(model, tmp_path / "fp8"))
+    tensors, _ = _stored(export_safetensors(model, tmp_path / "fp8", custom_mode=None))
     assert tensors["fc1.weight"].dtype == torch.float8_e4m3fn and "fc1.input_scale" in tensors
 
     model, _ = _quantized(CONFIGS["mxfp4"])
-    tensors, _ = _stored(export_safetensors(model, tmp_path / "mx"))
+    tensors, _ = _stored(export_safetensors(model, tmp_path / "mx", custom_mode=None))
     assert tensors["fc1.weight"].dtype == torch.uint8 and tensors["fc1.weight"].numel() == model.fc1.weight.numel() // 2
     assert tensors["fc1.weight_scale"].dtype == torch.uint8  # E8M0 per block of 32
     assert tensors["fc1.weight_scale"].numel() == model.fc1.weight.numel() // 32
@@ -118,7 +118,7 @@ def test_file_is_smaller_than_fp32(tmp_path: Path) -> None:
     sizes = {}
     for name in ("int8_per_channel_w8a8", "int4_per_group", "mxfp4"):
         model, _ = _quantized(CONFIGS[name])
-        sizes[name] = export_safetensors(model, tmp_path / name).stat().st_size
+        sizes[name] = export_safetensors(model, tmp_path / name, custom_mode=None).stat().st_size
     fp32 = sum(p.numel() * 4 for p in DigitsCNN(width=32).parameters())
     assert sizes["int8_per_channel_w8a8"] < 0.3 * fp32 and sizes["int4_per_group"] < 0.22 * fp32 and sizes["mxfp4"] < 0.17 * fp32
 
@@ -127,7 +127,7 @@ def test_interrupted_write_leaves_no_file_under_the_final_name(tmp_path: Path, m
     import safetensors.torch as st
 
     model, _ = _quantized(CONFIGS["int8_per_channel_w8a8"])
-    export_safetensors(model, tmp_path)
+    export_safetensors(model, tmp_path, custom_mode=None)
     before = (tmp_path / "model.safetensors").read_bytes()
 
     def broken(tensors: dict, path: str, metadata: dict | None = None) -> None:
@@ -137,11 +137,11 @@ def test_interrupted_write_leaves_no_file_under_the_final_name(tmp_path: Path, m
     monkeypatch.setattr(st, "save_file", broken)
     model2, _ = _quantized(CONFIGS["int4_per_group"])
     with pytest.raises(OSError, match="disk full"):
-        export_safetensors(model2, tmp_path)
+        export_safetensors(model2, tmp_path, custom_mode=None)
     assert (tmp_path / "model.safetensors").read_bytes() == before  # the earlier export is intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary left behind
     with pytest.raises(OSError, match="disk full"):
-        export_safetensors(model2, tmp_path / "fresh")
+        export_safetensors(model2, tmp_path / "fresh", custom_mode=None)
     assert not (tmp_path / "fresh" / "model.safetensors").exists()
 
 
@@ -151,6 +151,6 @@ def test_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         import_model_from_safetensors(DigitsCNN(), tmp_path / "nothing")
     model, _ = _quantized(CONFIGS["int8_per_channel_w8a8"])
-    export_safetensors(model, tmp_path)
+    export_safetensors(model, tmp_path, custom_mode=None)
     with pytest.raises((ValueError, RuntimeError)):
         import_model_from_safetensors(DigitsCNN(width=16), tmp_path)  # another architecture

@@ -97,7 +97,7 @@ def test_every_slot_is_stored_and_restored_bit_exactly(weight: dict, two_weights
     assert isinstance(model.custom, QuantTwoWeights)
     with torch.no_grad():
         reference = model(x)
-    path = export_safetensors(model, tmp_path)
+    path = export_safetensors(model, tmp_path, custom_mode=None)
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
         stored = {k: f.get_tensor(k) for k in keys}
@@ -138,7 +138,7 @@ def test_a_missing_slot_tensor_is_named(two_weights_twin: None, tmp_path: Path) 
     model = _fresh()
     x = torch.randn(32, 64)
     ModelQuantizer(_config(INT8_PER_CHANNEL_WEIGHT)).quantize_model(model, [x])
-    path = export_safetensors(model, tmp_path)
+    path = export_safetensors(model, tmp_path, custom_mode=None)
     tensors = load_file(str(path))
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
@@ -186,7 +186,7 @@ def test_lstm_and_attention_round_trip(tmp_path: Path) -> None:
     ModelQuantizer(config).quantize_model(model, [x])
     with torch.no_grad():
         reference = model(x)
-    path = export_safetensors(model, tmp_path)
+    path = export_safetensors(model, tmp_path, custom_mode=None)
     with safe_open(str(path), framework="pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
     for name in ("rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.weight_ih_l1", "rnn.weight_hh_l1", "attn.in_proj_weight", "attn.out_proj.weight"):

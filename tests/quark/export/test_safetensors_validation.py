@@ -51,7 +51,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tens
     ModelQuantizer(CONFIG).quantize_model(model, [x])
     with torch.no_grad():
         reference = model(x)
-    path = export_safetensors(model, tmp_path_factory.mktemp("export"))
+    path = export_safetensors(model, tmp_path_factory.mktemp("export"), custom_mode=None)
     return path, x, reference
 
 

@@ -252,7 +252,7 @@ def test_linear_model_quantizes_freezes_and_round_trips_safetensors(spec_kw: dic
     assert frozen[0]._weight_quantizer.scale.shape == (4, 5) and frozen[2]._weight_quantizer.scale.shape == (1, 4)
     y_frozen = frozen(x)
     assert torch.equal(y_frozen, y)
-    path = export_safetensors(frozen, tmp_path)
+    path = export_safetensors(frozen, tmp_path, custom_mode=None)
     from safetensors.torch import load_file
 
     stored = load_file(str(path))

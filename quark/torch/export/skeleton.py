@@ -1,0 +1,81 @@
+"""Model skeletons for import: Parameters on the meta device (no memory, no initialisation), buffers real, so
+that buffers a checkpoint does not hold (a rotary embedding's ``inv_freq``) keep the values their module computed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["parameters_on_meta", "hf_skeleton", "materialize", "meta_tensors"]
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside have every Parameter on the meta device (their initialisation runs on meta: free)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def hf_skeleton(model_dir: str | Path, trust_remote_code: bool = False, attn_implementation: str = "eager") -> nn.Module:
+    """The Hugging Face model ``model_dir/config.json`` describes, Parameters on meta (amd-quark's ``model=None``)."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("import_model_from_safetensors(model=None, ...) builds a Hugging Face model: pip install -e .[hf]") from err
+    config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # applied by this import, not by transformers
+    archs = list(getattr(config, "architectures", None) or [])
+    cls = getattr(transformers, archs[0], None) if archs else None
+    with parameters_on_meta():
+        if cls is not None:
+            model = cls._from_config(config, attn_implementation=attn_implementation)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                                  attn_implementation=attn_implementation)  # fmt: skip
+    return model.eval()
+
+
+def meta_tensors(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(Parameter names, buffer names) of ``model`` on the meta device."""
+    params = [n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
+    buffers = [n for n, b in model.named_buffers(remove_duplicate=False) if b.device.type == "meta"]
+    return params, buffers
+
+
+def materialize(model: nn.Module, device: torch.device | str | None, stored: set[str]) -> None:
+    """Give every meta Parameter uninitialised storage on ``device`` (tied ones stay tied), for an import that
+    fills each of them; a meta buffer the file does not hold (``stored``) cannot be recovered: ValueError naming it."""
+    params, buffers = meta_tensors(model)
+    lost = [b for b in buffers if b not in stored]
+    if lost:
+        raise ValueError(
+            f"buffer(s) {lost[:4]} are on the meta device and not in the file: their values are lost. Build the "
+            "skeleton with quark.torch.export.skeleton.parameters_on_meta() (buffers stay real), or pass model=None"
+        )
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    new: dict[int, Any] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty_like(p, device=target), requires_grad=p.requires_grad)
+                module._parameters[name] = new[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                module._buffers[name] = torch.empty_like(b, device=target)
