@@ -1,0 +1,63 @@
+"""amd-quark 0.13's own ``import_model_from_safetensors`` on directories this project exported.
+
+Run with the amd-quark venv (see README.md here), never the project venv:
+
+    /tmp/aqref/venv/bin/python bench/amd_quark_reference/check_our_exports.py DIR
+
+``DIR/<scheme>/`` are our exports of the schemes in ``exports/`` (the same tiny LLaMA, config and calibration batches;
+``tests/quark/export/test_amd_quark_live.py`` writes them). For each, prints one line
+``<scheme> <max |logits - amd-quark's in-memory logits|> <max |logits - amd-quark's re-import of its own export|>``
+and exits with status 1 if any scheme does not load.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (REPO_ROOT, HERE)]  # AMD's quark, not ours
+os.environ.setdefault("QUARK_LOG_LEVEL", "error")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import quark  # noqa: E402
+
+if "site-packages" not in (quark.__file__ or ""):
+    raise SystemExit(f"Imported quark from {quark.__file__!r}; run with the amd-quark venv (see README.md)")
+
+from quark.torch import import_model_from_safetensors  # noqa: E402
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def main(root: Path) -> int:
+    failed = 0
+    for target in sorted(p for p in root.iterdir() if p.is_dir()):
+        ref = torch.load(HERE / "exports" / target.name / "reference.pt")
+        try:
+            model = import_model_from_safetensors(tiny_llama(), str(target))
+        except Exception as err:  # noqa: BLE001 - reported per scheme
+            print(f"{target.name} FAILED {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            failed += 1
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=ref["eval_ids"]).logits
+        in_memory = float((logits - ref["logits_quantized"]).abs().max())
+        reimported = float((logits - ref["logits_reimported"]).abs().max())
+        print(f"{target.name} {in_memory:.6g} {reimported:.6g}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
