@@ -6,7 +6,9 @@ Run with the amd-quark venv (see README.md here), never the project venv:
 
 ``DIR/<scheme>/`` are our exports of the schemes in ``exports/`` (the same tiny LLaMA, config and calibration batches;
 ``tests/quark/export/test_amd_quark_live.py`` writes them). For each, prints one line
-``<scheme> <max |logits - amd-quark's in-memory logits|> <max |logits - amd-quark's re-import of its own export|>``
+``<scheme> <max |logits - amd-quark's in-memory logits|> <max |logits - amd-quark's re-import of its own export|>
+<the same as the first, for transformers' ``AutoModelForCausalLM.from_pretrained(DIR/<scheme>)``>`` (the Hugging Face
+quark integration, which uses amd-quark)
 and exits with status 1 if any scheme does not load.
 """
 
@@ -55,7 +57,10 @@ def main(root: Path) -> int:
             logits = model(input_ids=ref["eval_ids"]).logits
         in_memory = float((logits - ref["logits_quantized"]).abs().max())
         reimported = float((logits - ref["logits_reimported"]).abs().max())
-        print(f"{target.name} {in_memory:.6g} {reimported:.6g}")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(target)).eval()  # transformers' quark integration
+        with torch.no_grad():
+            via_hf = float((hf(input_ids=ref["eval_ids"]).logits - ref["logits_quantized"]).abs().max())
+        print(f"{target.name} {in_memory:.6g} {reimported:.6g} {via_hf:.6g}")
     return 1 if failed else 0
 
 

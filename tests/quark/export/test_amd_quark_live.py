@@ -1,5 +1,6 @@
 """Live cross-check with the public amd-quark 0.13 wheel: its own ``import_model_from_safetensors`` loads each of our
-exports of the reference schemes and computes the logits of the model it quantized in memory. amd-quark's package
+exports of the reference schemes and computes the logits of the model it quantized in memory, and so does
+transformers' ``from_pretrained`` of the same directory (its quark integration). amd-quark's package
 is also named ``quark``, so it lives in its own venv: the test runs when ``AMD_QUARK_PYTHON`` names that venv's
 python (bench/amd_quark_reference/README.md says how to make it), and is skipped otherwise."""
 
@@ -39,5 +40,6 @@ def test_amd_quark_loads_our_exports_and_computes_its_own_logits(tmp_path: Path)
     )  # fmt: skip
     lines = [line.split() for line in run.stdout.splitlines() if line.split() and line.split()[0] in reference_schemes.SCHEMES]
     assert run.returncode == 0 and len(lines) == len(reference_schemes.SCHEMES), run.stdout + run.stderr
-    for scheme, in_memory, _ in lines:
+    for scheme, in_memory, _, via_transformers in lines:
         assert float(in_memory) == 0.0, f"{scheme}: amd-quark's logits from our export differ by {in_memory}"
+        assert float(via_transformers) == 0.0, f"{scheme}: transformers' from_pretrained of our export differs by {via_transformers}"
