@@ -20,13 +20,15 @@ formats amd-quark 0.13 does not export; they follow the same rules (codes under 
 | (ext.) int2/3/5-7 (int8 / uint8), int9-16 (int16), uint9-16 (int32) | codes as the 8-bit rows | as the 8-bit rows | as the codes |
 | (ext.) int4 per tensor / channel of a conv | int32 [out, k/8]: the weight flattened per output channel | float32 | int32 / int8 |
 | (ext.) bf16 / fp16 | the rounded weight in that dtype | none | none |
+| (ext.) mx6 / mx9 (blocks along in) | int8 sign-magnitude codes [out, in] | float32 step per block [out, in/b] | ``weight_shift`` uint8 0/1 per pair [out, in/2] |
+| (ext.) fp6 / fp4 per tensor or channel | uint8 codes per output channel: fp6 as MX fp6, fp4 two per byte | float32, () or [out] | none |
 
 4-bit packing puts element ``8c + order[i]`` in bits ``4i..4i+3`` of int32 ``c``, with ``order = 0 2 4 6 1 3 5 7``
 for ``pack_method="reorder"`` (amd-quark's default) and ``0..7`` for ``"order"``. Static activation quantizers
 store ``input_scale`` (float32) and ``input_zero_point`` (integer formats, in the codes' dtype); ``output_*``
 likewise; dynamic and MX activations store nothing. Everything else of the state_dict is stored as it is. Not
-expressible here (a ValueError before anything is written; ``custom_mode=None`` stores them): mx6 / mx9 / bfp16,
-non-MX fp6 / fp4, per-group fp8, quantized biases and the extra slots of LSTMs and attention.
+expressible here (a ValueError before anything is written; ``custom_mode=None`` stores them): bfp16, per-group
+minifloats, quantized biases and the extra slots of LSTMs and attention.
 """
 
 from __future__ import annotations
@@ -48,12 +50,16 @@ from quark.torch.quantization.config.type import Dtype, QSchemeType
 from quark.torch.quantization.formats import (
     FLOAT_FORMATS,
     TORCH_FLOAT8,
+    bfp_codes,
     decode,
     dequantize_int,
     encode,
     format_of,
+    microexponent_codes,
     quantize_int,
     quantize_mx,
+    round_to_grid,
+    to_blocks,
 )
 from quark.torch.quantization.formats.table import FloatFormat, IntFormat
 from quark.torch.quantization.nn.modules import QuantMixin
@@ -68,8 +74,8 @@ QUARK_VERSION = "0.13"
 PACK_ORDER = {"reorder": (0, 2, 4, 6, 1, 3, 5, 7), "order": (0, 1, 2, 3, 4, 5, 6, 7)}
 SUPPORTED = (
     "integer weights (2-16 bits) per tensor, channel (axis 0), group (axis 1 of a 2-D weight) or block; fp8 e4m3/e5m2 "
-    "per tensor, channel or block; OCP MX fp4/fp6/fp8/int8 with blocks along the input features of a 2-D weight; "
-    "bf16/fp16"
+    "per tensor, channel or block; fp6/fp4 per tensor or channel; OCP MX fp4/fp6/fp8/int8 and mx6/mx9 with blocks "
+    "along the input features of a 2-D weight; bf16/fp16"
 )
 _SPEC_KEYS = ("dtype", "is_dynamic", "observer_cls", "qscheme", "ch_axis", "group_size", "symmetric", "round_method",
               "scale_type", "mx_element_dtype", "zero_point_type", "scale_format", "scale_calculation_mode", "block_size")  # fmt: skip
@@ -195,12 +201,17 @@ def _layout(spec: QuantizationSpec, w: torch.Tensor) -> str | None:
         return None
     if spec.dtype == Dtype.mx:
         return "mx" if _mx_axis_ok(spec, w) and spec.mx_element_dtype in _MX_ELEMENTS else None
+    if spec.dtype in (Dtype.mx6, Dtype.mx9):  # not bfp16: re-quantizing its grid values can move a block's step
+        return "block" if _mx_axis_ok(spec, w) else None
     if spec.dtype in (Dtype.bfloat16, Dtype.float16):
         return "cast"
     scheme = spec.qscheme
+    per_tensor_or_channel = scheme == QSchemeType.per_tensor or (scheme == QSchemeType.per_channel and spec.ch_axis == 0)
     if isinstance(fmt, FloatFormat) and spec.dtype in TORCH_FLOAT8:
-        ok = scheme in (QSchemeType.per_tensor, QSchemeType.per_block) or (scheme == QSchemeType.per_channel and spec.ch_axis == 0)
-        return "float8" if ok else None
+        return "float8" if per_tensor_or_channel or scheme == QSchemeType.per_block else None
+    if isinstance(fmt, FloatFormat):  # fp6 / fp4 codes, packed per output channel
+        rest = int(torch.Size(w.shape[1:]).numel())
+        return "minifloat" if per_tensor_or_channel and (fmt.bits == 4 or rest % 4 == 0) else None
     if isinstance(fmt, IntFormat):
         if scheme == QSchemeType.per_group:
             return "int_group" if _per_group_ok(spec, w) else None
@@ -230,6 +241,40 @@ def _encode_mx(w: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tenso
     return {"": pack_sextets(codes), "_scale": scale}
 
 
+_MANTISSA_BITS = {Dtype.mx6: 4, Dtype.mx9: 7}
+_BLOCK_DTYPES = (Dtype.mx, Dtype.mx6, Dtype.mx9, Dtype.bfp16)  # scales per block, no qparams to check or store
+
+
+def _block_codes(w: torch.Tensor, spec: QuantizationSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """mx6 / mx9 (or bfp16) of a 2-D weight, blocks along the input features: (int8 codes [out, n_blocks, block],
+    float32 power-of-two step of each block [out, n_blocks], mx6/mx9: 0/1 micro-exponent shift of each pair [out,
+    n_blocks, block/2]). An element is ``code * step * 2^-shift``."""
+    xb, _ = to_blocks(w, -1, spec.group_size or 16)
+    if spec.dtype == Dtype.bfp16:
+        codes, step_exp = bfp_codes(xb)
+        return codes.to(torch.int8), torch.exp2(step_exp.squeeze(-1).float()), None
+    codes, step_exp = microexponent_codes(xb, _MANTISSA_BITS[spec.dtype])
+    base = step_exp.amax(dim=-1)  # the block's step: elements of a shifted pair have one exponent less
+    shift = (base.unsqueeze(-1) - step_exp)[..., ::2]
+    return codes.to(torch.int8), torch.exp2(base.float()), shift.to(torch.uint8)
+
+
+def _encode_block(w: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tensor]:
+    codes, step, shift = _block_codes(w, spec)
+    out = {"": codes.reshape(w.shape[0], -1)[:, : w.shape[1]].contiguous(), "_scale": step}
+    if shift is not None:
+        out["_shift"] = shift.reshape(w.shape[0], -1)[:, : (w.shape[1] + 1) // 2].contiguous()
+    return out
+
+
+def _decode_block(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec: QuantizationSpec) -> torch.Tensor:
+    block, n = spec.group_size or 16, int(shape[1])
+    values = t[key].float() * t[key + "_scale"].float().repeat_interleave(block, dim=1)[:, :n]
+    if key + "_shift" in t:
+        values = torch.ldexp(values, -t[key + "_shift"].to(torch.int32).repeat_interleave(2, dim=1)[:, :n])
+    return values
+
+
 def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where: str) -> dict[str, torch.Tensor]:
     """One weight in amd-quark's layout (the table in the module docstring): ``{suffix: tensor}``."""
     spec = q.spec
@@ -241,9 +286,19 @@ def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where
         return _encode_mx(w, spec)
     if layout == "cast":
         return {"": q(w).to(torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16)}
+    if layout == "block":
+        return _encode_block(w, spec)
     fmt = format_of(spec.dtype)
     scale, zp = q.calculate_qparams()
     scale = scale.detach().float()
+    if layout == "minifloat":
+        assert isinstance(fmt, FloatFormat)
+        rows = round_to_grid(q(w).float() / _scale_view(scale, w, spec), fmt).reshape(w.shape[0], -1)
+        codes = encode(rows, fmt)
+        if fmt.bits == 4:
+            codes = torch.cat([codes, codes.new_zeros(codes.shape[0], codes.shape[1] % 2)], dim=1)  # rows pack alone
+            return {"": pack_nibbles(codes).reshape(w.shape[0], -1), "_scale": scale}
+        return {"": pack_sextets(codes), "_scale": scale}
     if layout == "float8":
         limit = FLOAT_FORMATS[spec.dtype].max_normal
         values = (w / _scale_view(scale, w, spec)).clamp(-limit, limit).to(TORCH_FLOAT8[spec.dtype])
@@ -295,8 +350,19 @@ def _decode_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec
         return _decode_mx(stored, scale, shape, spec), None, None  # type: ignore[arg-type]
     if layout == "cast":
         return stored.float(), None, None
+    if layout == "block":
+        return _decode_block(t, key, shape, spec), None, None
     assert scale is not None
     scale = scale.float()
+    if layout == "minifloat":
+        fmt_f = FLOAT_FORMATS[spec.dtype]
+        count = int(torch.Size(shape[1:]).numel())
+        if fmt_f.bits == 4:
+            codes = unpack_nibbles(stored, stored.numel() * 2, signed=False).reshape(shape[0], -1)[:, :count]
+        else:
+            codes = unpack_sextets(stored)
+        values = decode(codes, fmt_f).reshape(shape)
+        return values * _scale_view(scale, values, spec), scale, torch.zeros_like(scale, dtype=torch.int32)
     if layout == "float8":
         values = stored.float()
         return values * _scale_view(scale, values, spec), scale, torch.zeros_like(scale, dtype=torch.int32)
@@ -352,7 +418,7 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
                 tensors[prefix + "weight" + suffix] = value.detach().contiguous()
         for role in ("input", "output"):
             q = getattr(m, f"_{role}_quantizer", None)
-            if q is None or q.is_dynamic or not hasattr(q, "calculate_qparams") or q.spec.dtype in (Dtype.mx,):
+            if q is None or q.is_dynamic or not hasattr(q, "calculate_qparams") or q.spec.dtype in _BLOCK_DTYPES:
                 continue
             scale, zp = q.calculate_qparams()
             tensors[f"{prefix}{role}_scale"] = scale.detach().float().clone()
@@ -425,7 +491,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     materialize(model, device, set(t))  # a skeleton's meta Parameters get storage (every one is filled below)
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
-    plain = {k: v for k, v in t.items() if not k.endswith(("_scale", "_zero_point"))}
+    plain = {k: v for k, v in t.items() if not k.endswith(("_scale", "_zero_point", "weight_shift"))}
     with torch.no_grad():
         for name, m in _layers(model):
             prefix = f"{name}." if name else ""
@@ -461,9 +527,13 @@ def _stored_weight(spec: QuantizationSpec, shape: torch.Size) -> tuple[tuple[tor
         return ((TORCH_FLOAT8[element] if element in TORCH_FLOAT8 else torch.int8),), dims
     if layout == "cast":
         return (torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16,), dims
+    if layout == "block":
+        return (torch.int8,), dims
     if layout == "float8":
         return (TORCH_FLOAT8[spec.dtype],), dims
     fmt = format_of(spec.dtype)
+    if layout == "minifloat":
+        return (torch.uint8,), (out, (rest + 1) // 2 if fmt.bits == 4 else rest * 3 // 4)
     if layout is None or not isinstance(fmt, IntFormat):
         return None
     if layout == "int_group":
@@ -491,11 +561,11 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
             dtypes, shape = expected
             if t[key].dtype not in dtypes or tuple(t[key].shape) != shape:
                 raise ValueError(f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(shape)}, found {t[key].dtype} of shape {list(t[key].shape)}")
-            if spec.dtype not in (Dtype.mx, Dtype.bfloat16, Dtype.float16):
+            if spec.dtype not in (*_BLOCK_DTYPES, Dtype.bfloat16, Dtype.float16):
                 _check_scale(path, key + "_scale", t[key + "_scale"])
-            owned.update({key, key + "_scale", key + "_zero_point"})
+            owned.update({key, key + "_scale", key + "_zero_point", key + "_shift"})
         for role, spec_a in (("input", plan.qconfig.input_tensors), ("output", plan.qconfig.output_tensors)):
-            if spec_a is None or spec_a.is_dynamic or spec_a.dtype == Dtype.mx:
+            if spec_a is None or spec_a.is_dynamic or spec_a.dtype in _BLOCK_DTYPES:
                 continue
             key = f"{prefix}{role}_scale"
             if key not in t:

@@ -15,13 +15,13 @@ from torch import nn
 from quark.torch import ModelQuantizer, export_safetensors, import_model_from_safetensors
 from quark.torch.export.quark_format import from_quark_dict, pack_int4, to_quark_dict, unpack_int4
 from quark.torch.quantization.config.config import (
+    BFP16Spec,
     FP8E4M3PerChannelSpec,
     FP8E4M3PerTensorSpec,
     Int4PerChannelSpec,
     Int8PerChannelSpec,
     Int8PerGroupSpec,
     Int8PerTensorSpec,
-    MX6Spec,
     OCP_MXFP4Spec,
     OCP_MXFP6E2M3Spec,
     OCP_MXFP6E3M2Spec,
@@ -158,9 +158,9 @@ def test_int4_packing_follows_amd_quarks_nibble_order() -> None:
 
 
 def test_a_format_amd_quark_cannot_hold_is_refused_by_name(tmp_path: Path) -> None:
-    config = QConfig(global_quant_config=QLayerConfig(weight=MX6Spec(ch_axis=-1, block_size=16).to_quantization_spec()))
+    config = QConfig(global_quant_config=QLayerConfig(weight=BFP16Spec(ch_axis=-1).to_quantization_spec()))
     model = ModelQuantizer(config).quantize_model(nn.Sequential(nn.Linear(32, 8)), [torch.randn(2, 32)])
-    with pytest.raises(ValueError, match=r"layer '0' \(weight\): mx6 per_group weights have no amd-quark style layout; supported.*custom_mode=None"):
+    with pytest.raises(ValueError, match=r"layer '0' \(weight\): bfp16 per_group weights have no amd-quark style layout; supported.*custom_mode=None"):
         export_safetensors(model, tmp_path, custom_mode="quark")
     with pytest.raises(ValueError, match=r"custom_mode='awq'; allowed: 'quark'"):
         export_safetensors(model, tmp_path, custom_mode="awq")
@@ -226,6 +226,12 @@ EXTENSIONS = {  # formats amd-quark 0.13 does not export, in the same layout rul
                                            observer_cls="PerBlockMXObserver")},
     "mxint8": lambda: {"weight": _spec(dtype="mx", mx_element_dtype="int8", qscheme="per_group", ch_axis=-1, group_size=32,
                                        observer_cls="PerBlockMXObserver")},
+    "mx6": lambda: {"weight": _spec(dtype="mx6", qscheme="per_group", ch_axis=-1, group_size=16, observer_cls="PerBlockMXObserver",
+                                    symmetric=None, scale_type=None)},
+    "mx9": lambda: {"weight": _spec(dtype="mx9", qscheme="per_group", ch_axis=-1, group_size=16, observer_cls="PerBlockMXObserver",
+                                    symmetric=None, scale_type=None)},
+    "fp6_e3m2_per_tensor": lambda: {"weight": _spec(dtype="fp6_e3m2", qscheme="per_tensor")},
+    "fp4_per_channel": lambda: {"weight": _spec(dtype="fp4", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver")},
     "bf16": lambda: {"weight": _spec(dtype="bfloat16", qscheme=None, observer_cls=None, symmetric=None, round_method=None, scale_type=None)},
 }  # fmt: skip
 
@@ -235,7 +241,7 @@ def test_extended_formats_round_trip_through_the_directory(name: str, tmp_path: 
     from quark.torch.quantization.config.config import QuantizationConfig
 
     roles = EXTENSIONS[name]()
-    needs_2d = name.startswith(("fp8_per_block", "int8_per_block", "mx", "uint4", "int12"))
+    needs_2d = name.startswith(("fp8_per_block", "int8_per_block", "mx", "fp6", "uint4", "int12"))
     conv = QuantizationConfig(weight=_spec(dtype="int8", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver"))
     config = QConfig(global_quant_config=QuantizationConfig(**roles), layer_type_quant_config={"Conv2d": conv} if needs_2d else {})
     torch.manual_seed(0)
