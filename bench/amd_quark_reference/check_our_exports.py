@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (REPO_ROOT, HERE)]  # AMD's quark, not ours
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]  # AMD's quark, not ours
 os.environ.setdefault("QUARK_LOG_LEVEL", "error")
 
 import torch  # noqa: E402
@@ -33,14 +33,8 @@ if "site-packages" not in (quark.__file__ or ""):
 
 from quark.torch import import_model_from_safetensors  # noqa: E402
 
-
-def tiny_llama() -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+sys.path.insert(0, str(HERE))
+from make_export_reference import tiny_llama  # noqa: E402  (the same model the references were made from)
 
 
 def main(root: Path) -> int:
