@@ -18,23 +18,15 @@ import os
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]  # AMD's quark, not ours
 os.environ.setdefault("QUARK_LOG_LEVEL", "error")
-
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+# make_export_reference (imported below, before quark) keeps this repo off sys.path and accepts only the wheel's quark
 import torch  # noqa: E402
 import transformers  # noqa: E402
-
-import quark  # noqa: E402
-
-if "site-packages" not in (quark.__file__ or ""):
-    raise SystemExit(f"Imported quark from {quark.__file__!r}; run with the amd-quark venv (see README.md)")
+from make_export_reference import tiny_llama  # noqa: E402
 
 from quark.torch import import_model_from_safetensors  # noqa: E402
-
-sys.path.insert(0, str(HERE))
-from make_export_reference import tiny_llama  # noqa: E402  (the same model the references were made from)
 
 
 def main(root: Path) -> int:

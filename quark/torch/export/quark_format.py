@@ -42,7 +42,7 @@ from torch import nn
 
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, pack_sextets, unpack_nibbles, unpack_sextets
-from quark.torch.export.safetensors import _require_safetensors
+from quark.torch.export.safetensors import _require_safetensors, _scale_view
 from quark.torch.export.skeleton import materialize
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
@@ -50,7 +50,6 @@ from quark.torch.quantization.config.type import Dtype, QSchemeType
 from quark.torch.quantization.formats import (
     FLOAT_FORMATS,
     TORCH_FLOAT8,
-    bfp_codes,
     decode,
     dequantize_int,
     encode,
@@ -186,12 +185,9 @@ def _container(fmt: IntFormat) -> torch.dtype:
     return torch.int16 if fmt.signed else torch.int32
 
 
-def _mx_axis_ok(spec: QuantizationSpec, w: torch.Tensor) -> bool:
+def _along_inputs(spec: QuantizationSpec, w: torch.Tensor) -> bool:
+    """Groups / blocks run along the input features of a 2-D weight (ch_axis None means the last axis)."""
     return w.ndim == 2 and (-1 if spec.ch_axis is None else spec.ch_axis) in (-1, 1)
-
-
-def _per_group_ok(spec: QuantizationSpec, w: torch.Tensor) -> bool:
-    return w.ndim == 2 and spec.ch_axis in (1, -1)
 
 
 def _layout(spec: QuantizationSpec, w: torch.Tensor) -> str | None:
@@ -200,9 +196,9 @@ def _layout(spec: QuantizationSpec, w: torch.Tensor) -> str | None:
     if spec.is_dynamic and spec.dtype not in (Dtype.bfloat16, Dtype.float16):
         return None
     if spec.dtype == Dtype.mx:
-        return "mx" if _mx_axis_ok(spec, w) and spec.mx_element_dtype in _MX_ELEMENTS else None
+        return "mx" if _along_inputs(spec, w) and spec.mx_element_dtype in _MX_ELEMENTS else None
     if spec.dtype in (Dtype.mx6, Dtype.mx9):  # not bfp16: re-quantizing its grid values can move a block's step
-        return "block" if _mx_axis_ok(spec, w) else None
+        return "block" if _along_inputs(spec, w) else None
     if spec.dtype in (Dtype.bfloat16, Dtype.float16):
         return "cast"
     scheme = spec.qscheme
@@ -214,13 +210,27 @@ def _layout(spec: QuantizationSpec, w: torch.Tensor) -> str | None:
         return "minifloat" if per_tensor_or_channel and (fmt.bits == 4 or rest % 4 == 0) else None
     if isinstance(fmt, IntFormat):
         if scheme == QSchemeType.per_group:
-            return "int_group" if _per_group_ok(spec, w) else None
-        ok = scheme in (QSchemeType.per_tensor, QSchemeType.per_block) or (scheme == QSchemeType.per_channel and spec.ch_axis == 0)
-        return "int" if ok else None
+            return "int_group" if spec.ch_axis is not None and _along_inputs(spec, w) else None
+        return "int" if per_tensor_or_channel or scheme == QSchemeType.per_block else None
     return None
 
 
 _MX_ELEMENTS = (Dtype.fp4, Dtype.fp6_e3m2, Dtype.fp6_e2m3, Dtype.fp8_e4m3, Dtype.fp8_e5m2, Dtype.int8)
+
+
+def _pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Minifloat codes [rows, n] packed per row: fp4 two per byte (an odd row padded), fp6 four per three bytes."""
+    if bits == 4:
+        codes = torch.cat([codes, codes.new_zeros(codes.shape[0], codes.shape[1] % 2)], dim=1)  # each row packs alone
+        return pack_nibbles(codes).reshape(codes.shape[0], -1)
+    return pack_sextets(codes)
+
+
+def _unpack_rows(stored: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The inverse of ``_pack_rows``: [rows, count] codes."""
+    if bits == 4:
+        return unpack_nibbles(stored, stored.numel() * 2, signed=False).reshape(stored.shape[0], -1)[:, :count]
+    return unpack_sextets(stored)
 
 
 def _encode_mx(w: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tensor]:
@@ -233,46 +243,33 @@ def _encode_mx(w: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tenso
         return {"": torch.round(elements * 64).to(torch.int8), "_scale": scale}
     if element in TORCH_FLOAT8:
         return {"": elements.to(TORCH_FLOAT8[element]), "_scale": scale}
-    codes = encode(elements, FLOAT_FORMATS[element])
-    if element == Dtype.fp4:
-        if codes.shape[1] % 2:  # each row packs on its own
-            codes = torch.cat([codes, codes.new_zeros(codes.shape[0], 1)], dim=1)
-        return {"": pack_nibbles(codes).reshape(w.shape[0], -1), "_scale": scale}
-    return {"": pack_sextets(codes), "_scale": scale}
+    efmt = FLOAT_FORMATS[element]
+    return {"": _pack_rows(encode(elements, efmt), efmt.bits), "_scale": scale}
 
 
 _MANTISSA_BITS = {Dtype.mx6: 4, Dtype.mx9: 7}
 _BLOCK_DTYPES = (Dtype.mx, Dtype.mx6, Dtype.mx9, Dtype.bfp16)  # scales per block, no qparams to check or store
 
 
-def _block_codes(w: torch.Tensor, spec: QuantizationSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """mx6 / mx9 (or bfp16) of a 2-D weight, blocks along the input features: (int8 codes [out, n_blocks, block],
-    float32 power-of-two step of each block [out, n_blocks], mx6/mx9: 0/1 micro-exponent shift of each pair [out,
-    n_blocks, block/2]). An element is ``code * step * 2^-shift``."""
+def _encode_block(w: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tensor]:
+    """mx6 / mx9 of a 2-D weight, blocks along the input features: int8 codes [out, in], the float32 power-of-two
+    step of each block [out, in/b] and the 0/1 micro-exponent shift of each pair [out, in/2]; an element is
+    ``code * step * 2^-shift``."""
     xb, _ = to_blocks(w, -1, spec.group_size or 16)
-    if spec.dtype == Dtype.bfp16:
-        codes, step_exp = bfp_codes(xb)
-        return codes.to(torch.int8), torch.exp2(step_exp.squeeze(-1).float()), None
     codes, step_exp = microexponent_codes(xb, _MANTISSA_BITS[spec.dtype])
     base = step_exp.amax(dim=-1)  # the block's step: elements of a shifted pair have one exponent less
     shift = (base.unsqueeze(-1) - step_exp)[..., ::2]
-    return codes.to(torch.int8), torch.exp2(base.float()), shift.to(torch.uint8)
-
-
-def _encode_block(w: torch.Tensor, spec: QuantizationSpec) -> dict[str, torch.Tensor]:
-    codes, step, shift = _block_codes(w, spec)
-    out = {"": codes.reshape(w.shape[0], -1)[:, : w.shape[1]].contiguous(), "_scale": step}
-    if shift is not None:
-        out["_shift"] = shift.reshape(w.shape[0], -1)[:, : (w.shape[1] + 1) // 2].contiguous()
-    return out
+    return {
+        "": codes.to(torch.int8).reshape(w.shape[0], -1)[:, : w.shape[1]].contiguous(),
+        "_scale": torch.exp2(base.float()),
+        "_shift": shift.to(torch.uint8).reshape(w.shape[0], -1)[:, : (w.shape[1] + 1) // 2].contiguous(),
+    }
 
 
 def _decode_block(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec: QuantizationSpec) -> torch.Tensor:
     block, n = spec.group_size or 16, int(shape[1])
     values = t[key].float() * t[key + "_scale"].float().repeat_interleave(block, dim=1)[:, :n]
-    if key + "_shift" in t:
-        values = torch.ldexp(values, -t[key + "_shift"].to(torch.int32).repeat_interleave(2, dim=1)[:, :n])
-    return values
+    return torch.ldexp(values, -t[key + "_shift"].to(torch.int32).repeat_interleave(2, dim=1)[:, :n])
 
 
 def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where: str) -> dict[str, torch.Tensor]:
@@ -288,22 +285,16 @@ def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where
         return {"": q(w).to(torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16)}
     if layout == "block":
         return _encode_block(w, spec)
-    fmt = format_of(spec.dtype)
     scale, zp = q.calculate_qparams()
     scale = scale.detach().float()
-    if layout == "minifloat":
-        assert isinstance(fmt, FloatFormat)
-        rows = round_to_grid(q(w).float() / _scale_view(scale, w, spec), fmt).reshape(w.shape[0], -1)
-        codes = encode(rows, fmt)
-        if fmt.bits == 4:
-            codes = torch.cat([codes, codes.new_zeros(codes.shape[0], codes.shape[1] % 2)], dim=1)  # rows pack alone
-            return {"": pack_nibbles(codes).reshape(w.shape[0], -1), "_scale": scale}
-        return {"": pack_sextets(codes), "_scale": scale}
-    if layout == "float8":
-        limit = FLOAT_FORMATS[spec.dtype].max_normal
-        values = (w / _scale_view(scale, w, spec)).clamp(-limit, limit).to(TORCH_FLOAT8[spec.dtype])
-        return {"": values, "_scale": scale}
-    assert isinstance(fmt, IntFormat)
+    if layout in ("minifloat", "float8"):
+        ffmt = FLOAT_FORMATS[spec.dtype]
+        view = _scale_view(scale, w, spec.qscheme, spec.ch_axis, spec.block_size)
+        if layout == "float8":
+            return {"": (w / view).clamp(-ffmt.max_normal, ffmt.max_normal).to(TORCH_FLOAT8[spec.dtype]), "_scale": scale}
+        rows = round_to_grid(q(w).float() / view, ffmt).reshape(w.shape[0], -1)
+        return {"": _pack_rows(encode(rows, ffmt), ffmt.bits), "_scale": scale}
+    fmt = _int_format(spec, where)
     codes = quantize_int(w, scale, zp, fmt.qmin, fmt.qmax, round_method=spec.round_method, qscheme=spec.qscheme,
                          axis=spec.ch_axis, group_size=spec.group_size, block_size=spec.block_size)  # fmt: skip
     if layout == "int_group":  # transposed: [in, out], scales and zero points [in / g, out]
@@ -315,16 +306,15 @@ def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where
         packed = pack_int4(codes.reshape(w.shape[0], -1), pack_method)
         if spec.qscheme == QSchemeType.per_channel:
             return {"": packed, "_scale": scale, "_zero_point": pack_int4(zp.reshape(1, -1), pack_method)[0]}
-        return {"": packed, "_scale": scale, "_zero_point": zp.to(torch.int8 if fmt.signed else torch.uint8)}
+        return {"": packed, "_scale": scale, "_zero_point": zp.to(_container(fmt))}
     return {"": codes.to(_container(fmt)), "_scale": scale, "_zero_point": zp.to(_container(fmt))}
 
 
-def _scale_view(scale: torch.Tensor, w: torch.Tensor, spec: QuantizationSpec) -> torch.Tensor:
-    """A per-tensor, per-channel (axis 0) or per-block scale broadcast over ``w``."""
-    if spec.qscheme == QSchemeType.per_block:
-        (br, bc) = spec.block_size  # type: ignore[misc]
-        return scale.repeat_interleave(br, dim=0)[: w.shape[0]].repeat_interleave(bc, dim=1)[:, : w.shape[1]]
-    return scale if scale.ndim == 0 else scale.reshape(-1, *([1] * (w.ndim - 1)))
+def _int_format(spec: QuantizationSpec, where: str) -> IntFormat:
+    fmt = format_of(spec.dtype)
+    if not isinstance(fmt, IntFormat):
+        raise _unsupported(where, spec)
+    return fmt
 
 
 def _decode_mx(stored: torch.Tensor, scale: torch.Tensor, shape: torch.Size, spec: QuantizationSpec) -> torch.Tensor:
@@ -333,11 +323,9 @@ def _decode_mx(stored: torch.Tensor, scale: torch.Tensor, shape: torch.Size, spe
         values = stored.float() / 64
     elif element in TORCH_FLOAT8:
         values = stored.float()
-    elif element == Dtype.fp4:
-        codes = unpack_nibbles(stored, stored.numel() * 2, signed=False).reshape(shape[0], -1)[:, : shape[1]]
-        values = decode(codes, FLOAT_FORMATS[element])
     else:
-        values = decode(unpack_sextets(stored), FLOAT_FORMATS[element])
+        efmt = FLOAT_FORMATS[element]
+        values = decode(_unpack_rows(stored, efmt.bits, int(shape[1])), efmt)
     exp = scale.to(torch.int32) - 127
     return values * torch.exp2(exp.float()).repeat_interleave(spec.group_size or 32, dim=1)[:, : shape[1]]
 
@@ -352,20 +340,15 @@ def _decode_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec
         return stored.float(), None, None
     if layout == "block":
         return _decode_block(t, key, shape, spec), None, None
-    assert scale is not None
+    if scale is None:
+        raise ValueError(f"tensor '{key}_scale' is missing (the config quantizes '{key}' as {spec.dtype.name})")
     scale = scale.float()
-    if layout == "minifloat":
-        fmt_f = FLOAT_FORMATS[spec.dtype]
+    if layout in ("minifloat", "float8"):
+        ffmt = FLOAT_FORMATS[spec.dtype]
         count = int(torch.Size(shape[1:]).numel())
-        if fmt_f.bits == 4:
-            codes = unpack_nibbles(stored, stored.numel() * 2, signed=False).reshape(shape[0], -1)[:, :count]
-        else:
-            codes = unpack_sextets(stored)
-        values = decode(codes, fmt_f).reshape(shape)
-        return values * _scale_view(scale, values, spec), scale, torch.zeros_like(scale, dtype=torch.int32)
-    if layout == "float8":
-        values = stored.float()
-        return values * _scale_view(scale, values, spec), scale, torch.zeros_like(scale, dtype=torch.int32)
+        values = stored.float() if layout == "float8" else decode(_unpack_rows(stored, ffmt.bits, count), ffmt).reshape(shape)
+        view = _scale_view(scale, values, spec.qscheme, spec.ch_axis, spec.block_size)
+        return values * view, scale, torch.zeros_like(scale, dtype=torch.int32)
     fmt = format_of(spec.dtype)
     if not isinstance(fmt, IntFormat):
         raise ValueError(f"tensor '{key}': stored as {stored.dtype}, which no {spec.dtype.name} weight is stored as")
