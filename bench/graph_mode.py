@@ -11,10 +11,13 @@ quantized and every row is scored on the 10,000 test images:
 5. graph W8A8 TQT QAT             int8 weights and activations with power-of-two scales and learned TQT thresholds
                                   (Quark's "QAT A8W8" / "QAT TQT"), fine-tuned from the float weights: the
                                   like-for-like peer of row 8
-6. graph W4A8 TQT QAT             the w4a8_tqt preset: the same with int4 per-tensor weights
+6. graph W4A8 TQT QAT             the w4a8_tqt_graph preset: the same with int4 weights, one learned power-of-two
+                                  threshold per output channel
 7. PT2E W8A8 PTQ                  torchao's ``prepare_pt2e`` / ``convert_pt2e`` with X86InductorQuantizer (or XNNPACK):
                                   int8 per-channel symmetric weights, static per-tensor activations
 8. PT2E W8A8 QAT                  ``prepare_qat_pt2e``, fine-tuned with the same schedule as rows 5 and 6
+9. PT2E W4A8 QAT                  the same quantizer with its weight range narrowed to int4 (-8..7, per channel,
+                                  float scales): the like-for-like peer of row 6
 
 W8A8 (ours) is the w8a8 preset: int8 per-channel symmetric weights, int8 per-tensor symmetric static activations; the
 quantizer specs are read from conf/quant/spec/*.yaml, so the rows follow the presets. All PTQ rows calibrate on the same
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import logging
 import statistics
 import time
@@ -57,9 +61,9 @@ from tasks.fashion import load_fashion
 SPEC_DIR = Path(__file__).resolve().parents[1] / "conf" / "quant" / "spec"
 ROWS = (
     "float", "eager W8A8 PTQ", "graph W8A8 PTQ", "graph W8A8 PTQ + CLE", "graph W8A8 TQT QAT", "graph W4A8 TQT QAT",
-    "PT2E W8A8 PTQ", "PT2E W8A8 QAT",
+    "PT2E W8A8 PTQ", "PT2E W8A8 QAT", "PT2E W4A8 QAT",
 )  # fmt: skip
-QAT_ROWS = ("graph W8A8 TQT QAT", "graph W4A8 TQT QAT", "PT2E W8A8 QAT")
+QAT_ROWS = ("graph W8A8 TQT QAT", "graph W4A8 TQT QAT", "PT2E W8A8 QAT", "PT2E W4A8 QAT")
 Result = float | str  # accuracy in percent (a QAT row: the mean over seeds), or "n/a (reason)"
 EvalFn = Callable[[int], Result]  # a row, given the seed of its (QAT) run
 
@@ -125,9 +129,15 @@ def spec(name: str) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.load(SPEC_DIR / f"{name}.yaml"))  # type: ignore[return-value]
 
 
-W8A8 = {"weight": spec("int8_per_channel_sym"), "input_tensors": spec("int8_per_tensor")}  # conf/quant/w8a8.yaml
+def preset(name: str) -> dict[str, Any]:
+    """The quantizer roles of a Hydra preset (conf/quant/<name>.yaml): its ``defaults`` list read as role -> spec."""
+    entries = OmegaConf.to_container(OmegaConf.load(SPEC_DIR.parent / f"{name}.yaml"))["defaults"]  # type: ignore[index]
+    return {role: spec(file) for entry in entries if isinstance(entry, dict) for role, file in entry.items() if file}
+
+
+W8A8 = preset("int8_graph")  # the same roles as conf/quant/w8a8.yaml, which eager mode uses
 W8A8_TQT = {"weight": spec("int8_tqt"), "input_tensors": spec("int8_tqt")}
-W4A8_TQT = {"weight": spec("int4_tqt"), "input_tensors": spec("int8_tqt")}  # conf/quant/w4a8_tqt.yaml
+W4A8_TQT = preset("w4a8_tqt_graph")
 
 
 def quark_config(qconfig: dict[str, Any], graph: bool, cle_iterations: int = 0) -> Config:
@@ -182,21 +192,30 @@ def quiet_torchao() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def pt2e_quantizer(kind: str, is_qat: bool) -> Any:
+def pt2e_quantizer(kind: str, is_qat: bool, weight_bits: int = 8) -> Any:
     """int8 per-channel symmetric weights, static per-tensor int8 activations (X86: uint8 affine, histogram
-    observer for PTQ; XNNPACK: int8 affine, min-max)."""
+    observer for PTQ; XNNPACK: int8 affine, min-max). ``weight_bits=4`` narrows the weights' integer range to
+    -8..7 (int8 storage), PT2E's way of simulating int4."""
     if kind == "x86":
         from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
             X86InductorQuantizer,
             get_default_x86_inductor_quantization_config,
         )
 
-        return X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_qat=is_qat))
-    from torchao.testing.pt2e._xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+        config = get_default_x86_inductor_quantization_config(is_qat=is_qat)
+        quantizer = X86InductorQuantizer()
+    else:
+        from torchao.testing.pt2e._xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "XNNPACKQuantizer is deprecated")
-        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_qat=is_qat))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "XNNPACKQuantizer is deprecated")
+            config = get_symmetric_quantization_config(is_per_channel=True, is_qat=is_qat)
+            quantizer = XNNPACKQuantizer()
+    if weight_bits != 8:
+        qmax = 2 ** (weight_bits - 1) - 1
+        weight = dataclasses.replace(config.weight, quant_min=-qmax - 1, quant_max=qmax)
+        config = dataclasses.replace(config, weight=weight)
+    return quantizer.set_global(config)
 
 
 def pt2e_export(model: nn.Module, data: Data) -> torch.fx.GraphModule:
@@ -225,11 +244,12 @@ def pt2e_freeze_bn_stats(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def pt2e_qat(model: nn.Module, data: Data, args: argparse.Namespace, seed: int) -> float:
+def pt2e_qat(model: nn.Module, data: Data, args: argparse.Namespace, seed: int, weight_bits: int = 8) -> float:
     from torchao.quantization.pt2e import disable_observer, move_exported_model_to_eval, move_exported_model_to_train
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
 
-    prepared = prepare_qat_pt2e(pt2e_export(model.train(), data), pt2e_quantizer(args.pt2e_quantizer, is_qat=True))
+    quantizer = pt2e_quantizer(args.pt2e_quantizer, is_qat=True, weight_bits=weight_bits)
+    prepared = prepare_qat_pt2e(pt2e_export(model.train(), data), quantizer)
     move_exported_model_to_train(prepared)
 
     def before_epoch(epoch: int) -> None:
@@ -270,7 +290,9 @@ def run_net(name: str, data: Data, args: argparse.Namespace) -> tuple[dict[str, 
         "graph W4A8 TQT QAT": lambda seed: graph_qat(copy.deepcopy(model), data, args, W4A8_TQT, seed),
         "PT2E W8A8 PTQ": lambda _: pt2e_ptq(copy.deepcopy(model), data, args.pt2e_quantizer),
         "PT2E W8A8 QAT": lambda seed: pt2e_qat(copy.deepcopy(model), data, args, seed),
+        "PT2E W4A8 QAT": lambda seed: pt2e_qat(copy.deepcopy(model), data, args, seed, weight_bits=4),
     }
+    rows = {row: fn for row, fn in rows.items() if row in args.rows or row == "float"}
     results: dict[str, Result] = {}
     spread: dict[str, float] = {}
     for row, fn in rows.items():
@@ -297,7 +319,7 @@ def print_table(results: dict[str, dict[str, Result]], spreads: dict[str, dict[s
     nets = list(results)
     print("| row | " + " | ".join(f"{n} acc % | {n} vs float (points)" for n in nets) + " |")
     print("|---|" + "---|---|" * len(nets))
-    for row in ROWS:
+    for row in (r for r in ROWS if r in results[nets[0]]):
         cells = []
         for net in nets:
             acc, ref = results[net][row], results[net]["float"]
@@ -309,7 +331,7 @@ def print_table(results: dict[str, dict[str, Result]], spreads: dict[str, dict[s
         print(f"| {row} | " + " | ".join(cells) + " |")
 
 
-def _ge(a: Result, b: Result, slack: float = 0.0) -> bool | None:
+def _ge(a: Result | None, b: Result | None, slack: float = 0.0) -> bool | None:
     return a >= b - slack if isinstance(a, float) and isinstance(b, float) else None
 
 
@@ -329,23 +351,24 @@ def _verdict(ok: bool | None, a: Result, b: Result, se: float | None) -> str:
 
 
 def check_targets(results: dict[str, dict[str, Result]], spreads: dict[str, dict[str, float]], seeds: int) -> None:
-    """The issue's targets, per network, on the means. The QAT targets are checked for the like-for-like W8A8 row
-    and for the W4A8 preset (int4 per-tensor weights against PT2E's int8 per-channel)."""
+    """The issue's targets, per network, on the means. Each QAT row is compared with float and with its
+    like-for-like PT2E peer (W8A8 with W8A8, W4A8 with W4A8); rows left out with ``--rows`` read n/a."""
     for net, r in results.items():
         sd = spreads[net]
 
-        best = max(("graph W8A8 PTQ", "graph W8A8 PTQ + CLE"), key=lambda k: r[k] if isinstance(r[k], float) else -1.0)
+        best = max(("graph W8A8 PTQ", "graph W8A8 PTQ + CLE"), key=lambda k: r.get(k) if isinstance(r.get(k), float) else -1.0)
         checks = [
             ("graph W8A8 PTQ within 0.5 points of float", "graph W8A8 PTQ", "float", 0.5),
             (f"graph PTQ (best of +/- CLE: {best}) >= PT2E PTQ", best, "PT2E W8A8 PTQ", 0.0),
         ]
-        for row in ("graph W8A8 TQT QAT", "graph W4A8 TQT QAT"):
+        for row, peer in (("graph W8A8 TQT QAT", "PT2E W8A8 QAT"), ("graph W4A8 TQT QAT", "PT2E W4A8 QAT")):
             checks += [
                 (f"{row} within 0.5 points of float", row, "float", 0.5),
-                (f"{row} >= PT2E W8A8 QAT", row, "PT2E W8A8 QAT", 0.0),
+                (f"{row} >= {peer}", row, peer, 0.0),
             ]
         for text, a, b, slack in checks:
-            print(f"[{net}] {text}: {_verdict(_ge(r[a], r[b], slack), r[a], r[b], _se(sd, seeds, a, b))}")
+            ra, rb = r.get(a, "n/a"), r.get(b, "n/a")
+            print(f"[{net}] {text}: {_verdict(_ge(ra, rb, slack), ra, rb, _se(sd, seeds, a, b))}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -364,6 +387,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cle-iterations", type=int, default=5)
     p.add_argument("--pt2e-quantizer", choices=["x86", "xnnpack"], default="x86")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="rows to run (float always runs)")
     return p.parse_args(argv)
 
 

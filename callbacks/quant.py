@@ -429,14 +429,15 @@ class QuantCallback(Callback):
     @staticmethod
     def _check_learnable_shapes(trainer: Trainer, pl_module: LightningModule) -> None:
         """Under DDP, learnable scales must have their final shape before the module is wrapped (DDP lays out its
-        gradient buckets once): a per-channel LSQ activation on an axis the layer does not fix is refused here."""
+        gradient buckets once): a per-channel TQT / LSQ activation on an axis the layer does not fix is refused here."""
         if trainer.world_size <= 1:
             return
-        lazy = [q.where for _, q in iter_quantizers(pl_module) if isinstance(q, LSQFakeQuantize) and not q.channels_known]
+        lazy = [q.where for _, q in iter_quantizers(pl_module) if _is_learnable(q) and not q.channels_known]
         if lazy:
             raise ValueError(
-                f"QuantCallback under {type(trainer.strategy).__name__} ({trainer.world_size} processes): LSQ per-channel "
-                f"scales of {lazy} would take their shape from the first batch, after DDP has laid out its gradient "
+                f"QuantCallback under {type(trainer.strategy).__name__} ({trainer.world_size} processes): per-channel "
+                f"TQT thresholds / LSQ scales of {lazy} would take their shape from the first batch, after DDP has "
+                "laid out its gradient "
                 "buckets. Quantize activations per channel along the layer's feature axis (ch_axis=-1 for a Linear "
                 "input or output, ch_axis=1 for a convolution's), or per tensor."
             )

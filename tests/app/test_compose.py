@@ -84,6 +84,23 @@ def test_w4a8_tqt_is_qat_with_learned_pof2_thresholds() -> None:
     assert config.global_quant_config.weight.qat_spec.threshold_init_meth.name == "_LL_J"
 
 
+def test_w4a8_tqt_graph_learns_one_weight_threshold_per_output_channel() -> None:
+    from quark.torch.quantization.graph import capture
+
+    cfg = compose_cfg("quant=w4a8_tqt_graph", "trainer=smoke")
+    flow, config = build_quant(cfg.quant)
+    weight = config.global_quant_config.weight
+    assert flow.mode == "qat" and weight.dtype is Dtype.int4 and weight.qscheme.name == "per_channel"
+    assert weight.ch_axis == 0 and weight.qat_spec.threshold_init_meth.name == "_3SD"
+    model, data = instantiate(cfg.model), instantiate(cfg.data)
+    data.setup("fit")
+    graph = ModelQuantizer(config).prepare(capture(model.net, (next(iter(data.train_dataloader()))[0],)))
+    layers = [m for m in graph.modules() if getattr(m, "_weight_quantizer", None) is not None]
+    assert len(layers) == 4
+    for layer in layers:  # sized at prepare from the weight, before any data (DDP lays out its buckets then)
+        assert layer._weight_quantizer.log_threshold.shape == (layer.weight.shape[0],)
+
+
 # ----------------------------------------------------------------------------------------------- swapping roles
 def test_swap_one_role_from_the_command_line() -> None:
     base = build_quant(compose_cfg("quant=int8_per_channel").quant)[1]

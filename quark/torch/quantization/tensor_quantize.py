@@ -225,45 +225,106 @@ class NonScaledFakeQuantize(FakeQuantizeBase):
 # ----------------------------------------------------------------------------------------------- TQT
 class _TQTFunction(torch.autograd.Function):
     """TQT forward ``clamp(round(x / s), n, p) * s`` with ``s = 2^ceil(log2 t) / 2^(b-1)``; the paper's gradients:
-    x: 1 inside [n, p], else 0; log2 t: ``s ln2 (round(x/s) - x/s)`` inside, ``s ln2 n`` / ``s ln2 p`` when clipped.
+    x: 1 inside [n, p], else 0; log2 t: ``s ln2 (round(x/s) - x/s)`` inside, ``s ln2 n`` / ``s ln2 p`` when clipped,
+    summed over the tensor (per tensor) or over everything but ``axis`` (one threshold per channel).
 
-    Only ``x`` and ``s`` are saved. With half-even rounding the backward is torch's fused learnable fake-quant
-    backward (its scale gradient is ``round(x/s) - x/s`` inside and n / p when clipped, exactly the paper's term
-    before the factor ``s ln2``; ``x / s`` and ``x * (1/s)`` agree because ``s`` is a power of two); other rounding
-    modes recompute the same terms here.
+    Only ``x`` and ``s`` are saved. Per tensor with half-even rounding the backward is torch's fused learnable
+    fake-quant backward (its scale gradient is ``round(x/s) - x/s`` inside and n / p when clipped, exactly the paper's
+    term before the factor ``s ln2``; ``x / s`` and ``x * (1/s)`` agree because ``s`` is a power of two); the other
+    cases recompute the same terms here.
     """
 
     @staticmethod
-    def forward(ctx, x, log2_t, qmin, qmax, frac_bits, round_method=RoundType.half_even):  # type: ignore[override]
+    def forward(ctx, x, log2_t, qmin, qmax, frac_bits, round_method=RoundType.half_even, axis=None):  # type: ignore[override]
         s = torch.exp2(torch.ceil(log2_t) - frac_bits)
+        sv = s if axis is None else channel_view(s, x.ndim, axis)
         ctx.save_for_backward(x, s)
-        ctx.meta = (qmin, qmax, round_method)
-        return round_to_int(x / s, round_method).clamp_(qmin, qmax).mul_(s)
+        ctx.meta = (qmin, qmax, round_method, axis)
+        return round_to_int(x / sv, round_method).clamp_(qmin, qmax).mul_(sv)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, s = ctx.saved_tensors
-        qmin, qmax, round_method = ctx.meta
-        if round_method == RoundType.half_even:
+        qmin, qmax, round_method, axis = ctx.meta
+        if axis is None and round_method == RoundType.half_even:
             zero = torch.zeros_like(s)
             grad_x, grad_s, _ = torch.ops.aten._fake_quantize_learnable_per_tensor_affine_backward(
                 grad.contiguous(), x.contiguous(), s, zero, qmin, qmax, 1.0
             )
         else:
-            v = x / s
+            v = x / (s if axis is None else channel_view(s, x.ndim, axis))
             r = round_to_int(v, round_method)
             inside = (r >= qmin) & (r <= qmax)
             grad_x = grad * inside
             local = torch.where(inside, r - v, torch.where(r < qmin, torch.full_like(v, qmin), torch.full_like(v, qmax)))
-            grad_s = (grad * local).sum().reshape(1)
-        grad_t = grad_s.reshape(1) * s * math.log(2.0)
-        return grad_x, grad_t.reshape_as(s), None, None, None, None
+            g = grad * local
+            grad_s = g.sum() if axis is None else g.sum(dim=[d for d in range(x.ndim) if d != axis % x.ndim])
+        grad_t = grad_s.reshape_as(s) * s * math.log(2.0)
+        return grad_x, grad_t, None, None, None, None, None
 
 
 class _LearnableFakeQuantize(FakeQuantizeBase):
-    """Learnable quantizers (TQT, LSQ): initialised from the first batch seen with the observer on, then learned."""
+    """Learnable quantizers (TQT, LSQ): initialised from the first batch seen with the observer on, then learned.
+
+    The learned Parameter (``_learned_name``) has one element per tensor, or one per channel along ``axis``. A
+    per-channel Parameter takes its shape from ``set_channels`` (the layer knows it: weights, a conv's activations)
+    or else from the first batch; a checkpoint's shape wins on load.
+    """
 
     initialized: torch.Tensor
+    _learned_name: str = ""
+    _fill: float = 0.0  # the placeholder value of the learned Parameter before initialisation
+
+    def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__(spec, device)
+        self.axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
+        self.channels: int | None = None  # per channel: the count, once known before the first batch
+        self.register_parameter(self._learned_name, nn.Parameter(torch.full((1,), self._fill, device=device)))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
+
+    @property
+    def _learned_param(self) -> nn.Parameter:
+        return getattr(self, self._learned_name)
+
+    @property
+    def channels_known(self) -> bool:
+        """Whether the learned Parameter already has its final shape (per tensor, or per channel sized by
+        ``set_channels``, or initialised)."""
+        return self.axis is None or self.channels is not None or bool(self.initialized)
+
+    def set_channels(self, count: int) -> None:
+        """Give a per-channel Parameter its final shape before training, so that a wrapper that lays out gradient
+        buffers once (DDP) sees the Parameter as it will stay."""
+        if self.axis is None or bool(self.initialized):
+            return
+        self._resize(count)
+        self.channels = count
+
+    def _resize(self, count: int) -> None:
+        """Reshape the learned Parameter (and per-channel buffers) to ``count`` elements, in place of the Parameter
+        object's data so that optimizers built later see it."""
+        param = self._learned_param
+        with torch.no_grad():
+            param.data = torch.full((count,), self._fill, device=param.device)
+
+    def _set_learned(self, value: torch.Tensor) -> None:
+        """Store the initial value of the learned Parameter (one element, or one per channel)."""
+        param = self._learned_param
+        if self.axis is not None and self.channels is None:  # shape from the data
+            self._resize(value.numel())
+        elif value.numel() != param.numel():
+            raise ValueError(
+                f"{self.where}: the {type(self).__name__} {self._learned_name} has {param.numel()} channels but the "
+                f"tensor has {value.numel()} along axis {self.axis}"
+            )
+        with torch.no_grad():
+            param.copy_(value.reshape(param.shape).to(param.device))
+        self.initialized.fill_(1)
+
+    def _per_channel_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as one row per channel along ``axis`` (float32, detached)."""
+        xd = x.detach().float()
+        return xd.movedim(self.axis, 0).reshape(xd.shape[self.axis], -1)  # type: ignore[arg-type]
 
     def _initialize(self, x: torch.Tensor) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -282,15 +343,25 @@ class _LearnableFakeQuantize(FakeQuantizeBase):
             return x
         return self._learned(x)
 
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        key = prefix + self._learned_name
+        if key in state_dict and state_dict[key].shape != self._learned_param.shape:
+            self._resize(state_dict[key].numel())
+            self.channels = None if self.axis is None else state_dict[key].numel()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
 
 class TQTFakeQuantize(_LearnableFakeQuantize):
-    """Trained Quantization Thresholds: ``log2 t`` is an ``nn.Parameter``; power-of-two per-tensor scale.
+    """Trained Quantization Thresholds: ``log2 t`` is an ``nn.Parameter``; power-of-two scale ``2^ceil(log2 t) /
+    2^(b-1)``, one per tensor (Jain et al. 2019, amd-quark's TQT) or one per channel (``qscheme=per_channel``: this
+    engine's extension, each channel's threshold learned with the paper's gradient summed over that channel).
 
     The threshold is initialised from the first batch seen with the observer on, by the spec's
-    ``threshold_init_meth`` (``_3SD`` by default, or ``_LL_J``).
+    ``threshold_init_meth`` (``_3SD`` by default, or ``_LL_J``), per tensor or per channel.
     """
 
-    initialized: torch.Tensor
+    _learned_name = "log_threshold"
+    _fill = 0.0
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__(spec, device)
@@ -300,31 +371,29 @@ class TQTFakeQuantize(_LearnableFakeQuantize):
         self.bits = fmt.bits
         self.qmin, self.qmax = fmt.qmin, fmt.qmax
         self.init_method = spec.qat_spec.threshold_init_meth or TQTThresholdInitMeth._3SD  # type: ignore[union-attr]
-        self.log_threshold = nn.Parameter(torch.zeros(1, device=device))
-        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
+
+    def _threshold(self, x: torch.Tensor) -> float:
+        t = threshold_3sd(x) if self.init_method == TQTThresholdInitMeth._3SD else threshold_kl_j(x, self.bits)
+        return math.log2(max(float(t), _EPS))
 
     def init_threshold(self, x: torch.Tensor) -> None:
-        """Set ``log2 t`` from ``x`` by the configured method."""
-        if self.init_method == TQTThresholdInitMeth._3SD:
-            t = threshold_3sd(x)
-        else:
-            t = threshold_kl_j(x, self.bits)
-        with torch.no_grad():
-            self.log_threshold.fill_(math.log2(max(float(t), _EPS)))
-        self.initialized.fill_(1)
+        """Set ``log2 t`` from ``x`` by the configured method (each channel from its own values, per channel)."""
+        rows = [x] if self.axis is None else list(self._per_channel_rows(x))
+        self._set_learned(torch.tensor([self._threshold(r) for r in rows]))
 
     def _initialize(self, x: torch.Tensor) -> None:
         self.init_threshold(x)
 
     def _learned(self, x: torch.Tensor) -> torch.Tensor:
         out = _TQTFunction.apply(
-            x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1), self._round_method
+            x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1), self._round_method, self.axis
         )
         return out.to(x.dtype)
 
     @property
     def scale(self) -> torch.Tensor:
-        return torch.exp2(torch.ceil(self.log_threshold.detach()) - (self.bits - 1)).reshape(())
+        s = torch.exp2(torch.ceil(self.log_threshold.detach()) - (self.bits - 1))
+        return s.reshape(()) if self.axis is None else s
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.scale
@@ -371,7 +440,8 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
     ``2 * mean|x| / sqrt(qmax)`` on the first batch; gradients scaled by ``1 / sqrt(numel_per_scale * qmax)``."""
 
     zero_point: torch.Tensor
-    initialized: torch.Tensor
+    _learned_name = "scale"
+    _fill = 1.0
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__(spec, device)
@@ -379,46 +449,15 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
         if not isinstance(fmt, IntFormat):
             raise ValueError(f"LSQ needs an integer dtype, got {spec.dtype.name}")
         self.qmin, self.qmax = fmt.qmin, fmt.qmax
-        self.axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
-        self.scale = nn.Parameter(torch.ones(1, device=device))
         self.register_buffer("zero_point", torch.zeros(1, dtype=torch.int32, device=device))
-        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
-        self.channels: int | None = None  # per channel: the count, once known before the first batch
 
-    @property
-    def channels_known(self) -> bool:
-        """Whether the scale already has its final shape (per tensor, or per channel sized by ``set_channels``)."""
-        return self.axis is None or self.channels is not None or bool(self.initialized)
-
-    def set_channels(self, count: int) -> None:
-        """Give a per-channel scale its final shape before training, so that a wrapper that lays out gradient
-        buffers once (DDP) sees the Parameter as it will stay."""
-        if self.axis is None or bool(self.initialized):
-            return
-        with torch.no_grad():
-            self.scale.data = torch.ones(count, device=self.scale.device)
-            self.zero_point = torch.zeros(count, dtype=torch.int32, device=self.zero_point.device)
-        self.channels = count
+    def _resize(self, count: int) -> None:
+        super()._resize(count)
+        self.zero_point = torch.zeros(count, dtype=torch.int32, device=self.zero_point.device)
 
     def init_scale(self, x: torch.Tensor) -> None:
-        xd = x.detach().float().abs()
-        if self.axis is None:
-            mean = xd.mean().reshape(1)
-        else:
-            mean = xd.movedim(self.axis, 0).reshape(xd.shape[self.axis], -1).mean(dim=1)
-        value = (2 * mean / math.sqrt(self.qmax)).clamp(min=_EPS).to(self.scale.device)
-        with torch.no_grad():
-            if self.channels is not None or self.axis is None:  # shaped before training: fill in place
-                if value.numel() != self.scale.numel():
-                    raise ValueError(
-                        f"{self.where}: the LSQ scale has {self.scale.numel()} channels but the tensor has "
-                        f"{value.numel()} along axis {self.axis}"
-                    )
-                self.scale.copy_(value)
-            else:
-                self.scale.data = value
-                self.zero_point = torch.zeros(mean.numel(), dtype=torch.int32, device=self.zero_point.device)
-        self.initialized.fill_(1)
+        mean = x.detach().float().abs().mean().reshape(1) if self.axis is None else self._per_channel_rows(x).abs().mean(dim=1)
+        self._set_learned((2 * mean / math.sqrt(self.qmax)).clamp(min=_EPS))
 
     def _initialize(self, x: torch.Tensor) -> None:
         self.init_scale(x)
@@ -438,11 +477,4 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
     def to_frozen(self) -> nn.Module:
         scale, zp = self.calculate_qparams()
         return FrozenScaledFakeQuantize(self.spec, scale.clone(), zp.clone())
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        key = prefix + "scale"
-        if key in state_dict and state_dict[key].shape != self.scale.shape:
-            self.scale.data = torch.empty_like(state_dict[key], device=self.scale.device)
-            self.channels = None if self.axis is None else state_dict[key].numel()
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

@@ -380,10 +380,15 @@ def test_from_dict_unknown_key_in_nested_config() -> None:
         Config.from_dict({"global_quant_confg": {}})
 
 
-def test_tqt_on_per_channel() -> None:
-    with pytest.raises(ValueError, match="qat_spec.*per_tensor"):
+def test_tqt_per_channel_is_accepted_and_per_group_refused() -> None:
+    spec = int_spec(
+        qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=0,
+        scale_type=ScaleType.pof2, qat_spec=TQTSpec(),
+    )  # fmt: skip
+    assert spec.qscheme == QSchemeType.per_channel and spec.ch_axis == 0
+    with pytest.raises(ValueError, match="qat_spec=TQTSpec needs qscheme=per_tensor or per_channel.*per_group"):
         int_spec(
-            qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=0,
+            qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=-1, group_size=32,
             scale_type=ScaleType.pof2, qat_spec=TQTSpec(),
         )  # fmt: skip
 

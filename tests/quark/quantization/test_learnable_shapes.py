@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from quark.torch import ModelQuantizer
-from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec
+from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType
 from quark.torch.quantization.observer.observer import PerChannelMinMaxObserver
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, LSQFakeQuantize
@@ -56,3 +56,18 @@ def test_a_sized_lsq_scale_rejects_another_channel_count_by_name() -> None:
     q.enable_observer()
     with pytest.raises(ValueError, match=r"layer 'enc' \(Linear, input_tensors\).*4 channels.*5 along axis 1"):
         q(torch.randn(2, 5))
+
+
+def test_tqt_per_channel_weight_thresholds_are_sized_at_prepare_and_init_in_place() -> None:
+    tqt = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_channel, ch_axis=0, symmetric=True,
+                           observer_cls=PerChannelMinMaxObserver, is_dynamic=False, qat_spec=TQTSpec(),
+                           round_method=RoundType.half_even, scale_type=ScaleType.pof2)  # fmt: skip
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
+    ModelQuantizer({"global_quant_config": {"weight": tqt}}).prepare(model)
+    params = {n: p for n, p in model.named_parameters() if n.endswith("log_threshold")}
+    assert {n: tuple(p.shape) for n, p in params.items()} == {
+        "0._weight_quantizer.log_threshold": (6,), "2._weight_quantizer.log_threshold": (5,)}  # fmt: skip
+    model(torch.randn(2, 3, 6, 6)).sum().backward()
+    after = dict(model.named_parameters())
+    for name, p in params.items():
+        assert after[name] is p and p.grad is not None and not torch.all(p == 0)

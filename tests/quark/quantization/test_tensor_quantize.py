@@ -588,3 +588,72 @@ def test_tqt_needs_observer_for_init() -> None:
     fq.disable_observer()
     with pytest.raises(RuntimeError):
         fq(randn(10, seed=48))
+
+
+# ----------------------------------------------------------------------------------------------- TQT per channel
+def tqt_channel_spec(
+    ch_axis: int, dtype: Dtype = Dtype.int4, init: str | None = None, round_method: RoundType = RoundType.half_even
+) -> QuantizationSpec:
+    return per_channel_spec(
+        ch_axis, dtype=dtype, scale_type=ScaleType.pof2, round_method=round_method,
+        qat_spec=TQTSpec(threshold_init_meth=init),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("round_method", [RoundType.half_even, RoundType.round])
+def test_tqt_per_channel_forward_and_gradients_match_the_closed_form_per_channel(round_method: RoundType) -> None:
+    """One learned threshold per channel along axis 1 of a 4-D tensor: each channel is TQT of its own threshold,
+    and each threshold's gradient is the paper's sum over that channel only."""
+    spec = tqt_channel_spec(1, round_method=round_method)
+    fq = FakeQuantizeBase.get_fake_quantize(spec)
+    assert isinstance(fq, TQTFakeQuantize)
+    widths = torch.tensor([0.05, 0.4, 1.0, 3.0])  # channel ranges two orders of magnitude apart
+    x = randn(3, 4, 5, 6, seed=60)
+    x[0, :, 0, 0], x[1, :, 0, 0] = 16.0, -16.0  # outliers beyond any 3SD power of two: the clipped branch
+    x = (x * widths.view(1, 4, 1, 1)).requires_grad_()
+    y = fq(x)
+    rows = x.detach().double().movedim(1, 0).reshape(4, -1)
+    t = rows.mean(dim=1).abs() + 3 * rows.std(dim=1, correction=0)  # 3SD per channel
+    assert fq.log_threshold.shape == (4,)
+    assert torch.allclose(fq.log_threshold.double(), torch.log2(t), rtol=1e-5)
+    s = 2.0 ** torch.ceil(fq.log_threshold.detach().double()) / 8  # int4: b - 1 = 3 fraction bits
+    assert torch.equal(fq.scale, s.float())
+    assert len(set(s.tolist())) == 4  # each channel got its own power of two
+    sv = s.view(1, 4, 1, 1)
+    v = x.detach().double() / sv
+    # half to even (torch.round), or half away from zero
+    r = torch.round(v) if round_method == RoundType.half_even else torch.sign(v) * torch.floor(v.abs() + 0.5)
+    assert torch.equal(y.double(), r.clamp(-8, 7) * sv)
+
+    g = randn(3, 4, 5, 6, seed=61)
+    y.backward(g)
+    inside = (r >= -8) & (r <= 7)
+    assert (~inside).any() and inside.any()
+    assert torch.equal(x.grad, torch.where(inside, g, torch.zeros_like(g)))
+    local = torch.where(inside, r - v, r.clamp(-8, 7))
+    expected = (g.double() * local).sum(dim=(0, 2, 3)) * s * math.log(2.0)
+    assert torch.allclose(fq.log_threshold.grad.double(), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_tqt_per_channel_ll_j_initialises_each_channel_from_its_own_values() -> None:
+    fq = FakeQuantizeBase.get_fake_quantize(tqt_channel_spec(0, dtype=Dtype.int8, init="_LL_J"))
+    x = torch.stack([torch.rand(4000, generator=gen(62)) * 2 - 1, (torch.rand(4000, generator=gen(63)) * 2 - 1) * 8])
+    fq(x)
+    expected = [math.log2(threshold_kl_j(row, 8).item()) for row in x]
+    assert fq.log_threshold.tolist() == pytest.approx(expected, rel=1e-6)
+    assert 2 ** fq.log_threshold[1].item() == pytest.approx(8.0, rel=0.05)  # uniform: about max|x| of its channel
+
+
+def test_tqt_per_channel_freezes_and_reloads_with_its_shape() -> None:
+    fq = FakeQuantizeBase.get_fake_quantize(tqt_channel_spec(0))
+    x = randn(6, 10, seed=64) * torch.linspace(0.1, 2.0, 6).unsqueeze(1)
+    fq(x)
+    frozen = fq.to_frozen()
+    scale, zp = frozen.calculate_qparams()
+    assert scale.shape == (6,) and torch.equal(zp, torch.zeros(6, dtype=torch.int32))
+    assert torch.equal(frozen(x), fq(x).detach())
+    fresh = FakeQuantizeBase.get_fake_quantize(tqt_channel_spec(0))
+    assert fresh.log_threshold.shape == (1,) and not fresh.channels_known
+    fresh.load_state_dict(fq.state_dict())
+    assert fresh.log_threshold.shape == (6,) and fresh.channels_known
+    assert torch.equal(fresh(x), fq(x))

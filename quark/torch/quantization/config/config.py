@@ -418,9 +418,13 @@ class QuantizationSpec(ConfigBase):
         own = f"QuantizationSpec(dtype={self.dtype.name}).qat_spec={type(self.qat_spec).__name__}"
         if not isinstance(fmt, IntFormat):
             raise ValueError(f"{own} needs an integer dtype (int2..int16, uint2..uint16)")
+        if self.qscheme not in (QSchemeType.per_tensor, QSchemeType.per_channel):
+            raise ValueError(
+                f"{own} needs qscheme=per_tensor or per_channel (one learned "
+                f"{'threshold' if isinstance(self.qat_spec, TQTSpec) else 'scale'} per tensor or per channel), "
+                f"got {_name(self.qscheme)}"
+            )
         if isinstance(self.qat_spec, TQTSpec):
-            if self.qscheme != QSchemeType.per_tensor:
-                raise ValueError(f"{own} needs qscheme=per_tensor (one learned threshold per tensor)")
             if self.symmetric is False or not fmt.signed:
                 raise ValueError(f"{own} needs a signed dtype with symmetric=True (TQT thresholds are symmetric)")
             if self.scale_type not in (None, ScaleType.pof2, ScaleType.float):  # TQT's scale is 2^k by construction
@@ -428,8 +432,6 @@ class QuantizationSpec(ConfigBase):
                     f"{own} needs scale_type=pof2 or float (TQT learns power-of-two scales; amd-quark's examples "
                     f"write float), got {_name(self.scale_type)}"
                 )
-        elif self.qscheme not in (QSchemeType.per_tensor, QSchemeType.per_channel):
-            raise ValueError(f"{own} needs qscheme=per_tensor or per_channel")
 
     @property
     def is_static(self) -> bool:
