@@ -54,7 +54,8 @@ class QuantFlow:
     """What ``train.py`` does around the Config: the flow keys of the ``quant`` node.
 
     ``mode``: ``none`` (float only), ``ptq`` (calibrate the trained model) or ``qat`` (fine-tune it with fake
-    quantization for ``qat_epochs`` epochs, the optimizer's learning rates scaled by ``qat_lr_scale``).
+    quantization for ``qat_epochs`` epochs, the optimizer's learning rates scaled by ``qat_lr_scale``; TQT
+    thresholds / LSQ scales at ``quantizer_lr`` when set).
     ``weight_bits`` / ``act_bits``: when set, the bit width of every weight / activation dtype of the global and
     layer-type levels (explicit per-layer entries keep theirs).
     """
@@ -69,6 +70,7 @@ class QuantFlow:
     qat_epochs: int = 4
     qat_lr_scale: float = 0.25
     freeze_bn_epoch: int | None = None
+    quantizer_lr: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,6 +90,9 @@ class QuantFlow:
                 raise QuantConfigError(f"quant.{key}={value!r} must be {'null or ' if optional else ''}an int >= {minimum}")
         if isinstance(self.qat_lr_scale, bool) or not isinstance(self.qat_lr_scale, int | float) or self.qat_lr_scale <= 0:
             raise QuantConfigError(f"quant.qat_lr_scale={self.qat_lr_scale!r} must be a number > 0")
+        lr = self.quantizer_lr
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf")):
+            raise QuantConfigError(f"quant.quantizer_lr={lr!r} must be null or a finite number > 0")
 
 
 FLOW_KEYS = tuple(f.name for f in fields(QuantFlow))

@@ -323,7 +323,10 @@ def _quantize(
     if flow.mode == "ptq":
         callback = QuantCallback(config, mode="ptq", calib_batches=flow.calib_batches, save_quantized=False)
         return _trainer(cfg, out, "ptq", "ptq-epoch{epoch}", [callback]), model  # its test calibrates first
-    callback = QuantCallback(config, mode="qat", observer_steps=flow.observer_steps, freeze_bn_epoch=flow.freeze_bn_epoch)
+    callback = QuantCallback(
+        config, mode="qat", observer_steps=flow.observer_steps, freeze_bn_epoch=flow.freeze_bn_epoch,
+        quantizer_lr=flow.quantizer_lr,
+    )  # fmt: skip
     trainer = _trainer(
         cfg, out, "qat", "qat-epoch{epoch}", [callback, ScaleLearningRates(flow.qat_lr_scale)], max_epochs=flow.qat_epochs
     )

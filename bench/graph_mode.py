@@ -11,8 +11,7 @@ quantized and every row is scored on the 10,000 test images:
 5. graph W8A8 TQT QAT             int8 weights and activations with power-of-two scales and learned TQT thresholds
                                   (Quark's "QAT A8W8" / "QAT TQT"), fine-tuned from the float weights: the
                                   like-for-like peer of row 8
-6. graph W4A8 TQT QAT             the w4a8_tqt_graph preset: the same with int4 weights, one learned power-of-two
-                                  threshold per output channel
+6. graph W4A8 TQT QAT             the w4a8_tqt_graph preset: the same with int4 per-tensor weights
 7. PT2E W8A8 PTQ                  torchao's ``prepare_pt2e`` / ``convert_pt2e`` with X86InductorQuantizer (or XNNPACK):
                                   int8 per-channel symmetric weights, static per-tensor activations
 8. PT2E W8A8 QAT                  ``prepare_qat_pt2e``, fine-tuned with the same schedule as rows 5 and 6
@@ -21,8 +20,10 @@ quantized and every row is scored on the 10,000 test images:
 
 W8A8 (ours) is the w8a8 preset: int8 per-channel symmetric weights, int8 per-tensor symmetric static activations; the
 quantizer specs are read from conf/quant/spec/*.yaml, so the rows follow the presets. All PTQ rows calibrate on the same
-batches; both QAT rows start from the float weights and run the same optimizer, learning rate and epochs, with the
-BatchNorm statistics frozen in the last epoch. QAT rows run ``--qat-seeds`` times (data order and initialisation
+batches; all QAT rows start from the float weights and run the same optimizer, learning rate and epochs, with the
+BatchNorm statistics frozen in the last epoch. Our TQT thresholds train at ``--quantizer-lr`` (the w4a8_tqt_graph
+preset's ``quantizer_lr``, through the callback's own group split); PT2E's fake quantizers have no learned
+parameters. QAT rows run ``--qat-seeds`` times (data order and initialisation
 seeded differently each time) and show the mean and standard deviation: single QAT runs on this data differ by a few
 tenths of a point from seed to seed, the size of the differences being compared. A row that cannot run shows
 "n/a (reason)".
@@ -53,6 +54,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from bench.models_graph import MODELS
+from callbacks.quantizer_lr import follow_schedule, split_quantizer_groups
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import CLEConfig, Config
 from quark.torch.quantization.config.type import QuantizationMode
@@ -93,19 +95,23 @@ def batches(data: Data, batch_size: int, seed: int) -> Iterator[tuple[torch.Tens
 
 def fit(
     model: nn.Module, data: Data, epochs: int, lr: float, batch_size: int, seed: int,
-    before_epoch: Callable[[int], None] | None = None,
+    before_epoch: Callable[[int], None] | None = None, quantizer_lr: float | None = None,
 ) -> None:  # fmt: skip
     """Adam with a cosine schedule over all steps; ``model`` is expected in training mode. ``before_epoch(e)`` runs
     before each epoch (QAT: freeze BatchNorm statistics for the last one). The optimizer is built here, after any
-    quantizer preparation, so learnable thresholds (TQT) are trained too."""
+    quantizer preparation, so learnable thresholds (TQT) are trained too; at ``quantizer_lr`` when given (their
+    own group on the same schedule, as ``QuantCallback(quantizer_lr=...)`` does)."""
     torch.manual_seed(seed)
     steps = epochs * (len(data.train) // batch_size)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1))
+    learned = [p for n, p in model.named_parameters() if n.endswith("log_threshold")]
+    splits = split_quantizer_groups([opt], learned, quantizer_lr, [sched]) if quantizer_lr else []
     for epoch in range(epochs):
         if before_epoch is not None:
             before_epoch(epoch)
         for x, y in batches(data, batch_size, seed + epoch):
+            follow_schedule(splits, quantizer_lr)  # type: ignore[arg-type]
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
@@ -175,7 +181,7 @@ def graph_qat(model: nn.Module, data: Data, args: argparse.Namespace, qconfig: d
         if epoch == freeze_epoch(args.qat_epochs):
             freeze_bn_stats(gm)
 
-    fit(gm, data, args.qat_epochs, args.qat_lr, args.batch_size, seed, before_epoch)
+    fit(gm, data, args.qat_epochs, args.qat_lr, args.batch_size, seed, before_epoch, args.quantizer_lr)
     return accuracy(ModelQuantizer.freeze(gm).eval(), data.test)
 
 
@@ -382,6 +388,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--qat-lr", type=float, default=5e-4, help="QAT fine-tuning: Adam, cosine to 0")
     p.add_argument("--qat-seeds", type=int, default=3, help="runs of each QAT row (seeds seed+1, seed+2, ...)")
     p.add_argument(
+        "--quantizer-lr", type=float, default=OmegaConf.load(SPEC_DIR.parent / "w4a8_tqt_graph.yaml").quantizer_lr,
+        help="our QAT rows: learning rate of the TQT thresholds (default: the w4a8_tqt_graph preset's; 0: the weights')",
+    )
+    p.add_argument(
         "--calib-batches", type=int, default=8, help="calibration batches of 64 training images (all PTQ rows)"
     )
     p.add_argument("--cle-iterations", type=int, default=5)
@@ -406,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     check_targets(results, spreads, args.qat_seeds)
     print(
         f"({time.perf_counter() - t0:.0f} s; Fashion-MNIST test split of {len(data.test)} images; float: {args.epochs} epochs "
-        f"on {args.train_size} images; QAT: {args.qat_epochs} epochs at lr {args.qat_lr}, mean ± sd over {args.qat_seeds} seeds; PT2E: torchao "
+        f"on {args.train_size} images; QAT: {args.qat_epochs} epochs at lr {args.qat_lr} (our TQT thresholds: {args.quantizer_lr or args.qat_lr}), mean ± sd over {args.qat_seeds} seeds; PT2E: torchao "
         f"{_torchao_version()} {args.pt2e_quantizer} quantizer)"
     )
 

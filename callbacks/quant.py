@@ -12,6 +12,7 @@ import collections
 import contextlib
 import inspect
 import itertools
+import math
 import os
 import pickle
 import re
@@ -28,6 +29,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from callbacks.quantizer_lr import follow_schedule, split_quantizer_groups
 from quark.torch import ModelQuantizer
 from quark.torch.export import EXPORT_FORMATS, export_model
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
@@ -216,6 +218,10 @@ class QuantCallback(Callback):
             optimizer steps (gradient accumulation, several optimizers). TQT / LSQ quantizers initialise from the
             first batch whatever this is.
         freeze_bn_epoch: QAT: from this epoch on, BatchNorm layers use and keep their running statistics.
+        quantizer_lr: QAT: the learning rate of TQT thresholds and LSQ scales (None: they train in the groups your
+            ``configure_optimizers`` put them in). They move to one group of their own per optimizer, without weight
+            decay, following the schedule of the group they came from. Thresholds barely move at a weight learning
+            rate: with Adam, 1e-2 is a good start.
         calib_batches: PTQ: calibration batches per calibration epoch (None: the whole dataloader).
         calib_epochs: PTQ: passes over the calibration data.
         calib_dataloader: PTQ: calibration data; by default the train dataloader of the datamodule (set up for
@@ -255,6 +261,7 @@ class QuantCallback(Callback):
         *,
         observer_steps: int = 100,
         freeze_bn_epoch: int | None = None,
+        quantizer_lr: float | None = None,
         calib_batches: int | None = None,
         calib_epochs: int = 1,
         calib_dataloader: Iterable[Any] | None = None,
@@ -274,6 +281,14 @@ class QuantCallback(Callback):
         for name, value, minimum in (("freeze_bn_epoch", freeze_bn_epoch, 0), ("calib_batches", calib_batches, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
                 raise ValueError(f"`{name}={value!r}` must be None or an int >= {minimum}")
+        if quantizer_lr is not None:
+            if isinstance(quantizer_lr, bool) or not isinstance(quantizer_lr, int | float) or not 0 < quantizer_lr < math.inf:
+                raise ValueError(f"`quantizer_lr={quantizer_lr!r}` must be None or a finite float > 0")
+            if mode != "qat":
+                raise ValueError(f"`quantizer_lr` trains TQT thresholds / LSQ scales: it needs mode='qat', got mode={mode!r}")
+        self.quantizer_lr = None if quantizer_lr is None else float(quantizer_lr)
+        self._lr_splits: list[Any] = []
+        self._restored_lr0: list[float | None] = []
         if calib_forward is not None and not callable(calib_forward):
             raise ValueError("`calib_forward` must be callable as calib_forward(module, batch)")
         self.export_formats = [export] if isinstance(export, str) else list(export)
@@ -457,6 +472,22 @@ class QuantCallback(Callback):
             )
 
     # ------------------------------------------------------------------------------------------- QAT
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Optimizers exist now (their states are restored after this, on resume): give the learned quantizer
+        parameters their own learning rate when ``quantizer_lr`` is set."""
+        if self.quantizer_lr is None or self.mode != "qat":
+            return
+        params = [p for _, q in iter_quantizers(pl_module) if _is_learnable(q) for p in q.parameters()]
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        self._lr_splits = split_quantizer_groups(trainer.optimizers, params, self.quantizer_lr, schedulers)
+        for split, lr0 in zip(self._lr_splits, self._restored_lr0, strict=False):
+            split.source_lr0 = lr0  # resume: the schedule factor is relative to the first run's start
+        if params and not self._lr_splits:
+            rank_zero_warn(
+                f"QuantCallback(quantizer_lr={self.quantizer_lr}): no optimizer holds the {len(params)} learned "
+                "quantizer parameter(s), so they do not train; build the optimizer from self.parameters()."
+            )
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_float_start(pl_module)
         if self.mode == "qat":
@@ -466,6 +497,8 @@ class QuantCallback(Callback):
         if self.mode != "qat":
             return
         self._update_observers(trainer, pl_module, batch)
+        if self._lr_splits:
+            follow_schedule(self._lr_splits, self.quantizer_lr)  # type: ignore[arg-type]
         if self.freeze_bn_epoch is not None and trainer.current_epoch >= self.freeze_bn_epoch:
             for m in pl_module.modules():
                 if isinstance(m, _BN_TYPES) and m.training:
@@ -729,6 +762,7 @@ class QuantCallback(Callback):
         return {
             "mode": self.mode, "config": self.config.to_dict(), "calibrated": self.calibrated,
             "fp32_metric": self.fp32_metric, "batches_seen": self._batches_seen, "graph_inputs": self._graph_inputs,
+            "quantizer_lr0": [split.source_lr0 for split in self._lr_splits],
         }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -738,6 +772,7 @@ class QuantCallback(Callback):
         self.fp32_metric = state_dict.get("fp32_metric")
         if "batches_seen" in state_dict:
             self._batches_seen = int(state_dict["batches_seen"])
+        self._restored_lr0 = list(state_dict.get("quantizer_lr0") or [])  # applied in on_fit_start, after the split
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Mark the state_dict as a quantized model's (see ``QUANTIZED_CHECKPOINT_KEY``)."""

@@ -84,21 +84,14 @@ def test_w4a8_tqt_is_qat_with_learned_pof2_thresholds() -> None:
     assert config.global_quant_config.weight.qat_spec.threshold_init_meth.name == "_LL_J"
 
 
-def test_w4a8_tqt_graph_learns_one_weight_threshold_per_output_channel() -> None:
-    from quark.torch.quantization.graph import capture
-
-    cfg = compose_cfg("quant=w4a8_tqt_graph", "trainer=smoke")
-    flow, config = build_quant(cfg.quant)
+def test_w4a8_tqt_graph_trains_thresholds_at_their_own_rate() -> None:
+    flow, config = build_quant(compose_cfg("quant=w4a8_tqt_graph").quant)
     weight = config.global_quant_config.weight
-    assert flow.mode == "qat" and weight.dtype is Dtype.int4 and weight.qscheme.name == "per_channel"
-    assert weight.ch_axis == 0 and weight.qat_spec.threshold_init_meth.name == "_3SD"
-    model, data = instantiate(cfg.model), instantiate(cfg.data)
-    data.setup("fit")
-    graph = ModelQuantizer(config).prepare(capture(model.net, (next(iter(data.train_dataloader()))[0],)))
-    layers = [m for m in graph.modules() if getattr(m, "_weight_quantizer", None) is not None]
-    assert len(layers) == 4
-    for layer in layers:  # sized at prepare from the weight, before any data (DDP lays out its buckets then)
-        assert layer._weight_quantizer.log_threshold.shape == (layer.weight.shape[0],)
+    assert flow.mode == "qat" and config.quant_mode.name == "fx_graph_mode" and flow.quantizer_lr == 0.01
+    assert weight.dtype is Dtype.int4 and weight.qscheme.name == "per_tensor" and weight.qat_spec is not None
+    assert build_quant(compose_cfg("quant=w4a8_tqt").quant)[0].quantizer_lr is None  # the optimizer's own rates
+    with pytest.raises(QuantConfigError, match=r"quant.quantizer_lr=-1.*null or a finite number > 0"):
+        build_quant(compose_cfg("quant=w4a8_tqt_graph", "quant.quantizer_lr=-1").quant)
 
 
 # ----------------------------------------------------------------------------------------------- swapping roles
