@@ -21,8 +21,8 @@ quantized and every row is scored on the 10,000 test images:
 W8A8 (ours) is the w8a8 preset: int8 per-channel symmetric weights, int8 per-tensor symmetric static activations; the
 quantizer specs are read from conf/quant/spec/*.yaml, so the rows follow the presets. All PTQ rows calibrate on the same
 batches; all QAT rows start from the float weights and run the same optimizer, learning rate and epochs, with the
-BatchNorm statistics frozen in the last epoch. Our TQT thresholds train at ``--quantizer-lr`` (the w4a8_tqt_graph
-preset's ``quantizer_lr``, through the callback's own group split); PT2E's fake quantizers have no learned
+BatchNorm statistics frozen in the last epoch. Our TQT thresholds train with the weights unless ``--quantizer-lr``
+gives them a rate of their own (through the callback's group split); PT2E's fake quantizers have no learned
 parameters. QAT rows run ``--qat-seeds`` times (data order and initialisation
 seeded differently each time) and show the mean and standard deviation: single QAT runs on this data differ by a few
 tenths of a point from seed to seed, the size of the differences being compared. A row that cannot run shows
@@ -388,8 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--qat-lr", type=float, default=5e-4, help="QAT fine-tuning: Adam, cosine to 0")
     p.add_argument("--qat-seeds", type=int, default=3, help="runs of each QAT row (seeds seed+1, seed+2, ...)")
     p.add_argument(
-        "--quantizer-lr", type=float, default=OmegaConf.load(SPEC_DIR.parent / "w4a8_tqt_graph.yaml").quantizer_lr,
-        help="our QAT rows: learning rate of the TQT thresholds (default: the w4a8_tqt_graph preset's; 0: the weights')",
+        "--quantizer-lr", type=float, default=OmegaConf.load(SPEC_DIR.parent / "w4a8_tqt_graph.yaml").get("quantizer_lr"),
+        help="our QAT rows: learning rate of the TQT thresholds in a group of their own (default: the w4a8_tqt_graph "
+        "preset's quantizer_lr, which is unset: the weights' group and rate)",
     )
     p.add_argument(
         "--calib-batches", type=int, default=8, help="calibration batches of 64 training images (all PTQ rows)"

@@ -84,12 +84,12 @@ def test_w4a8_tqt_is_qat_with_learned_pof2_thresholds() -> None:
     assert config.global_quant_config.weight.qat_spec.threshold_init_meth.name == "_LL_J"
 
 
-def test_w4a8_tqt_graph_trains_thresholds_at_their_own_rate() -> None:
+def test_quantizer_lr_reaches_the_flow_and_bad_values_are_refused() -> None:
     flow, config = build_quant(compose_cfg("quant=w4a8_tqt_graph").quant)
-    weight = config.global_quant_config.weight
-    assert flow.mode == "qat" and config.quant_mode.name == "fx_graph_mode" and flow.quantizer_lr == 0.01
-    assert weight.dtype is Dtype.int4 and weight.qscheme.name == "per_tensor" and weight.qat_spec is not None
-    assert build_quant(compose_cfg("quant=w4a8_tqt").quant)[0].quantizer_lr is None  # the optimizer's own rates
+    assert flow.mode == "qat" and config.quant_mode.name == "fx_graph_mode" and flow.quantizer_lr is None
+    assert config.global_quant_config.weight.qat_spec is not None  # TQT: thresholds with the optimizer's own rates
+    flow, _ = build_quant(compose_cfg("quant=w4a8_tqt_graph", "quant.quantizer_lr=0.01").quant)
+    assert flow.quantizer_lr == 0.01
     with pytest.raises(QuantConfigError, match=r"quant.quantizer_lr=-1.*null or a finite number > 0"):
         build_quant(compose_cfg("quant=w4a8_tqt_graph", "quant.quantizer_lr=-1").quant)
 
