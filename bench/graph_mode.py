@@ -28,7 +28,7 @@ seeded differently each time) and show the mean and standard deviation: single Q
 tenths of a point from seed to seed, the size of the differences being compared. A row that cannot run shows
 "n/a (reason)".
 
-    .venv/bin/python -m bench.graph_mode                       # defaults: about 5 minutes on 2 cores
+    .venv/bin/python -m bench.graph_mode                       # defaults: about 20 minutes on 2 cores
     .venv/bin/python -m bench.graph_mode --epochs 8 --train-size 40000 --qat-epochs 2 --pt2e-quantizer xnnpack
 
 PT2E comes from torchao (``pip install -e .[bench]``); it was removed from torch.ao.quantization.
