@@ -28,6 +28,9 @@ register_role_groups()
 def main(cfg: DictConfig) -> float | None:
     """Run one composed config; returns the quantized (else float) headline metric, for sweepers that optimise it."""
     from app.run import run  # imported here: `python train.py --help` stays fast
+    from quark.torch.cpu_allocator import keep_freed_memory
+
+    keep_freed_memory()  # eager fake quantization allocates full-size temporaries: reuse them (glibc)
 
     try:
         results = run(cfg, HydraConfig.get().runtime.output_dir)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from quark.torch.cpu_allocator import keep_freed_memory
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
 from quark.torch.quantization.formats import (
     FLOAT_FORMATS,
@@ -135,10 +136,16 @@ def _report(results: dict[str, tuple[float, float]], size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--system-allocator", action="store_true",
+        help="leave glibc's allocator as it is (default: keep_freed_memory(), as train.py does)",
+    )
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--compile", action="store_true", help="run the format kernels through torch.compile")
     args = parser.parse_args()
+    kept = not args.system_allocator and keep_freed_memory()
+    print(f"# CPU allocator: {'freed memory kept (keep_freed_memory)' if kept else 'system default'}")
     set_compile(args.compile)
     print(f"# backend: {'torch.compile' if args.compile else 'eager'}")
     _report(run(args.size, args.repeats), args.size)

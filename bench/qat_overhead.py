@@ -65,6 +65,7 @@ from torch import nn
 from torch.ao import quantization as tq
 
 from quark.torch import ModelQuantizer
+from quark.torch.cpu_allocator import keep_freed_memory
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 from tasks.digits import DigitsCNN
 from tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
@@ -225,7 +226,7 @@ def memory_child(name: str, batch: int, optimizer: str, steps: int) -> dict[str,
 
 
 def run_memory(
-    batch: int = 256, optimizer: str = "adam", steps: int = 5, repeats: int = 3
+    batch: int = 256, optimizer: str = "adam", steps: int = 5, repeats: int = 3, system_allocator: bool = False
 ) -> dict[str, dict[str, float]]:
     """{contender: {"tensor_mb", "rss_mb"}}: medians over ``repeats`` fresh processes per contender (the processes
     of one repeat run side by side: they share no memory, and their CPU time does not enter what they measure)."""
@@ -234,7 +235,7 @@ def run_memory(
         procs = {}
         for name in CONTENDERS:
             cmd = [sys.executable, __file__, "--memory-child", name, "--batch", str(batch), "--optimizer", optimizer,
-                   "--memory-steps", str(steps)]  # fmt: skip
+                   "--memory-steps", str(steps)] + (["--system-allocator"] if system_allocator else [])  # fmt: skip
             procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, proc in procs.items():
             stdout, stderr = proc.communicate()
@@ -302,6 +303,10 @@ def _report(times: dict[str, list[float]], memory: dict[str, dict[str, float]], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--system-allocator", action="store_true",
+        help="leave glibc's allocator as it is (default: keep_freed_memory(), as train.py does)",
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--rounds", type=int, default=21)
@@ -313,6 +318,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print the top ops of every contender")
     parser.add_argument("--memory-child", metavar="CONTENDER", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    kept = not args.system_allocator and keep_freed_memory()
+    print(f"# CPU allocator: {'freed memory kept (keep_freed_memory)' if kept else 'system default'}")
     if args.memory_child:
         res = memory_child(args.memory_child, args.batch, args.optimizer, args.memory_steps)
         print(_MARK + json.dumps(res), flush=True)
@@ -320,7 +327,7 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps, args.warmup, args.memory_steps, args.memory_repeats = 5, 2, 2, 3, 1
     t0 = time.perf_counter()
-    memory = run_memory(args.batch, args.optimizer, args.memory_steps, args.memory_repeats)
+    memory = run_memory(args.batch, args.optimizer, args.memory_steps, args.memory_repeats, args.system_allocator)
     times = run(args.batch, args.optimizer, args.rounds, args.steps, args.warmup)
     _report(times, memory, args)
     print(f"({time.perf_counter() - t0:.0f} s)")
