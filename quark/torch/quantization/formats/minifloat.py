@@ -28,17 +28,19 @@ def round_to_grid(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """Round float32 ``x`` to the nearest value of ``fmt`` (ties to even), saturating at +-max_normal."""
     a = x.abs()
     _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1): floor(log2 a) = e - 1
-    e = (e - 1).clamp_(min=fmt.emin)  # below the normal range the grid step is fixed (subnormals)
-    step = torch.exp2((e - fmt.mbits).float())
-    q = torch.round(a / step).mul_(step).clamp_(max=fmt.max_normal)  # a / step is exact: step is a power of two
-    return q.copysign_(x)
+    # the grid step 2^(max(e - 1, emin) - mbits) (fixed below the normal range: subnormals), built in place as the
+    # bits of a float32 power of two (biased exponent in bits 23..30) instead of exp2 of a float copy
+    e.sub_(1).clamp_(min=fmt.emin).sub_(fmt.mbits - 127).bitwise_left_shift_(23)
+    step = e.view(torch.float32)
+    # a / step is exact (step is a power of two); a is this function's own temporary, so everything runs in place
+    return a.div_(step).round_().mul_(step).clamp_(max=fmt.max_normal).copysign_(x)
 
 
 @compilable
 def _grid_core(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, need_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     v = x / scale
     mask = (v.abs() <= fmt.max_normal) if need_mask else None
-    return round_to_grid(v, fmt) * scale, mask
+    return round_to_grid(v, fmt).mul_(scale), mask
 
 
 @compilable
@@ -47,7 +49,7 @@ def _cast_core(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     v = x / scale
     mask = (v.abs() <= max_normal) if need_mask else None
-    return v.clamp(-max_normal, max_normal).to(torch_dtype).to(torch.float32) * scale, mask
+    return v.clamp_(-max_normal, max_normal).to(torch_dtype).to(torch.float32).mul_(scale), mask
 
 
 class _GridSTE(torch.autograd.Function):
