@@ -58,6 +58,7 @@ from callbacks.quantizer_lr import follow_schedule, split_quantizer_groups
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import CLEConfig, Config
 from quark.torch.quantization.config.type import QuantizationMode
+from quark.torch.quantization.nn.modules import iter_quantizers
 from tasks.fashion import load_fashion
 
 SPEC_DIR = Path(__file__).resolve().parents[1] / "conf" / "quant" / "spec"
@@ -105,7 +106,7 @@ def fit(
     steps = epochs * (len(data.train) // batch_size)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1))
-    learned = [p for n, p in model.named_parameters() if n.endswith("log_threshold")]
+    learned = [p for _, q in iter_quantizers(model) for p in q.parameters()]  # TQT thresholds (observers: buffers)
     splits = split_quantizer_groups([opt], learned, quantizer_lr, [sched]) if quantizer_lr else []
     for epoch in range(epochs):
         if before_epoch is not None:
@@ -337,7 +338,7 @@ def print_table(results: dict[str, dict[str, Result]], spreads: dict[str, dict[s
         print(f"| {row} | " + " | ".join(cells) + " |")
 
 
-def _ge(a: Result | None, b: Result | None, slack: float = 0.0) -> bool | None:
+def _ge(a: Result, b: Result, slack: float = 0.0) -> bool | None:
     return a >= b - slack if isinstance(a, float) and isinstance(b, float) else None
 
 

@@ -221,7 +221,7 @@ class QuantCallback(Callback):
         quantizer_lr: QAT: the learning rate of TQT thresholds and LSQ scales (None: they train in the groups your
             ``configure_optimizers`` put them in). They move to one group of their own per optimizer, without weight
             decay, following the schedule of the group they came from. Thresholds barely move at a weight learning
-            rate: with Adam, 1e-2 is a good start.
+            rate; whether a larger one helps depends on the model (README: measured both ways).
         calib_batches: PTQ: calibration batches per calibration epoch (None: the whole dataloader).
         calib_epochs: PTQ: passes over the calibration data.
         calib_dataloader: PTQ: calibration data; by default the train dataloader of the datamodule (set up for
@@ -475,7 +475,7 @@ class QuantCallback(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Optimizers exist now (their states are restored after this, on resume): give the learned quantizer
         parameters their own learning rate when ``quantizer_lr`` is set."""
-        if self.quantizer_lr is None or self.mode != "qat":
+        if self.quantizer_lr is None:  # only accepted with mode="qat"
             return
         params = [p for _, q in iter_quantizers(pl_module) if _is_learnable(q) for p in q.parameters()]
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]

@@ -2,9 +2,8 @@
 optimizers.
 
 A threshold only changes the power-of-two scale when ``ceil(log2 t)`` crosses an integer, so at a weight learning
-rate (Adam at 5e-4: at most ~0.2 in log2 t over two epochs) TQT thresholds stay at their initial value. The TQT
-paper trains thresholds at their own, larger rate; so does this: the learned quantizer parameters leave the groups
-they were in and form one group per optimizer, at ``quantizer_lr`` scaled by the schedule of the group they came
+rate (Adam at 5e-4: at most ~0.2 in log2 t over two epochs) TQT thresholds barely leave their initial value. With a
+rate of their own, the learned quantizer parameters leave the groups they were in and form one group per optimizer, at ``quantizer_lr`` scaled by the schedule of the group they came
 from (current lr / initial lr, read before every batch), without weight decay (decay would pull log2 t to 0, an
 LSQ scale to 0).
 """

@@ -2,8 +2,8 @@
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and returns it to the
 system on ``free``. Eager fake quantization allocates several full-size temporaries per call, so on a 4096x4096
-float32 tensor each one costs ~15 ms of page faults, several times the arithmetic (measured: fp4 fake quantization
-235 -> 77 ms, torch's own per-channel int8 kernel 69 -> 53 ms; README, *Performance*). ``keep_freed_memory()``
+float32 tensor each one costs ~15 ms of page faults, as much as a whole copy (measured: fp4 fake quantization
+106 -> 55 ms, torch's own per-channel int8 kernel 72 -> 53 ms; README, *Performance*). ``keep_freed_memory()``
 switches glibc to heap-only allocation without trimming, which is what PyTorch's tuning guides get from jemalloc or
 tcmalloc via ``LD_PRELOAD``. The resident size then stays at its high-water mark: call it in training and benchmark
 processes, not in a library import.

@@ -68,7 +68,7 @@ def test_qat_run_learns_thresholds_and_reports(tmp_path: Path) -> None:
     overrides = ("quant.qat_epochs=2", "quant.weight_bits=3", "quant.quantizer_lr=0.02")
     results = run(compose_cfg("quant=w4a8_tqt", *SMOKE, *overrides), tmp_path)
     assert results["quant"]["weight_bits"] == 3.0 and results["quant"]["weight_bits_knob"] == 3
-    groups = torch.load(tmp_path / "checkpoints" / "quantized.ckpt", weights_only=False)["optimizer_states"][0]["param_groups"]
+    groups = torch.load(tmp_path / "checkpoints" / "quantized.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
     assert len(groups) == 2 and groups[1]["lr"] == 0.02 and len(groups[1]["params"]) == 8  # 4 layers: weight + input
     assert results["layers"]["net.fc1"]["weight"]["dtype"] == "int3"
     assert results["wall_time_s"]["quantize_s"] > 0
