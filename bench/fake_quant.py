@@ -142,12 +142,15 @@ def main() -> None:
     )
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--compile", action="store_true", help="run the format kernels through torch.compile")
+    parser.add_argument(
+        "--backend", choices=("auto", "compile", "eager"), default="auto",
+        help="auto: the default a user gets (compiled kernels where they work); compile: always; eager: never",
+    )
     args = parser.parse_args()
     kept = not args.system_allocator and keep_freed_memory()
     print(f"# CPU allocator: {'freed memory kept (keep_freed_memory)' if kept else 'system default'}")
-    set_compile(args.compile)
-    print(f"# backend: {'torch.compile' if args.compile else 'eager'}")
+    set_compile({"auto": None, "compile": True, "eager": False}[args.backend])
+    print(f"# format kernels: {args.backend}")
     _report(run(args.size, args.repeats), args.size)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -17,33 +18,79 @@ from quark.torch.quantization.config.type import RoundType
 F_ = TypeVar("F_", bound=Callable[..., Any])
 
 
+def _compile_from_env() -> bool | None:
+    """``QUARK_COMPILE``: unset or ``auto`` -> None (compile where it pays, fall back when it fails), ``1`` -> True
+    (always compile, raise on failure), ``0`` -> False (eager)."""
+    value = os.environ.get("QUARK_COMPILE", "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"QUARK_COMPILE={value!r}: allowed values are auto (default), 1 (always compile) and 0 (eager)")
+
+
 class Backend:
     """How the elementwise format kernels run, process-wide (like ``torch.backends`` flags).
 
-    ``compile``: eager PyTorch (default) or ``torch.compile``d, which fuses each kernel's chain of elementwise passes
-    into one (bit-identical results; the first call per kernel compiles for ~20 s and needs a C++ compiler).
-    Set with ``set_compile(True)`` or the environment variable ``QUARK_COMPILE=1``.
+    ``compile``: None (the default, "auto"): each kernel is ``torch.compile``d on first use for tensors of at least
+    ``min_numel`` elements, which fuses its chain of elementwise passes into one loop (bit-identical results; the
+    first call of each kernel compiles for a few seconds, cached on disk by inductor across processes); if compiling
+    fails (no C++ compiler, an unsupported platform) a warning says why and every kernel runs eagerly from then on.
+    True: always compile, and raise on failure. False: always eager. Set with ``set_compile`` or the environment
+    variable ``QUARK_COMPILE`` (auto, 1, 0).
     """
 
-    compile: bool = os.environ.get("QUARK_COMPILE", "0") not in ("", "0")
+    compile: bool | None = _compile_from_env()
+    #: in auto mode, smaller tensors run eagerly: there a compiled call's fixed cost (guards) outweighs the fusion
+    min_numel: int = 1 << 16
+    #: why auto mode gave up compiling (None while it has not)
+    failure: str | None = None
 
 
-def set_compile(enabled: bool) -> None:
-    """Run the format kernels through ``torch.compile`` (True) or eagerly (False)."""
-    Backend.compile = bool(enabled)
+def set_compile(enabled: bool | None) -> None:
+    """Run the format kernels through ``torch.compile`` (True), eagerly (False) or where it pays (None, the default);
+    resets a previous auto-mode failure, so None tries compiling again."""
+    Backend.compile = None if enabled is None else bool(enabled)
+    Backend.failure = None
+
+
+def compiled_kernels_active(x: torch.Tensor) -> bool:
+    """Whether a ``compilable`` kernel called on ``x`` now would run compiled."""
+    if Backend.compile is False or torch.compiler.is_compiling():
+        return False  # inside a caller's torch.compile the eager body is traced into the caller's graph
+    return Backend.compile is True or (Backend.failure is None and x.numel() >= Backend.min_numel)
 
 
 def compilable(fn: F_) -> F_:
-    """Run ``fn`` eagerly, or its ``torch.compile(dynamic=True)`` version while ``Backend.compile`` is on."""
+    """Run ``fn`` compiled (``torch.compile(dynamic=True)``, built once) or eagerly, as ``Backend`` says for its
+    first argument. In auto mode a compile failure falls back to eager with a warning that names the reason; an error
+    the eager kernel raises as well (bad input) is raised as is."""
     compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not Backend.compile:
-            return fn(*args, **kwargs)
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not compiled_kernels_active(x):
+            return fn(x, *args, **kwargs)
         if not compiled:
             compiled.append(torch.compile(fn, dynamic=True))
-        return compiled[0](*args, **kwargs)
+        if Backend.compile is True:
+            return compiled[0](x, *args, **kwargs)
+        try:
+            return compiled[0](x, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: fall back below
+            out = fn(x, *args, **kwargs)  # raises for bad input, as eager mode would
+            reason = (str(err).strip().splitlines() or [""])[0][:300]
+            Backend.failure = f"{type(err).__name__}: {reason}"
+            warnings.warn(
+                f"quark: torch.compile of the format kernel {fn.__qualname__} failed ({Backend.failure}); every "
+                "format kernel runs eagerly from now on (same results, slower). QUARK_COMPILE=0 skips the attempt, "
+                "QUARK_COMPILE=1 raises instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return out
 
     return run  # type: ignore[return-value]
 

@@ -9,8 +9,9 @@ Layout of the qparams (``scale`` and ``zero_point`` alike):
   edge tiles allowed, see ``to_tiles``).
 
 Arithmetic follows torch's fused kernels exactly: ``q = round(x * (1 / scale)) + zp``, ``y = (clamp(q) - zp) * scale``,
-and the straight-through gradient is 1 where ``qmin <= q <= qmax``, else 0. Half-even with an integer zero point
-dispatches to ``torch.fake_quantize_per_{tensor,channel}_affine``; every other case runs the same arithmetic here.
+and the straight-through gradient is 1 where ``qmin <= q <= qmax``, else 0. The kernels here run compiled by default
+(``grouping.Backend``: one fused pass forward, one backward); where they run eagerly, half-even with an integer zero
+point dispatches to ``torch.fake_quantize_per_{tensor,channel}_affine``, the fastest eager form.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleTy
 from quark.torch.quantization.formats.grouping import (
     channel_view,
     compilable,
+    compiled_kernels_active,
     from_blocks,
     from_tiles,
     normalize_axis,
@@ -68,18 +70,31 @@ def ceil_pow2(scale: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(s), exp).clamp(_E8M0_MIN, _E8M0_MAX)
 
 
-@compilable
-def _int_core(
-    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, method: RoundType, need_mask: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(fake-quantized x, straight-through mask or None) with qparams broadcastable to x."""
+def _int_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, method: RoundType) -> torch.Tensor:
+    """``round(x * (1 / scale)) + zp`` (an integer zero point) or ``round(x * (1 / scale) + zp)`` (a float one)."""
     v = x * torch.reciprocal(scale)
     if zero_point.is_floating_point():
-        q = round_to_int(v + zero_point, method)
-    else:
-        q = round_to_int(v, method) + zero_point
-    mask = ((q >= qmin) & (q <= qmax)) if need_mask else None
-    return (q.clamp(qmin, qmax) - zero_point) * scale, mask
+        return round_to_int(v + zero_point, method)
+    return round_to_int(v, method) + zero_point
+
+
+@compilable
+def _int_forward(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, method: RoundType
+) -> torch.Tensor:
+    """Fake-quantized ``x``, qparams broadcastable to it: one fused pass when compiled."""
+    return (_int_codes(x, scale, zero_point, method).clamp(qmin, qmax) - zero_point) * scale
+
+
+@compilable
+def _int_grad(
+    grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
+    method: RoundType,
+) -> torch.Tensor:
+    """The straight-through gradient: ``grad`` where ``qmin <= q <= qmax``, else 0 (the mask recomputed from ``x``
+    rather than stored: a compiled backward reads ``x`` once instead of writing and reading a mask)."""
+    q = _int_codes(x, scale, zero_point, method)
+    return grad * ((q >= qmin) & (q <= qmax))
 
 
 class _IntFakeQuant(torch.autograd.Function):
@@ -87,15 +102,15 @@ class _IntFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale, zero_point, qmin, qmax, round_method):  # type: ignore[override]
-        out, mask = _int_core(x, scale, zero_point, qmin, qmax, round_method, ctx.needs_input_grad[0])
-        if mask is not None:
-            ctx.save_for_backward(mask)
-        return out
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x, scale, zero_point)
+            ctx.meta = (qmin, qmax, round_method)
+        return _int_forward(x, scale, zero_point, qmin, qmax, round_method)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        (mask,) = ctx.saved_tensors
-        return grad * mask, None, None, None, None, None
+        x, scale, zero_point = ctx.saved_tensors
+        return _int_grad(grad, x, scale, zero_point, *ctx.meta), None, None, None, None, None
 
 
 def _torch_kernel_applies(x: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, method: RoundType) -> bool:
@@ -132,7 +147,12 @@ def fake_quantize_int(
     orig_dtype = x.dtype
     xf = x if x.dtype == torch.float32 else x.float()
     scale = scale.float()
-    fast = use_torch_kernel and _torch_kernel_applies(xf, zero_point, qmin, qmax, round_method)
+    # torch's fused kernels are the fastest eager form; a compiled kernel (one pass, no stored mask) beats them
+    fast = (
+        use_torch_kernel
+        and _torch_kernel_applies(xf, zero_point, qmin, qmax, round_method)
+        and not compiled_kernels_active(xf)
+    )
     if not zero_point.is_floating_point():
         zero_point = zero_point.to(torch.int32)
 

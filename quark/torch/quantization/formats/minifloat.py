@@ -15,6 +15,7 @@ from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.formats.grouping import (
     channel_view,
     compilable,
+    compiled_kernels_active,
     from_blocks,
     from_tiles,
     tile_view,
@@ -27,29 +28,30 @@ from quark.torch.quantization.formats.table import FloatFormat
 def round_to_grid(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """Round float32 ``x`` to the nearest value of ``fmt`` (ties to even), saturating at +-max_normal."""
     a = x.abs()
-    _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1): floor(log2 a) = e - 1
-    # the grid step 2^(max(e - 1, emin) - mbits) (fixed below the normal range: subnormals), built in place as the
-    # bits of a float32 power of two (biased exponent in bits 23..30) instead of exp2 of a float copy
-    e.sub_(1).clamp_(min=fmt.emin).sub_(fmt.mbits - 127).bitwise_left_shift_(23)
-    step = e.view(torch.float32)
+    # the grid step 2^(max(floor(log2 a), emin) - mbits) (fixed below the normal range: subnormals), built as the
+    # bits of a float32 power of two from a's biased exponent field (zero and float32 subnormals read 0, below any
+    # format's emin + 127): integer ops on an int32 view, no frexp/exp2, so a compiled kernel stays vectorized
+    step_bits = (a.view(torch.int32) >> 23).clamp_(min=fmt.emin + 127).sub_(fmt.mbits).bitwise_left_shift_(23)
+    step = step_bits.view(torch.float32)
     # a / step is exact (step is a power of two); a is this function's own temporary, so everything runs in place
     return a.div_(step).round_().mul_(step).clamp_(max=fmt.max_normal).copysign_(x)
 
 
 @compilable
-def _grid_core(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, need_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    v = x / scale
-    mask = (v.abs() <= fmt.max_normal) if need_mask else None
-    return round_to_grid(v, fmt).mul_(scale), mask
+def _grid_forward(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    return round_to_grid(x / scale, fmt).mul_(scale)
 
 
 @compilable
-def _cast_core(
-    x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_dtype: torch.dtype, need_mask: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    v = x / scale
-    mask = (v.abs() <= max_normal) if need_mask else None
-    return v.clamp_(-max_normal, max_normal).to(torch_dtype).to(torch.float32).mul_(scale), mask
+def _cast_forward(x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_dtype: torch.dtype) -> torch.Tensor:
+    return (x / scale).clamp_(-max_normal, max_normal).to(torch_dtype).to(torch.float32).mul_(scale)
+
+
+@compilable
+def _saturation_grad(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, max_normal: float) -> torch.Tensor:
+    """The straight-through gradient: ``grad`` where ``|x / scale| <= max_normal``, 0 where the format saturates
+    (recomputed from ``x``, not stored as a mask)."""
+    return grad * ((x / scale).abs() <= max_normal)
 
 
 class _GridSTE(torch.autograd.Function):
@@ -57,15 +59,15 @@ class _GridSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale, fmt):  # type: ignore[override]
-        out, mask = _grid_core(x, scale, fmt, ctx.needs_input_grad[0])
-        if mask is not None:
-            ctx.save_for_backward(mask)
-        return out
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x, scale)
+            ctx.max_normal = fmt.max_normal
+        return _grid_forward(x, scale, fmt)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        (mask,) = ctx.saved_tensors
-        return grad * mask, None, None
+        x, scale = ctx.saved_tensors
+        return _saturation_grad(grad, x, scale, ctx.max_normal), None, None
 
 
 def fake_quantize_minifloat(
@@ -81,8 +83,9 @@ def fake_quantize_minifloat(
 ) -> torch.Tensor:
     """``round_to_grid(x / scale) * scale`` with a per tensor, channel, group or block scale (None: scale 1).
 
-    When ``torch_dtype`` (a torch float8 dtype of the same format) is given, the rounding is done by torch's cast,
-    which is bit-identical inside the range and faster.
+    When ``torch_dtype`` (a torch float8 dtype of the same format) is given and the kernels run eagerly, the rounding
+    is done by torch's cast, which is bit-identical inside the range and faster there; compiled, the grid rounding
+    (integer ops on the bits) vectorizes and the cast does not.
     """
     orig_dtype = x.dtype
     xf = x.float()
@@ -102,7 +105,7 @@ def fake_quantize_minifloat(
 
 
 def _scaled_round(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, torch_dtype: torch.dtype | None) -> torch.Tensor:
-    if torch_dtype is not None:
+    if torch_dtype is not None and not compiled_kernels_active(x):  # the cast: the fastest eager rounding
         return _CastSTE.apply(x, scale, fmt, torch_dtype)
     return _GridSTE.apply(x, scale, fmt)
 
@@ -112,15 +115,15 @@ class _CastSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale, fmt, torch_dtype):  # type: ignore[override]
-        out, mask = _cast_core(x, scale, fmt.max_normal, torch_dtype, ctx.needs_input_grad[0])
-        if mask is not None:
-            ctx.save_for_backward(mask)
-        return out
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x, scale)
+            ctx.max_normal = fmt.max_normal
+        return _cast_forward(x, scale, fmt.max_normal, torch_dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        (mask,) = ctx.saved_tensors
-        return grad * mask, None, None, None
+        x, scale = ctx.saved_tensors
+        return _saturation_grad(grad, x, scale, ctx.max_normal), None, None, None
 
 
 def encode(values: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
