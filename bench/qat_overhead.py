@@ -57,7 +57,8 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,10 @@ from torch.ao import quantization as tq
 
 from quark.torch import ModelQuantizer
 from quark.torch.cpu_allocator import keep_freed_memory
+from quark.torch.quantization.formats import Backend
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 from tasks.digits import DigitsCNN
-from tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
+from tasks.recipes import FP8_PER_TENSOR, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT, MXFP4
 
 _TQT = {"method": "tqt", "threshold_init_meth": "_3SD"}
 _POF2 = {"symmetric": True, "is_dynamic": False, "round_method": "half_even", "scale_type": "pof2", "qat_spec": _TQT}
@@ -80,13 +82,84 @@ W4A8_TQT = {
     }
 }
 
+FP8_W8A8 = {"global_quant_config": {"weight": FP8_PER_TENSOR, "input_tensors": FP8_PER_TENSOR}}
+MXFP8 = {**MXFP4, "mx_element_dtype": "fp8_e4m3"}
+MX_W4A8 = {"global_quant_config": {"weight": MXFP4, "input_tensors": MXFP8}}
+
 FP32 = "fp32"
 OURS_ON, OURS_OFF, OURS_TQT = "ours W8A8, observers on", "ours W8A8, observers off", "ours W4A8 TQT"
+FP8_ON, FP8_OFF = "ours fp8 W8A8, observers on", "ours fp8 W8A8, observers off"
+MX = "ours MXFP4 weights / MXFP8 activations"
 AO_ON, AO_OFF = "torch.ao, observers on", "torch.ao, observers off"
-CONTENDERS = (FP32, OURS_ON, OURS_OFF, OURS_TQT, AO_ON, AO_OFF)
-#: our contender -> the torch.ao contender whose ratio it must not exceed
-PEER = {OURS_ON: AO_ON, OURS_OFF: AO_OFF, OURS_TQT: AO_ON}
-TIME_GOAL, MEMORY_GOAL = 1.5, 1.3
+#: contenders per model: the CNN keeps the TQT row; the transformer-shaped models add fp8 and MX
+CONTENDERS = {
+    "cnn": (FP32, OURS_ON, OURS_OFF, OURS_TQT, AO_ON, AO_OFF),
+    "mlp": (FP32, OURS_ON, OURS_OFF, FP8_ON, FP8_OFF, MX, AO_ON, AO_OFF),
+    "llama": (FP32, OURS_ON, OURS_OFF, FP8_ON, FP8_OFF, MX, AO_ON, AO_OFF),
+}
+CONFIGS = {OURS_ON: W8A8, OURS_OFF: W8A8, OURS_TQT: W4A8_TQT, FP8_ON: FP8_W8A8, FP8_OFF: FP8_W8A8, MX: MX_W4A8}
+OBSERVERS_OFF = (OURS_OFF, FP8_OFF, AO_OFF)
+#: our contender -> (its time goal over FP32, the torch.ao contender whose ratio it must not exceed, or None)
+GOALS = {
+    OURS_ON: (1.5, AO_ON), OURS_OFF: (1.5, AO_OFF), OURS_TQT: (1.5, AO_ON),
+    FP8_ON: (1.5, None), FP8_OFF: (1.5, None), MX: (2.0, None),
+}  # fmt: skip
+MEMORY_GOAL = 1.3
+DEFAULT_BATCH = {"cnn": 256, "mlp": 32, "llama": 4}
+
+
+class MLP(nn.Module):
+    """The transformer-shaped MLP of the issue: d -> width -> d -> 10 with GELU (weights dominate at batch 32)."""
+
+    def __init__(self, width: int = 4096, d: int = 1024) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(d, width), nn.Linear(width, d), nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+class LlamaBlock(nn.Module):
+    """One LLaMA-style decoder block, written as users write it: RMSNorm -> causal self-attention (q/k/v/o
+    projections, scaled_dot_product_attention) -> residual -> RMSNorm -> SwiGLU MLP (gate/up/down) -> residual, then
+    a 10-class head on the mean over tokens."""
+
+    def __init__(self, hidden: int = 1024, heads: int = 16, intermediate: int = 2816) -> None:
+        super().__init__()
+        self.heads = heads
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.input_layernorm(x)
+        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.o_proj(attn)
+        h = self.post_attention_layernorm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self.head(x.mean(dim=1))
+
+
+def make_model(kind: str, width: int = 4096) -> nn.Module:
+    """The model of ``--model``: the digits CNN, the MLP (``width`` its hidden size) or the LLaMA-style block."""
+    if kind == "cnn":
+        return DigitsCNN()
+    if kind == "mlp":
+        return MLP(width)
+    if kind == "llama":
+        return LlamaBlock()
+    raise ValueError(f"--model {kind!r}: allowed cnn, mlp, llama")
+
+
+def make_batch(kind: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs of the model's shape (images, feature vectors, or 64 tokens of 1024-wide embeddings) and labels."""
+    shape = {"cnn": (batch, 1, 8, 8), "mlp": (batch, 1024), "llama": (batch, 64, 1024)}[kind]
+    return torch.rand(*shape), torch.randint(0, 10, (batch,))
 _MARK = "QAT-OVERHEAD-MEMORY "
 
 
@@ -111,10 +184,8 @@ def _set_observers(model: nn.Module, enabled: bool) -> None:
 
 def _quantized_model(name: str, base: nn.Module) -> nn.Module:
     model = copy.deepcopy(base).train()
-    if name in (OURS_ON, OURS_OFF):
-        return ModelQuantizer(W8A8).prepare(model)
-    if name == OURS_TQT:
-        return ModelQuantizer(W4A8_TQT).prepare(model)
+    if name in CONFIGS:
+        return ModelQuantizer(CONFIGS[name]).prepare(model)
     if name in (AO_ON, AO_OFF):
         wrapped = _AOWrapper(model).train()
         wrapped.qconfig = tq.get_default_qat_qconfig("x86")
@@ -125,7 +196,8 @@ def _quantized_model(name: str, base: nn.Module) -> nn.Module:
 
 
 def build(
-    name: str, batch: int = 256, optimizer: str = "adam", observe_steps: int = 3, seed: int = 0
+    name: str, batch: int = 256, optimizer: str = "adam", observe_steps: int = 3, seed: int = 0,
+    kind: str = "cnn", width: int = 4096,
 ) -> tuple[Callable[[], None], torch.optim.Optimizer]:
     """The training step of one contender (and its optimizer), ready to run.
 
@@ -134,9 +206,8 @@ def build(
     ``observe_steps`` training steps with observers on (QAT warm-up) and switch their observers off.
     """
     torch.manual_seed(seed)
-    base = DigitsCNN()
-    x = torch.rand(batch, 1, 8, 8)
-    y = torch.randint(0, 10, (batch,))
+    base = make_model(kind, width)
+    x, y = make_batch(kind, batch)
     model = _quantized_model(name, base)
     params = list(model.parameters())  # TQT adds the log2 thresholds
     opt = torch.optim.Adam(params, lr=1e-3) if optimizer == "adam" else torch.optim.SGD(params, lr=1e-2, momentum=0.9)
@@ -148,28 +219,54 @@ def build(
 
     with torch.no_grad():
         model(x)
-    if name in (OURS_OFF, AO_OFF):
+    if name in OBSERVERS_OFF:
         for _ in range(observe_steps):
             step()
-        if name == OURS_OFF:
-            _set_observers(model, False)
-        else:
+        if name == AO_OFF:
             model.apply(tq.disable_observer)
+        else:
+            _set_observers(model, False)
     return step, opt
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What every contender of one run trains: the model kind (and the MLP's width), batch and optimizer."""
+
+    kind: str = "cnn"
+    batch: int = 256
+    optimizer: str = "adam"
+    width: int = 4096
+
+    @property
+    def contenders(self) -> tuple[str, ...]:
+        return CONTENDERS[self.kind]
+
+    def build(self, name: str, observe_steps: int = 3) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+        return build(name, self.batch, self.optimizer, observe_steps, kind=self.kind, width=self.width)
+
+    def describe(self) -> str:
+        model = {
+            "cnn": f"DigitsCNN, batch {self.batch}x1x8x8",
+            "mlp": f"MLP 1024 -> {self.width} -> 1024 -> 10, batch {self.batch}",
+            "llama": f"LLaMA-style block (hidden 1024, 16 heads, MLP 2816), batch {self.batch}x64 tokens",
+        }[self.kind]
+        return f"{model}, {self.optimizer}"
+
+
 def run(
-    batch: int = 256, optimizer: str = "adam", rounds: int = 21, steps: int = 5, warmup: int = 5
+    setup: Setup, rounds: int = 21, steps: int = 5, warmup: int = 5, names: Sequence[str] | None = None
 ) -> dict[str, list[float]]:
-    """Per-round ms per step of every contender: all contenders in every round, in an order rotated each round."""
-    fns = {name: build(name, batch, optimizer)[0] for name in CONTENDERS}
+    """Per-round ms per step of every contender: all contenders in every round, in an order rotated each round.
+    Warm-up steps come first (they include the one-time compile of the format kernels)."""
+    fns = {name: setup.build(name)[0] for name in (names or setup.contenders)}
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    names = list(fns)
+    order = list(fns)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             fn = fns[name]
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -215,9 +312,12 @@ def _tensor_peak_mb(step: Callable[[], None], opt: torch.optim.Optimizer, steps:
     return peak / 2**20
 
 
-def memory_child(name: str, batch: int, optimizer: str, steps: int) -> dict[str, float]:
+def memory_child(name: str, setup: Setup, steps: int) -> dict[str, float]:
     """In a fresh process: RSS growth over the first ``steps`` steps, then the tensor peak of ``steps`` more."""
-    step, opt = build(name, batch, optimizer, observe_steps=0)  # no step before the baseline
+    step, opt = setup.build(name, observe_steps=0)  # no step before the baseline
+    for _ in range(2):  # compile the format kernels (one-time, cached) before the baseline: not a per-step cost
+        step()
+    opt.zero_grad(set_to_none=True)
     baseline = _status_mb("VmRSS")
     for _ in range(steps):
         step()
@@ -225,18 +325,25 @@ def memory_child(name: str, batch: int, optimizer: str, steps: int) -> dict[str,
     return {"rss_mb": rss, "tensor_mb": _tensor_peak_mb(step, opt, steps)}
 
 
+def _setup_args(setup: Setup) -> list[str]:
+    return ["--model", setup.kind, "--batch", str(setup.batch), "--optimizer", setup.optimizer, "--width", str(setup.width)]
+
+
 def run_memory(
-    batch: int = 256, optimizer: str = "adam", steps: int = 5, repeats: int = 3, system_allocator: bool = False
+    setup: Setup, steps: int = 5, repeats: int = 3, system_allocator: bool = False, parallel: bool = True
 ) -> dict[str, dict[str, float]]:
-    """{contender: {"tensor_mb", "rss_mb"}}: medians over ``repeats`` fresh processes per contender (the processes
-    of one repeat run side by side: they share no memory, and their CPU time does not enter what they measure)."""
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name in CONTENDERS}
+    """{contender: {"tensor_mb", "rss_mb"}}: medians over ``repeats`` fresh processes per contender (with
+    ``parallel``, the processes of one repeat run side by side: they share no memory, and their CPU time does not
+    enter what they measure)."""
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in setup.contenders}
     for _ in range(repeats):
         procs = {}
-        for name in CONTENDERS:
-            cmd = [sys.executable, __file__, "--memory-child", name, "--batch", str(batch), "--optimizer", optimizer,
-                   "--memory-steps", str(steps)] + (["--system-allocator"] if system_allocator else [])  # fmt: skip
+        for name in setup.contenders:
+            cmd = [sys.executable, __file__, "--memory-child", name, *_setup_args(setup), "--memory-steps", str(steps)]
+            cmd += ["--system-allocator"] if system_allocator else []
             procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if not parallel:
+                procs[name].wait()
         for name, proc in procs.items():
             stdout, stderr = proc.communicate()
             lines = [ln for ln in stdout.splitlines() if ln.startswith(_MARK)]
@@ -247,14 +354,14 @@ def run_memory(
 
 
 # ----------------------------------------------------------------------------------------------- profile
-def profile(batch: int = 256, optimizer: str = "adam", steps: int = 20, top: int = 12) -> None:
+def profile(setup: Setup, steps: int = 20, top: int = 12) -> None:
     """Top ops by self CPU time of every contender (torch.profiler, after warm-up). Contenders run one after the
     other here, so compare shares of a step and calls per step across them rather than milliseconds."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    for name in CONTENDERS:
-        step, _ = build(name, batch, optimizer)
+    for name in setup.contenders:
+        step, _ = setup.build(name)
         for _ in range(5):
             step()
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -272,33 +379,87 @@ def profile(batch: int = 256, optimizer: str = "adam", steps: int = 20, top: int
 
 
 # ----------------------------------------------------------------------------------------------- report
-def _report(times: dict[str, list[float]], memory: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+def _goal(name: str, rel: dict[str, tuple[float, float, float]], mem_ratio: float | None) -> str:
+    if name not in GOALS:
+        return ""
+    limit, peer = GOALS[name]
+    ratio = rel[name][1]
+    time_ok = ratio <= limit and (peer is None or peer not in rel or ratio <= rel[peer][1])
+    text = f"time <= {limit}x" + (f" and <= {peer} ({rel[peer][1]:.2f}x)" if peer in rel else "")
+    text += f": {'met' if time_ok else 'MISSED'}"
+    if mem_ratio is not None:
+        text += f"; memory <= {MEMORY_GOAL}x: {'met' if mem_ratio <= MEMORY_GOAL else 'MISSED'}"
+    return text
+
+
+def _report(times: dict[str, list[float]], memory: dict[str, dict[str, float]] | None, args: argparse.Namespace, setup: Setup) -> None:
     rel = ratios(times)
-    fp32_m, fp32_r = memory[FP32]["tensor_mb"], memory[FP32]["rss_mb"]
     print(
-        f"# QAT step on DigitsCNN, batch {args.batch}x1x8x8, {args.optimizer}; time: {args.rounds} interleaved rounds "
-        f"of {args.steps} steps, x FP32 = median of per-round ratios (quartiles in brackets); memory: "
-        f"{args.memory_steps} steps, median of {args.memory_repeats} fresh process(es)"
+        f"# QAT step on {setup.describe()}; time: {args.rounds} interleaved rounds of {args.steps} steps, x FP32 = "
+        "median of per-round ratios (quartiles in brackets)"
+        + (f"; memory: {args.memory_steps} steps, median of {args.memory_repeats} fresh process(es)" if memory else "")
     )
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, format kernels: {_backend_name()}")
     print("| contender | step ms | x FP32 | peak MB | x FP32 memory | RSS MB | x FP32 RSS | goal |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in CONTENDERS:
+    for name in times:
         (q1, ratio, q3), t = rel[name], statistics.median(times[name])
-        m, r = memory[name]["tensor_mb"], memory[name]["rss_mb"]
-        mem_ratio = m / fp32_m
-        goal = ""
-        if name in PEER:
-            peer = rel[PEER[name]][1]
-            time_ok = ratio <= TIME_GOAL and ratio <= peer
-            goal = (
-                f"time <= {TIME_GOAL}x and <= {PEER[name]} ({peer:.2f}x): {'met' if time_ok else 'MISSED'}; "
-                f"memory <= {MEMORY_GOAL}x: {'met' if mem_ratio <= MEMORY_GOAL else 'MISSED'}"
-            )
-        print(
-            f"| {name} | {t:.2f} | {ratio:.2f} ({q1:.2f}-{q3:.2f}) | {m:.1f} | {mem_ratio:.2f} | {r:.1f} | "
-            f"{r / fp32_r:.2f} | {goal} |"
-        )
+        mem_cols, mem_ratio = "| | | | ", None
+        if memory:
+            m, r = memory[name]["tensor_mb"], memory[name]["rss_mb"]
+            mem_ratio = m / memory[FP32]["tensor_mb"]
+            fp32_rss = memory[FP32]["rss_mb"]
+            rss_ratio = f"{r / fp32_rss:.2f}" if fp32_rss >= 1 else "-"  # below 1 MB: noise
+            mem_cols = f"| {m:.1f} | {mem_ratio:.2f} | {r:.1f} | {rss_ratio} "
+        print(f"| {name} | {t:.2f} | {ratio:.2f} ({q1:.2f}-{q3:.2f}) {mem_cols}| {_goal(name, rel, mem_ratio)} |")
+
+
+def _backend_name() -> str:
+    if Backend.compile is False:
+        return "eager"
+    if Backend.failure:
+        return f"eager (compile failed: {Backend.failure})"
+    return "compiled" if Backend.compile else "auto (compiled for tensors >= 65536 elements)"
+
+
+# ----------------------------------------------------------------------------------------------- width sweep
+SWEEP = (OURS_ON, FP8_ON, MX, AO_ON)
+
+
+def sweep(widths: Sequence[int], args: argparse.Namespace, plot: str | None) -> None:
+    """Step-time ratio over FP32 of the MLP at each hidden width (observers on: the QAT warm-up state) for int8,
+    fp8, MX and torch.ao; a markdown table, and a PNG plot when ``plot`` names a file (needs matplotlib)."""
+    table: dict[int, dict[str, float]] = {}
+    for width in widths:
+        setup = Setup("mlp", args.batch or DEFAULT_BATCH["mlp"], args.optimizer, width)
+        rel = ratios(run(setup, args.rounds, args.steps, args.warmup, names=(FP32, *SWEEP)))
+        table[width] = {name: rel[name][1] for name in SWEEP}
+        print(f"# width {width}: " + ", ".join(f"{n} {v:.2f}x" for n, v in table[width].items()), flush=True)
+    print(f"\n# QAT step time over FP32, MLP 1024 -> width -> 1024 -> 10, batch {args.batch or DEFAULT_BATCH['mlp']}, "
+          f"{args.optimizer}, observers on, format kernels: {_backend_name()}")  # fmt: skip
+    print("| width | " + " | ".join(SWEEP) + " |")
+    print("|---|" + "---|" * len(SWEEP))
+    for width, row in table.items():
+        print(f"| {width} | " + " | ".join(f"{row[n]:.2f}" for n in SWEEP) + " |")
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for name in SWEEP:
+            ax.plot(list(table), [table[w][name] for w in table], marker="o", label=name)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(table), [str(w) for w in table])
+        ax.set_xlabel("MLP hidden width (1024 -> width -> 1024)")
+        ax.set_ylabel("QAT step time / FP32 step time")
+        ax.set_title(f"QAT overhead vs width, batch {args.batch or DEFAULT_BATCH['mlp']}, {torch.get_num_threads()} CPU threads")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        print(f"(plot: {plot})")
 
 
 def main() -> None:
@@ -307,32 +468,43 @@ def main() -> None:
         "--system-allocator", action="store_true",
         help="leave glibc's allocator as it is (default: keep_freed_memory(), as train.py does)",
     )
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--model", choices=("cnn", "mlp", "llama"), default="cnn")
+    parser.add_argument("--width", type=int, default=4096, help="the MLP's hidden width")
+    parser.add_argument("--batch", type=int, default=None, help="default: 256 (cnn), 32 (mlp), 4 sequences (llama)")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=5, help="steps per contender per round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--memory-steps", type=int, default=5)
     parser.add_argument("--memory-repeats", type=int, default=3)
+    parser.add_argument("--no-memory", action="store_true", help="time only")
+    parser.add_argument("--widths", help="comma-separated MLP widths: the step-time ratio sweep instead of one run")
+    parser.add_argument("--plot", help="with --widths: write the plot to this PNG")
     parser.add_argument("--quick", action="store_true", help="a short run: 5 rounds of 2 steps, 1 memory process each")
     parser.add_argument("--profile", action="store_true", help="also print the top ops of every contender")
     parser.add_argument("--memory-child", metavar="CONTENDER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     kept = not args.system_allocator and keep_freed_memory()
-    print(f"# CPU allocator: {'freed memory kept (keep_freed_memory)' if kept else 'system default'}")
+    setup = Setup(args.model, args.batch or DEFAULT_BATCH[args.model], args.optimizer, args.width)
     if args.memory_child:
-        res = memory_child(args.memory_child, args.batch, args.optimizer, args.memory_steps)
-        print(_MARK + json.dumps(res), flush=True)
+        print(_MARK + json.dumps(memory_child(args.memory_child, setup, args.memory_steps)), flush=True)
         return
+    print(f"# CPU allocator: {'freed memory kept (keep_freed_memory)' if kept else 'system default'}")
     if args.quick:
         args.rounds, args.steps, args.warmup, args.memory_steps, args.memory_repeats = 5, 2, 2, 3, 1
     t0 = time.perf_counter()
-    memory = run_memory(args.batch, args.optimizer, args.memory_steps, args.memory_repeats, args.system_allocator)
-    times = run(args.batch, args.optimizer, args.rounds, args.steps, args.warmup)
-    _report(times, memory, args)
+    if args.widths:
+        sweep([int(w) for w in args.widths.split(",")], args, args.plot)
+    else:
+        # big models: one memory process at a time (8 side by side would not fit the cores or the compile workers)
+        memory = None if args.no_memory else run_memory(
+            setup, args.memory_steps, args.memory_repeats, args.system_allocator, parallel=args.model == "cnn"
+        )
+        times = run(setup, args.rounds, args.steps, args.warmup)
+        _report(times, memory, args, setup)
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.profile:
-        profile(args.batch, args.optimizer)
+        profile(setup)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from quark.torch.quantization.formats.grouping import (
     Backend,
     BlockLayout,
     TileLayout,
+    aminmax_along,
     from_blocks,
     from_tiles,
     round_to_int,
@@ -55,6 +56,7 @@ __all__ = [
     "fake_quantize",
     "Backend",
     "set_compile",
+    "aminmax_along",
     "fake_cast",
     "is_scaled",
     # tables

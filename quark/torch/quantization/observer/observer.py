@@ -23,6 +23,7 @@ from quark.torch.quantization.formats import (
     CAST_FORMATS,
     FloatFormat,
     IntFormat,
+    aminmax_along,
     apply_scale_type,
     bfp_codes,
     fake_quantize_int,
@@ -269,7 +270,7 @@ class PerChannelMinMaxObserver(UniformScalingObserver):
             x = x_orig.detach()
             y = x.reshape(1) if x.ndim == 0 else x
             y = y.movedim(self.ch_axis, 0).reshape(y.shape[self.ch_axis], -1)  # [C, rest]
-            mn, mx = torch.aminmax(y, dim=1)
+            mn, mx = aminmax_along(y, 1)
             self._update(mn, mx, x_orig)
         return x_orig
 
@@ -291,7 +292,7 @@ class PerGroupMinMaxObserver(UniformScalingObserver):
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel():
             xb, _ = to_blocks(x_orig.detach(), self.ch_axis, self.group_size)  # [..., G, g]
-            mn, mx = torch.aminmax(xb, dim=-1)
+            mn, mx = aminmax_along(xb, -1)
             self._update(mn, mx, x_orig)
         return x_orig
 
