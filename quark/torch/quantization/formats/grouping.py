@@ -63,6 +63,18 @@ def compiled_kernels_active(x: torch.Tensor) -> bool:
     return Backend.compile is True or (Backend.failure is None and x.numel() >= Backend.min_numel)
 
 
+#: variants one kernel may be compiled for (each format, qscheme layout and round mode is one): dynamo's default of
+#: 8 is reached by a model mixing a few formats, after which it would silently run the kernel eagerly
+RECOMPILE_LIMIT = 64
+
+
+def _call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a compiled kernel with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` for this call only."""
+    limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        return compiled(*args, **kwargs)
+
+
 def compilable(fn: F_) -> F_:
     """Run ``fn`` compiled (``torch.compile(dynamic=True)``, built once) or eagerly, as ``Backend`` says for its
     first argument. In auto mode a compile failure falls back to eager with a warning that names the reason; an error
@@ -76,9 +88,9 @@ def compilable(fn: F_) -> F_:
         if not compiled:
             compiled.append(torch.compile(fn, dynamic=True))
         if Backend.compile is True:
-            return compiled[0](x, *args, **kwargs)
+            return _call_compiled(compiled[0], x, *args, **kwargs)
         try:
-            return compiled[0](x, *args, **kwargs)
+            return _call_compiled(compiled[0], x, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - any compiler failure: fall back below
             out = fn(x, *args, **kwargs)  # raises for bad input, as eager mode would
             reason = (str(err).strip().splitlines() or [""])[0][:300]

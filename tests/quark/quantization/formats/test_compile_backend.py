@@ -180,3 +180,30 @@ def test_env_values() -> None:
         mp.setenv("QUARK_COMPILE", "fast")
         with pytest.raises(ValueError, match=r"QUARK_COMPILE='fast'.*auto \(default\), 1 .* 0"):
             _compile_from_env()
+
+
+def test_compiled_calls_raise_the_recompile_limit(auto_mode: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each format / layout / round mode is a variant of one kernel: compiled calls run with dynamo's recompile limit
+    raised (dynamo's default of 8 would silently send a model mixing formats back to eager), and only during the
+    call."""
+    from quark.torch.quantization.formats.grouping import RECOMPILE_LIMIT
+
+    seen: list[int] = []
+
+    def recording_compile(fn, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        def run(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            seen.append(torch._dynamo.config.recompile_limit)
+            return fn(*args, **kw)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    before = torch._dynamo.config.recompile_limit
+
+    @compilable
+    def double(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    double(torch.ones(Backend.min_numel))
+    assert seen == [max(RECOMPILE_LIMIT, before)] and RECOMPILE_LIMIT > 8
+    assert torch._dynamo.config.recompile_limit == before
