@@ -207,3 +207,31 @@ def test_compiled_calls_raise_the_recompile_limit(auto_mode: None, monkeypatch: 
     double(torch.ones(Backend.min_numel))
     assert seen == [max(RECOMPILE_LIMIT, before)] and RECOMPILE_LIMIT > 8
     assert torch._dynamo.config.recompile_limit == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(_cases()))
+def test_every_format_runs_on_cuda(name: str) -> None:
+    """Each format forward and backward on a CUDA tensor, eager and auto (compiled through triton where it works):
+    the same bits as each other and as the CPU's eager kernels (all of them are IEEE-exact elementwise arithmetic)."""
+    x, grad = _input(), torch.randn(ROWS, COLS)
+    results = {}
+    for device, mode in (("cpu", False), ("cuda", False), ("cuda", None)):
+        fn = _cases_on(device)[name]
+        set_compile(mode)
+        try:
+            xg = x.to(device).requires_grad_(True)
+            y = fn(xg)
+            y.backward(grad.to(device))
+            results[(device, mode)] = (y.detach().cpu(), xg.grad.cpu())
+        finally:
+            set_compile(False)
+    ref = results[("cpu", False)]
+    for key, (y, g) in results.items():
+        assert torch.equal(y, ref[0]) and torch.equal(g, ref[1]), key
+
+
+def _cases_on(device: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """``_cases`` with every qparam on ``device`` (the cases build theirs on the CPU)."""
+    with torch.device(device):
+        return _cases()
