@@ -5,12 +5,14 @@ qparams into the weight quantizers).
 Models with a decoder stack are processed one decoder layer at a time: the inputs of layer 0 are captured per
 calibration batch (with their keyword arguments), each layer is processed and its outputs become the next layer's
 inputs, so only one layer's inputs are held at a time. GPTQ also runs on models without a decoder stack (layer by
-layer, in forward order).
+layer, in forward order). Within a decoder layer, GPTQ's passes stop once the group being collected has its inputs,
+layers that read one input share its Hessian and factorization (see ``_gptq_layer``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +28,14 @@ from quark.torch.algorithm.capture import (
     run_layer,
     with_hidden,
 )
-from quark.torch.algorithm.gptq import HessianAccumulator, check_gptq_spec, gptq_quantize, layer_input_rows
+from quark.torch.algorithm.gptq import (
+    HessianAccumulator,
+    InverseHessian,
+    check_gptq_spec,
+    gptq_quantize,
+    layer_input_rows,
+    prepare_hessian,
+)
 from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.algorithm.structure import find_decoder_layers
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig, QuantizationSpec, SmoothQuantConfig
@@ -122,7 +131,10 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
     return losses
 
 
-def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, algo: GPTQConfig, losses: dict[str, float]) -> None:
+def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, algo: GPTQConfig, losses: dict[str, float],
+                     inverses: dict[int, InverseHessian] | None = None) -> None:  # fmt: skip
+    """GPTQ on one module for its Hessian; ``inverses`` holds the prepared inverse Hessian per accumulator, so
+    modules that share an accumulator (the same input) factorize it once."""
     quantizer: ScaledFakeQuantize = module._weight_quantizer  # type: ignore[assignment]
     weight = module.weight
     w2d, h, order = weight.reshape(weight.shape[0], -1), hessian.hessian, None
@@ -131,9 +143,15 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
         # contiguous column groups are those when the columns go kernel position by kernel position, not [in, kh, kw]
         order = torch.arange(w2d.shape[1], device=w2d.device).reshape(weight.shape[1], -1).T.reshape(-1)
         w2d, h = w2d[:, order], h[order][:, order]
+    inverse = None
+    if inverses is not None and order is None:
+        inverse = inverses.get(id(hessian))
+        if inverse is None:
+            inverse = inverses[id(hessian)] = prepare_hessian(h, damp_percent=algo.damp_percent, desc_act=algo.desc_act)
     result = gptq_quantize(
         w2d, h, quantizer.spec,
         damp_percent=algo.damp_percent, desc_act=algo.desc_act, static_groups=algo.static_groups,
+        block_size=algo.block_size, inverse=inverse,
     )  # fmt: skip
     if order is None:
         quantizer.set_qparams(result.scale, result.zero_point)
@@ -144,9 +162,15 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
         q = result.weight[:, torch.argsort(order)].reshape(weight.shape)
     quantizer.enable_fake_quant(True)
     weight.data.copy_(quantizer(q))  # on the quantizer's own grid: its fake quant leaves the weight as it is
+    if _same_bits(quantizer(weight), weight):  # so the passes still to come may skip it (apply_gptq restores it)
+        quantizer.disable_fake_quant()
     losses[name] = result.loss
     if result.damp != algo.damp_percent:
         logger.warning("GPTQ: layer '%s' needed damp_percent=%g (Cholesky failed with %g)", name, result.damp, algo.damp_percent)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _gptq_decoder(model: nn.Module, found: tuple[str, nn.ModuleList], targets: dict[str, nn.Module], algo: GPTQConfig,
@@ -159,15 +183,8 @@ def _gptq_decoder(model: nn.Module, found: tuple[str, nn.ModuleList], targets: d
         missing = [n for n in order if n not in own]
         if missing:
             raise ValueError(f"GPTQ inside_layer_modules {missing} are not weight-quantized modules of {prefix}.{i}; found: {list(own)}")
-        remaining = order
-        while remaining:
-            group = _same_input_group(layer, {n: own[n] for n in remaining}, inputs[0]) if algo.true_sequential else remaining
-            hessians = {n: HessianAccumulator(_columns(own[n]), own[n].weight.device) for n in group}
-            with collect_inputs({n: own[n] for n in group}, lambda n, m, x, h=hessians: h[n].add(layer_input_rows(m, x))):
-                run_layer(layer, inputs)
-            for n in group:
-                _quantize_module(f"{prefix}.{i}.{n}", own[n], hessians[n], algo, losses)
-            remaining = [n for n in remaining if n not in group]
+        if order:
+            _gptq_layer(f"{prefix}.{i}", layer, {n: own[n] for n in order}, inputs, algo, losses)
         if i + 1 < len(layers):
             inputs = [with_hidden(x, h) for x, h in zip(inputs, run_layer(layer, inputs), strict=True)]
         logger.info("GPTQ: decoder layer %d/%d done", i + 1, len(layers))
@@ -176,16 +193,151 @@ def _gptq_decoder(model: nn.Module, found: tuple[str, nn.ModuleList], targets: d
         _gptq_layerwise(model, rest, algo, batches, run, losses)
 
 
-def _same_input_group(layer: nn.Module, modules: dict[str, nn.Module], sample: tuple[tuple[Any, ...], dict[str, Any]]) -> list[str]:
-    """The first module (in order) and the others that receive the very same input tensor (q, k, v; gate, up):
-    quantizing one of them does not change what the others see, so they share one pass."""
-    seen: dict[str, torch.Tensor] = {}
-    with collect_inputs(modules, lambda n, m, x: seen.setdefault(n, x)), torch.no_grad():
-        layer(*sample[0], **sample[1])  # the tensors stay referenced in ``seen``: no address reuse
-    first = next(iter(modules))
-    if first not in seen:
-        return [first]
-    return [n for n in modules if n in seen and seen[n] is seen[first]]
+class _GroupDone(Exception):
+    """Raised by a collection hook once every module of the group has had its inputs for this batch."""
+
+
+class _Collector:
+    """The Hessians of one group of modules over a pass of the layer.
+
+    With ``share``, the group's Linear modules read the very same input tensor (q/k/v, gate/up: what
+    ``true_sequential`` groups): they share one accumulator, so ``X^T X`` is computed once per batch. ``valid`` turns
+    False if a batch breaks that (a module called twice, or with another tensor); the caller then collects again
+    without sharing."""
+
+    def __init__(self, modules: dict[str, nn.Module], share: bool) -> None:
+        self.modules = modules
+        linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)] if share else []
+        devices = {modules[n].weight.device for n in linears}
+        self.shared = linears if len(linears) > 1 and len(devices) == 1 else []
+        common = HessianAccumulator(_columns(modules[linears[0]]), modules[linears[0]].weight.device) if self.shared else None
+        self.accumulators = {
+            n: common if n in self.shared else HessianAccumulator(_columns(m), m.weight.device)
+            for n, m in modules.items()
+        }  # fmt: skip
+        self.valid = True
+        self._input: torch.Tensor | None = None
+        self._calls: Counter[str] = Counter()
+
+    def start_batch(self) -> None:
+        self._check_batch()
+        self._input, self._calls = None, Counter()
+
+    def add(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
+        if name not in self.modules:
+            return
+        if name not in self.shared:
+            self.accumulators[name].add(layer_input_rows(module, x))
+            return
+        self._calls[name] += 1
+        if self._input is None:
+            self._input = x
+            self.accumulators[name].add(layer_input_rows(module, x))
+        elif x is not self._input:
+            self.valid = False
+
+    def finish(self) -> _Collector:
+        self._check_batch()
+        return self
+
+    def _check_batch(self) -> None:
+        if self._calls and any(self._calls[n] != 1 for n in self.shared):
+            self.valid = False
+
+
+def _gptq_layer(prefix: str, layer: nn.Module, modules: dict[str, nn.Module], inputs: LayerInputs, algo: GPTQConfig,
+                losses: dict[str, float]) -> None:  # fmt: skip
+    """GPTQ on ``modules`` (in quantization order) of one decoder layer, group by group.
+
+    The first pass runs the whole layer on every batch, as every pass did before: it finds the groups (with
+    ``true_sequential``, the first module still to do and the others that receive the very same input tensor, as
+    q/k/v and gate/up: quantizing one of them does not change what the others see), counts every module's calls per
+    batch and collects the first group's Hessians (one per shared input). Each later group gets a pass that stops once
+    its modules have had as many calls as in the first pass: what runs after them cannot change their inputs, and
+    state a layer keeps across calls (a KV cache, written on the first call) was written by the full first pass. A
+    batch where one of them was not called runs in full. Modules quantized so far run without re-quantizing their
+    weights (already on their grid, checked bit for bit). The result is that of one full pass per group.
+    """
+    names = list(modules)
+    first_inputs: dict[str, torch.Tensor] = {}
+    pending: list[tuple[str, torch.Tensor]] = []  # batch 0's inputs, until the first group is known
+    calls: list[Counter[str]] = []
+    groups: list[list[str]] = []
+    collector: _Collector | None = None
+
+    def first_sink(name: str, module: nn.Module, x: torch.Tensor) -> None:
+        calls[-1][name] += 1
+        if collector is None:
+            first_inputs.setdefault(name, x)
+            pending.append((name, x))
+        else:
+            collector.add(name, module, x)
+
+    with collect_inputs(modules, first_sink):
+        for args, kwargs in inputs:
+            if collector is not None:
+                collector.start_batch()
+            calls.append(Counter())
+            layer(*args, **kwargs)
+            if collector is None:
+                groups = _groups(names, first_inputs, algo.true_sequential)
+                collector = _Collector({n: modules[n] for n in groups[0]}, share=algo.true_sequential)
+                for name, x in pending:
+                    collector.add(name, modules[name], x)
+                pending.clear()
+                first_inputs.clear()
+    assert collector is not None
+    if not collector.finish().valid:
+        collector = _group_pass(layer, {n: modules[n] for n in groups[0]}, inputs, calls, share=False)
+    for g, group in enumerate(groups):
+        if g:
+            collector = _group_pass(layer, {n: modules[n] for n in group}, inputs, calls, share=algo.true_sequential)
+        inverses: dict[int, InverseHessian] = {}
+        for n in group:
+            _quantize_module(f"{prefix}.{n}", modules[n], collector.accumulators[n], algo, losses, inverses)
+
+
+def _groups(names: list[str], first_inputs: dict[str, torch.Tensor], true_sequential: bool) -> list[list[str]]:
+    """``names`` cut into groups in order: with ``true_sequential`` the first module still to do and the others whose
+    first input is the very same tensor (a module not called stays alone); otherwise one group."""
+    if not true_sequential:
+        return [names]
+    groups, remaining = [], names
+    while remaining:
+        first = remaining[0]
+        x = first_inputs.get(first)
+        group = [first] if x is None else [n for n in remaining if first_inputs.get(n) is x]
+        groups.append(group)
+        remaining = [n for n in remaining if n not in group]
+    return groups
+
+
+def _group_pass(layer: nn.Module, modules: dict[str, nn.Module], inputs: LayerInputs, calls: list[Counter[str]],
+                share: bool) -> _Collector:  # fmt: skip
+    """One pass of the layer over every batch collecting the Hessians of ``modules``, each batch stopped once they
+    have had their ``calls`` (from the layer's first, full pass)."""
+    collector = _Collector(modules, share)
+    seen: Counter[str] = Counter()
+    stop_at: dict[str, int] = {}
+
+    def sink(name: str, module: nn.Module, x: torch.Tensor) -> None:
+        collector.add(name, module, x)
+        seen[name] += 1
+        if stop_at and all(seen[n] >= c for n, c in stop_at.items()):
+            raise _GroupDone
+
+    with collect_inputs(modules, sink):
+        for (args, kwargs), expected in zip(inputs, calls, strict=True):
+            collector.start_batch()
+            seen.clear()
+            stop_at = {n: expected[n] for n in modules} if all(expected[n] > 0 for n in modules) else {}
+            try:
+                layer(*args, **kwargs)
+            except _GroupDone:
+                pass
+    if not collector.finish().valid:
+        return _group_pass(layer, modules, inputs, calls, share=False)
+    return collector
 
 
 def _columns(module: nn.Module) -> int:

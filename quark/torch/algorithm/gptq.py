@@ -1,12 +1,16 @@
 """GPTQ (Frantar et al. 2022): quantize a weight column by column, spreading each column's rounding error over the
 columns not yet quantized through the inverse Hessian of the layer's inputs, so the layer's *output* error is small.
 
-``gptq_quantize`` is the pure tensor algorithm (one 2-D weight and its Hessian); ``HessianAccumulator`` builds the
-Hessian from a layer's inputs. The model-level driver (sequential over decoder layers) is in ``algorithm.api``.
+``gptq_quantize`` is the pure tensor algorithm (one 2-D weight and its Hessian): ``prepare_hessian`` (the column
+order and the Cholesky factor of the damped inverse, shareable by layers with one input) then ``gptq_sweep`` (the
+column loop); ``HessianAccumulator`` builds the Hessian from a layer's inputs. The model-level driver (sequential over
+decoder layers) is in ``algorithm.api``. ``tests/quark/algorithm/test_gptq_reference.py`` checks the result bit for
+bit against the straightforward column-major loop of the paper.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from quark.torch.quantization.config.config import QuantizationSpec
-from quark.torch.quantization.config.type import QSchemeType
-from quark.torch.quantization.formats import BLOCK_FORMATS, CAST_FORMATS, fake_quantize
+from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
+from quark.torch.quantization.formats import (
+    BLOCK_FORMATS,
+    CAST_FORMATS,
+    TORCH_FLOAT8,
+    FloatFormat,
+    IntFormat,
+    format_of,
+)
+from quark.torch.quantization.formats.integer import _int_forward
+from quark.torch.quantization.formats.minifloat import _cast_forward, _grid_forward
 
 
 class HessianAccumulator:
@@ -88,25 +101,58 @@ def observer_qparams(spec: QuantizationSpec, weight: torch.Tensor) -> tuple[torc
     return scale.to(weight.device), zero_point.to(weight.device)
 
 
-def _quantize_column(column: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    """Fake-quantize one weight column [rows] with per-row qparams (or a scalar one), as the spec's format does."""
-    if scale.numel() == 1:
-        return fake_quantize(column, spec.dtype, scale.reshape(()), zero_point.reshape(()), qscheme=QSchemeType.per_tensor, round_method=spec.round_method)
-    out = fake_quantize(
-        column.unsqueeze(1), spec.dtype, scale, zero_point, qscheme=QSchemeType.per_channel, axis=0, round_method=spec.round_method
-    )
-    return out.squeeze(1)
+ColumnQuantizer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def column_quantizer(spec: QuantizationSpec) -> ColumnQuantizer:
+    """``fn(column, scale, zero_point)``: the spec's format on one weight column, qparams broadcastable to it.
+
+    The format's own elementwise core, called eagerly and without autograd (the same arithmetic as ``fake_quantize``:
+    for integers ``(clamp(round(x * (1 / s)) + zp) - zp) * s`` with the spec's rounding, for fp8 torch's cast of
+    ``x / s``, for the other minifloats the grid rounding): one column is far below the size where a compiled kernel
+    pays, and GPTQ calls it once per column."""
+    fmt = format_of(spec.dtype)
+    if isinstance(fmt, IntFormat):
+        qmin, qmax, method = fmt.qmin, fmt.qmax, spec.round_method or RoundType.half_even
+        int_core = _eager(_int_forward)
+        return lambda x, s, z: int_core(x, s, z, qmin, qmax, method)
+    if isinstance(fmt, FloatFormat):
+        torch_dtype = TORCH_FLOAT8.get(Dtype(spec.dtype))
+        if torch_dtype is not None:  # what fake_quantize runs eagerly for fp8: bit-identical to the grid, faster
+            cast_core = _eager(_cast_forward)
+            return lambda x, s, z: cast_core(x, s, fmt.max_normal, torch_dtype)
+        grid_core = _eager(_grid_forward)
+        return lambda x, s, z: grid_core(x, s, fmt)
+    raise ValueError(f"GPTQ needs an integer or minifloat weight dtype with scales, got {spec.dtype}")
+
+
+def _eager(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The eager body of a ``compilable`` format kernel (compiled == eager bit for bit)."""
+    return getattr(kernel, "__wrapped__", kernel)
+
+
+def _column_qparams(spec: QuantizationSpec, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row qparams of one column as contiguous vectors [rows] (0-d for one scale), in the dtypes ``fake_quantize``
+    uses: float32 scales, int32 zero points (a float zero point stays float)."""
+    scale = scale.float().reshape(()) if scale.numel() == 1 else scale.float().reshape(-1).contiguous()
+    zero_point = zero_point.reshape(()) if zero_point.numel() == 1 else zero_point.reshape(-1).contiguous()
+    if not zero_point.is_floating_point():
+        zero_point = zero_point.to(torch.int32)
+    return scale, zero_point
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float, retries: int) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + damp I)^-1; the damping grows 10x per retry when H is not positive definite."""
     diag_mean = float(torch.diag(hessian).mean())
     damp = damp_percent
-    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     for attempt in range(retries + 1):
+        damped = hessian.clone()
+        damped.diagonal().add_(damp * diag_mean)  # the same float32 sum as H + (damp * mean) * I, without the eye
         try:
-            lower = torch.linalg.cholesky(hessian + damp * diag_mean * eye)
+            lower = torch.linalg.cholesky(damped)
             inverse = torch.cholesky_inverse(lower)
+            if inverse.device.type == "cpu":  # LAPACK's inverse mirrors its triangle: exactly symmetric, and its
+                inverse = inverse.mT  # transpose is column-major, so the factorization copies it without transposing
             return torch.linalg.cholesky(inverse, upper=True), damp
         except torch.linalg.LinAlgError:
             if attempt == retries:
@@ -116,6 +162,34 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float, retries:
                 ) from None
             damp *= 10
     raise AssertionError("unreachable")
+
+
+@dataclass
+class InverseHessian:
+    """What GPTQ takes from a Hessian, computed once per Hessian (layers that read the same input share it):
+    the sweep order ``perm`` (position -> input column), the dead input columns (zero diagonal), the upper Cholesky
+    factor of the damped inverse Hessian in sweep order, and the damping that made it positive definite."""
+
+    perm: torch.Tensor
+    dead: torch.Tensor
+    factor: torch.Tensor
+    damp: float
+
+
+@torch.no_grad()
+def prepare_hessian(hessian: torch.Tensor, *, damp_percent: float = 0.01, desc_act: bool = True, retries: int = 4) -> InverseHessian:
+    """The ``InverseHessian`` of an input Hessian [columns, columns] (float32 Cholesky factorizations)."""
+    h = hessian.detach().float().clone()
+    columns = h.shape[0]
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    if desc_act:
+        perm = torch.argsort(torch.diag(h), descending=True)
+        h = h.index_select(0, perm).index_select(1, perm)
+    else:
+        perm = torch.arange(columns, device=h.device)
+    factor, damp = _inverse_hessian_factor(h, damp_percent, retries)
+    return InverseHessian(perm, dead, factor, damp)
 
 
 @torch.no_grad()
@@ -129,6 +203,7 @@ def gptq_quantize(
     static_groups: bool = False,
     block_size: int = 128,
     retries: int = 4,
+    inverse: InverseHessian | None = None,
 ) -> GPTQResult:
     """Quantize a [rows, columns] weight with GPTQ for the input Hessian [columns, columns].
 
@@ -136,72 +211,87 @@ def gptq_quantize(
     front (``static_groups``) or when the sweep reaches a group's first column (from the weights as updated so far).
     ``desc_act`` visits columns by descending Hessian diagonal (the most active inputs first); groups always stay the
     format's contiguous input groups, so the result is an ordinary per-group weight.
+
+    ``inverse``: ``prepare_hessian(hessian, damp_percent=..., desc_act=..., retries=...)`` computed beforehand, to
+    factorize a Hessian once for several layers that read the same input (``hessian`` is then not read).
+    """
+    if inverse is None:
+        inverse = prepare_hessian(hessian, damp_percent=damp_percent, desc_act=desc_act, retries=retries)
+    return gptq_sweep(weight, inverse, spec, static_groups=static_groups, block_size=block_size)
+
+
+@torch.no_grad()
+def gptq_sweep(
+    weight: torch.Tensor, inverse: InverseHessian, spec: QuantizationSpec, *, static_groups: bool = False, block_size: int = 128
+) -> GPTQResult:
+    """GPTQ's column sweep for a prepared ``InverseHessian`` (see ``gptq_quantize``).
+
+    The weight is held transposed ([columns, rows], one input column per contiguous row): the column being quantized,
+    its error and the rank-1 update of the rest of its block are contiguous. Within a block of ``block_size`` columns
+    the updates are applied column by column, then the later columns get the block's error in one matmul (the lazy
+    batch update of the paper); every value is the float result of the straightforward column-major loop.
     """
     rows, columns = weight.shape
+    perm, factor = inverse.perm, inverse.factor
     w = weight.detach().float().clone()
-    h = hessian.detach().float().clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    w[:, inverse.dead] = 0.0
 
     grouped = spec.qscheme == QSchemeType.per_group
     group_size = int(spec.group_size or columns) if grouped else columns
     if grouped and columns % group_size:
         raise ValueError(f"GPTQ: group_size={group_size} does not divide the {columns} input columns")
     n_groups = columns // group_size if grouped else 1
-    if not grouped:
-        scale, zero_point = observer_qparams(spec, w)
-        scales, zps = [scale.reshape(-1, 1)], [zero_point.reshape(-1, 1)]  # one "group": the whole row (or tensor)
-    else:
-        scales, zps = [None] * n_groups, [None] * n_groups  # type: ignore[list-item]
-        if static_groups:
-            full_scale, full_zp = observer_qparams(spec, w)
-            for g in range(n_groups):
-                scales[g], zps[g] = full_scale[:, g : g + 1], full_zp[:, g : g + 1]
+    quantize = column_quantizer(spec)
+    # qparams per group (one "group", the whole row or tensor, without groups): as given, and as column vectors
+    scales: list[torch.Tensor | None] = [None] * n_groups
+    zps: list[torch.Tensor | None] = [None] * n_groups
+    vectors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_groups
+    if not grouped or static_groups:
+        full_scale, full_zp = observer_qparams(spec, w)
+        for g in range(n_groups):
+            s, z = (full_scale[:, g : g + 1], full_zp[:, g : g + 1]) if grouped else (full_scale, full_zp)
+            scales[g], zps[g], vectors[g] = s, z, _column_qparams(spec, s, z)
 
-    perm = torch.argsort(torch.diag(h), descending=True) if desc_act else torch.arange(columns, device=w.device)
-    w = w[:, perm]
-    h = h[perm][:, perm]
-    h_inv, damp = _inverse_hessian_factor(h, damp_percent, retries)
-
-    q = torch.zeros_like(w)
-    losses = torch.zeros(rows, dtype=torch.float32, device=w.device)
+    wt = w.index_select(1, perm).T.contiguous()  # [columns, rows] in sweep order
+    del w
+    position = torch.argsort(perm)  # input column -> sweep position
+    group_of = (perm // group_size).tolist() if grouped else [0] * columns
+    qt = torch.empty_like(wt)
+    losses = torch.zeros(rows, dtype=torch.float32, device=wt.device)
     for i1 in range(0, columns, block_size):
         i2 = min(i1 + block_size, columns)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        h1 = h_inv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            original = int(perm[i1 + i])
-            g = original // group_size if grouped else 0
-            if scales[g] is None:  # the first column of this group the sweep reaches: its scales, from now
-                cols = torch.arange(g * group_size, (g + 1) * group_size, device=w.device)
-                current = _current_columns(w, w1, perm, cols, i1, i2)
+        count = i2 - i1
+        w1 = wt[i1:i2]  # updated in place: the sweep reads unvisited columns from wt, inside this block or after it
+        h1 = factor[i1:i2, i1:i2]
+        diag = h1.diagonal()
+        h_rows, d_values = h1.unbind(0), diag.unbind(0)
+        qs, diffs, errs = [], [], []
+        for i, column in enumerate(w1.unbind(0)):
+            g = group_of[i1 + i]
+            qparams = vectors[g]
+            if qparams is None:  # the first column of this group the sweep reaches: its scales, from now
+                current = wt.index_select(0, position[g * group_size : (g + 1) * group_size]).T.contiguous()
                 s, z = observer_qparams(spec, current)  # current: [rows, group_size], one group per row
                 scales[g], zps[g] = s.reshape(-1, 1), z.reshape(-1, 1)
-            column = w1[:, i]
-            d = h1[i, i]
-            qcol = _quantize_column(column, spec, scales[g].squeeze(1), zps[g].squeeze(1))
-            q[:, i1 + i] = qcol
-            losses += (column - qcol) ** 2 / d**2 / 2
-            err = (column - qcol) / d
-            w1[:, i:] -= err.unsqueeze(1) @ h1[i, i:].unsqueeze(0)
-            err1[:, i] = err
-        w[:, i1:i2] = w1
-        w[:, i2:] -= err1 @ h_inv[i1:i2, i2:]
+                qparams = vectors[g] = _column_qparams(spec, s, z)
+            q = quantize(column, *qparams)
+            diff = torch.sub(column, q)
+            err = torch.div(diff, d_values[i])
+            if i + 1 < count:  # the rest of the block: one exact product per element, subtracted (no fused multiply-add)
+                w1[i + 1 :].sub_(torch.outer(h_rows[i][i + 1 :], err))
+            qs.append(q)
+            diffs.append(diff)
+            errs.append(err)
+        torch.stack(qs, out=qt[i1:i2])
+        block_losses = torch.stack(diffs).pow_(2).div_(diag.pow(2).unsqueeze(1)).div_(2)
+        for row in block_losses.unbind(0):  # column after column, as a running sum per weight row
+            losses += row
+        if i2 < columns:
+            wt[i2:].sub_(factor[i1:i2, i2:].T @ torch.stack(errs))
 
-    inverse = torch.argsort(perm)
-    q = q[:, inverse]
+    q = qt.index_select(0, position).T.contiguous().to(weight.dtype)
     if grouped:
         scale, zero_point = torch.cat(scales, dim=1), torch.cat(zps, dim=1)  # type: ignore[arg-type]
-    return GPTQResult(q.to(weight.dtype), scale, zero_point, float(losses.sum()), damp)
-
-
-def _current_columns(w: torch.Tensor, w1: torch.Tensor, perm: torch.Tensor, cols: torch.Tensor, i1: int, i2: int) -> torch.Tensor:
-    """Original columns ``cols`` as the sweep sees them now: from the block being processed when they are in it."""
-    position = torch.argsort(perm)[cols]
-    out = w[:, position].clone()
-    inside = (position >= i1) & (position < i2)
-    if bool(inside.any()):
-        out[:, inside] = w1[:, position[inside] - i1]
-    return out
+    else:
+        scale, zero_point = full_scale, full_zp
+    return GPTQResult(q, scale, zero_point, float(losses.sum()), inverse.damp)

@@ -601,7 +601,8 @@ class AWQConfig(AlgoConfig):
 
 @dataclass(eq=True)
 class GPTQConfig(AlgoConfig):
-    """GPTQ (Frantar et al. 2022): second-order weight rounding, layer by layer; bit/sym/group_size from the weight spec."""
+    """GPTQ (Frantar et al. 2022): second-order weight rounding, layer by layer; bit/sym/group_size from the weight spec.
+    ``block_size``: columns per lazy batch update (the paper's B; amd-quark's default 128)."""
 
     name: str = "gptq"
     bit: int = 4
@@ -614,11 +615,13 @@ class GPTQConfig(AlgoConfig):
     inside_layer_modules: list[str] | None = None
     model_decoder_layers: str | None = None
     embedding_layers: list[str] | None = None
+    block_size: int = 128
 
     def __post_init__(self) -> None:
         own = "GPTQConfig"
         _check_positive_int(own, "bit", self.bit)
         _check_positive_int(own, "group_size", self.group_size, allow_minus_one=True)
+        _check_positive_int(own, "block_size", self.block_size)
         if isinstance(self.damp_percent, bool) or not isinstance(self.damp_percent, int | float) or not 0 < self.damp_percent <= 1:
             raise ValueError(f"{own}.damp_percent={self.damp_percent!r} must be a number in (0, 1]")
         _check_str_list(own, "inside_layer_modules", self.inside_layer_modules)
