@@ -37,11 +37,12 @@ def compiler() -> None:
 
 @pytest.fixture
 def auto_mode() -> Iterator[None]:
+    before = Backend.compile  # the suite's setting (tests/conftest.py: eager unless QUARK_COMPILE says otherwise)
     set_compile(None)
     try:
         yield
     finally:
-        set_compile(False)  # the suite's setting (tests/conftest.py)
+        set_compile(before)
 
 
 def _cases() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -80,7 +81,7 @@ def _input() -> torch.Tensor:
 def test_compiled_equals_eager(name: str, compiler: None) -> None:
     fn, x = _cases()[name], _input()
     grad = torch.randn(ROWS, COLS)
-    outs = []
+    outs, before = [], Backend.compile
     for mode in (False, None):
         set_compile(mode)
         try:
@@ -91,7 +92,7 @@ def test_compiled_equals_eager(name: str, compiler: None) -> None:
             outs.append((y.detach(), xg.grad))
             assert Backend.failure is None, Backend.failure
         finally:
-            set_compile(False)
+            set_compile(before)
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], outs[1][1])
     assert not torch.equal(outs[0][0], x)  # it did quantize
@@ -215,7 +216,7 @@ def test_every_format_runs_on_cuda(name: str) -> None:
     """Each format forward and backward on a CUDA tensor, eager and auto (compiled through triton where it works):
     the same bits as each other and as the CPU's eager kernels (all of them are IEEE-exact elementwise arithmetic)."""
     x, grad = _input(), torch.randn(ROWS, COLS)
-    results = {}
+    results, before = {}, Backend.compile
     for device, mode in (("cpu", False), ("cuda", False), ("cuda", None)):
         fn = _cases_on(device)[name]
         set_compile(mode)
@@ -225,7 +226,7 @@ def test_every_format_runs_on_cuda(name: str) -> None:
             y.backward(grad.to(device))
             results[(device, mode)] = (y.detach().cpu(), xg.grad.cpu())
         finally:
-            set_compile(False)
+            set_compile(before)
     ref = results[("cpu", False)]
     for key, (y, g) in results.items():
         assert torch.equal(y, ref[0]) and torch.equal(g, ref[1]), key
