@@ -1,8 +1,11 @@
-"""QAT training-step overhead on the digits CNN: time and peak memory of a step, as ratios to FP32 and to torch.ao.
+"""QAT training-step overhead: time and peak memory of a step, as ratios to FP32 and to torch.ao.
 
 A step: ``zero_grad`` -> forward -> cross-entropy -> backward -> ``optimizer.step`` (Adam by default) on one batch
-of random 1x8x8 images (256 by default, 10 classes) through ``tasks.digits.DigitsCNN``. Contenders, each on its own
-copy of the same initial model with its own optimizer:
+of random inputs through the ``--model``: ``cnn`` (``tasks.digits.DigitsCNN``, 1x8x8 images, batch 256), ``mlp``
+(1024 -> ``--width`` -> 1024 -> 10, batch 32) or ``llama`` (a LLaMA-style decoder block, hidden 1024, 4 sequences
+of 64 tokens). The transformer-shaped models also have fp8 W8A8 and MXFP4/MXFP8 contenders (``CONTENDERS``);
+``--widths`` sweeps the MLP's width and plots the ratios. Contenders, each on its own copy of the same initial model
+with its own optimizer:
 
 - ``fp32``: the plain model.
 - ``ours W8A8, observers on``: ``ModelQuantizer(config).prepare(model)`` with int8 per-channel symmetric weights and
@@ -45,6 +48,9 @@ off, TQT vs torch.ao on, the default state of prepare_qat); our peak tensor memo
     python bench/qat_overhead.py --quick     # a short run (5 rounds of 2 steps, 1 memory process each)
     python bench/qat_overhead.py --optimizer sgd --batch 64
     python bench/qat_overhead.py --profile   # also: top ops by self CPU time of every contender
+    python bench/qat_overhead.py --model mlp --memory-repeats 1
+    python bench/qat_overhead.py --model llama --quick
+    python bench/qat_overhead.py --widths 256,512,1024,2048,4096 --rounds 11 --plot docs/qat_overhead_width.png
 """
 
 from __future__ import annotations

@@ -286,7 +286,8 @@ def _gptq_layer(prefix: str, layer: nn.Module, modules: dict[str, nn.Module], in
                     collector.add(name, modules[name], x)
                 pending.clear()
                 first_inputs.clear()
-    assert collector is not None
+    if collector is None:
+        raise ValueError(f"GPTQ: decoder layer '{prefix}' received no calibration batch; pass at least one batch")
     if not collector.finish().valid:
         collector = _group_pass(layer, {n: modules[n] for n in groups[0]}, inputs, calls, share=False)
     for g, group in enumerate(groups):
