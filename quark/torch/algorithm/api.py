@@ -40,6 +40,7 @@ from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.algorithm.structure import find_decoder_layers
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig, QuantizationSpec, SmoothQuantConfig
 from quark.torch.quantization.config.type import QSchemeType
+from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
@@ -64,6 +65,11 @@ def apply_pre_quant_and_awq(model: nn.Module, config: Config, batches: list[Any]
     (amd-quark 0.13 places SmoothQuantConfig there), on the float ``model`` (weights change in place)."""
     for algo in config.pre_quant_opt_configs + config.algo_configs:
         check_embedding_layers(model, algo)
+    with no_kv_cache(model):
+        _pre_quant_and_awq(model, config, batches, run, weight_spec_of)
+
+
+def _pre_quant_and_awq(model: nn.Module, config: Config, batches: list[Any], run: RunFn, weight_spec_of: Callable[[str], QuantizationSpec | None]) -> None:
     for algo in config.pre_quant_opt_configs + config.algo_configs:
         if isinstance(algo, SmoothQuantConfig):
             _per_decoder_layer(model, algo.model_decoder_layers, batches, run, "SmoothQuant",
@@ -119,10 +125,11 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
     losses: dict[str, float] = {}
     try:
         found = find_decoder_layers(model, algo.model_decoder_layers)
-        if found is None:
-            _gptq_layerwise(model, targets, algo, batches, run, losses)
-        else:
-            _gptq_decoder(model, found, targets, algo, batches, run, losses)
+        with no_kv_cache(model):
+            if found is None:
+                _gptq_layerwise(model, targets, algo, batches, run, losses)
+            else:
+                _gptq_decoder(model, found, targets, algo, batches, run, losses)
     finally:
         for q, observe, fake_quant in flags:
             if not isinstance(q, ScaledFakeQuantize) or observe:

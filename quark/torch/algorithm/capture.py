@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.quantization.hf import no_kv_cache, without_cache
+
 LayerInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
 
@@ -37,20 +39,25 @@ def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[Any],
     cache: LayerInputs = []
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        cache.append((_detach(args), _detach(kwargs)))
+        cache.append((_detach(args), _detach(without_cache(kwargs))))
         raise _Stop
 
     handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        for batch in batches:
-            try:
-                run(model, batch)
-            except _Stop:
-                continue
-            raise ValueError(f"the calibration forward never reached the decoder layer {type(layer).__name__}")
+        with no_kv_cache(model):
+            _run_until_stopped(model, layer, batches, run)
     finally:
         handle.remove()
     return cache
+
+
+def _run_until_stopped(model: nn.Module, layer: nn.Module, batches: list[Any], run: Callable[[nn.Module, Any], Any]) -> None:
+    for batch in batches:
+        try:
+            run(model, batch)
+        except _Stop:
+            continue
+        raise ValueError(f"the calibration forward never reached the decoder layer {type(layer).__name__}")
 
 
 def hidden_of(output: Any) -> torch.Tensor:

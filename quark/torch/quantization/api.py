@@ -32,6 +32,7 @@ from quark.torch.quantization.coverage import (
     warn_float_layers,
 )
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
+from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules.quant_modules import (
     EXPLICIT_ONLY,
     PREPARE_HOOKS,
@@ -396,6 +397,14 @@ class ModelQuantizer:
         if needs_data:
             _check_data(dataloader, forward_loop)
         batches = self._algorithm_batches(dataloader, forward_loop, max_batches)
+        with no_kv_cache(model):  # the forwards here are statistics, not generation: a KV cache would only grow
+            self._calibrate(model, quantizers, needs_data, batches, dataloader, forward_loop, max_batches)
+        return model
+
+    def _calibrate(
+        self, model: nn.Module, quantizers: list[FakeQuantizeBase], needs_data: bool, batches: list[Any] | None,
+        dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None,
+    ) -> None:  # fmt: skip
         modes = [(m, m.training) for m in model.modules()]  # per module: a frozen BatchNorm stays in eval
         model.eval()
         try:
@@ -428,7 +437,6 @@ class ModelQuantizer:
             finally:
                 for m, training in modes:
                     m.training = training
-        return model
 
     def _algorithm_batches(
         self, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
