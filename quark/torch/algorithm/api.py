@@ -37,10 +37,10 @@ from quark.torch.algorithm.gptq import (
     prepare_hessian,
 )
 from quark.torch.algorithm.smoothquant import smooth_layer
-from quark.torch.algorithm.structure import find_decoder_layers
+from quark.torch.algorithm.structure import MODEL_FAMILIES, find_decoder_layers
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig, QuantizationSpec, SmoothQuantConfig
 from quark.torch.quantization.config.type import QSchemeType
-from quark.torch.quantization.hf import no_kv_cache
+from quark.torch.quantization.hf import is_hf_conv1d, is_linear, linear_weight, no_kv_cache, transpose_weight_spec
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
@@ -84,8 +84,10 @@ def _per_decoder_layer(model: nn.Module, path: str | None, batches: list[Any], r
     found = find_decoder_layers(model, path)
     if found is None:
         raise ValueError(
-            f"{what} needs a decoder stack (a ModuleList of layers with attention and MLP blocks); none found in "
-            f"{type(model).__name__}. Give model_decoder_layers (e.g. 'model.layers')."
+            f"{what} needs a stack of transformer layers (a ModuleList of decoder or encoder layers of a known model "
+            f"family: {[f.name for f in MODEL_FAMILIES]}, or with attention and MLP blocks); none found in "
+            f"{type(model).__name__}, whose ModuleLists are {_module_lists(model)}. Give model_decoder_layers (e.g. "
+            "'model.layers') and scaling_layers, or add a ModelFamily to quark.torch.algorithm.structure.MODEL_FAMILIES."
         )
     name, layers = found
     inputs = capture_layer_inputs(model, layers[0], batches, run)
@@ -96,13 +98,18 @@ def _per_decoder_layer(model: nn.Module, path: str | None, batches: list[Any], r
         logger.info("%s: decoder layer %d/%d done", what, i + 1, len(layers))
 
 
+def _module_lists(model: nn.Module) -> dict[str, str]:
+    """Each ModuleList of ``model`` and the type of its first item (what the error for a model no family fits shows)."""
+    return {n: f"{len(m)} x {type(m[0]).__name__}" for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)}
+
+
 # ----------------------------------------------------------------------------------------------- GPTQ
 def gptq_targets(model: nn.Module) -> dict[str, nn.Module]:
     """Quantized layers whose weight quantizer has scales GPTQ can set (integer / minifloat, static)."""
     return {
         name: m for name, m in model.named_modules()
         if isinstance(m, QuantMixin) and isinstance(getattr(m, "_weight_quantizer", None), ScaledFakeQuantize)
-        and isinstance(m, nn.Linear | nn.Conv2d)
+        and (is_linear(m) or isinstance(m, nn.Conv2d))
     }  # fmt: skip
 
 
@@ -143,9 +150,11 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
     """GPTQ on one module for its Hessian; ``inverses`` holds the prepared inverse Hessian per accumulator, so
     modules that share an accumulator (the same input) factorize it once."""
     quantizer: ScaledFakeQuantize = module._weight_quantizer  # type: ignore[assignment]
-    weight = module.weight
+    transposed = is_hf_conv1d(module)  # GPTQ works on [out, in]: a Conv1D's weight and spec transposed back
+    weight = linear_weight(module)
+    spec = transpose_weight_spec(quantizer.spec) if transposed else quantizer.spec
     w2d, h, order = weight.reshape(weight.shape[0], -1), hessian.hessian, None
-    if weight.ndim > 2 and quantizer.spec.qscheme == QSchemeType.per_group:
+    if weight.ndim > 2 and spec.qscheme == QSchemeType.per_group:
         # a convolution's quantizer groups input channels at each kernel position ([out, kh, kw, in/g, g]): GPTQ's
         # contiguous column groups are those when the columns go kernel position by kernel position, not [in, kh, kw]
         order = torch.arange(w2d.shape[1], device=w2d.device).reshape(weight.shape[1], -1).T.reshape(-1)
@@ -156,7 +165,7 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
         if inverse is None:
             inverse = inverses[id(hessian)] = prepare_hessian(h, damp_percent=algo.damp_percent, desc_act=algo.desc_act)
     result = gptq_quantize(
-        w2d, h, quantizer.spec,
+        w2d, h, spec,
         damp_percent=algo.damp_percent, desc_act=algo.desc_act, static_groups=algo.static_groups,
         block_size=algo.block_size, inverse=inverse,
     )  # fmt: skip
@@ -168,8 +177,9 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
         quantizer.set_qparams(result.scale.reshape(qparams_shape), result.zero_point.reshape(qparams_shape))
         q = result.weight[:, torch.argsort(order)].reshape(weight.shape)
     quantizer.enable_fake_quant(True)
-    weight.data.copy_(quantizer(q))  # on the quantizer's own grid: its fake quant leaves the weight as it is
-    if _same_bits(quantizer(weight), weight):  # so the passes still to come may skip it (apply_gptq restores it)
+    stored = module.weight
+    stored.data.copy_(quantizer(q.t() if transposed else q))  # on the quantizer's grid: its fake quant keeps it
+    if _same_bits(quantizer(stored), stored):  # so the passes still to come may skip it (apply_gptq restores it)
         quantizer.disable_fake_quant()
     losses[name] = result.loss
     if result.damp != algo.damp_percent:
@@ -214,7 +224,7 @@ class _Collector:
 
     def __init__(self, modules: dict[str, nn.Module], share: bool) -> None:
         self.modules = modules
-        linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)] if share else []
+        linears = [n for n, m in modules.items() if is_linear(m)] if share else []
         devices = {modules[n].weight.device for n in linears}
         self.shared = linears if len(linears) > 1 and len(devices) == 1 else []
         common = HessianAccumulator(_columns(modules[linears[0]]), modules[linears[0]].weight.device) if self.shared else None
@@ -349,7 +359,7 @@ def _group_pass(layer: nn.Module, modules: dict[str, nn.Module], inputs: LayerIn
 
 
 def _columns(module: nn.Module) -> int:
-    return module.weight[0].numel()
+    return linear_weight(module)[0].numel()
 
 
 def _gptq_layerwise(model: nn.Module, targets: dict[str, nn.Module], algo: GPTQConfig, batches: list[Any], run: RunFn,

@@ -17,11 +17,13 @@ from quark.torch.algorithm.structure import ScalingGroup, scaling_groups
 from quark.torch.quantization.config.config import AWQConfig, QuantizationSpec
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.formats import fake_quantize
+from quark.torch.quantization.hf import is_linear, linear_weight
 
 N_GRID = 20
 MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
-_NO_CLIP = ("q_proj", "k_proj", "query", "key", "Wqkv")  # attention logits are sensitive to clipping q and k
+#: layers producing attention queries or keys (alone or fused): attention logits are sensitive to clipping them
+_NO_CLIP = ("q_proj", "k_proj", "query", "key", "Wqkv", "qkv_proj", "c_attn", "query_key_value", "q_lin", "k_lin")
 
 
 def rtn(weight: torch.Tensor, spec: QuantizationSpec | None) -> torch.Tensor:
@@ -52,7 +54,7 @@ def awq_layer(
         ratios[g.prev_op] = _search_scale(layer, inputs, g, modules, specs)
     for name, module in modules.items():
         spec = weight_spec_of(f"{prefix}.{name}")
-        if isinstance(module, nn.Linear) and spec is not None and not any(k in name for k in _NO_CLIP):
+        if is_linear(module) and spec is not None and not any(k in name for k in _NO_CLIP):
             _search_clip(layer, inputs, name, module, spec)
     return ratios
 
@@ -78,7 +80,7 @@ def _search_scale(
 
     reference = output()
     x_mean = torch.cat([x.reshape(-1, x.shape[-1]).abs().float() for x in rows]).mean(dim=0)
-    originals = [m.weight.detach().clone() for m in linears]
+    originals = [linear_weight(m).detach().clone() for m in linears]
     best = (float("inf"), 0.0, torch.ones_like(x_mean))
     for i in range(N_GRID):
         ratio = i / N_GRID
@@ -86,17 +88,17 @@ def _search_scale(
         s = s / (s.max() * s.min()).sqrt()
         for m, w, spec in zip(linears, originals, specs, strict=True):
             scaled = w * s.reshape(1, -1).to(w.dtype)
-            m.weight.copy_(rtn(scaled, spec) / s.reshape(1, -1).to(w.dtype))
+            linear_weight(m).copy_(rtn(scaled, spec) / s.reshape(1, -1).to(w.dtype))
         loss = sum(float(((o - r) ** 2).sum()) for o, r in zip(output(), reference, strict=True))
         if loss < best[0]:
             best = (loss, ratio, s)
     for m, w in zip(linears, originals, strict=True):
-        m.weight.copy_(w)
+        linear_weight(m).copy_(w)
     fold_scales(modules[group.prev_op], linears, best[2], f"AWQ {group.prev_op} -> {group.layers}")
     return best[1]
 
 
-def _search_clip(layer: nn.Module, inputs: LayerInputs, name: str, module: nn.Linear, spec: QuantizationSpec) -> None:
+def _search_clip(layer: nn.Module, inputs: LayerInputs, name: str, module: nn.Module, spec: QuantizationSpec) -> None:
     """Per output row and input group: the clipping range (1.0 .. 0.5 of the group's max) with the least output error."""
     if spec.qscheme not in (QSchemeType.per_channel, QSchemeType.per_group) or spec.dtype.name.startswith(("mx", "bfp")):
         return
@@ -105,7 +107,7 @@ def _search_clip(layer: nn.Module, inputs: LayerInputs, name: str, module: nn.Li
         run_layer(layer, inputs)
     x = torch.cat(rows).float()
     x = x[torch.linspace(0, x.shape[0] - 1, min(CLIP_TOKENS, x.shape[0])).long()]
-    w = module.weight.detach().float()
+    w = linear_weight(module).detach().float()
     out_features, in_features = w.shape
     group = spec.group_size if spec.qscheme == QSchemeType.per_group and spec.group_size else in_features
     n_groups = in_features // group
@@ -122,4 +124,4 @@ def _search_clip(layer: nn.Module, inputs: LayerInputs, name: str, module: nn.Li
         best_err = torch.where(better, err, best_err)
         best_max = torch.where(better.unsqueeze(-1), cur, best_max)
     clipped = torch.maximum(torch.minimum(w.reshape(out_features, n_groups, group), best_max), -best_max)
-    module.weight.copy_(clipped.reshape_as(w).to(module.weight.dtype))
+    linear_weight(module).copy_(clipped.reshape_as(w).to(module.weight.dtype))

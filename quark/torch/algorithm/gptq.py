@@ -29,6 +29,7 @@ from quark.torch.quantization.formats import (
 )
 from quark.torch.quantization.formats.integer import _int_forward
 from quark.torch.quantization.formats.minifloat import _cast_forward, _grid_forward
+from quark.torch.quantization.hf import is_linear
 
 
 class HessianAccumulator:
@@ -52,7 +53,7 @@ class HessianAccumulator:
 
 def layer_input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The input of a Linear or Conv2d as the [m, columns] matrix its weight multiplies (im2col for convolutions)."""
-    if isinstance(module, nn.Linear):
+    if is_linear(module):  # nn.Linear, transformers' Conv1D
         return x.reshape(-1, x.shape[-1])
     if isinstance(module, nn.Conv2d):
         if module.groups != 1:
@@ -64,7 +65,7 @@ def layer_input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
             x, padding = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), 0
         cols = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
         return cols.transpose(1, 2).reshape(-1, cols.shape[1])
-    raise ValueError(f"GPTQ supports Linear and Conv2d layers, got {type(module).__name__}")
+    raise ValueError(f"GPTQ supports Linear, transformers' Conv1D and Conv2d layers, got {type(module).__name__}")
 
 
 @dataclass

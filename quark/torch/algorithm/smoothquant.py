@@ -10,13 +10,15 @@ from torch import nn
 from quark.torch.algorithm.capture import LayerInputs, collect_inputs, run_layer
 from quark.torch.algorithm.structure import scaling_groups
 from quark.torch.quantization.config.config import SmoothQuantConfig
+from quark.torch.quantization.hf import is_linear, linear_weight
 
 
 @torch.no_grad()
 def fold_scales(prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, where: str) -> None:
-    """Divide ``prev``'s output channels by ``scales`` and multiply the linears' input channels by them."""
-    if isinstance(prev, nn.Linear):
-        prev.weight.div_(scales.reshape(-1, 1).to(prev.weight.dtype))
+    """Divide ``prev``'s output channels by ``scales`` and multiply the linears' input channels by them (weights
+    seen as [out, in] whatever their storage)."""
+    if is_linear(prev):
+        linear_weight(prev).div_(scales.reshape(-1, 1).to(prev.weight.dtype))
     elif isinstance(getattr(prev, "weight", None), torch.Tensor) and prev.weight.ndim == 1:  # LayerNorm, RMSNorm
         prev.weight.div_(scales.to(prev.weight.dtype))
     else:
@@ -25,7 +27,7 @@ def fold_scales(prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, 
     if isinstance(bias, torch.Tensor):
         bias.div_(scales.to(bias.dtype))
     for layer in layers:
-        layer.weight.mul_(scales.reshape(1, -1).to(layer.weight.dtype))
+        linear_weight(layer).mul_(scales.reshape(1, -1).to(layer.weight.dtype))
 
 
 @torch.no_grad()
@@ -44,7 +46,7 @@ def smooth_layer(layer: nn.Module, inputs: LayerInputs, config: SmoothQuantConfi
     scales = {}
     for g in groups:
         linears = [modules[n] for n in g.layers]
-        w_max = torch.stack([m.weight.detach().abs().amax(dim=0).float() for m in linears]).amax(dim=0)
+        w_max = torch.stack([linear_weight(m).detach().abs().amax(dim=0).float() for m in linears]).amax(dim=0)
         x_max = absmax[g.inp]
         s = (x_max.pow(config.alpha) / w_max.clamp(min=1e-8).pow(1 - config.alpha)).clamp(min=config.scale_clamp_min)
         fold_scales(modules[g.prev_op], linears, s, f"SmoothQuant {g.prev_op} -> {g.layers}")

@@ -1,13 +1,15 @@
 """Where the algorithms act in a model: its decoder stack, and per decoder layer which linears share an input and
-which op feeds them. Given explicitly in the algorithm configs, or derived from common decoder layouts (LLaMA-style
-names: ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``;
-OPT-style: ``self_attn_layer_norm``, ``fc1``/``fc2``, ``final_layer_norm``)."""
+which op feeds them. Given explicitly in the algorithm configs (``model_decoder_layers``, ``scaling_layers``: they
+win), or derived from ``MODEL_FAMILIES``, a table of layer layouts kept as data (LLaMA/Mistral/Qwen2, Phi, OPT,
+GPT-2, Falcon, BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from torch import nn
+
+from quark.torch.quantization.hf import is_linear, linear_weight
 
 
 @dataclass
@@ -41,47 +43,112 @@ def find_decoder_layers(model: nn.Module, path: str | None = None) -> tuple[str,
 
 
 def _looks_like_decoder_layer(module: nn.Module) -> bool:
+    """A layer of a known family, or one with an attention and an MLP child by their usual names."""
+    if model_family(module) is not None:
+        return True
     names = {n for n, _ in module.named_children()}
-    return bool(names & {"self_attn", "attention", "attn"}) and bool(names & {"mlp", "feed_forward", "fc1", "ffn"})
+    attention = names & {"self_attn", "attention", "attn", "self_attention"}
+    return bool(attention) and bool(names & {"mlp", "feed_forward", "fc1", "ffn", "intermediate"})
 
 
-_LLAMA = [
-    ScalingGroup("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "self_attn.q_proj", "self_attn"),
-    ScalingGroup("self_attn.v_proj", ["self_attn.o_proj"], "self_attn.o_proj"),
-    ScalingGroup("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp.gate_proj", "mlp"),
-    ScalingGroup("mlp.up_proj", ["mlp.down_proj"], "mlp.down_proj"),
-]
-_OPT = [
-    ScalingGroup("self_attn_layer_norm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "self_attn.q_proj", "self_attn"),
-    ScalingGroup("self_attn.v_proj", ["self_attn.out_proj"], "self_attn.out_proj"),
-    ScalingGroup("final_layer_norm", ["fc1"], "fc1"),
-    ScalingGroup("fc1", ["fc2"], "fc2"),
-]
+@dataclass(frozen=True)
+class ModelFamily:
+    """One layout of a transformer layer: the module names (relative to the layer) that identify it, and its
+    scaling groups. Kept as data in ``MODEL_FAMILIES``: supporting another family is one more entry."""
+
+    name: str
+    signature: tuple[str, ...]
+    groups: tuple[ScalingGroup, ...]
+
+    def fits(self, modules: dict[str, nn.Module]) -> bool:
+        return all(n in modules for n in self.signature)
+
+
+def _g(prev_op: str, layers: list[str], module2inspect: str | None = None) -> ScalingGroup:
+    return ScalingGroup(prev_op, layers, layers[0], module2inspect)
+
+
+_QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+#: the transformer layer layouts the algorithms know, most specific first (the first entry that fits a layer wins)
+MODEL_FAMILIES: list[ModelFamily] = [
+    ModelFamily(  # LLaMA, Mistral, Qwen2, Gemma: pre-norm attention, gated MLP
+        "llama",
+        ("input_layernorm", *_QKV, "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        (_g("input_layernorm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.o_proj"]),
+         _g("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"), _g("mlp.up_proj", ["mlp.down_proj"])),
+    ),
+    ModelFamily(  # Phi-1/1.5/2: one norm feeds attention and MLP in parallel
+        "phi",
+        ("input_layernorm", *_QKV, "self_attn.dense", "mlp.fc1", "mlp.fc2"),
+        (_g("input_layernorm", [*_QKV, "mlp.fc1"]), _g("self_attn.v_proj", ["self_attn.dense"])),
+    ),
+    ModelFamily(  # OPT
+        "opt",
+        ("self_attn_layer_norm", *_QKV, "self_attn.out_proj", "final_layer_norm", "fc1", "fc2"),
+        (_g("self_attn_layer_norm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.out_proj"]),
+         _g("final_layer_norm", ["fc1"]), _g("fc1", ["fc2"])),
+    ),
+    ModelFamily(  # GPT-2 (transformers' Conv1D layers; c_attn is q, k and v fused, so nothing folds into c_proj)
+        "gpt2",
+        ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"),
+        (_g("ln_1", ["attn.c_attn"], "attn"), _g("ln_2", ["mlp.c_fc"], "mlp")),
+    ),
+    ModelFamily(  # Falcon with new_decoder_architecture: separate norms for the parallel attention and MLP
+        "falcon-new",
+        ("ln_attn", "ln_mlp", "self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        (_g("ln_attn", ["self_attention.query_key_value"]), _g("ln_mlp", ["mlp.dense_h_to_4h"])),
+    ),
+    ModelFamily(  # Falcon with sequential attention and MLP
+        "falcon-sequential",
+        ("input_layernorm", "post_attention_layernorm", "self_attention.query_key_value", "self_attention.dense",
+         "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        (_g("input_layernorm", ["self_attention.query_key_value"]), _g("post_attention_layernorm", ["mlp.dense_h_to_4h"])),
+    ),
+    ModelFamily(  # Falcon-7B style: one norm feeds attention and MLP in parallel
+        "falcon",
+        ("input_layernorm", "self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        (_g("input_layernorm", ["self_attention.query_key_value", "mlp.dense_h_to_4h"]),),
+    ),
+    ModelFamily(  # BERT, RoBERTa, XLM-R encoders (post-norm: q/k/v read the previous layer's norm, outside this layer)
+        "bert",
+        ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+         "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"),
+        (_g("attention.self.value", ["attention.output.dense"]), _g("attention.output.LayerNorm", ["intermediate.dense"], "intermediate")),
+    ),
+    ModelFamily(  # DistilBERT
+        "distilbert",
+        ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2"),
+        (_g("attention.v_lin", ["attention.out_lin"]), _g("sa_layer_norm", ["ffn.lin1"])),
+    ),
+]  # fmt: skip
+
+
+def model_family(layer: nn.Module) -> ModelFamily | None:
+    """The first entry of ``MODEL_FAMILIES`` whose modules ``layer`` has, else None."""
+    modules = dict(layer.named_modules())
+    return next((f for f in MODEL_FAMILIES if f.fits(modules)), None)
 
 
 def derive_scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
-    """The scaling groups of one decoder layer for a known layout; ValueError listing its modules otherwise.
+    """The scaling groups of one layer from its entry in ``MODEL_FAMILIES``; ValueError listing its modules otherwise.
 
     A linear -> linear pair (v_proj -> o_proj) is kept only when the shapes allow folding a per-channel scale (the
     producer's output features are the consumer's input features: not the case with grouped-query attention)."""
+    family = model_family(layer)
+    if family is None:
+        raise ValueError(
+            f"cannot derive scaling_layers for layer {type(layer).__name__}: it fits none of the known model families "
+            f"{[f.name for f in MODEL_FAMILIES]} (quark.torch.algorithm.structure.MODEL_FAMILIES); its modules: "
+            f"{[n for n, _ in layer.named_modules() if n]}. Give scaling_layers explicitly, or add a ModelFamily."
+        )
     modules = dict(layer.named_modules())
-    for layout in (_LLAMA, _OPT):
-        if all(g.prev_op in modules and all(n in modules for n in g.layers) for g in layout if "." not in g.prev_op):
-            groups = []
-            for g in layout:
-                if g.prev_op not in modules or not all(n in modules for n in g.layers):
-                    continue
-                prev = modules[g.prev_op]
-                if isinstance(prev, nn.Linear) and any(getattr(modules[n], "in_features", None) != prev.out_features for n in g.layers):
-                    continue
-                groups.append(g)
-            return groups
-    raise ValueError(
-        "cannot derive scaling_layers for decoder layer "
-        f"{type(layer).__name__}: no LLaMA-style (input_layernorm, self_attn.q/k/v/o_proj, post_attention_layernorm, "
-        "mlp.gate/up/down_proj) or OPT-style (self_attn_layer_norm, fc1, fc2, final_layer_norm) layout; its modules: "
-        f"{[n for n, _ in layer.named_modules() if n]}. Give scaling_layers explicitly."
-    )
+    groups = []
+    for g in family.groups:
+        prev = modules[g.prev_op]
+        if is_linear(prev) and any(linear_weight(modules[n]).shape[1] != linear_weight(prev).shape[0] for n in g.layers):
+            continue
+        groups.append(g)
+    return groups
 
 
 def scaling_groups(layer: nn.Module, explicit: list[dict] | None) -> list[ScalingGroup]:

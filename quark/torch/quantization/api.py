@@ -32,12 +32,13 @@ from quark.torch.quantization.coverage import (
     warn_float_layers,
 )
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
-from quark.torch.quantization.hf import no_kv_cache
+from quark.torch.quantization.hf import hf_conv1d_class, is_hf_conv1d, no_kv_cache
 from quark.torch.quantization.nn.modules.quant_modules import (
     EXPLICIT_ONLY,
     PREPARE_HOOKS,
     QUANT_MODULE_MAP,
     QuantMixin,
+    hf_conv1d_twin,
     iter_quantizers,
     slot_label,
 )
@@ -69,6 +70,9 @@ def _type_names(module: nn.Module) -> list[str]:
 
 def _float_type(module: nn.Module) -> type[nn.Module] | None:
     """The supported float class ``module`` is (or subclasses without its own forward), else None."""
+    conv1d = hf_conv1d_class(type(module))
+    if conv1d is not None and conv1d not in QUANT_MODULE_MAP and is_hf_conv1d(module):
+        hf_conv1d_twin(conv1d)  # transformers' Conv1D: its twin is made on first sight
     for cls in type(module).__mro__:
         if cls in QUANT_MODULE_MAP:
             return cls if type(module).forward is cls.forward else None
@@ -179,8 +183,9 @@ def _inside_quantized(model: nn.Module, name: str) -> bool:
 
 def _check_layer(plan: LayerPlan, module: nn.Module) -> None:
     """Shape checks of the weight/bias specs against the layer's tensors (activations are checked when seen)."""
-    for slot in QUANT_MODULE_MAP[_float_type(module)].slots_for(module):  # type: ignore[index]
-        spec: QuantizationSpec | None = getattr(plan.qconfig, slot.role)
+    twin = QUANT_MODULE_MAP[_float_type(module)]  # type: ignore[index]
+    for slot in twin.slots_for(module):
+        spec: QuantizationSpec | None = twin.slot_spec(slot, getattr(plan.qconfig, slot.role))
         tensor = getattr(module, slot.tensor, None) if slot.tensor else None
         if spec is None or not isinstance(tensor, torch.Tensor):
             continue

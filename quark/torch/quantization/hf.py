@@ -4,12 +4,15 @@ stored [in, out])."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+
+from quark.torch.quantization.config.config import QuantizationSpec
 
 #: keyword arguments through which a decoder layer receives the model's KV cache
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
@@ -71,3 +74,19 @@ def linear_weight(module: nn.Module) -> torch.Tensor:
 def is_linear(module: nn.Module) -> bool:
     """``nn.Linear`` (or a subclass, a quantized twin included) or transformers' ``Conv1D``."""
     return isinstance(module, nn.Linear) or is_hf_conv1d(module)
+
+
+def transpose_weight_spec(spec: QuantizationSpec | None) -> QuantizationSpec | None:
+    """``spec`` for the transposed 2-D weight: ``ch_axis`` 0 <-> 1 and a per-block ``block_size`` swapped.
+
+    A ``Conv1D`` stores [in, out]: its quantizer gets the transposed spec, so per-channel still means per output
+    feature and per-group still groups input features, as for ``nn.Linear``; qparams keep Linear's layout (one per
+    output row, then per input group). The mapping is its own inverse."""
+    if spec is None or (spec.ch_axis is None and spec.block_size is None):
+        return spec
+    changes: dict[str, Any] = {}
+    if spec.ch_axis is not None:
+        changes["ch_axis"] = 1 - spec.ch_axis % 2
+    if spec.block_size is not None and not isinstance(spec.block_size, int):
+        changes["block_size"] = list(reversed(list(spec.block_size)))
+    return dataclasses.replace(spec, **changes)

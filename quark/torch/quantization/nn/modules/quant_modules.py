@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quark.torch.quantization.config.config import QuantizationConfig, QuantizationSpec
+from quark.torch.quantization.hf import transpose_weight_spec
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
@@ -123,7 +124,7 @@ class QuantMixin(nn.Module):
         for slot in DEFAULT_SLOTS:  # the standard attributes always exist (None when not quantized)
             twin.register_module(slot.attr, None)
         for slot in slots:
-            twin.register_module(slot.attr, _make_quantizer(getattr(qconfig, slot.role), device))
+            twin.register_module(slot.attr, _make_quantizer(cls.slot_spec(slot, getattr(qconfig, slot.role)), device))
         twin._quant_slots = slots
         twin.quant_config = qconfig
         for slot, q in twin.quantizer_slots():
@@ -133,6 +134,12 @@ class QuantMixin(nn.Module):
                 if count is not None:
                     q.set_channels(count)
         return twin
+
+    @classmethod
+    def slot_spec(cls, slot: QuantSlot, spec: QuantizationSpec | None) -> QuantizationSpec | None:
+        """The spec the quantizer of ``slot`` gets from the configured one (the same, except where the layer stores
+        a tensor in another layout than its float class's convention: transformers' ``Conv1D``)."""
+        return spec
 
     def channel_count(self, slot: QuantSlot, axis: int) -> int | None:
         """How many channels the tensor of ``slot`` has along ``axis``, when the layer's shape fixes it (weights:
@@ -201,6 +208,39 @@ class QuantLinear(QuantMixin, nn.Linear):
         x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
         return self._quantize(self._output_quantizer, F.linear(x, weight, bias))
+
+
+class QuantHFConv1DMixin(QuantMixin):
+    """transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``): ``x @ W + b`` with W stored [in, out].
+
+    The weight quantizer works on that stored layout with the transposed spec (``transpose_weight_spec``), so a
+    config means what it means for ``nn.Linear``: per-channel is per output feature, per-group groups input
+    features, and qparams have Linear's layout. The concrete twin subclasses the user's ``Conv1D`` class, made on
+    first sight (the engine does not import transformers): ``hf_conv1d_twin``."""
+
+    @classmethod
+    def slot_spec(cls, slot: QuantSlot, spec: QuantizationSpec | None) -> QuantizationSpec | None:
+        return transpose_weight_spec(spec) if slot.tensor == "weight" else spec
+
+    @property
+    def _activation_channels(self) -> dict[tuple[str, int], int]:
+        return {("input_tensors", -1): self.weight.shape[0], ("output_tensors", -1): self.weight.shape[1]}
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = self._quantize(self._input_quantizer, input)
+        weight, bias = self.quantized_weight_and_bias()
+        return self._quantize(self._output_quantizer, F.linear(x, weight.t(), bias))
+
+
+def hf_conv1d_twin(float_class: type[nn.Module]) -> type[QuantMixin]:
+    """The quantized twin of transformers' ``Conv1D`` class (registered in QUANT_MODULE_MAP, and as
+    ``QuantConv1D`` of this module so pickled models find it)."""
+    twin = QUANT_MODULE_MAP.get(float_class)
+    if twin is None:
+        twin = type("QuantConv1D", (QuantHFConv1DMixin, float_class), {"_float_class": float_class, "__module__": __name__})
+        globals()["QuantConv1D"] = twin
+        register_quant_module(float_class, twin)
+    return twin
 
 
 class _QuantConvNd(QuantMixin):
