@@ -119,9 +119,15 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
     targets = gptq_targets(model)
     if not targets:
         raise ValueError("GPTQ: no layer with a static integer/minifloat weight quantizer to quantize")
+    for name, others in _tied_weights(model, targets).items():
+        logger.warning(
+            "GPTQ: layer '%s' shares its weight with %s (tied embeddings): GPTQ would rewrite those too, so it keeps "
+            "round-to-nearest quantization of its own weight", name, others,
+        )  # fmt: skip
+        del targets[name]
     for name, m in targets.items():
-        check_gptq_spec(m._weight_quantizer.spec, f"layer '{name}'")
-        spec = m._weight_quantizer.spec
+        spec = _linear_spec(m)
+        check_gptq_spec(spec, f"layer '{name}'")
         if m.weight.ndim > 2 and spec.qscheme == QSchemeType.per_group and spec.ch_axis != 1:
             raise ValueError(f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}")
     flags = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in iter_quantizers(model)]
@@ -151,8 +157,7 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
     modules that share an accumulator (the same input) factorize it once."""
     quantizer: ScaledFakeQuantize = module._weight_quantizer  # type: ignore[assignment]
     transposed = is_hf_conv1d(module)  # GPTQ works on [out, in]: a Conv1D's weight and spec transposed back
-    weight = linear_weight(module)
-    spec = transpose_weight_spec(quantizer.spec) if transposed else quantizer.spec
+    weight, spec = linear_weight(module), _linear_spec(module)
     w2d, h, order = weight.reshape(weight.shape[0], -1), hessian.hessian, None
     if weight.ndim > 2 and spec.qscheme == QSchemeType.per_group:
         # a convolution's quantizer groups input channels at each kernel position ([out, kh, kw, in/g, g]): GPTQ's
@@ -184,6 +189,25 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
     losses[name] = result.loss
     if result.damp != algo.damp_percent:
         logger.warning("GPTQ: layer '%s' needed damp_percent=%g (Cholesky failed with %g)", name, result.damp, algo.damp_percent)
+
+
+def _tied_weights(model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, list[str]]:
+    """Targets whose weight Parameter another module also holds (an lm_head tied to the input embeddings), with the
+    names of those modules."""
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(name)
+    return {
+        name: [n for n in holders[id(m.weight)] if n != name]
+        for name, m in targets.items() if len(set(holders.get(id(m.weight), []))) > 1
+    }  # fmt: skip
+
+
+def _linear_spec(module: nn.Module) -> QuantizationSpec:
+    """The weight spec as for the weight seen [out, in] (a Conv1D's quantizer holds it transposed)."""
+    spec = module._weight_quantizer.spec
+    return transpose_weight_spec(spec) if is_hf_conv1d(module) else spec  # type: ignore[return-value]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -82,7 +82,7 @@ MODEL_FAMILIES: list[ModelFamily] = [
         ("input_layernorm", *_QKV, "self_attn.dense", "mlp.fc1", "mlp.fc2"),
         (_g("input_layernorm", [*_QKV, "mlp.fc1"]), _g("self_attn.v_proj", ["self_attn.dense"])),
     ),
-    ModelFamily(  # OPT
+    ModelFamily(  # OPT (pre-norm, do_layer_norm_before=True: all sizes but 350m, whose scaling_layers must be given)
         "opt",
         ("self_attn_layer_norm", *_QKV, "self_attn.out_proj", "final_layer_norm", "fc1", "fc2"),
         (_g("self_attn_layer_norm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.out_proj"]),
@@ -109,16 +109,17 @@ MODEL_FAMILIES: list[ModelFamily] = [
         ("input_layernorm", "self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
         (_g("input_layernorm", ["self_attention.query_key_value", "mlp.dense_h_to_4h"]),),
     ),
-    ModelFamily(  # BERT, RoBERTa, XLM-R encoders (post-norm: q/k/v read the previous layer's norm, outside this layer)
+    # Post-norm encoders: a norm's output is also the residual stream, so no scale folds into a norm; only v -> o.
+    ModelFamily(  # BERT, RoBERTa, XLM-R encoders
         "bert",
         ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
          "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"),
-        (_g("attention.self.value", ["attention.output.dense"]), _g("attention.output.LayerNorm", ["intermediate.dense"], "intermediate")),
+        (_g("attention.self.value", ["attention.output.dense"]),),
     ),
     ModelFamily(  # DistilBERT
         "distilbert",
         ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2"),
-        (_g("attention.v_lin", ["attention.out_lin"]), _g("sa_layer_norm", ["ffn.lin1"])),
+        (_g("attention.v_lin", ["attention.out_lin"]),),
     ),
 ]  # fmt: skip
 

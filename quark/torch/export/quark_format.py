@@ -26,7 +26,9 @@ formats amd-quark 0.13 does not export; they follow the same rules (codes under 
 4-bit packing puts element ``8c + order[i]`` in bits ``4i..4i+3`` of int32 ``c``, with ``order = 0 2 4 6 1 3 5 7``
 for ``pack_method="reorder"`` (amd-quark's default) and ``0..7`` for ``"order"``. Static activation quantizers
 store ``input_scale`` (float32) and ``input_zero_point`` (integer formats, in the codes' dtype); ``output_*``
-likewise; dynamic and MX activations store nothing. Everything else of the state_dict is stored as it is. Not
+likewise; dynamic and MX activations store nothing. A transformers ``Conv1D`` (GPT-2; weight kept [in, out]) is
+stored as the equivalent ``nn.Linear``: the rows above apply to its transposed weight, [out, in]. Everything else of
+the state_dict is stored as it is. Not
 expressible here (a ValueError before anything is written; ``custom_mode=None`` stores them): bfp16, per-group
 minifloats, quantized biases and the extra slots of LSTMs and attention.
 """
@@ -61,6 +63,7 @@ from quark.torch.quantization.formats import (
     to_blocks,
 )
 from quark.torch.quantization.formats.table import FloatFormat, IntFormat
+from quark.torch.quantization.hf import is_hf_conv1d, linear_weight, transpose_weight_spec
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import slot_label
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
@@ -397,7 +400,8 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
         prefix = f"{name}." if name else ""
         wq = getattr(m, "_weight_quantizer", None)
         if isinstance(getattr(m, "weight", None), torch.Tensor) and wq is not None and bool(wq.fake_quant_enabled):
-            for suffix, value in _encode_weight(m.weight, wq, pack_method, f"layer '{name}'").items():  # type: ignore[arg-type]
+            weight, wq = _as_linear(m, wq)
+            for suffix, value in _encode_weight(weight, wq, pack_method, f"layer '{name}'").items():  # type: ignore[arg-type]
                 tensors[prefix + "weight" + suffix] = value.detach().contiguous()
         for role in ("input", "output"):
             q = getattr(m, f"_{role}_quantizer", None)
@@ -423,6 +427,30 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
 _STORED_SLOTS = {"_weight_quantizer", "_input_quantizer", "_output_quantizer"}
 
 
+class _TransposedQuantizer:
+    """A transformers ``Conv1D``'s weight quantizer seen from the equivalent ``nn.Linear``: its spec transposed back,
+    called on [out, in]. Its qparams already have Linear's layout."""
+
+    def __init__(self, quantizer: FakeQuantizeBase) -> None:
+        self.quantizer = quantizer
+        self.spec = transpose_weight_spec(quantizer.spec)
+        self.fake_quant_enabled = quantizer.fake_quant_enabled
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.quantizer.calculate_qparams()
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return self.quantizer(w.t()).t()
+
+
+def _as_linear(m: nn.Module, wq: Any) -> tuple[torch.Tensor, Any]:
+    """(weight, quantizer) as for ``nn.Linear``: a ``Conv1D`` is stored as the equivalent Linear ([out, in] weight,
+    amd-quark's Linear layouts), so every layout rule and reader of Linear weights applies to it unchanged."""
+    if is_hf_conv1d(m):
+        return linear_weight(m), _TransposedQuantizer(wq)
+    return m.weight, wq
+
+
 def _check_exportable(model: nn.Module) -> None:
     """Before anything is written: every quantized tensor of ``model`` has a layout here (a ValueError names the
     first layer and slot that has none)."""
@@ -432,8 +460,10 @@ def _check_exportable(model: nn.Module) -> None:
             if slot.attr not in _STORED_SLOTS:
                 raise ValueError(f"{where}: amd-quark's layout stores the weight, input and output quantizers of a layer "
                                  "only; custom_mode=None writes this project's single-file format, which stores every slot")  # fmt: skip
-            if slot.attr == "_weight_quantizer" and bool(q.fake_quant_enabled) and _layout(q.spec, m.weight) is None:  # type: ignore[arg-type]
-                raise _unsupported(where, q.spec)
+            if slot.attr == "_weight_quantizer" and bool(q.fake_quant_enabled):
+                weight, wq = _as_linear(m, q)
+                if _layout(wq.spec, weight) is None:
+                    raise _unsupported(where, wq.spec)
 
 
 def _as_amd_quark(config: Config, model: nn.Module) -> Config:
@@ -481,8 +511,9 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
             wq = getattr(m, "_weight_quantizer", None)
             key = prefix + "weight"
             if wq is not None and key in t:
-                values, scale, zp = _decode_weight(t, key, m.weight.shape, wq.spec, pack_method)  # type: ignore[union-attr]
-                m.weight.copy_(values.to(m.weight.dtype))  # type: ignore[union-attr, operator]
+                weight, as_linear = _as_linear(m, wq)
+                values, scale, zp = _decode_weight(t, key, weight.shape, as_linear.spec, pack_method)
+                weight.copy_(values.to(weight.dtype))  # a Conv1D's weight through its [out, in] view
                 plain.pop(key, None)
                 if scale is not None:
                     m._weight_quantizer = FrozenScaledFakeQuantize(wq.spec, scale, zp)
@@ -531,8 +562,8 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
     for plan in ModelQuantizer(config).resolve(model):
         module = model.get_submodule(plan.name)
         prefix = f"{plan.name}." if plan.name else ""
-        spec = plan.qconfig.weight
-        weight = getattr(module, "weight", None)
+        spec = plan.qconfig.weight  # as configured: for Linear's [out, in] view, which a Conv1D is stored as
+        weight = linear_weight(module) if isinstance(getattr(module, "weight", None), torch.Tensor) else None
         if spec is not None and isinstance(weight, torch.Tensor):
             key = prefix + "weight"
             expected = _stored_weight(spec, weight.shape)

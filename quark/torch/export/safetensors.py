@@ -473,7 +473,7 @@ def _quant_layers(model: nn.Module, config: Config) -> list[tuple[str, nn.Module
     for plan in ModelQuantizer(config).resolve(model, warn=False):
         module = model.get_submodule(plan.name)
         twin = next(QUANT_MODULE_MAP[c] for c in type(module).__mro__ if c in QUANT_MODULE_MAP)
-        slots = [(s, getattr(plan.qconfig, s.role)) for s in twin.slots_for(module)]
+        slots = [(s, twin.slot_spec(s, getattr(plan.qconfig, s.role))) for s in twin.slots_for(module)]
         out.append((f"{plan.name}." if plan.name else "", module, slots))
     return out
 
@@ -579,7 +579,6 @@ def import_model_from_safetensors(
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     owned = {k for key in info for k in (key, key + "_scale", key + "_zero_point")}
-    model.load_state_dict({k: v for k, v in tensors.items() if k not in owned}, strict=False)
     with torch.no_grad():
         for name, m in model.named_modules():
             if not isinstance(m, QuantMixin):
@@ -602,6 +601,9 @@ def import_model_from_safetensors(
                     key = prefix + activation_key(slot)
                     if key in info and q is not None:
                         m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
+    # the float tensors last: a Parameter a quantized layer shares with a float one (an lm_head tied to the input
+    # embeddings) holds the float values, as in the model exported; the layer's frozen quantizer applies its codes
+    model.load_state_dict({k: v for k, v in tensors.items() if k not in owned}, strict=False)
     return _placed(ModelQuantizer.freeze(model).eval(), device)
 
 

@@ -32,15 +32,17 @@ from quark.torch.quantization.coverage import (
     warn_float_layers,
 )
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
-from quark.torch.quantization.hf import hf_conv1d_class, is_hf_conv1d, no_kv_cache
+from quark.torch.quantization.hf import hf_conv1d_class, hf_linear_equivalent, is_hf_conv1d, no_kv_cache
 from quark.torch.quantization.nn.modules.quant_modules import (
     EXPLICIT_ONLY,
     PREPARE_HOOKS,
     QUANT_MODULE_MAP,
+    QuantHFConv1DMixin,
+    QuantLinear,
     QuantMixin,
-    hf_conv1d_twin,
     iter_quantizers,
     slot_label,
+    twin_of_foreign_class,
 )
 from quark.torch.quantization.resolve import merge_levels
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
@@ -70,9 +72,11 @@ def _type_names(module: nn.Module) -> list[str]:
 
 def _float_type(module: nn.Module) -> type[nn.Module] | None:
     """The supported float class ``module`` is (or subclasses without its own forward), else None."""
-    conv1d = hf_conv1d_class(type(module))
+    conv1d, linear = hf_conv1d_class(type(module)), hf_linear_equivalent(type(module))
     if conv1d is not None and conv1d not in QUANT_MODULE_MAP and is_hf_conv1d(module):
-        hf_conv1d_twin(conv1d)  # transformers' Conv1D: its twin is made on first sight
+        twin_of_foreign_class(conv1d, QuantHFConv1DMixin)  # transformers' Conv1D: its twin is made on first sight
+    elif linear is not None and linear not in QUANT_MODULE_MAP:
+        twin_of_foreign_class(linear, QuantLinear)
     for cls in type(module).__mro__:
         if cls in QUANT_MODULE_MAP:
             return cls if type(module).forward is cls.forward else None

@@ -65,6 +65,16 @@ def hf_conv1d_class(cls: type) -> type | None:
     return next((c for c in cls.__mro__ if c.__name__ == "Conv1D" and c.__module__.startswith("transformers")), None)
 
 
+#: transformers' subclasses of nn.Linear whose forward computes exactly ``F.linear(x, weight, bias)``
+LINEAR_EQUIVALENTS = ("FalconLinear",)
+
+
+def hf_linear_equivalent(cls: type) -> type | None:
+    """The transformers class in ``cls``'s MRO that is a plain linear layer with a forward of its own (as
+    ``LINEAR_EQUIVALENTS`` lists), else None: such a layer is quantized as ``nn.Linear``."""
+    return next((c for c in cls.__mro__ if c.__name__ in LINEAR_EQUIVALENTS and c.__module__.startswith("transformers")), None)
+
+
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """The weight of a linear layer as [out, in], whatever its storage: ``nn.Linear``'s own, a ``Conv1D``'s transposed
     (a view: in-place changes to it change the layer)."""

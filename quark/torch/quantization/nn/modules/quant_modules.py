@@ -216,7 +216,7 @@ class QuantHFConv1DMixin(QuantMixin):
     The weight quantizer works on that stored layout with the transposed spec (``transpose_weight_spec``), so a
     config means what it means for ``nn.Linear``: per-channel is per output feature, per-group groups input
     features, and qparams have Linear's layout. The concrete twin subclasses the user's ``Conv1D`` class, made on
-    first sight (the engine does not import transformers): ``hf_conv1d_twin``."""
+    first sight (the engine does not import transformers): ``twin_of_foreign_class``."""
 
     @classmethod
     def slot_spec(cls, slot: QuantSlot, spec: QuantizationSpec | None) -> QuantizationSpec | None:
@@ -232,13 +232,15 @@ class QuantHFConv1DMixin(QuantMixin):
         return self._quantize(self._output_quantizer, F.linear(x, weight.t(), bias))
 
 
-def hf_conv1d_twin(float_class: type[nn.Module]) -> type[QuantMixin]:
-    """The quantized twin of transformers' ``Conv1D`` class (registered in QUANT_MODULE_MAP, and as
-    ``QuantConv1D`` of this module so pickled models find it)."""
+def twin_of_foreign_class(float_class: type[nn.Module], base: type[QuantMixin]) -> type[QuantMixin]:
+    """The quantized twin of a layer class the engine cannot import (transformers' ``Conv1D``, ``FalconLinear``):
+    ``base``'s behaviour on a subclass of ``float_class``, made once, registered in QUANT_MODULE_MAP and kept as
+    ``Quant<Name>`` of this module so pickled models find it."""
     twin = QUANT_MODULE_MAP.get(float_class)
     if twin is None:
-        twin = type("QuantConv1D", (QuantHFConv1DMixin, float_class), {"_float_class": float_class, "__module__": __name__})
-        globals()["QuantConv1D"] = twin
+        name = f"Quant{float_class.__name__}"
+        twin = type(name, (base, float_class), {"_float_class": float_class, "__module__": __name__, "__qualname__": name})
+        globals()[name] = twin
         register_quant_module(float_class, twin)
     return twin
 
