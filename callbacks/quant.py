@@ -38,6 +38,7 @@ from quark.torch.quantization import graph
 from quark.torch.quantization.api import format_plans, run_batch
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
+from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 from quark.torch.quantization.resolve import config_from_stored
@@ -173,7 +174,14 @@ def _feedable(module: nn.Module, batch: Any) -> Any:
     """``batch`` in a form the engine's default feed (tensor -> forward(x); (input, target...) -> forward(input);
     dict -> forward(**batch)) calls ``module.forward`` with correctly. A tuple/list whose first element alone does not
     fit the forward's signature while the whole batch does (``forward(inputs, target)`` with (inputs, target)
-    batches) becomes a dict of its arguments by name. Anything else raises a ValueError naming ``calib_forward=``."""
+    batches) becomes a dict of its arguments by name. Anything else raises a ValueError naming ``calib_forward=``, as
+    does a module without a forward of its own (a LightningModule whose steps call a wrapped model directly)."""
+    if type(module).forward in (LightningModule.forward, nn.Module.forward):
+        raise ValueError(
+            f"QuantCallback cannot feed a calibration batch ({_describe(batch)}) to {type(module).__name__}: it defines "
+            "no forward (its steps call the wrapped model themselves). Define forward, or say how to run one batch "
+            f"with calib_forward=, for example {CALIB_FORWARD_EXAMPLE}"
+        )
     try:
         signature: inspect.Signature | None = inspect.signature(module.forward)
     except (TypeError, ValueError):
@@ -679,16 +687,22 @@ class QuantCallback(Callback):
 
     def _calibration_data(self, trainer: Trainer, pl_module: LightningModule) -> Iterable[Any]:
         """``calib_dataloader``, else the train dataloader of the datamodule (set up for "fit" first, as Lightning's
-        data connector would before asking it, when the running stage is another one), else of the module."""
+        data connector would before asking it, when the running stage is another one), else the one given to
+        ``trainer.fit(model, train_dataloaders=...)``, else the module's."""
         if self.calib_dataloader is not None:
             return self.calib_dataloader
         datamodule = trainer.datamodule
+        given = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+        if datamodule is None and given is not None and not given.is_module() and isinstance(given.instance, Iterable):
+            if not isinstance(given.instance, list | tuple | dict):  # a collection of loaders: which one is unclear
+                return given.instance  # the loader given as trainer.fit(model, train_dataloaders=loader)
         source: Any = datamodule if datamodule is not None else pl_module
         what = f"{'datamodule' if datamodule is not None else 'module'} {type(source).__name__}"
         if not is_overridden("train_dataloader", source):
             raise ValueError(
                 f"QuantCallback(mode='{self.mode}') needs calibration data: the {what} has no train_dataloader(). "
-                "Give `calib_dataloader=` (any iterable of batches) or define train_dataloader()."
+                "Give `calib_dataloader=` (any iterable of batches), define train_dataloader(), or pass "
+                "train_dataloaders= to trainer.fit."
             )
         if datamodule is not None and not self._datamodule_fit_ready:
             # prepare_data (rank zero) ran for this stage already; setup is per stage: "fit" builds the train split
@@ -736,13 +750,15 @@ class QuantCallback(Callback):
                     batch = trainer.strategy.batch_to_device(batch)
                     run = (lambda m: self.calib_forward(m, batch)) if self.calib_forward else self._report_feed(pl_module, batch)
                     if run is not None:
-                        metrics.update({f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()})
+                        with no_kv_cache(pl_module):  # a measurement, not generation: as calibration's forwards
+                            metrics.update({f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()})
                 finally:
                     for m, training in modes:
                         m.training = training
+            # while paused: a quantizer no forward has reached yet (no qparams) is off, so its layer counts as float
+            quantized_bits, float_bits = model_size_bits(pl_module)
         finally:
             _restore_quantizers(paused)
-        quantized_bits, float_bits = model_size_bits(pl_module)
         metrics.update({"quant/model_size_bits": float(quantized_bits), "quant/fp32_size_bits": float(float_bits)})
         self._log(trainer, metrics)
 

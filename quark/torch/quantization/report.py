@@ -45,11 +45,12 @@ def observers_paused(model: nn.Module) -> Iterator[None]:
 @torch.no_grad()
 def weight_sqnr(model: nn.Module) -> dict[str, float]:
     """SQNR (dB) of every quantized weight against its fake-quantized value, keyed by layer name (a layer with
-    several weights, such as an LSTM or an attention's projections: ``layer.weight_ih_l0``)."""
+    several weights, such as an LSTM or an attention's projections: ``layer.weight_ih_l0``). Layers calibration found
+    no forward reaching are left out: they never run quantized (``model_size_bits`` counts them as float too)."""
     out = {}
     with observers_paused(model):
         for name, m in model.named_modules():
-            if not isinstance(m, QuantMixin):
+            if not isinstance(m, QuantMixin) or getattr(m, "_quant_unreached", False):
                 continue
             for slot, q in m.quantizer_slots():
                 if slot.role == "weight" and bool(q.fake_quant_enabled):
