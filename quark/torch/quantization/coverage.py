@@ -57,7 +57,12 @@ def warn_float_layers(layers: list[FloatLayer], stacklevel: int = 3) -> None:
 
 
 def is_norm(module: nn.Module) -> bool:
-    return isinstance(module, _NORMS)
+    """torch's normalization layers, and a model's own (``LlamaRMSNorm``, T5's ``T5LayerNorm``): a class whose name
+    ends in ``Norm`` holding only a 1-D scale (and bias)."""
+    if isinstance(module, _NORMS):
+        return True
+    params = list(module.parameters(recurse=False))
+    return type(module).__name__.endswith("Norm") and bool(params) and all(p.ndim == 1 for p in params)
 
 
 class _FunctionalUse(TorchFunctionMode):

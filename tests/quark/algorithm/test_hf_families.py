@@ -289,3 +289,10 @@ def test_gpt2_exports_to_the_quark_directory_and_reloads_with_the_same_logits(sp
     for b, e in zip(data, expected, strict=True):
         torch.testing.assert_close(output(single, b), e, rtol=0, atol=1e-5)
         torch.testing.assert_close(output(skeleton, b), e, rtol=0, atol=1e-5)
+
+
+def test_a_models_own_norms_are_named_as_norms_among_the_float_layers() -> None:
+    model = build("llama")
+    floats = {f.name: f.reason for f in ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": W4}})).float_layers(model)}
+    assert floats["model.layers.0.input_layernorm"] == "normalization layer (kept float)"
+    assert floats["model.norm"] == "normalization layer (kept float)"
