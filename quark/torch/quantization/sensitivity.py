@@ -17,7 +17,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quark.torch.quantization.api import ModelQuantizer, run_batch
+from quark.torch.quantization.api import ModelQuantizer, _parent_of, run_batch
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.config.type import QSchemeType, ScaleType
 from quark.torch.quantization.formats import bits_per_element, format_of, is_scaled
 from quark.torch.quantization.formats.table import IntFormat
 from quark.torch.quantization.hf import linear_weight, no_kv_cache
-from quark.torch.quantization.nn.modules import iter_quantizers
+from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 
 __all__ = [
     "LayerSensitivity", "weight_bits", "measure_sensitivity", "hessian_trace", "hessian_sensitivity", "allocate",
@@ -141,8 +143,9 @@ def measure_sensitivity(
 ) -> list[LayerSensitivity]:
     """Each layer's loss under each candidate with only that layer quantized, ``model`` left as it was.
 
-    Per candidate, a copy of the model is quantized with it (``base_config``'s other fields, such as ``exclude``,
-    kept) and calibrated on ``batches``; then each layer in turn has its quantizers on and every other layer's off.
+    Per candidate, the model is quantized in place with it (``base_config``'s other fields, such as ``exclude``,
+    kept; twins share the model's Parameters, so nothing is copied) and calibrated on ``batches``; then each layer in
+    turn has its quantizers on and every other layer's off; then the float layers are put back.
     The loss is the metric's degradation against the float model (``metric(model)``; ``higher_is_better`` says its
     direction), else ``method``: "kl" (softmax over the outputs' last dim, for logits) or "mse", averaged over
     ``batches``. ``layers`` restricts the layers measured (default: every layer with a weight spec)."""
@@ -162,17 +165,39 @@ def measure_sensitivity(
             reference = metric(model) if metric is not None else [_output(run(model, b)).detach() for b in batches]
             table = {n: LayerSensitivity(n, _weight_numel(model.get_submodule(n))) for n in names}
             for cname, config in configs.items():
-                quantized = ModelQuantizer(config).quantize_model(copy.deepcopy(model), list(batches))
-                quantized.eval()
-                for n in names:
-                    module = quantized.get_submodule(n)
-                    table[n].bits[cname] = weight_bits(config_weight(module), linear_weight(module).shape)
-                    with _only(quantized, n):
-                        table[n].loss[cname] = _loss(quantized, batches, reference, metric, higher_is_better, method, run)
+                with _quantized_in_place(model, config, batches) as quantized:
+                    for n in names:
+                        module = quantized.get_submodule(n)
+                        table[n].bits[cname] = weight_bits(config_weight(module), linear_weight(module).shape)
+                        with _only(quantized, n):
+                            table[n].loss[cname] = _loss(quantized, batches, reference, metric, higher_is_better, method, run)
                 logger.info("sensitivity: candidate %s measured on %d layer(s)", cname, len(names))
     finally:
         model.train(was_training)
     return list(table.values())
+
+
+@contextmanager
+def _quantized_in_place(model: nn.Module, config: Config, batches: Sequence[Any]) -> Iterator[nn.Module]:
+    """``model`` prepared and calibrated with ``config`` inside the block; its own layers (and ``quant_config``) put
+    back after. Only quantizers are added, so the Parameters end as they started."""
+    if any(isinstance(m, QuantMixin) for m in model.modules()):
+        raise ValueError("measure_sensitivity needs the float model (it has quantized layers already)")
+    originals = [(*_parent_of(model, p.name), model.get_submodule(p.name)) for p in ModelQuantizer(config).resolve(model, warn=False)]
+    had, previous = hasattr(model, "quant_config"), getattr(model, "quant_config", None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the float-layer report, once per candidate: the caller's business
+            quantized = ModelQuantizer(config).quantize_model(model, list(batches))
+        quantized.eval()
+        yield quantized
+    finally:
+        for parent, attr, original in originals:
+            setattr(parent, attr, original)
+        if had:
+            model.quant_config = previous
+        elif hasattr(model, "quant_config"):
+            del model.quant_config
 
 
 def _with_global(base: Config, qc: QuantizationConfig) -> Config:
