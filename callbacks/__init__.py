@@ -1,5 +1,6 @@
 """Lightning front end of the engine."""
 
+from callbacks.mixed_precision import MixedPrecision
 from callbacks.quant import QuantCallback, load_quantized_checkpoint
 
-__all__ = ["QuantCallback", "load_quantized_checkpoint"]
+__all__ = ["QuantCallback", "MixedPrecision", "load_quantized_checkpoint"]

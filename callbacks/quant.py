@@ -19,6 +19,7 @@ import re
 import typing
 import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from callbacks.mixed_precision import MixedPrecision, write_config_yaml, write_sensitivity_csv
+from callbacks.mixed_precision import choose as choose_mixed
 from callbacks.quantizer_lr import follow_schedule, split_quantizer_groups
 from quark.torch import ModelQuantizer
 from quark.torch.export import EXPORT_FORMATS, export_model
@@ -42,6 +45,7 @@ from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 from quark.torch.quantization.resolve import config_from_stored
+from quark.torch.quantization.sensitivity import average_bits, mixed_precision_config
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
     LSQFakeQuantize,
@@ -247,6 +251,13 @@ class QuantCallback(Callback):
             ``"safetensors"`` (real-quantized weights) and/or ``"onnx"`` (QDQ graph; example input: the first
             calibration batch). Paths and sizes land in ``exported``.
         export_dir: where they go (default ``<default_root_dir>/export``).
+        mixed_precision: PTQ: a ``MixedPrecision`` (or its dict: ``candidates``, ``target_bits``, ``method``,
+            ``metric``, ``batches``). The model trains float; when it is calibrated, each layer's sensitivity to each
+            candidate is measured on calibration batches (one layer quantized at a time), formats are allocated under
+            the ``target_bits`` budget (average weight bits per parameter, scales counted), and the model is quantized
+            with the resulting Config (``config``'s other fields kept; rank zero's choice on every rank). The choice
+            lands in ``mixed_choice``, the Config in ``config``, and ``sensitivity.csv`` + ``mixed_precision.yaml``
+            in the log directory; ``quantized.ckpt`` stores that Config, so ``load_quantized_checkpoint`` rebuilds it.
 
     Raises:
         ValueError: a bad argument (named, with the allowed values), or, in ``setup``, a config matching no layer,
@@ -280,6 +291,7 @@ class QuantCallback(Callback):
         save_quantized: bool = True,
         export: Iterable[str] = (),
         export_dir: str | None = None,
+        mixed_precision: MixedPrecision | dict[str, Any] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode={mode!r}` is not supported; choose one of {list(MODES)}")
@@ -313,6 +325,14 @@ class QuantCallback(Callback):
                 "does, at the end of fit or before validate/test of an uncalibrated model)"
             )
         self.quantizer = ModelQuantizer(self.config)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            mixed_precision = MixedPrecision(**dict(mixed_precision))
+        if mixed_precision is not None and mode != "ptq":
+            raise ValueError(f"`mixed_precision` chooses formats from calibration data after training: use mode='ptq', got mode={mode!r}")
+        if mixed_precision is not None and self.quantizer.graph_mode:
+            raise ValueError("`mixed_precision` works on the module's own layers (quant_mode=eager_mode), not graph mode")
+        self.mixed_precision = mixed_precision
+        self.mixed_choice: dict[str, str] | None = None
         self.mode = mode
         self.observer_steps = observer_steps
         self.freeze_bn_epoch = freeze_bn_epoch
@@ -347,7 +367,9 @@ class QuantCallback(Callback):
             self._batches_seen = 0  # a new trainer counts from its first batch (a checkpoint restores the count)
             self._counting_for = weakref.ref(trainer)
         swap = not any(isinstance(m, QuantMixin) for m in pl_module.modules())
-        if swap and self.quantizer.graph_mode:
+        if swap and self._mixed_pending(pl_module):
+            swap = False  # trains float; the layers are swapped once the formats are chosen (in calibrate)
+        elif swap and self.quantizer.graph_mode:
             self._prepare_graphs(trainer, pl_module)
         elif swap:
             plans = self.quantizer.resolve(pl_module)
@@ -653,7 +675,10 @@ class QuantCallback(Callback):
 
     def calibrate(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Calibration epochs: observers see the calibration batches (eval, no_grad), then the qparams are fixed
-        (reduced across ranks) and fake quantization is switched on."""
+        (reduced across ranks) and fake quantization is switched on. With ``mixed_precision``, the formats are chosen
+        and the layers swapped first."""
+        if self._mixed_pending(pl_module):
+            self._choose_mixed(trainer, pl_module)
         data = self._calibration_data(trainer, pl_module)
         total = None
         if self.calib_batches is not None:
@@ -684,6 +709,37 @@ class QuantCallback(Callback):
         self._calibrated_for = weakref.ref(pl_module)
         rank_zero_info("QuantCallback: calibration done; qparams fixed")
         self._log_report(trainer, pl_module, self._first_batch(trainer, pl_module))
+
+    def _mixed_pending(self, pl_module: LightningModule) -> bool:
+        return self.mixed_precision is not None and not any(isinstance(m, QuantMixin) for m in pl_module.modules())
+
+    def _choose_mixed(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Sensitivity on the float module, allocation under the budget (rank zero's on every rank), then the swap."""
+        search = self.mixed_precision
+        assert search is not None
+        data = self._calibration_data(trainer, pl_module)
+        batches = [trainer.strategy.batch_to_device(b) for b in itertools.islice(data, search.batches)]
+        if not batches:
+            raise ValueError("QuantCallback(mixed_precision=...): the calibration data yielded no batch")
+        if self.calib_forward is not None:
+            run = self.calib_forward
+        else:
+            batches = [_feedable(pl_module, b) for b in batches]
+            run = run_batch
+        config, choice, sensitivities = choose_mixed(pl_module, self.config, search, batches, run)  # type: ignore[arg-type]
+        choice = trainer.strategy.broadcast(choice, src=0)
+        config = mixed_precision_config(self.config, choice, search.resolved)
+        self.config, self.quantizer, self.mixed_choice = config, ModelQuantizer(config), choice
+        plans = self.quantizer.resolve(pl_module)
+        self.quantizer.prepare(pl_module)
+        _keep_out_of_ddp_broadcast(pl_module)
+        bits = average_bits(choice, sensitivities)
+        rank_zero_info(f"QuantCallback: mixed precision at {bits:.3f} weight bits per parameter\n{format_plans(plans)}")
+        if trainer.is_global_zero:
+            folder = Path(trainer.log_dir or trainer.default_root_dir)
+            write_sensitivity_csv(folder / "sensitivity.csv", sensitivities, choice)
+            write_config_yaml(folder / "mixed_precision.yaml", config, sensitivities, choice)
+        self._log(trainer, {"quant/mixed_avg_bits": bits})
 
     def _calibration_data(self, trainer: Trainer, pl_module: LightningModule) -> Iterable[Any]:
         """``calib_dataloader``, else the train dataloader of the datamodule (set up for "fit" first, as Lightning's

@@ -37,7 +37,7 @@ from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 
 __all__ = [
     "LayerSensitivity", "weight_bits", "measure_sensitivity", "hessian_trace", "hessian_sensitivity", "allocate",
-    "mixed_precision_config", "average_bits",
+    "mixed_precision_config", "average_bits", "METHODS",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -322,9 +322,10 @@ def allocate(sensitivities: Sequence[LayerSensitivity], target_bits: float, reso
     """One candidate per layer, minimising the summed loss with the average weight bits per parameter (weighted by
     each layer's size) at most ``target_bits``.
 
-    A multiple-choice knapsack, solved exactly by dynamic programming over the budget cut into ``resolution`` units
-    (each layer's size rounded up to whole units, so the result never exceeds the budget). ValueError when even the
-    cheapest candidates exceed it, naming that minimum."""
+    A multiple-choice knapsack, solved by dynamic programming over the budget cut into ``resolution`` units (each
+    layer's size rounded to the nearest unit; the result is the best solution the table holds whose exact size fits,
+    so it never exceeds the budget, and is optimal whenever sizes are whole units, as whole bits usually are).
+    ValueError when even the cheapest candidates exceed the budget, naming that minimum."""
     if not sensitivities:
         raise ValueError("allocate needs the sensitivity of at least one layer")
     for s in sensitivities:
@@ -334,29 +335,34 @@ def allocate(sensitivities: Sequence[LayerSensitivity], target_bits: float, reso
     cheapest = sum(s.numel * min(s.bits.values()) for s in sensitivities) / total
     if cheapest > target_bits + 1e-9:
         raise ValueError(f"target_bits={target_bits} is below what the cheapest candidates store ({cheapest:.4f} bits per parameter)")
-    unit = target_bits * total / resolution
+    budget = target_bits * total
+    unit = budget / resolution
+    capacity = resolution + len(sensitivities)  # costs are rounded to the nearest unit: room for their rounding
     inf = float("inf")
-    best = torch.full((resolution + 1,), inf, dtype=torch.float64)  # best[b]: least loss using at most b units
+    best = torch.full((capacity + 1,), inf, dtype=torch.float64)  # best[b]: least loss at rounded cost b
     best[0] = 0.0
     picks = []
     for s in sensitivities:
         names = list(s.loss)
-        options = torch.full((len(names), resolution + 1), inf, dtype=torch.float64)
+        options = torch.full((len(names), capacity + 1), inf, dtype=torch.float64)
         for k, c in enumerate(names):
-            cost = math.ceil(s.numel * s.bits[c] / unit - 1e-9)
-            if cost <= resolution:
-                options[k, cost:] = best[: resolution + 1 - cost] + s.loss[c]
+            cost = round(s.numel * s.bits[c] / unit)
+            if cost <= capacity:
+                options[k, cost:] = best[: capacity + 1 - cost] + s.loss[c]
         best, pick = options.min(dim=0)
         picks.append((s, names, pick))
-    b = int(torch.argmin(best))
-    if not math.isfinite(float(best[b])):  # only rounding up could cause this, at a budget right at the minimum
-        raise ValueError(f"target_bits={target_bits} is too close to the cheapest candidates' {cheapest:.4f} bits at resolution={resolution}")
-    choice: dict[str, str] = {}
-    for s, names, pick in reversed(picks):
-        c = names[int(pick[b])]
-        choice[s.layer] = c
-        b -= math.ceil(s.numel * s.bits[c] / unit - 1e-9)
-    return {s.layer: choice[s.layer] for s in sensitivities}
+    # the best end state whose true size fits (rounding can put a rounded-feasible one just over the budget)
+    for b in torch.argsort(best).tolist():
+        if not math.isfinite(float(best[b])):
+            break
+        choice: dict[str, str] = {}
+        for s, names, pick in reversed(picks):
+            c = names[int(pick[b])]
+            choice[s.layer] = c
+            b -= round(s.numel * s.bits[c] / unit)
+        if sum(s.numel * s.bits[choice[s.layer]] for s in sensitivities) <= budget * (1 + 1e-12):
+            return {s.layer: choice[s.layer] for s in sensitivities}
+    raise ValueError(f"target_bits={target_bits}: no choice fits at resolution={resolution}; the cheapest candidates store {cheapest:.4f}")
 
 
 def mixed_precision_config(base: Config, choice: dict[str, str], candidates: dict[str, QuantizationConfig]) -> Config:
