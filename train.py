@@ -6,6 +6,7 @@
     python train.py ckpt_path=outputs/.../checkpoints/float-epoch11.ckpt quant=fp8_e4m3   # PTQ, no retraining
     python train.py -m quant=int8_per_channel,w4a8_tqt quant.weight_bits=2,3,4,6,8         # sweep + summary.png
     python train.py experiment=char_lm quant=int4_per_group   # byte-level LM on Python source (perplexity)
+    python train.py experiment=hf_lm quant=w4_gptq export=[quark]   # HF LLaMA; amd-quark HF directory in export/quark
 
 Writes results.json (metrics, per-layer SQNR, sizes, wall time, the resolved config), checkpoints and logs in the
 Hydra run directory (``hydra.run.dir=...``; ``hydra.sweep.dir=...`` for -m).

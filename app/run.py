@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -32,7 +33,14 @@ from callbacks import QuantCallback
 from callbacks.quant import read_checkpoint
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm import find_decoder_layers, scaling_groups
-from quark.torch.export import EXPORT_FORMATS, check_onnx_exportable, export_model
+from quark.torch.export import (
+    EXPORT_FORMATS,
+    check_onnx_exportable,
+    check_quark_exportable,
+    export_model,
+    export_safetensors,
+    size_report,
+)
 from quark.torch.quantization.api import run_batch
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
@@ -41,6 +49,9 @@ try:
     import fcntl
 except ImportError:  # not POSIX (Windows): runs are not locked
     fcntl = None  # type: ignore[assignment]
+
+#: ``export=[...]``: the engine's formats, and ``quark`` (amd-quark's Hugging Face directory, in ``export/quark``)
+APP_EXPORT_FORMATS = (*EXPORT_FORMATS, "quark")
 
 for _message in (
     ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
@@ -110,6 +121,9 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
     try:
         datamodule = _build(cfg.data, "data")
         model = _build(cfg.model, "model")
+        check_data = getattr(model, "check_datamodule", None)
+        if callable(check_data):  # e.g. the data's vocabulary and window length fit the model
+            check_data(datamodule)
         metric, higher_is_better = _metric(cfg, model)
         layers, prepared = _check_quantizable(qconfig, model) if qconfig is not None else ({}, None)
         formats = _check_export(cfg, prepared)
@@ -141,7 +155,9 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         qtrainer.save_checkpoint(quantized_ckpt, weights_only=False)  # with the callback state (its Config)
         if formats:
             example = _first_input(datamodule)
-            report["export"] = export_model(model, out / "export", formats, example)
+            report["export"] = export_model(model, out / "export", [f for f in formats if f != "quark"], example)
+            if "quark" in formats:
+                report["export"]["quark"] = _export_quark(model, out / "export" / "quark", datamodule)
     timings["total_s"] = time.perf_counter() - start
 
     results = _results(cfg, flow, qconfig, metric, higher_is_better, float_metrics, quant_metrics, report, float_bits, timings)
@@ -174,7 +190,7 @@ def _metric(cfg: DictConfig, model: LightningModule) -> tuple[str, bool]:
     if logged is not None and name not in logged:
         raise ValueError(
             f"metric.name={name!r} is not logged by {type(model).__name__}; it logs {list(logged)} "
-            "(for the LM use experiment=char_lm, which sets data, model and metric together)"
+            "(for an LM use experiment=char_lm or experiment=hf_lm, which set data, model and metric together)"
         )
     return name, mode == "max"
 
@@ -197,7 +213,7 @@ def _check_quantizable(config: Config, model: LightningModule) -> tuple[dict[str
             if found is None:
                 raise ValueError(
                     f"quant.{'algo_config' if isinstance(algo, AWQConfig) else 'pre_quant_opt_config'} ({algo.name}) needs "
-                    f"a decoder stack and {type(model).__name__} has none (use experiment=char_lm, or set model_decoder_layers)"
+                    f"a decoder stack and {type(model).__name__} has none (use experiment=char_lm or hf_lm, or set model_decoder_layers)"
                 )
             scaling_groups(found[1][0], algo.scaling_layers)  # derivable or valid, else the modules are listed
     layers: dict[str, dict[str, Any]] = {}
@@ -219,14 +235,63 @@ def _check_export(cfg: DictConfig, prepared: LightningModule | None) -> list[str
     """The ``export`` list: known formats, a quantized run, and (ONNX) Q/DQ-expressible quantizers of the
     ``prepared`` copy (None: a float run)."""
     formats = list(cfg.get("export") or [])
-    unknown = [f for f in formats if f not in EXPORT_FORMATS]
+    unknown = [f for f in formats if f not in APP_EXPORT_FORMATS]
     if unknown:
-        raise ValueError(f"export={unknown} is not known; allowed: {list(EXPORT_FORMATS)}")
+        raise ValueError(f"export={unknown} is not known; allowed: {list(APP_EXPORT_FORMATS)}")
     if formats and prepared is None:
         raise ValueError("export needs a quantized run (quant.mode ptq or qat), not quant=none")
     if "onnx" in formats:
         check_onnx_exportable(prepared)
+    if "quark" in formats:
+        check_quark_exportable(prepared)  # a format amd-quark's layout cannot hold is named before training
     return formats
+
+
+_MISSING = object()
+
+
+def _export_root(model: LightningModule) -> tuple[torch.nn.Module, str]:
+    """The module ``export=[quark]`` writes and its name: the LightningModule's ``export_module`` (a Hugging Face
+    model, whose config.json the directory gets), else the LightningModule itself."""
+    name = getattr(model, "export_module", None) or ""
+    return (model.get_submodule(name) if name else model), name
+
+
+def _rooted(config: Config, prefix: str) -> Config:
+    """``config`` with its layer names (exclude, layer_quant_config) relative to the submodule ``prefix``: names
+    under it lose the prefix, patterns that start with a wildcard stay, names of other modules are dropped."""
+    if not prefix:
+        return config
+
+    def rel(name: str) -> str | None:
+        if name.startswith(prefix + "."):
+            return name[len(prefix) + 1 :]
+        return name if name[:1] in "*?[" else None
+
+    exclude = [r for r in (rel(n) for n in config.exclude) if r is not None]
+    layers = {r: qc for n, qc in config.layer_quant_config.items() if (r := rel(n)) is not None}
+    return dataclasses.replace(config, exclude=exclude, layer_quant_config=layers, algo_config=None, pre_quant_opt_config=None)
+
+
+def _export_quark(model: LightningModule, directory: Path, datamodule: Any) -> dict[str, Any]:
+    """amd-quark's Hugging Face directory (config.json with ``quantization_config`` + model.safetensors, and the
+    data's tokenizer when it has one) of the model's ``export_module``; reloads with ``import_model_from_safetensors``."""
+    root, prefix = _export_root(model)
+    saved = vars(root).get("quant_config", _MISSING)
+    if root is not model:
+        root.quant_config = _rooted(model.quant_config, prefix)  # the exporter reads the Config of the module it writes
+    try:
+        weights = export_safetensors(root, directory, custom_mode="quark")
+    finally:
+        if root is not model:
+            if saved is _MISSING:
+                del root.quant_config
+            else:
+                root.quant_config = saved
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(directory))
+    return {"path": str(directory), "weights": str(weights), "module": prefix or None, **size_report(weights, root)}
 
 
 def _first_input(datamodule: Any) -> torch.Tensor:

@@ -270,32 +270,17 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: float, floor: float
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class CharLM(L.LightningModule):
-    """CharTransformer trained with AdamW (warmup + cosine); logs loss and exact perplexity per split."""
+class PerplexityLM(L.LightningModule):
+    """The Lightning side of a next-token LM on (x, y) token batches: ``forward(x)`` gives logits [B, T, vocab];
+    AdamW (warmup + cosine, hparams ``lr``, ``weight_decay``, ``warmup_steps``); logs loss and exact perplexity per
+    split. Subclasses build the network and define ``forward``."""
 
     metrics = ("test_loss", "test_ppl")
 
-    def __init__(
-        self,
-        lr: float = 3e-3,
-        weight_decay: float = 0.01,
-        vocab_size: int = 256,
-        d_model: int = 128,
-        n_layers: int = 4,
-        n_heads: int = 4,
-        d_ff: int = 384,
-        max_seq_len: int = 128,
-        warmup_steps: int = 50,
-    ) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.net = CharTransformer(vocab_size, d_model, n_layers, n_heads, d_ff, max_seq_len)
         self._loss_sum = torch.zeros((), dtype=torch.float64)
         self._token_count = torch.zeros((), dtype=torch.float64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab] of byte ids [B, T]: calibration feeds the x of (x, y) batches straight here."""
-        return self.net(x)
 
     def _token_losses(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Sum of the token cross entropies of a batch (in float32, whatever the precision) and its token count."""
@@ -364,3 +349,27 @@ class CharLM(L.LightningModule):
         schedule = functools.partial(warmup_cosine, warmup_steps=max(1, self.hparams.warmup_steps), total_steps=total)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class CharLM(PerplexityLM):
+    """CharTransformer trained with AdamW (warmup + cosine); logs loss and exact perplexity per split."""
+
+    def __init__(
+        self,
+        lr: float = 3e-3,
+        weight_decay: float = 0.01,
+        vocab_size: int = 256,
+        d_model: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        d_ff: int = 384,
+        max_seq_len: int = 128,
+        warmup_steps: int = 50,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = CharTransformer(vocab_size, d_model, n_layers, n_heads, d_ff, max_seq_len)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] of byte ids [B, T]: calibration feeds the x of (x, y) batches straight here."""
+        return self.net(x)

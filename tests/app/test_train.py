@@ -205,7 +205,7 @@ def test_export_switch_writes_files_and_records_sizes(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (("export=[tflite]",), r"export=\['tflite'\] is not known; allowed: \['safetensors', 'onnx'\]"),
+        (("export=[tflite]",), r"export=\['tflite'\] is not known; allowed: \['safetensors', 'onnx', 'quark'\]"),
         (("quant=mxfp4", "export=[onnx]"), r"layer 'net.conv1' \(input_tensors\): ONNX QDQ export supports static int8/uint8"),
         (("quant=none", "export=[safetensors]"), "export needs a quantized run"),
     ],

@@ -1,9 +1,11 @@
 """Export of quantized models: real-quantized safetensors (and their re-import), ONNX QDQ graphs."""
 
 from quark.torch.export.onnx import check_onnx_exportable, export_onnx
+from quark.torch.export.quark_format import check_quark_exportable
 from quark.torch.export.safetensors import export_safetensors, import_model_from_safetensors, size_report
 
-__all__ = ["export_safetensors", "import_model_from_safetensors", "export_onnx", "size_report", "export_model", "EXPORT_FORMATS", "check_onnx_exportable"]
+__all__ = ["export_safetensors", "import_model_from_safetensors", "export_onnx", "size_report", "export_model", "EXPORT_FORMATS", "check_onnx_exportable",
+           "check_quark_exportable"]
 
 
 EXPORT_FORMATS = ("safetensors", "onnx")

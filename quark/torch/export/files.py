@@ -18,9 +18,17 @@ def write_atomically(output_dir: str | Path, filename: str, write: Callable[[str
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: give it the mode a plain open() would
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
     return path
+
+
+def _umask() -> int:
+    """The process umask (read by setting it, then putting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -394,7 +394,7 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
     config: Config | None = getattr(model, "quant_config", None)
     if config is None:
         raise ValueError("export needs a model prepared by ModelQuantizer (it has no quant_config)")
-    _check_exportable(model)
+    check_quark_exportable(model)
     tensors: dict[str, torch.Tensor] = {}
     for name, m in _layers(model):
         prefix = f"{name}." if name else ""
@@ -451,7 +451,7 @@ def _as_linear(m: nn.Module, wq: Any) -> tuple[torch.Tensor, Any]:
     return m.weight, wq
 
 
-def _check_exportable(model: nn.Module) -> None:
+def check_quark_exportable(model: nn.Module) -> None:
     """Before anything is written: every quantized tensor of ``model`` has a layout here (a ValueError names the
     first layer and slot that has none)."""
     for name, m in _layers(model):

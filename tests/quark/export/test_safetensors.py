@@ -154,3 +154,19 @@ def test_errors(tmp_path: Path) -> None:
     export_safetensors(model, tmp_path, custom_mode=None)
     with pytest.raises((ValueError, RuntimeError)):
         import_model_from_safetensors(DigitsCNN(width=16), tmp_path)  # another architecture
+
+
+def test_written_files_get_the_mode_a_plain_open_gives(tmp_path) -> None:  # noqa: ANN001
+    """The temporary mkstemp makes is 0600; the file under its final name follows the umask, as save_pretrained's."""
+    import os
+    import stat
+
+    from quark.torch.export.files import write_atomically
+
+    old = os.umask(0o022)
+    try:
+        path = write_atomically(tmp_path, "config.json", lambda tmp: open(tmp, "w").write("{}"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
