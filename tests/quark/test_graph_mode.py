@@ -332,3 +332,28 @@ def test_onnx_integer_qdq_graph(tmp_path, net_and_data: tuple[nn.Module, torch.T
     step = gm.get_submodule(QUANTIZERS).cat_inputs._output_quantizer.scale  # the fc reads the cat's grid
     bound = step * model.fc.weight.abs().sum(1).max()  # one step of the fc's input changes its output by at most this
     assert (got - expected).abs().max() <= bound
+
+
+def test_capture_with_keyword_arguments_keeps_the_batch_dynamic() -> None:
+    """A forward called with keywords (as Hugging Face models are): dynamic_shapes by parameter name, so the
+    captured graph takes another batch size; non-tensor keywords (use_cache) are constants."""
+    from quark.torch.quantization.graph.capture import capture
+
+    class Kw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, input_ids: torch.Tensor | None = None, use_cache: bool = False, **extra: torch.Tensor) -> torch.Tensor:
+            return self.fc(input_ids) + sum(extra.values())
+
+    torch.manual_seed(0)
+    model, x, bias = Kw(), torch.randn(2, 4), torch.randn(2, 3)
+    y = torch.randn(5, 4)
+    by_name = capture(model, (), {"input_ids": x, "use_cache": False})
+    torch.testing.assert_close(by_name(input_ids=y, use_cache=False), model(y))
+    mixed = capture(model, (x,), {"use_cache": False})
+    torch.testing.assert_close(mixed(y, use_cache=False), model(y))
+    # extra keywords into **kwargs: captured at the example's shapes (torch.export takes no dynamic_shapes for them)
+    gm = capture(model, (x,), {"use_cache": False, "bias": bias})
+    torch.testing.assert_close(gm(x, use_cache=False, bias=bias), model(x, bias=bias))

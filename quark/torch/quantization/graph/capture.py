@@ -8,6 +8,7 @@ so the last, smaller batch of an epoch runs too. Capture bakes the mode of Batch
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -39,11 +40,29 @@ def module_path(node: fx.Node) -> tuple[str, str]:
     return path, type_name.rsplit(".", 1)[-1]
 
 
-def _dynamic_batch(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A dynamic dimension 0 for every tensor argument whose batch is larger than 1 (a batch of 1 would be
-    specialised by torch.export anyway)."""
-    auto = torch.export.Dim.AUTO
-    return tuple({0: auto} if isinstance(a, torch.Tensor) and a.ndim > 0 and a.shape[0] > 1 else None for a in args)
+def _batch_dim(a: Any) -> Any:
+    """A dynamic dimension 0 for a tensor whose batch is larger than 1 (a batch of 1 would be specialised by
+    torch.export anyway), None for anything else."""
+    return {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.ndim > 0 and a.shape[0] > 1 else None
+
+
+def _dynamic_batch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``dynamic_shapes`` for torch.export: positionally for positional-only calls, else by parameter name (what
+    torch.export expects once keyword arguments are given: one entry per parameter of ``forward``); None (static
+    shapes) when keywords land in a ``**kwargs`` parameter."""
+    if not kwargs:
+        return tuple(_batch_dim(a) for a in args)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    shapes: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind == inspect.Parameter.VAR_KEYWORD:  # torch 2.13's export rejects every dynamic_shapes form for
+            return None  # these (an internal assertion): captured at the example's shapes
+        elif kind == inspect.Parameter.VAR_POSITIONAL:
+            shapes[name] = tuple(_batch_dim(v) for v in value)
+        else:
+            shapes[name] = _batch_dim(value)
+    return shapes
 
 
 def _explain(err: BaseException, model: nn.Module) -> str:
@@ -68,9 +87,7 @@ def capture(
         return normalize(model)  # type: ignore[arg-type]
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = example_kwargs or {}
-    shapes = _dynamic_batch(args) if dynamic_batch else None
-    if shapes is not None and kwargs:
-        shapes = (*shapes, {k: None for k in kwargs})  # type: ignore[assignment]
+    shapes = _dynamic_batch(model, args, kwargs) if dynamic_batch else None
     try:
         exported = torch.export.export(model, args, kwargs or None, dynamic_shapes=shapes, strict=False)
     except Exception as err:  # torch.export raises many types; all mean "cannot capture"
