@@ -11,7 +11,7 @@ from algo_refs import make_spec, ref_rtn
 from torch import nn
 
 import quark.torch.algorithm.awq as awq_module
-from quark.torch.algorithm.awq import N_GRID, awq_layer, rtn
+from quark.torch.algorithm.awq import CLIP_GRID, CLIP_STEPS, N_GRID, awq_layer, rtn
 from quark.torch.algorithm.smoothquant import fold_scales
 from quark.torch.quantization.config.config import AWQConfig, QuantizationSpec
 from tasks.char_lm import DecoderLayer
@@ -243,36 +243,141 @@ def _per_row_group_error(x: torch.Tensor, delta: torch.Tensor, group: int) -> to
     return torch.einsum("tgc,rgc->trg", xg, dg).pow(2).mean(dim=0)
 
 
-@pytest.mark.parametrize("scheme", [(3, "per_group", 16, False), (4, "per_channel", None, True)])
-def test_clipping_never_increases_the_per_row_group_error(scheme) -> None:
-    bits, qscheme, group, sym = scheme
-    torch.manual_seed(5)
+def _row_error(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """sum over tokens of (x . delta_r)^2 for every output row r: [rows]."""
+    return (x.double() @ delta.double().T).pow(2).sum(dim=0)
+
+
+def _clip_only(w: torch.Tensor, inputs: list, spec: QuantizationSpec) -> torch.Tensor:
     layer = OneLinear()
     with torch.no_grad():
-        layer.fc.weight.copy_(torch.distributions.StudentT(2.0).sample((12, 64)) * 0.1)
-    w = layer.fc.weight.detach().clone()
-    g = torch.Generator().manual_seed(6)
-    inputs = [((torch.randn(4, 25, 64, generator=g),), {}) for _ in range(2)]  # 200 tokens: all used (< 512)
-    x = torch.cat([a[0].reshape(-1, 64) for a, _ in inputs])
+        layer.fc.weight.copy_(w)
+    assert awq_layer(layer, inputs, AWQConfig(scaling_layers=[]), "blk", _specs(spec, ["fc"])) == {}  # clipping only
+    return layer.fc.weight.detach()
 
-    with torch.no_grad():  # as awq_layer calls it
-        awq_module._search_clip(layer, inputs, "fc", layer.fc, make_spec(bits, qscheme, group, sym))
-    clipped = layer.fc.weight.detach()
+
+@pytest.mark.parametrize("scheme", [(3, "per_group", 16, False), (4, "per_channel", None, True)])
+def test_clipping_never_increases_the_output_error(scheme, monkeypatch) -> None:
+    bits, qscheme, group, sym = scheme
+    torch.manual_seed(5)
+    w = torch.distributions.StudentT(2.0).sample((12, 64)) * 0.1
+    g = torch.Generator().manual_seed(6)
+    inputs = [((torch.randn(4, 25, 64, generator=g),), {}) for _ in range(2)]  # every token counts
+    x = torch.cat([a[0].reshape(-1, 64) for a, _ in inputs])
+    spec = make_spec(bits, qscheme, group, sym)
     size = group or 64
+
+    def on_grid(clipped: torch.Tensor) -> None:
+        """Every (row, group) is the original clamped to a grid fraction (1.0 .. 0.55) of its own max magnitude."""
+        wg, cg = w.reshape(12, -1, size), clipped.reshape(12, -1, size)
+        threshold = cg.abs().amax(dim=-1, keepdim=True)
+        fraction = threshold / wg.abs().amax(dim=-1, keepdim=True)
+        steps = (1 - fraction) * CLIP_GRID
+        assert bool(((steps - steps.round()).abs() < 1e-3).all())
+        assert float(fraction.min()) >= 1 - (CLIP_STEPS - 1) / CLIP_GRID - 1e-6
+        torch.testing.assert_close(cg, torch.maximum(torch.minimum(wg, threshold), -threshold))
+
+    # AWQ's own choice: per (row, group), the least error of the group's partial output
+    with monkeypatch.context() as mp:
+        mp.setattr(awq_module, "CLIP_SWEEPS", 0)
+        per_group = _clip_only(w, inputs, spec)
     before = _per_row_group_error(x, ref_rtn(w, bits, sym, group) - w, size)
-    after = _per_row_group_error(x, ref_rtn(clipped, bits, sym, group) - w, size)
+    after = _per_row_group_error(x, ref_rtn(per_group, bits, sym, group) - w, size)
     assert bool((after <= before * (1 + 1e-6) + 1e-12).all())
     assert bool((after < 0.95 * before).any())  # heavy tails: clipping does help somewhere
-    # every (row, group) is the original clamped to a grid fraction (1.0 .. 0.5) of its own max magnitude
-    wg, cg = w.reshape(12, -1, size), clipped.reshape(12, -1, size)
-    threshold = cg.abs().amax(dim=-1, keepdim=True)
-    fraction = threshold / wg.abs().amax(dim=-1, keepdim=True)
-    steps = (1 - fraction) * N_GRID
-    assert bool(((steps - steps.round()).abs() < 1e-3).all()) and float(fraction.min()) >= 0.5 - 1e-6
-    torch.testing.assert_close(cg, torch.maximum(torch.minimum(wg, threshold), -threshold))
+    on_grid(per_group)
+    # then row-wise sweeps (cross-group terms included): each row's output error only goes down
+    clipped = _clip_only(w, inputs, spec)
+    on_grid(clipped)
+    rows_before = _row_error(x, ref_rtn(per_group, bits, sym, group) - w)
+    rows_after = _row_error(x, ref_rtn(clipped, bits, sym, group) - w)
+    assert bool((rows_after <= rows_before * (1 + 1e-5) + 1e-9).all())
+    assert bool((rows_after <= _row_error(x, ref_rtn(w, bits, sym, group) - w) * (1 + 1e-5)).all())
+    if qscheme == "per_group":
+        assert bool((rows_after < 0.99 * rows_before).any())  # the sweeps found something here
 
 
 def test_rtn_helper() -> None:
     w = torch.randn(6, 32)
     assert rtn(w, None) is w
     assert torch.equal(rtn(w, make_spec(3, "per_group", 8, False)), ref_rtn(w, 3, False, 8))
+
+
+# ----------------------------------------------------------------------------------------------- merged calls
+def test_merge_concatenates_batches_keeps_shared_arguments_and_splits_what_does_not_fit(monkeypatch) -> None:
+    shared = torch.randn(1, 5, 4)
+    calls = [
+        ((torch.randn(1, 5, 8),), {"rope": (shared, shared.clone()), "ids": torch.full((1, 5), i), "flag": False})
+        for i in range(3)
+    ]
+    calls.append(((torch.randn(1, 6, 8),), {"rope": (shared, shared), "ids": torch.zeros(1, 6), "flag": False}))
+    calls.append(((torch.randn(2, 5, 8),), {"rope": (shared, shared), "ids": torch.zeros(2, 5), "flag": True}))
+    merged = awq_module._merge(calls)
+    assert len(merged) == 3  # the first three together; another length; another flag
+    (hidden,), kwargs = merged[0]
+    assert torch.equal(hidden, torch.cat([c[0][0] for c in calls[:3]]))
+    assert torch.equal(kwargs["ids"], torch.cat([c[1]["ids"] for c in calls[:3]]))  # per sample: concatenated
+    assert kwargs["rope"][0].shape == (3, 5, 4)  # batch-sized in every call: concatenated too
+    assert merged[1] is calls[3] and merged[2] is calls[4]
+    monkeypatch.setattr(awq_module, "MERGE_TOKENS", 10)  # two calls of 5 tokens at most
+    assert len(awq_module._merge(calls[:3])) == 2
+
+
+def test_merged_calls_give_the_result_of_separate_calls(monkeypatch) -> None:
+    inputs = [((torch.randn(1, 9, 32),), {}) for _ in range(4)]
+    specs = _specs(make_spec(4, "per_group", 16, False), LLAMA_LINEARS, "p")
+    merged, separate = _llama_layer(), _llama_layer()
+    ratios = awq_layer(merged, inputs, AWQConfig(), "p", specs)
+    monkeypatch.setattr(awq_module, "MERGE_TOKENS", 0)
+    assert awq_module._merged_calls(separate, inputs) is inputs
+    assert awq_layer(separate, inputs, AWQConfig(), "p", specs) == ratios
+    for (name, a), b in zip(merged.state_dict().items(), separate.state_dict().values(), strict=True):
+        # the same up to rounding, but for a clipping choice that summation order may tip here and there
+        assert float((~torch.isclose(a, b, rtol=1e-4, atol=1e-5)).float().mean()) < 0.01, name
+
+
+class BatchDependent(nn.Module):
+    """A layer whose output depends on what else is in the batch: merging its calls would change it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.fc(hidden_states - hidden_states.mean(dim=0, keepdim=True))
+
+
+def test_calls_stay_separate_when_merging_changes_the_output() -> None:
+    inputs = [((torch.randn(2, 3, 8),), {}) for _ in range(3)]
+    assert len(awq_module._merge(inputs)) == 1
+    assert awq_module._merged_calls(BatchDependent(), inputs) is inputs
+    assert awq_module._merged_calls(OneLinearEight(), inputs) is not inputs
+
+
+class OneLinearEight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.fc(hidden_states)
+
+
+def test_input_statistics_give_the_output_error_from_gram_or_rows_and_follow_a_scale() -> None:
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(3, 5, 16, generator=g) for _ in range(2)]
+    delta = torch.randn(6, 16, generator=g)
+    s = torch.rand(16, generator=g) + 0.5
+    x = torch.cat([a.reshape(-1, 16) for a in xs])
+    for want in ("rows", "gram"):
+        stats = awq_module._InputStats(16, want_gram=want == "gram", want_rows=want == "rows", block=8)
+        for a in xs:
+            stats.add(a)
+        assert stats.tokens == 30
+        torch.testing.assert_close(stats.mean_abs(), x.abs().mean(dim=0))
+        assert stats.output_error(delta) == pytest.approx(float((x @ delta.T).pow(2).sum()), rel=1e-5)
+        stats.rescale(s)
+        assert stats.output_error(delta) == pytest.approx(float(((x / s) @ delta.T).pow(2).sum()), rel=1e-5)
+        blocks = stats.blocks
+        xg = (x / s).reshape(30, 2, 8)
+        torch.testing.assert_close(blocks, torch.einsum("tgc,tgd->gcd", xg, xg), rtol=1e-4, atol=1e-4)
