@@ -149,6 +149,8 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         qtrainer, model = _quantize(cfg, flow, qconfig, model, datamodule, out)
         quant_metrics = _test(qtrainer, model, datamodule)
+        if ModelQuantizer(qconfig).graph_mode:
+            layers = _graph_layers(qconfig, model)
         timings["quantize_s"] = time.perf_counter() - t0
         report = _report(model, datamodule)
         quantized_ckpt = str(out / "checkpoints" / "quantized.ckpt")
@@ -216,6 +218,22 @@ def _check_quantizable(config: Config, model: LightningModule) -> tuple[dict[str
                     f"a decoder stack and {type(model).__name__} has none (use experiment=char_lm or hf_lm, or set model_decoder_layers)"
                 )
             scaling_groups(found[1][0], algo.scaling_layers)  # derivable or valid, else the modules are listed
+    return _layer_table(plans), prepared
+
+
+def _graph_layers(config: Config, model: LightningModule) -> dict[str, dict[str, Any]]:
+    """Graph mode: what each captured child's compute ops resolved to (known once the callback captured them)."""
+    quantizer = ModelQuantizer(config)
+    plans = [
+        dataclasses.replace(plan, name=f"{name}.{plan.name}")
+        for name, child in model.named_children() if hasattr(child, "_graph_units")
+        for plan in quantizer.resolve(child)
+    ]  # fmt: skip
+    return _layer_table(plans)
+
+
+def _layer_table(plans: list[Any]) -> dict[str, dict[str, Any]]:
+    """Per layer: its type and, per role, the spec's main fields and the config level it came from."""
     layers: dict[str, dict[str, Any]] = {}
     for plan in plans:
         entry: dict[str, Any] = {"type": plan.layer_type}
@@ -228,7 +246,7 @@ def _check_quantizable(config: Config, model: LightningModule) -> tuple[dict[str
                     "from": plan.source.get(role),
                 }  # fmt: skip
         layers[plan.name] = entry
-    return layers, prepared
+    return layers
 
 
 def _check_export(cfg: DictConfig, prepared: LightningModule | None) -> list[str]:

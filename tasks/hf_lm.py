@@ -161,6 +161,7 @@ class HFCausalLM(PerplexityLM):
         config = _plain(config)
         self.save_hyperparameters()
         self.net = build_causal_lm(config, pretrained, attn_implementation)
+        self.hf_config = self.net.config  # kept: graph mode (quant_mode=fx_graph_mode) replaces ``net`` by its graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] of token ids [B, T] (no KV cache: every call sees whole windows)."""
@@ -168,7 +169,7 @@ class HFCausalLM(PerplexityLM):
 
     def check_datamodule(self, datamodule: Any) -> None:
         """The data fits the model: token ids below its vocab_size, windows within its positions (ValueError)."""
-        config = self.net.config
+        config = self.hf_config
         vocab = getattr(datamodule, "vocab_size", None)
         if vocab is not None and vocab > config.vocab_size:
             source = "its tokenizer" if getattr(datamodule, "tokenizer", None) is not None else "byte-level tokens"

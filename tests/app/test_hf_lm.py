@@ -219,17 +219,22 @@ def test_quark_export_of_a_model_without_hf_config_writes_the_whole_lightning_mo
 
 
 # ----------------------------------------------------------------------------------------------- every preset
-EAGER_PRESETS = [
-    "bf16", "bfp16", "brevitas_int8", "fp8_e4m3", "int4_per_group", "int8_per_tensor", "mx6", "mx9", "mxfp4",
-    "mxfp4_even", "mxfp8", "w3_awq", "w3_gptq", "w3_rtn", "w4_awq", "w4_edges8", "w4_rtn", "w4a8_tqt", "w8a8",
-    "w8a8_smoothquant",
+PRESETS = [
+    "bf16", "bfp16", "brevitas_int8", "fp8_e4m3", "int4_per_group", "int8_graph", "int8_per_tensor", "mx6", "mx9",
+    "mxfp4", "mxfp4_even", "mxfp8", "w3_awq", "w3_gptq", "w3_rtn", "w4_awq", "w4_edges8", "w4_rtn", "w4a8_tqt",
+    "w4a8_tqt_graph", "w8a8", "w8a8_smoothquant",
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("preset", EAGER_PRESETS)
-def test_every_eager_preset_runs_on_the_hf_llama(preset: str, tmp_path: Path) -> None:
-    """Each preset of conf/quant but the graph-mode ones (int8_graph, w4a8_tqt_graph), which cannot capture
-    LlamaForCausalLM yet (ops without a graph-mode rule), quantizes the HF LLaMA and keeps its perplexity close."""
+def test_the_list_is_every_preset() -> None:
+    presets = {p.stem for p in (Path(__file__).parents[2] / "conf" / "quant").glob("*.yaml")}
+    assert set(PRESETS) == presets - {"none", "mixed_auto", "int8_per_channel", "w4_gptq"}  # those two: tests above
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_on_the_hf_llama(preset: str, tmp_path: Path) -> None:
+    """Each preset of conf/quant, graph-mode ones included (torch.export capture of LlamaForCausalLM: mask building,
+    rotary embedding), quantizes the HF LLaMA and keeps its perplexity close."""
     results = run(compose_cfg(*TINY_HF, f"quant={preset}"), tmp_path)
     m = results["metric"]
     assert math.isfinite(m["quantized"]) and abs(m["delta"]) < 0.1 * m["float"]

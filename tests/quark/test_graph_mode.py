@@ -357,3 +357,112 @@ def test_capture_with_keyword_arguments_keeps_the_batch_dynamic() -> None:
     # extra keywords into **kwargs: captured at the example's shapes (torch.export takes no dynamic_shapes for them)
     gm = capture(model, (x,), {"use_cache": False, "bias": bias})
     torch.testing.assert_close(gm(x, use_cache=False, bias=bias), model(x, bias=bias))
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+def _quantizer_inputs(gm: fx.GraphModule) -> set[str]:
+    """Names of the nodes whose values an activation quantizer reads."""
+    return {
+        n.args[0].name for n in gm.graph.nodes
+        if n.op == "call_module" and str(n.target).startswith(QUANTIZERS) and isinstance(n.args[0], fx.Node)
+        and n.args[0].op != "get_attr"
+    }  # fmt: skip
+
+
+def test_float_arithmetic_is_not_quantized_the_data_path_is() -> None:
+    """An add / mul whose operands are all on the activation path (a residual add) is quantized; one with an operand
+    from float math (a sigmoid gate, a norm's rsqrt, a Parameter read directly: a norm's weight) is not, and the
+    layer that reads its result quantizes its input."""
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+            self.gain = nn.Parameter(torch.rand(8) + 0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x) + self.b(x)  # residual-style add of two layer outputs: quantized
+            g = h * torch.sigmoid(self.b(h))  # gated: float math
+            n = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + 1e-6) * self.gain  # an RMSNorm
+            return self.out(n)
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    model = Gated()
+    quantizer = ModelQuantizer(graph_config())
+    gm = quantizer.quantize_model(capture(model, (x,)), [x])
+    # the layers' inputs and outputs, the residual add, and the norm's result (as the input of `out`): nothing of
+    # the gate (mul), the norm's statistics (pow, mean, add of eps, rsqrt) or its scaling (mul_1, mul_2 by the gain)
+    assert _quantizer_inputs(gm) == {"x", "a", "b", "add", "mul_2"}
+    out = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "out")
+    assert out.args[0].args[0].name == "mul_2"  # `out` reads the quantized norm output
+    assert [f.reason for f in quantizer.float_layers(gm)] == ["aten.mul.Tensor runs in float (graph mode quantizes conv/linear/matmul/embedding weights)"]
+    assert (gm(x) - model(x)).abs().max() < 0.1
+
+
+def test_a_mode_switch_around_a_weighted_layer_is_refused() -> None:
+    """torch.export wraps a ``torch.no_grad()`` block in a higher-order op; its body is not quantized, so a Linear
+    inside it has no rule (named), while a body of plain math (the rotary embedding's) runs in float."""
+
+    class NoGrad(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                y = self.fc(x)
+            return self.head(y)
+
+    gm = capture(NoGrad(), (torch.randn(2, 4),))
+    with pytest.raises(GraphModeError, match=r"wrap_with_set_grad_enabled .*body has weighted ops.*linear"):
+        ModelQuantizer(graph_config()).prepare(gm)
+
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("freq", torch.rand(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                angle = torch.arange(x.shape[0], dtype=torch.float32)[:, None] * self.freq
+            return self.fc(x) * angle.cos()
+
+    model, x = Rotary(), torch.randn(3, 4)
+    quantized = ModelQuantizer(graph_config()).quantize_model(capture(model, (x,), dynamic_batch=False), [x])
+    assert (quantized(x) - model(x)).abs().max() < 0.05
+
+
+def test_hf_llama_in_graph_mode_with_its_default_config() -> None:
+    """A LlamaForCausalLM as transformers builds it (use_cache on, sdpa attention, rotary embedding, mask building
+    from integer ops) is captured from dict batches, quantized W8A8 on every projection and lm_head, and follows
+    the float model on ragged, padded batches of other sizes; norms are named float; the config is left as it was."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    assert model.config.use_cache
+
+    def batch(n: int, t: int) -> dict[str, torch.Tensor]:
+        mask = torch.ones(n, t, dtype=torch.long)
+        mask[0, : t // 3] = 0  # left padding
+        return {"input_ids": torch.randint(0, 128, (n, t)), "attention_mask": mask}
+
+    batches = [batch(4, 16), batch(3, 16), batch(2, 12), batch(1, 20)]
+    quantizer = ModelQuantizer(graph_config())
+    gm = quantizer.quantize_model(model, batches[:2])
+    assert model.config.use_cache
+    plans = {(p.name, role) for p in quantizer.resolve(gm) for role in p.source}
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 15 and plans == {(n, r) for n in linears for r in ("weight", "input_tensors")}
+    floats = {f.name: f.reason for f in quantizer.float_layers(gm)}
+    norms = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert set(floats) == {"model.embed_tokens", *norms}
+    for b in batches:  # other batch sizes and lengths than the capture's
+        ref = model(**b).logits
+        err = (gm(**b).logits - ref).pow(2).mean() / ref.pow(2).mean()
+        assert float(err) < 2e-3

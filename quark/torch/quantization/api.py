@@ -511,8 +511,11 @@ class ModelQuantizer:
             first = next(iter(dataloader), None)  # type: ignore[arg-type]
             if first is None:
                 raise ValueError("the calibration dataloader yielded no batch; graph capture needs an example input")
-            example = first[0] if isinstance(first, list | tuple) else first
-            model = graph.capture(model, _to_device(example, _model_device(model)))
+            example = _to_device(first[0] if isinstance(first, list | tuple) else first, _model_device(model))
+            if isinstance(example, dict):  # called as model(**batch) (Hugging Face models): captured with keywords
+                model = graph.capture(model, (), example)
+            else:
+                model = graph.capture(model, example)
         return self.calibrate(self.prepare(model), dataloader, forward_loop, max_batches)  # it checks the data
 
     @staticmethod

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from quark.torch.quantization.hf import no_kv_cache
+
 __all__ = ["GraphModeError", "capture", "normalize", "is_graph_module", "module_path", "fetch_attr"]
 
 EAGER_FALLBACK = "Config(quant_mode=QuantizationMode.eager_mode) quantizes such a model by swapping its layers instead"
@@ -41,9 +43,16 @@ def module_path(node: fx.Node) -> tuple[str, str]:
 
 
 def _batch_dim(a: Any) -> Any:
-    """A dynamic dimension 0 for a tensor whose batch is larger than 1 (a batch of 1 would be specialised by
-    torch.export anyway), None for anything else."""
-    return {0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.ndim > 0 and a.shape[0] > 1 else None
+    """Dynamic dimensions of an example input: dimension 0 of a tensor whose batch is larger than 1 (a batch of 1
+    would be specialised by torch.export anyway), and dimension 1 of integer and bool tensors of two or more
+    dimensions (token ids, attention masks: the sequence, so batches of other lengths run too); None for
+    anything else. ``Dim.AUTO``: a dimension the model fixes is specialised, not an error."""
+    if not isinstance(a, torch.Tensor) or a.ndim == 0:
+        return None
+    dims = {0: torch.export.Dim.AUTO} if a.shape[0] > 1 else {}
+    if a.ndim >= 2 and not a.is_floating_point() and not a.is_complex() and a.shape[1] > 1:
+        dims[1] = torch.export.Dim.AUTO
+    return dims or None
 
 
 def _dynamic_batch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -82,14 +91,16 @@ def capture(
     model: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None, dynamic_batch: bool = True
 ) -> fx.GraphModule:
     """``model`` as a train/eval-aware FX graph sharing its Parameters (``torch.export.export(...).module()`` then
-    ``normalize``). ``example_inputs``: a tensor or a tuple of positional arguments."""
+    ``normalize``). ``example_inputs``: a tensor or a tuple of positional arguments. Hugging Face models are captured
+    with ``use_cache`` off (``no_kv_cache``): the graph returns no KV cache."""
     if is_graph_module(model):
         return normalize(model)  # type: ignore[arg-type]
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = example_kwargs or {}
     shapes = _dynamic_batch(model, args, kwargs) if dynamic_batch else None
     try:
-        exported = torch.export.export(model, args, kwargs or None, dynamic_shapes=shapes, strict=False)
+        with no_kv_cache(model):  # a cache object is no graph output; calibration and evaluation never read one
+            exported = torch.export.export(model, args, kwargs or None, dynamic_shapes=shapes, strict=False)
     except Exception as err:  # torch.export raises many types; all mean "cannot capture"
         raise GraphModeError(_explain(err, model)) from err
     return normalize(exported.module())  # type: ignore[arg-type]

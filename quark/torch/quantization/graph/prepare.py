@@ -31,7 +31,7 @@ from quark.torch.quantization.coverage import FloatLayer
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
 from quark.torch.quantization.graph.capture import EAGER_FALLBACK, GraphModeError, fetch_attr, module_path, normalize
 from quark.torch.quantization.graph.modules import CONV_BN, QuantActivation, QuantFunctionalWeight, SharedFakeQuantize
-from quark.torch.quantization.graph.rules import COMPUTE, float_tensor, kind_of
+from quark.torch.quantization.graph.rules import COMPUTE, float_tensor, kind_of, weighted_ops_in_body
 from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, QuantMixin
 from quark.torch.quantization.resolve import merge_levels
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
@@ -166,7 +166,9 @@ def _check_rules(gm: fx.GraphModule) -> None:
             continue
         if kind_of(node, gm) in (None, "module"):
             path, type_name = module_path(node)
-            missing.append(f"{node.target} (node '{node.name}' in {f'{path!r} ({type_name})' if path else 'the top-level forward'})")
+            inside = weighted_ops_in_body(node, gm)
+            why = f", whose body has weighted ops that would stay float: {inside}" if inside else ""
+            missing.append(f"{node.target} (node '{node.name}' in {f'{path!r} ({type_name})' if path else 'the top-level forward'}{why})")
     if missing:
         raise GraphModeError(
             f"quant_mode=fx_graph_mode has no quantization rule for {len(missing)} op(s): {missing[:8]}"
@@ -374,6 +376,7 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     pooling = {n for n in passthrough if "max_pool" in str(n.target) or str(n.target).startswith("_dropout")}
     placer = _Placer(gm, holders, passthrough)
     unit_tails = {u.tail: u for u in units}
+    data_path = _data_path(gm, {u.node for u in units})
     for node in list(gm.graph.nodes):
         kind = kind_of(node, gm) if node.op != "call_module" or not str(node.target).startswith(QUANTIZERS) else "quantizer"
         unit = next((u for u in units if u.node is node), None)
@@ -386,7 +389,7 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
                 placer.need(node.args[0], node, unit.qconfig.input_tensors)
         if node in unit_tails and unit_tails[node].qconfig is not None and unit_tails[node].qconfig.output_tensors is not None:  # type: ignore[union-attr]
             placer.own[node] = unit_tails[node].qconfig.output_tensors  # type: ignore[union-attr]
-        if kind == "quantized_output":
+        if kind == "quantized_output" and node in data_path:
             _quantized_output(gm, placer, node, config, name_prefix)
     placer.place(list(gm.graph.nodes), passthrough, pooling)
     gm.graph.eliminate_dead_code()
@@ -394,8 +397,29 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     gm.recompile()
     gm.quant_config = config
     gm._graph_units = [UnitPlan(u.name, u.type_name, u.op, u.qconfig, dict(u.source)) for u in units]  # no fx nodes: copyable
-    gm._graph_float_layers = _graph_float_layers(gm, units, config, name_prefix)
+    gm._graph_float_layers = _graph_float_layers(gm, units, config, name_prefix, data_path)
     return gm
+
+
+def _data_path(gm: fx.GraphModule, compute: set[fx.Node]) -> set[fx.Node]:
+    """The nodes on the network's activation path: graph inputs and compute ops, then add / mul / cat / mean / pooling
+    and pass-through ops all of whose tensor operands are on it. What ``float`` ops compute (norm statistics, the
+    rotary embedding's cos/sin, a sigmoid gate) and Parameters read directly (a norm's weight) are not: an add or
+    mul with such an operand is part of float arithmetic (RMSNorm, rotary embedding, a gated unit) and is not
+    quantized; the compute op that reads its result quantizes its input."""
+    path: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node in compute:
+            on = float_tensor(node) or node in compute
+        elif node.op in ("call_function", "call_module"):
+            kind = kind_of(node, gm)
+            tensors = [a for a in node.all_input_nodes if float_tensor(a) or a.op == "get_attr"]
+            on = kind in ("quantized_output", "passthrough", "activation", "batch_norm") and bool(tensors) and all(a in path for a in tensors)
+        else:
+            on = False
+        if on:
+            path.add(node)
+    return path
 
 
 def _quantized_output(gm: fx.GraphModule, placer: _Placer, node: fx.Node, config: Config, prefix: str) -> None:
@@ -430,7 +454,9 @@ def _check_unit(gm: fx.GraphModule, unit: GraphUnit) -> None:
     _check_layer(LayerPlan(unit.name, type(layer).__name__, unit.qconfig, unit.source), layer)
 
 
-def _graph_float_layers(gm: fx.GraphModule, units: list[GraphUnit], config: Config, prefix: str) -> list[FloatLayer]:
+def _graph_float_layers(
+    gm: fx.GraphModule, units: list[GraphUnit], config: Config, prefix: str, data_path: set[fx.Node]
+) -> list[FloatLayer]:
     """The layers with Parameters graph mode leaves float, each with the reason."""
     out: list[FloatLayer] = []
     for unit in units:
@@ -447,7 +473,7 @@ def _graph_float_layers(gm: fx.GraphModule, units: list[GraphUnit], config: Conf
         if node.op == "call_module" and kind_of(node, gm) == "batch_norm" and str(node.target) not in seen:
             seen.add(str(node.target))
             out.append(FloatLayer(str(node.target), type(gm.get_submodule(str(node.target))).__name__, "BatchNorm not after a conv (kept float, not folded)"))
-        elif node.op == "call_function" and kind_of(node, gm) == "float":
+        elif node.op == "call_function" and (kind_of(node, gm) == "float" or (kind_of(node, gm) == "quantized_output" and node not in data_path)):
             params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(fetch_attr(gm, a), nn.Parameter)]
             path, type_name = module_path(node)
             if params and path not in seen:

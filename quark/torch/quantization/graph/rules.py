@@ -7,7 +7,10 @@ Kinds:
 - ``activation``: ReLU / ReLU6 / clamp, fused into the compute op or add before it (no quantizer between them).
 - ``quantized_output``: add, mul, cat, mean and average pooling: their inputs and their output are quantized.
 - ``passthrough``: max pooling and layout ops: the output keeps the input's grid (same qparams).
-- ``float``: elementwise math that runs on dequantized values (softmax, sigmoid, norms ...).
+- ``float``: elementwise math that runs on dequantized values (softmax, sigmoid, norms ...); every op whose outputs
+  are integer or bool tensors (indices, attention-mask building: ``eq``, ``le``, ``__and__``, ``diff`` ...), which is
+  never quantized; and the higher-order ops that only switch a mode around a body (``wrap_with_set_grad_enabled``,
+  ``wrap_with_autocast``: the rotary embedding of Hugging Face models) when that body has no weighted op.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ FLOAT = {
     aten.var.correction, aten.std.correction, aten.mean.default, aten.norm.ScalarOpt_dim,
     aten.scaled_dot_product_attention.default, aten.upsample_bilinear2d.vec, aten.pad.default,
     aten.constant_pad_nd.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
+    aten.to.device, aten.cos.default, aten.sin.default, aten.new_ones.default, aten.new_zeros.default,
     aten.masked_fill.Scalar, aten.where.self, aten.zeros_like.default, aten.ones_like.default,
     aten.arange.default, aten.arange.start, aten.zeros.default, aten.ones.default, aten.full.default,
     aten.argmax.default, aten.topk.default, aten.sort.default, aten.gather.default, aten.index.Tensor,
@@ -71,6 +75,45 @@ FLOAT = {
     aten.gt.Scalar, aten.scalar_tensor.default, aten.repeat.default, aten.stack.default, aten.roll.default,
     aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input,
 }  # fmt: skip
+
+
+#: higher-order ops that run their body (a submodule of the graph, argument ``body_arg``) under a mode switch
+MODE_WRAPPERS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+#: ops with a weight operand: inside a higher-order op's body nothing quantizes them, so such a body has no rule
+_WEIGHTED = {target for target, op in COMPUTE.items() if op in ("conv", "linear", "embedding")}
+
+
+def _wrapper_body(node: fx.Node, gm: fx.GraphModule) -> fx.GraphModule | None:
+    """The body of a mode-switching higher-order op call (None for any other node)."""
+    index = MODE_WRAPPERS.get(getattr(node.target, "__name__", ""))
+    if index is None or len(node.args) <= index:
+        return None
+    body = node.args[index]
+    if not isinstance(body, fx.Node) or body.op != "get_attr":
+        return None
+    module = gm.get_submodule(str(body.target))
+    return module if isinstance(module, fx.GraphModule) else None
+
+
+def weighted_ops_in_body(node: fx.Node, gm: fx.GraphModule) -> list[str]:
+    """The weighted ops (conv, linear, embedding) inside a mode-switching higher-order op's body, nested ones too."""
+    body = _wrapper_body(node, gm)
+    if body is None:
+        return []
+    found = []
+    for inner in body.graph.nodes:
+        if inner.op == "call_function" and inner.target in _WEIGHTED:
+            found.append(f"{inner.target} (node '{inner.name}')")
+        found += weighted_ops_in_body(inner, body)
+    return found
+
+
+def integer_valued(node: fx.Node) -> bool:
+    """A node whose outputs are tensors, none of them floating point (indices, masks)."""
+    val = node.meta.get("val")
+    values = val if isinstance(val, list | tuple) else [val]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return bool(tensors) and not any(t.is_floating_point() for t in tensors)
 
 
 def tensor_valued(node: fx.Node) -> bool:
@@ -109,7 +152,9 @@ def kind_of(node: fx.Node, gm: fx.GraphModule) -> str | None:
         return "quantized_output"
     if target in PASSTHROUGH:
         return "passthrough"
-    if target in FLOAT or not tensor_valued(node):
+    if target in FLOAT or not tensor_valued(node) or integer_valued(node):
+        return "float"
+    if _wrapper_body(node, gm) is not None and not weighted_ops_in_body(node, gm):
         return "float"
     return None
 
