@@ -44,7 +44,7 @@ from torch import nn
 
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, pack_sextets, unpack_nibbles, unpack_sextets
-from quark.torch.export.safetensors import _require_safetensors, _scale_view
+from quark.torch.export.safetensors import _Checker, _described, _require_safetensors, _scale_view, check_header
 from quark.torch.export.skeleton import materialize
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
@@ -62,7 +62,8 @@ from quark.torch.quantization.formats import (
     round_to_grid,
     to_blocks,
 )
-from quark.torch.quantization.formats.table import FloatFormat, IntFormat
+from quark.torch.quantization.formats.grouping import tile_layout
+from quark.torch.quantization.formats.table import MXINT8_QMAX, FloatFormat, IntFormat
 from quark.torch.quantization.hf import is_hf_conv1d, linear_weight, transpose_weight_spec
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import slot_label
@@ -498,8 +499,12 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     if export.get("weight_format", "real_quantized") != "real_quantized":
         raise ValueError(f"{root}: weight_format={export.get('weight_format')!r}; only real_quantized directories are read")
     pack_method = export.get("pack_method", "reorder")
-    with st.safe_open(str(root / WEIGHTS_FILE), "pt") as f:
-        t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
+    check_header(root / WEIGHTS_FILE)  # a tensor whose bytes do not match its dtype and shape, by name
+    try:
+        with st.safe_open(str(root / WEIGHTS_FILE), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
+    except Exception as err:  # a truncated or corrupt file: the reader's own errors vary
+        raise ValueError(f"{root / WEIGHTS_FILE} is not a readable safetensors file: {err}") from err
     _check_before_import(model, config, t, root / WEIGHTS_FILE)  # every problem found before the model is touched
     materialize(model, device, set(t))  # a skeleton's meta Parameters get storage (every one is filled below)
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
@@ -556,8 +561,11 @@ def _stored_weight(spec: QuantizationSpec, shape: torch.Size) -> tuple[tuple[tor
 
 
 def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Tensor], path: Path) -> None:
-    """Every tensor a quantized layer needs is there with amd-quark's dtype and shape, scales finite and positive,
-    and the float tensors match the model; raises a ValueError naming the tensor otherwise."""
+    """Every tensor a quantized layer needs is there with amd-quark's dtype and shape, scales finite and positive
+    (with the shape of their qscheme), zero points and codes inside the format's range, and the float tensors match
+    the model (shape, a float dtype for a float tensor, no NaN; Parameters finite); raises a ValueError naming the
+    tensor otherwise."""
+    check = _Checker(str(path), t)
     owned: set[str] = set()
     for plan in ModelQuantizer(config).resolve(model):
         module = model.get_submodule(plan.name)
@@ -577,6 +585,7 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
                 raise ValueError(f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(shape)}, found {t[key].dtype} of shape {list(t[key].shape)}")
             if spec.dtype not in (*_BLOCK_DTYPES, Dtype.bfloat16, Dtype.float16):
                 _check_scale(path, key + "_scale", t[key + "_scale"])
+            _check_weight_values(check, key, spec, weight.shape)
             owned.update({key, key + "_scale", key + "_zero_point", key + "_shift"})
         for role, spec_a in (("input", plan.qconfig.input_tensors), ("output", plan.qconfig.output_tensors)):
             if spec_a is None or spec_a.is_dynamic or spec_a.dtype in _BLOCK_DTYPES:
@@ -585,8 +594,10 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
             if key not in t:
                 raise ValueError(f"{path}: tensor '{key}' is missing (the config quantizes the {role} of '{plan.name}' statically)")
             _check_scale(path, key, t[key])
+            _check_activation_qparams(check, f"{prefix}{role}", spec_a)
             owned.update({key, f"{prefix}{role}_zero_point"})
-    state = model.state_dict()
+    state = model.state_dict(keep_vars=True)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     for key, value in state.items():
         if key in owned or "_quantizer." in key:
             continue
@@ -594,12 +605,95 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
             raise ValueError(f"{path}: tensor '{key}' of the model is missing")
         if tuple(t[key].shape) != tuple(value.shape):
             raise ValueError(f"{path}: tensor '{key}': expected shape {list(value.shape)}, found {list(t[key].shape)}")
+        if value.is_floating_point() != t[key].is_floating_point() or (not value.is_floating_point() and t[key].dtype != value.dtype):
+            check.fail(key, f"a {'float' if value.is_floating_point() else str(value.dtype).removeprefix('torch.')} tensor "
+                            "(as the model's)", _described(t[key]))  # fmt: skip
+        if value.is_floating_point():
+            check.finite(key, t[key], "a float tensor", allow_inf=key not in params)  # buffers may hold inf (masks)
     unknown = sorted(k for k in t if k not in owned and k not in state)
     if unknown:
         raise ValueError(f"{path}: tensors the model has no place for: {unknown[:8]}")
 
 
 def _check_scale(path: Path, key: str, scale: torch.Tensor) -> None:
+    if not scale.is_floating_point():
+        raise ValueError(f"{path}: tensor '{key}': expected a float scale, found {_described(scale)}")
     s = scale.float()
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise ValueError(f"{path}: tensor '{key}': expected finite scales > 0, found min {float(s.min())}, max {float(s.max())}")
+
+
+_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # amd-quark writes float32; the others widen exactly
+
+
+def _scale_shape(spec: QuantizationSpec, shape: tuple[int, ...], transposed: bool) -> list[int] | None:
+    """The stored scale / zero-point shape of a weight of ``shape`` (None: one element). Per-group qparams are
+    stored transposed, [in/g, out], as the codes."""
+    if spec.qscheme == QSchemeType.per_channel:
+        return [shape[0]]
+    if spec.qscheme == QSchemeType.per_block:
+        return list(tile_layout(shape, spec.block_size).n_tiles)
+    if spec.qscheme == QSchemeType.per_group:
+        groups = -(-shape[1] // (spec.group_size or 32))
+        return [groups, shape[0]] if transposed else [shape[0], groups]
+    return None
+
+
+def _check_weight_values(check: _Checker, key: str, spec: QuantizationSpec, shape: torch.Size) -> None:
+    """The values of a weight whose codes have amd-quark's dtype and shape, and its companion tensors: float8 / cast
+    values finite, integer codes in the format's range, MX E8M0 bytes below 255 (NaN), mx6 / mx9 codes, steps and
+    shifts, each scale's shape and the zero points (present for integers, their dtype, shape and range)."""
+    dims = tuple(int(d) for d in shape)
+    layout = _layout(spec, torch.empty(dims, device="meta"))
+    stored = check.tensors[key]
+    if layout in ("cast", "float8"):
+        check.finite(key, stored, f"{spec.dtype.name} values")
+    if layout == "cast":
+        return
+    if layout == "mx":
+        element = Dtype(spec.mx_element_dtype)
+        e8m0 = check.get(key + "_scale", (torch.uint8,), [dims[0], -(-dims[1] // (spec.group_size or 32))], "E8M0 block scales")
+        check.in_range(key + "_scale", e8m0, 0, 254, "E8M0 block scales (255 is NaN)")
+        if element == Dtype.int8:
+            check.in_range(key, stored, -MXINT8_QMAX, MXINT8_QMAX, "MX int8 elements")
+        elif element in TORCH_FLOAT8:
+            check.finite(key, stored, f"MX {element.name} elements")
+        return
+    if layout == "block":
+        limit = 2 ** _MANTISSA_BITS[spec.dtype] - 1
+        check.in_range(key, stored, -limit, limit, f"{spec.dtype.name} codes")
+        step = check.get(key + "_scale", (torch.float32,), [dims[0], -(-dims[1] // (spec.group_size or 16))], "block steps")
+        check.finite(key + "_scale", step, "block steps")
+        if bool((step <= 0).any()) or bool((torch.frexp(step).mantissa != 0.5).any()):
+            check.fail(key + "_scale", "block steps that are powers of two", f"min {step.min().item()}")
+        shift = check.get(key + "_shift", (torch.uint8,), [dims[0], -(-dims[1] // 2)], "micro-exponent shifts")
+        check.in_range(key + "_shift", shift, 0, 1, "micro-exponent shifts")
+        return
+    check.get(key + "_scale", _SCALE_DTYPES, _scale_shape(spec, dims, layout == "int_group"), "a scale")
+    fmt = format_of(spec.dtype)
+    if not isinstance(fmt, IntFormat):
+        return
+    packed = fmt.bits == 4
+    if not packed:
+        check.in_range(key, stored, fmt.qmin, fmt.qmax, f"{spec.dtype.name} codes")
+    zp_key = key + "_zero_point"
+    if packed and layout == "int_group":
+        zp = check.get(zp_key, (torch.int32,), [-(-dims[1] // (spec.group_size or 32)), (dims[0] + 7) // 8], "packed zero points")
+    elif packed and spec.qscheme == QSchemeType.per_channel:
+        zp = check.get(zp_key, (torch.int32,), [(dims[0] + 7) // 8], "packed zero points")
+    else:
+        zp = check.get(zp_key, (_container(fmt),), _scale_shape(spec, dims, layout == "int_group"), "zero points")
+    if not (packed and zp.dtype == torch.int32):  # packed nibbles are in range by construction
+        check.in_range(zp_key, zp, fmt.qmin, fmt.qmax, f"{spec.dtype.name} zero points")
+
+
+def _check_activation_qparams(check: _Checker, name: str, spec: QuantizationSpec) -> None:
+    """``<name>_scale`` (float, one element, or one per channel) and, for integer formats, ``<name>_zero_point`` in
+    the codes' dtype, the scale's shape and the format's range."""
+    scale = check.tensors[name + "_scale"]
+    shape = None if spec.qscheme != QSchemeType.per_channel else (list(scale.shape) if scale.ndim == 1 else [-1])
+    check.get(name + "_scale", _SCALE_DTYPES, shape, "a scale")
+    fmt = format_of(spec.dtype)
+    if isinstance(fmt, IntFormat):
+        zp = check.get(name + "_zero_point", (_container(fmt),), shape, "a zero point")
+        check.in_range(name + "_zero_point", zp, fmt.qmin, fmt.qmax, f"{spec.dtype.name} zero points")

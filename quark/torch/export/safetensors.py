@@ -21,7 +21,7 @@ from quark.torch.export.packing import pack_nibbles, unpack_nibbles
 from quark.torch.export.skeleton import materialize
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationSpec
-from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType
+from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType, ZeroPointType
 from quark.torch.quantization.formats import (
     FLOAT_FORMATS,
     TORCH_FLOAT8,
@@ -38,6 +38,7 @@ from quark.torch.quantization.formats import (
     to_blocks,
 )
 from quark.torch.quantization.formats.grouping import channel_view, from_tiles, tile_layout, tile_view
+from quark.torch.quantization.formats.table import MXINT8_QMAX
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import DEFAULT_SLOTS, QUANT_MODULE_MAP, QuantSlot, slot_name
 from quark.torch.quantization.resolve import config_from_stored
@@ -361,6 +362,13 @@ class _Checker:
         if bool(bad.any()):
             self.fail(key, f"{what} with {'no NaN' if allow_inf else 'finite values'}", f"{int(bad.sum())} value(s) that are {'NaN' if allow_inf else 'NaN or infinite'}")
 
+    def codes_in_format(self, key: str, codes: torch.Tensor, fmt: FloatFormat) -> None:
+        """Bit patterns that are values of ``fmt`` (fp8's NaN / inf patterns decode past ``max_normal``)."""
+        values = decode(codes, fmt).abs()
+        if bool((values > fmt.max_normal).any()):
+            self.fail(key, f"{fmt.bits}-bit codes of values within +-{fmt.max_normal}", f"{int((values > fmt.max_normal).sum())} "
+                      f"code(s) past it, e.g. {int(codes.reshape(-1)[(values > fmt.max_normal).reshape(-1)][0])}")  # fmt: skip
+
     def in_range(self, key: str, values: torch.Tensor, low: float, high: float, what: str) -> None:
         if values.numel() and (bool((values < low).any()) or bool((values > high).any())):
             self.fail(key, f"{what} in [{low}, {high}]", f"values in [{values.min().item()}, {values.max().item()}]")
@@ -372,8 +380,13 @@ class _Checker:
         if bool((t <= 0).any()):
             self.fail(key, "a scale > 0", f"min {t.min().item()}")
 
-    def zero_point(self, key: str, shape: list[int] | None, fmt: IntFormat | FloatFormat) -> None:
-        t = self.get(key, (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.float32), shape, "a zero point")
+    def zero_point(self, key: str, shape: list[int] | None, fmt: IntFormat | FloatFormat, spec: QuantizationSpec) -> None:
+        """Integers, or float32 where the Config says ``zero_point_type=float32`` (the two round differently)."""
+        if isinstance(fmt, IntFormat) and spec.zero_point_type == ZeroPointType.float32:
+            dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+        else:
+            dtypes = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+        t = self.get(key, dtypes, shape, "a zero point")
         self.finite(key, t, "a zero point")
         if isinstance(fmt, IntFormat):
             self.in_range(key, t, fmt.qmin, fmt.qmax, "a zero point")
@@ -387,7 +400,7 @@ class _Checker:
             scale = self.tensors.get(key + "_scale")
             shape = list(scale.shape) if scale is not None and scale.ndim == 1 else [-1]
         self.scale(key + "_scale", shape)
-        self.zero_point(key + "_zero_point", shape, fmt)  # type: ignore[arg-type]
+        self.zero_point(key + "_zero_point", shape, fmt, spec)  # type: ignore[arg-type]
 
     def weight(self, key: str, param: torch.Tensor, spec: QuantizationSpec | None, meta: Any, is_param: bool) -> None:
         """One weight-like tensor of a quantized layer, stored as ``encode_weight`` writes it."""
@@ -417,13 +430,15 @@ class _Checker:
             self._same(key, meta, wanted)
             n = int(torch.Size(blocked).numel())
             if encoding == "mx_int8":
-                self.get(key, (torch.int8,), blocked, "MX int8 elements")
+                elements = self.get(key, (torch.int8,), blocked, "MX int8 elements")
+                self.in_range(key, elements, -MXINT8_QMAX, MXINT8_QMAX, "MX int8 elements")
             elif encoding == "mx_nibbles":
                 self.get(key, (torch.uint8,), [(n + 1) // 2], f"{n} MX element codes packed two per byte")
             else:
                 codes = self.get(key, (torch.uint8,), blocked, "MX element codes")
-                bits = FLOAT_FORMATS[Dtype(spec.mx_element_dtype)].bits
-                self.in_range(key, codes, 0, 2**bits - 1, f"{bits}-bit codes")
+                efmt = FLOAT_FORMATS[Dtype(spec.mx_element_dtype)]
+                self.in_range(key, codes, 0, 2**efmt.bits - 1, f"{efmt.bits}-bit codes")
+                self.codes_in_format(key, codes, efmt)
             e8m0 = self.get(key + "_scale", (torch.uint8,), blocked[:-1], "E8M0 block scales")
             self.in_range(key + "_scale", e8m0, 0, 254, "E8M0 block scales (255 is NaN)")
             return
@@ -442,7 +457,7 @@ class _Checker:
                 codes = self.get(key, (_int_storage(fmt),), shape, f"{spec.dtype.name} codes")
             self.in_range(key, codes, fmt.qmin, fmt.qmax, f"{spec.dtype.name} codes")
             self.scale(key + "_scale", qshape, spec)
-            self.zero_point(key + "_zero_point", qshape, fmt)
+            self.zero_point(key + "_zero_point", qshape, fmt, spec)
             return
         if not isinstance(fmt, FloatFormat):
             self.fail(key, "an integer or minifloat encoding", f"{encoding!r} for {spec.dtype.name}")
@@ -520,10 +535,51 @@ def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tens
 
 
 # ----------------------------------------------------------------------------------------------- import
+#: bytes per element of safetensors' dtype names
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+
+
+def check_header(path: str | Path) -> None:
+    """ValueError naming the tensor unless every entry of the safetensors header at ``path`` spans exactly the bytes
+    its dtype and shape need, inside the file (the reader's own message names no tensor). Reads the header only."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or 8 + length > size:
+            raise ValueError(f"{path} is not a readable safetensors file: its header length {length} does not fit in {size} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not a readable safetensors file: its header is not JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a readable safetensors file: its header is not a mapping")
+    data = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: tensor '{name}': its header entry {entry!r} is not a dtype, shape and data_offsets") from err
+        if dtype not in _ST_ITEMSIZE:
+            continue  # a dtype this check does not know: safetensors' reader judges it
+        need = _ST_ITEMSIZE[dtype] * int(torch.Size(shape).numel()) if all(d >= 0 for d in shape) else -1
+        if need < 0 or end - start != need:
+            raise ValueError(f"{path}: tensor '{name}': expected {need} bytes ({dtype} of shape {shape}), found {end - start} "
+                             f"(data_offsets [{start}, {end}])")  # fmt: skip
+        if not 0 <= start <= end <= data:
+            raise ValueError(f"{path} is not a readable safetensors file: tensor '{name}': data_offsets [{start}, {end}] lie "
+                             f"outside its {data} data bytes (a truncated file?)")  # fmt: skip
+
+
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Config]:
     st = _require_safetensors()
     from safetensors import safe_open
 
+    check_header(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}

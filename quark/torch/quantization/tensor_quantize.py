@@ -23,7 +23,7 @@ from quark.torch.quantization.buffers import ResizableBuffersMixin
 from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
 from quark.torch.quantization.config.type import QSchemeType, RoundType, TQTThresholdInitMeth
 from quark.torch.quantization.formats import IntFormat, fake_quantize, format_of, is_scaled
-from quark.torch.quantization.formats.grouping import channel_view, round_to_int
+from quark.torch.quantization.formats.grouping import cast_saturating, channel_view, round_to_int
 from quark.torch.quantization.observer.observer import threshold_3sd, threshold_kl_j
 
 __all__ = [
@@ -43,8 +43,20 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
 
     observer_enabled: torch.Tensor
     fake_quant_enabled: torch.Tensor
-    #: which layer and tensor this quantizer serves (set by ModelQuantizer.prepare; used in error messages)
-    where: str = "a quantizer"
+    _where: str = "a quantizer"
+
+    @property
+    def where(self) -> str:
+        """Which layer and tensor this quantizer serves (set by ModelQuantizer.prepare; used in error messages, its
+        observer's included)."""
+        return self._where
+
+    @where.setter
+    def where(self, value: str) -> None:
+        self._where = value
+        observer = self._modules.get("observer")
+        if observer is not None:
+            observer.where = value
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__()
@@ -165,7 +177,12 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         return self.scale, self.zero_point
 
     def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
-        """Fix scale and zero point computed elsewhere (GPTQ's); the observer is switched off so they stay."""
+        """Fix scale and zero point computed elsewhere (GPTQ's); the observer is switched off so they stay. A scale
+        that is not finite and positive everywhere is refused (ValueError naming the layer)."""
+        s = scale.detach().float()
+        if not bool((torch.isfinite(s) & (s > 0)).all()):
+            raise ValueError(f"{self.where}: set_qparams got a scale that is not finite and positive everywhere "
+                             f"(min {float(s.min())}, max {float(s.max())})")  # fmt: skip
         self.scale = scale.detach().to(self.scale.device, torch.float32).clone()
         self.zero_point = zero_point.detach().to(self.zero_point.device).clone()
         self.initialized.fill_(1)
@@ -269,11 +286,22 @@ class _LearnableFakeQuantize(FakeQuantizeBase):
     The learned Parameter (``_learned_name``) has one element per tensor, or one per channel along ``axis``. A
     per-channel Parameter takes its shape from ``set_channels`` (the layer knows it: weights, a conv's activations)
     or else from the first batch; a checkpoint's shape wins on load.
+
+    Non-finite values are refused, not skipped: a first batch holding NaN or Inf, and a learned value whose scale is
+    not a finite positive number (NaN or inf after a bad optimizer step, a threshold whose power of two overflows or
+    underflows, an LSQ scale driven to 0 or below), raise a ValueError naming the layer and role (``where``) in the
+    next forward. Skipping the bad update is not possible from here (the optimizer has already written it, and its
+    moments carry the NaN on), and quantizing with it would turn every output into NaN or inf silently; the error
+    points at the step to fix (learning rate, gradient clipping, the data) or the checkpoint to resume from. The
+    check runs on every training forward, and in eval mode only when the Parameter has changed since the last one
+    (its version counter), so evaluation pays it once.
     """
 
     initialized: torch.Tensor
     _learned_name: str = ""
     _fill: float = 0.0  # the placeholder value of the learned Parameter before initialisation
+    _checked: tuple[int, int] | None = None  # (version, data_ptr) of the learned Parameter last found valid
+    _what: str = ""  # the learned quantity in error messages
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__(spec, device)
@@ -337,11 +365,41 @@ class _LearnableFakeQuantize(FakeQuantizeBase):
             if not self.observer_enabled and not self.fake_quant_enabled:
                 return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
             if not self.observer_enabled:
-                raise RuntimeError(f"{type(self).__name__} is not initialised yet: run a batch with the observer on first")
+                raise RuntimeError(f"{self.where}: {type(self).__name__} is not initialised yet: run a batch with the observer on first")
+            if x.numel() and not bool(torch.isfinite(x.detach()).all()):
+                raise ValueError(
+                    f"{self.where}: {type(self).__name__} would initialise its {self._what} from a tensor containing "
+                    "NaN or Inf. Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
+                )
             self._initialize(x)
         if not self.fake_quant_enabled:
             return x
+        self.check_learned()
         return self._learned(x)
+
+    def _invalid(self) -> torch.Tensor:  # pragma: no cover - abstract
+        """Mask of the learned elements whose scale is not a finite positive number."""
+        raise NotImplementedError
+
+    def check_learned(self) -> None:
+        """ValueError (naming the layer and role) unless every learned element gives a finite positive scale.
+        In eval mode, nothing to do while the Parameter is unchanged since the last check (its version counter and
+        storage); in training mode it always runs (writes through ``.data``, as a cross-rank average does, leave the
+        version counter as it was)."""
+        param = self._learned_param
+        state = (param._version, param.data_ptr())
+        if state == self._checked and not self.training:
+            return
+        bad = self._invalid()
+        if bool(bad.any()):
+            values = param.detach().reshape(-1)[bad.reshape(-1)][:4].tolist()
+            raise ValueError(
+                f"{self.where}: the learned {type(self).__name__} {self._what} ({self._learned_name}) is "
+                f"{', '.join(f'{v:.6g}' for v in values)} in {int(bad.sum())} of {bad.numel()} element(s), which gives "
+                "no finite positive scale: a training step made it so (a NaN/inf loss or gradient, too high a learning "
+                "rate). Lower the learning rate or clip gradients, and resume from a checkpoint saved before it."
+            )
+        self._checked = state
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         key = prefix + self._learned_name
@@ -362,6 +420,7 @@ class TQTFakeQuantize(_LearnableFakeQuantize):
 
     _learned_name = "log_threshold"
     _fill = 0.0
+    _what = "log2 threshold"
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__(spec, device)
@@ -388,14 +447,19 @@ class TQTFakeQuantize(_LearnableFakeQuantize):
         out = _TQTFunction.apply(
             x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1), self._round_method, self.axis
         )
-        return out.to(x.dtype)
+        return cast_saturating(out, x.dtype)  # an fp16 input at 65504 may round to a grid point past it
 
     @property
     def scale(self) -> torch.Tensor:
         s = torch.exp2(torch.ceil(self.log_threshold.detach()) - (self.bits - 1))
         return s.reshape(()) if self.axis is None else s
 
+    def _invalid(self) -> torch.Tensor:
+        s = torch.exp2(torch.ceil(self.log_threshold.detach()) - (self.bits - 1))  # NaN, inf (t >= 2^128) or 0
+        return ~torch.isfinite(s) | (s <= 0)
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_learned()  # what export and to_frozen bake in
         scale = self.scale
         return scale, torch.zeros_like(scale, dtype=torch.int32)
 
@@ -442,6 +506,7 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
     zero_point: torch.Tensor
     _learned_name = "scale"
     _fill = 1.0
+    _what = "step size"
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__(spec, device)
@@ -462,14 +527,19 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
     def _initialize(self, x: torch.Tensor) -> None:
         self.init_scale(x)
 
+    def _invalid(self) -> torch.Tensor:
+        s = self.scale.detach()
+        return ~torch.isfinite(s) | (s <= 0) | ~torch.isfinite(torch.reciprocal(s))  # 1/s: the forward's multiplier
+
     def _learned(self, x: torch.Tensor) -> torch.Tensor:
         grad_factor = 1.0 / math.sqrt(x.numel() / self.scale.numel() * self.qmax)
         out = _LSQFunction.apply(
             x.float(), self.scale, self.zero_point, self.qmin, self.qmax, grad_factor, self.axis, self._round_method
         )
-        return out.to(x.dtype)
+        return cast_saturating(out, x.dtype)  # an fp16 input at 65504 may round to a grid point past it
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_learned()  # what export and to_frozen bake in
         if self.axis is None:
             return self.scale.detach().reshape(()), self.zero_point.reshape(())
         return self.scale.detach(), self.zero_point

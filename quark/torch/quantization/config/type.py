@@ -142,7 +142,9 @@ class ScaleType(_LenientEnum):
     ``pof2`` rounds the scale to the nearest power of two in the log domain (``2^round(log2 s)``, Quark's rule);
     ``float8_e8m0fnu`` (UE8M0, as DeepSeek-V3 / DeepGEMM store block scales) rounds it up to the next power of two
     (``2^ceil(log2 s)``, so no value that fitted before clips), clamped to E8M0's range [2^-127, 2^127]; such a scale
-    is exactly representable as ``torch.float8_e8m0fnu``.
+    is exactly representable as ``torch.float8_e8m0fnu``. ``float16`` / ``bfloat16`` (and ``float`` for a model in
+    those dtypes) saturate: a scale past the type's largest finite value is held as that value (with a warning),
+    never as inf.
     """
 
     float = "float"

@@ -10,7 +10,7 @@ import torch
 
 from quark.torch.quantization.config.type import Dtype
 from quark.torch.quantization.formats.bits import frexp32, ldexp32
-from quark.torch.quantization.formats.grouping import compilable, from_blocks, to_blocks
+from quark.torch.quantization.formats.grouping import cast_saturating, compilable, from_blocks, to_blocks
 from quark.torch.quantization.formats.minifloat import round_to_grid
 from quark.torch.quantization.formats.table import (
     FLOAT_FORMATS,
@@ -159,7 +159,7 @@ def _check_even(block_size: int) -> None:
 class _BlockSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, args):  # type: ignore[override]
-        return fn(x, *args).to(x.dtype)
+        return cast_saturating(fn(x, *args), x.dtype)  # a block step rounded up can pass an fp16 input's range
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

@@ -238,3 +238,29 @@ def round_to_int(v: torch.Tensor, method: RoundType) -> torch.Tensor:
         tie = (v - trunc).abs() == 0.5
         return torch.where(tie, trunc + torch.sign(v), r)
     raise ValueError(f"round_method={method!r} is not one of {RoundType.choices()}")
+
+
+class _SaturateSTE(torch.autograd.Function):
+    """``clamp(x, -limit, limit)`` with the identity as gradient (the clamp only trims the overshoot of a rounding).
+    Out of place: the Function that produced ``x`` may have saved it for its backward (LSQ does)."""
+
+    @staticmethod
+    def forward(ctx, x, limit):  # type: ignore[override]
+        return x.clamp(-limit, limit)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+def cast_saturating(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (a float32 result the caller owns) in the caller's ``dtype``, where that dtype's range is narrower:
+    magnitudes past its largest finite value become that value instead of inf (fp16 data at 65504 rounded onto a grid
+    whose nearest point is 65520 or more would otherwise come back as inf). NaN stays NaN; the gradient is
+    straight-through. Without autograd ``x`` is clamped in place, a fraction of the cost of the cast that follows."""
+    if x.dtype == dtype:
+        return x
+    if dtype.is_floating_point and x.is_floating_point() and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
+        limit = torch.finfo(dtype).max
+        x = _SaturateSTE.apply(x, limit) if x.requires_grad and torch.is_grad_enabled() else x.clamp_(-limit, limit)
+    return x.to(dtype)

@@ -16,12 +16,14 @@ point dispatches to ``torch.fake_quantize_per_{tensor,channel}_affine``, the fas
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 
 from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
 from quark.torch.quantization.formats.grouping import (
+    cast_saturating,
     channel_view,
     compilable,
     compiled_kernels_active,
@@ -39,27 +41,52 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _E8M0_MIN, _E8M0_MAX = 2.0**-127, 2.0**127  # the finite range of float8_e8m0fnu
 
 
-def apply_scale_type(scale: torch.Tensor, scale_type: ScaleType | None, model_dtype: torch.dtype) -> torch.Tensor:
+def apply_scale_type(
+    scale: torch.Tensor, scale_type: ScaleType | None, model_dtype: torch.dtype, who: str = "a quantizer"
+) -> torch.Tensor:
     """Hold ``scale`` in the precision of ``scale_type``; returned as float32 for the arithmetic.
 
-    float: the model's float dtype; pof2: ``2^round(log2 s)`` (Quark's convention); float32/float16/bfloat16: that dtype;
-    float8_e8m0fnu: ``2^ceil(log2 s)`` (UE8M0, rounded up so no value clips), clamped to [2^-127, 2^127].
+    float: the model's float dtype; pof2: ``2^round(log2 s)`` (Quark's convention), the exponent at most 127;
+    float32/float16/bfloat16: that dtype; float8_e8m0fnu: ``2^ceil(log2 s)`` (UE8M0, rounded up so no value clips),
+    clamped to [2^-127, 2^127].
+
+    A scale held in a narrower float (float16, bfloat16, or ``float`` for such a model) saturates to that type's
+    range: one past its largest finite value becomes that value (a warning says so: inputs beyond ``qmax`` times it
+    clip; ``who`` names the quantizer there) and one below its smallest subnormal becomes that subnormal, never inf
+    or 0.
     """
     if scale_type in (None, ScaleType.float32):
         held = scale.float()
     elif scale_type == ScaleType.float:
-        held = scale.to(model_dtype if model_dtype.is_floating_point else torch.float32)
+        held = _held_in(scale, model_dtype if model_dtype.is_floating_point else torch.float32, who)
     elif scale_type == ScaleType.pof2:
-        held = torch.exp2(torch.round(torch.log2(scale.float())))
+        held = torch.exp2(torch.round(torch.log2(scale.float())).clamp(max=127))
     elif scale_type == ScaleType.float16:
-        held = scale.to(torch.float16)
+        held = _held_in(scale, torch.float16, who)
     elif scale_type == ScaleType.bfloat16:
-        held = scale.to(torch.bfloat16)
+        held = _held_in(scale, torch.bfloat16, who)
     elif scale_type == ScaleType.float8_e8m0fnu:
         held = ceil_pow2(scale)
     else:
         raise ValueError(f"scale_type={scale_type!r} is not one of {ScaleType.choices()}")
     return held.float()
+
+
+def _held_in(scale: torch.Tensor, dtype: torch.dtype, who: str) -> torch.Tensor:
+    """``scale`` in ``dtype``, saturated to its finite positive range (see ``apply_scale_type``)."""
+    s = scale.float()
+    if dtype == torch.float32 or torch.finfo(dtype).max >= torch.finfo(s.dtype).max:
+        return s.to(dtype)
+    info = torch.finfo(dtype)
+    if bool((s > info.max).any()):
+        warnings.warn(
+            f"{who}: a scale of {float(s.max()):.6g} exceeds {str(dtype).removeprefix('torch.')}'s largest value "
+            f"{info.max:.6g}; it is held as {info.max:.6g}, so values beyond it times the format's largest code clip "
+            "(scale_type=float32 keeps the full range)",
+            stacklevel=3,
+        )
+    smallest = info.smallest_normal * info.eps  # the smallest subnormal: 2^-24 (float16), 2^-133 (bfloat16)
+    return s.clamp(smallest, info.max).to(dtype)
 
 
 def ceil_pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -186,7 +213,7 @@ def fake_quantize_int(
         out = from_tiles(outt, tiles)
     else:
         raise ValueError(f"qscheme={qscheme!r} is not one of {QSchemeType.choices()}")
-    return out if out.dtype == orig_dtype else out.to(orig_dtype)
+    return cast_saturating(out, orig_dtype)  # fp16 at 65504 on a grid point past it: 65504, not inf
 
 
 def quantize_int(

@@ -13,6 +13,7 @@ import torch
 
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.formats.grouping import (
+    cast_saturating,
     channel_view,
     compilable,
     compiled_kernels_active,
@@ -101,7 +102,7 @@ def fake_quantize_minifloat(
     else:
         s = channel_view(scale, xf.ndim, axis) if qscheme == QSchemeType.per_channel else scale.reshape(())  # type: ignore[arg-type]
         out = _scaled_round(xf, s, fmt, torch_dtype)
-    return out.to(orig_dtype)
+    return cast_saturating(out, orig_dtype)  # max_normal * scale can lie past an fp16 input's largest value
 
 
 def _scaled_round(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, torch_dtype: torch.dtype | None) -> torch.Tensor:

@@ -3,8 +3,11 @@
 Conventions (Quark's): symmetric integer scale = max(|min|, |max|) / ((qmax - qmin) / 2); asymmetric scale =
 (max - min) / (qmax - qmin) with zero point ``qmin - round(min / scale)`` (int32, clamped) or ``qmin - min / scale``
 (float32); minifloat scale = amax / max_normal. Ranges always include 0; a constant or all-zero tensor gives a finite
-positive scale (>= eps); NaN or Inf in an observed tensor raises ValueError. Static observers keep running
-statistics across batches; dynamic ones (``is_dynamic=True``) recompute them on every call.
+positive scale (>= eps); NaN or Inf in an observed tensor raises ValueError naming the layer and role (``where``,
+set with the observer's quantizer). Every finite input up to float32's largest gives a finite scale: spans and
+errors that would overflow float32 are computed in float64, histograms over the range normalised to [-1, 1], and
+float16 / bfloat16 scales saturate (``apply_scale_type``). Static observers keep running statistics across batches;
+dynamic ones (``is_dynamic=True``) recompute them on every call.
 """
 
 from __future__ import annotations
@@ -69,13 +72,14 @@ def _is_scaled(dtype: Dtype) -> bool:
     return isinstance(format_of(dtype), IntFormat | FloatFormat)
 
 
-def _check_finite(name: str, *values: torch.Tensor) -> None:
-    """Raise when statistics carry NaN/Inf (cheap: checks reduced values, not the whole tensor)."""
+def _check_finite(who: str, *values: torch.Tensor) -> None:
+    """Raise when statistics carry NaN/Inf (cheap: checks reduced values, not the whole tensor); ``who`` names the
+    observer and, once its quantizer is placed, the layer and role (``ObserverBase.who``)."""
     for v in values:
         finite = math.isfinite(v.item()) if v.numel() == 1 else bool(torch.isfinite(v).all())
         if not finite:
             raise ValueError(
-                f"{name} observed a tensor containing NaN or Inf; its scale would be NaN. "
+                f"{who} observed a tensor containing NaN or Inf; its scale would be NaN. "
                 "Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
             )
 
@@ -88,6 +92,8 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
 
     #: qschemes this observer can serve (None: also block formats without a qscheme)
     qschemes: frozenset[QSchemeType] = frozenset()
+    #: the layer and role observed (set with its quantizer's ``where`` by ModelQuantizer.prepare; "" standalone)
+    where: str = ""
 
     def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__()
@@ -98,6 +104,11 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
     def serves(cls, dtype: Dtype, qscheme: QSchemeType | None) -> bool:
         """Whether this observer can determine qparams for ``dtype`` with ``qscheme``."""
         return False
+
+    @property
+    def who(self) -> str:
+        """This observer in error messages: ``"layer 'fc1' (Linear, input_tensors): PerTensorMinMaxObserver"``."""
+        return f"{self.where}: {type(self).__name__}" if self.where else type(self).__name__
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -171,7 +182,7 @@ class UniformScalingObserver(ObserverBase):
 
     def _update(self, min_val: torch.Tensor, max_val: torch.Tensor, x: torch.Tensor) -> None:
         """Fold new statistics into the running ones (or replace them when dynamic)."""
-        _check_finite(type(self).__name__, min_val, max_val)
+        _check_finite(self.who, min_val, max_val)
         self.model_dtype = x.dtype
         min_val, max_val = min_val.float(), max_val.float()
         if self.min_val.shape != min_val.shape:  # first statistics of this shape (e.g. per channel): rebind once
@@ -191,14 +202,14 @@ class UniformScalingObserver(ObserverBase):
         """Scale and zero point of the range [min_val, max_val] (by default the observed one), extended to include 0."""
         if min_val is None or max_val is None:
             if not self.has_statistics:
-                raise RuntimeError(f"{type(self).__name__} has observed no data yet; run calibration batches first")
+                raise RuntimeError(f"{self.who} has observed no data yet; run calibration batches first")
             min_val, max_val = self.min_val, self.max_val
         min_neg = torch.clamp(min_val.float(), max=0.0)
         max_pos = torch.clamp(max_val.float(), min=0.0)
         if isinstance(self.fmt, FloatFormat):
             amax = torch.maximum(-min_neg, max_pos)
             scale = torch.clamp(amax / self.fmt.max_normal, min=self.eps)
-            scale = apply_scale_type(scale, self.scale_type, self.model_dtype)
+            scale = apply_scale_type(scale, self.scale_type, self.model_dtype, self.who)
             return scale, torch.zeros_like(scale, dtype=torch.int32)
         return self._int_qparams(min_neg, max_pos)
 
@@ -207,11 +218,13 @@ class UniformScalingObserver(ObserverBase):
         qmin, qmax = fmt.qmin, fmt.qmax
         if self.symmetric:
             amax = torch.maximum(-min_neg, max_pos)
-            scale = apply_scale_type(torch.clamp(amax / ((qmax - qmin) / 2), min=self.eps), self.scale_type, self.model_dtype)
+            scale = apply_scale_type(torch.clamp(amax / ((qmax - qmin) / 2), min=self.eps), self.scale_type, self.model_dtype, self.who)
             zp = 0 if fmt.signed else (qmin + qmax + 1) // 2
             return scale, torch.full_like(scale, zp, dtype=torch.int32)
-        scale = torch.clamp((max_pos - min_neg) / float(qmax - qmin), min=self.eps)
-        scale = apply_scale_type(scale, self.scale_type, self.model_dtype)
+        span = (max_pos - min_neg) / float(qmax - qmin)  # float32, as amd-quark computes it (bit for bit)
+        # max - min overflows float32 for ranges past ~1.7e38 on both sides of 0: there, the span in float64
+        span = torch.where(torch.isfinite(span), span, ((max_pos.double() - min_neg.double()) / float(qmax - qmin)).float())
+        scale = apply_scale_type(torch.clamp(span, min=self.eps), self.scale_type, self.model_dtype, self.who)
         if self.zero_point_type == ZeroPointType.float32:
             return scale, qmin - min_neg / scale
         zp = qmin - torch.round(min_neg / scale)
@@ -320,7 +333,7 @@ class PerBlock2DMinMaxObserver(UniformScalingObserver):
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.ndim != 2:
             raise ValueError(
-                f"{type(self).__name__}: qscheme=per_block (block_size={self.block_size}) needs a 2-D tensor "
+                f"{self.who}: qscheme=per_block (block_size={self.block_size}) needs a 2-D tensor "
                 f"[rows, cols], got shape {tuple(x_orig.shape)}"
             )
         if x_orig.numel():
@@ -355,7 +368,7 @@ class PerBlockMXObserver(ObserverBase):
         if x_orig.numel():
             xb, _ = to_blocks(x_orig.detach().float(), self.axis, self.block_size)
             amax = xb.abs().amax(dim=-1)
-            _check_finite(type(self).__name__, amax)
+            _check_finite(self.who, amax)
             if not self.is_dynamic and self.amax.shape == amax.shape:
                 amax = torch.maximum(self.amax, amax)
             self.amax = amax
@@ -459,7 +472,8 @@ class PerTensorHistogramObserver(UniformScalingObserver):
             r = float(self.calib_range)
             # one pass over [-R, R]: bins [:B] are the negatives (reversed), [B:] the positives; exact zeros,
             # which land in bin B, are taken out (they are exact in every format and would dilute percentiles)
-            hist = torch.histc(x, 2 * self.num_bins, -r, r).double()
+            # over x / R in [-1, 1] (R a power of two: exact): histc's (x + R) * bins overflows float32 past ~1e34
+            hist = torch.histc(x * (1.0 / r), 2 * self.num_bins, -1.0, 1.0).double()
             hist[self.num_bins] -= float((x == 0).sum())
             self.calib_pos += hist[self.num_bins :]
             self.calib_neg += hist[: self.num_bins].flip(0)
@@ -659,7 +673,9 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
                                   qscheme=QSchemeType.per_channel, axis=0)  # fmt: skip
         else:
             q = fake_quantize_minifloat(grid, self.fmt, scale, qscheme=QSchemeType.per_channel, axis=0)
-        mse = (((q - centers) ** 2).double() * counts).sum(dim=1)
+        # float64 from the difference on: its square overflows float32 once |x| passes ~1.8e19 (every candidate
+        # then ties at inf and the first, the narrowest, wins)
+        mse = (((q.double() - centers.double()) ** 2) * counts).sum(dim=1)
         return int(idx[int(torch.argmin(mse))])
 
 
@@ -720,9 +736,9 @@ class PerTensorHistogramObserverPro(UniformScalingObserver):
         if min_val is not None and max_val is not None:
             return super().calculate_qparams(min_val, max_val)
         if not self.has_statistics:
-            raise RuntimeError("PerTensorHistogramObserverPro has observed no data yet; run calibration batches first")
+            raise RuntimeError(f"{self.who} has observed no data yet; run calibration batches first")
         scale, zp = self.histogram.calculate_qparams()
-        scale = apply_scale_type(scale.reshape(()), self.scale_type, self.model_dtype)
+        scale = apply_scale_type(scale.reshape(()), self.scale_type, self.model_dtype, self.who)
         return scale, zp.reshape(()).to(torch.int32)
 
 
@@ -828,7 +844,7 @@ class _PowOf2Mixin:
         if min_val is not None and max_val is not None:  # an explicit range: its own pow2 qparams
             return self._pow2_qparams(min_val, max_val)
         if not self.records:
-            raise RuntimeError(f"{type(self).__name__} has observed no data yet; run calibration batches first")
+            raise RuntimeError(f"{self.who} has observed no data yet; run calibration batches first")
         (scales, zps), _ = Counter(self.records).most_common(1)[0]
         shape = self.min_val.shape
         device = self.min_val.device
@@ -861,7 +877,7 @@ class PerTensorPowOf2MinMSEObserver(PerTensorPowOf2MinMaxObserver):
         best, best_err = scale, float("inf")
         for offset in range(-2, 3):
             s = torch.exp2(-(pos + offset))
-            err = float((((torch.round(x / s) + zp).clamp(self.fmt.qmin, self.fmt.qmax) - zp) * s - x).pow(2).sum())
+            err = float((((torch.round(x / s) + zp).clamp(self.fmt.qmin, self.fmt.qmax) - zp) * s - x).double().pow(2).sum())
             if err < best_err:
                 best, best_err = s, err
         self._record(best, zp)
