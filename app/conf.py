@@ -22,7 +22,7 @@ from quark.torch.quantization.config.config import (
     QuantizationSpec,
     TQTSpec,
 )
-from quark.torch.quantization.config.type import Dtype
+from quark.torch.quantization.config.type import Dtype, QuantizationMode
 from quark.torch.quantization.formats import BLOCK_FORMATS, FLOAT_FORMATS, bits_per_element
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -71,10 +71,18 @@ class QuantFlow:
     qat_lr_scale: float = 0.25
     freeze_bn_epoch: int | None = None
     quantizer_lr: float | None = None
+    layer_bits: dict[str, int | str] | None = None  # per layer (group): weight width or spec name; app/layer_bits.py
+    candidates: list[str] | None = None  # mixed precision: spec presets a layer's weight may take (app/mixed.py)
+    target_bits: float | None = None  # mixed precision: average weight bits per parameter, scales counted
+    sensitivity: str = "kl"  # mixed precision: kl | mse | hessian
+    sensitivity_batches: int = 8
+    sensitivity_csv: str | None = None  # mixed precision: allocate from an earlier run's sensitivity.csv, no measurement
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise QuantConfigError(f"quant.mode={self.mode!r} is not allowed; allowed: {list(MODES)}")
+        _check_layer_bits(self.layer_bits)
+        _check_mixed(self)
         for key in ("weight_bits", "act_bits"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16):
@@ -96,6 +104,107 @@ class QuantFlow:
 
 
 FLOW_KEYS = tuple(f.name for f in fields(QuantFlow))
+MIXED_KEYS = ("candidates", "target_bits", "sensitivity", "sensitivity_batches", "sensitivity_csv")
+SENSITIVITY_METHODS = ("kl", "mse", "hessian")
+
+
+def spec_names(spec_dir: Path = SPEC_DIR) -> list[str]:
+    """The spec presets of ``conf/quant/spec`` (the options of ``quant/<role>=`` and of ``quant.candidates``)."""
+    return sorted(p.stem for p in spec_dir.glob("*.yaml"))
+
+
+def candidate_specs(names: Iterable[str], spec_dir: Path = SPEC_DIR) -> dict[str, dict[str, Any]]:
+    """name -> the spec dict of ``conf/quant/spec/<name>.yaml``, for each mixed-precision candidate; QuantConfigError
+    naming ``quant.candidates`` and the allowed names when one is not a spec preset."""
+    allowed = spec_names(spec_dir)
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        if name not in allowed:
+            close = difflib.get_close_matches(str(name), allowed, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise QuantConfigError(f"quant.candidates: {name!r} is not a spec preset of conf/quant/spec; allowed: {allowed}{hint}")
+        spec = OmegaConf.to_container(OmegaConf.load(spec_dir / f"{name}.yaml"), resolve=True)
+        assert isinstance(spec, dict)
+        out[name] = spec
+    return out
+
+
+def _check_mixed(flow: QuantFlow) -> None:
+    """The mixed-precision keys of the flow (``quant=mixed_auto``): both of candidates / target_bits or neither, the
+    candidates spec presets, the budget a finite number no smaller than the fewest element bits of a candidate."""
+    candidates, bits = flow.candidates, flow.target_bits
+    if flow.sensitivity not in SENSITIVITY_METHODS:
+        raise QuantConfigError(f"quant.sensitivity={flow.sensitivity!r} is not allowed; allowed: {list(SENSITIVITY_METHODS)}")
+    batches = flow.sensitivity_batches
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise QuantConfigError(f"quant.sensitivity_batches={batches!r} must be an int >= 1")
+    if flow.sensitivity_csv is not None and not isinstance(flow.sensitivity_csv, str):
+        raise QuantConfigError(f"quant.sensitivity_csv={flow.sensitivity_csv!r} must be null or the path of a sensitivity.csv")
+    if candidates is None and bits is None:
+        if flow.sensitivity_csv is not None:
+            raise QuantConfigError("quant.sensitivity_csv is set but quant.target_bits / quant.candidates are null (use quant=mixed_auto)")
+        return
+    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int | float) or not 0 < bits < float("inf")):
+        raise QuantConfigError(f"quant.target_bits={bits!r} must be a finite number > 0 (average weight bits per parameter)")
+    if candidates is None or bits is None:
+        given, missing = ("target_bits", "candidates") if candidates is None else ("candidates", "target_bits")
+        raise QuantConfigError(
+            f"quant.{given} is set but quant.{missing} is null: mixed precision needs both "
+            "(quant=mixed_auto sets them; e.g. quant.target_bits=3 quant.candidates=[int2_per_channel_sym,int4_per_channel_sym])"
+        )
+    if not isinstance(candidates, list | tuple) or not candidates or not all(isinstance(c, str) for c in candidates):
+        raise QuantConfigError(f"quant.candidates={candidates!r} must be a non-empty list of spec presets of conf/quant/spec: {spec_names()}")
+    if len(set(candidates)) != len(candidates):
+        raise QuantConfigError(f"quant.candidates={list(candidates)} names a spec twice")
+    if flow.mode != "ptq":
+        raise QuantConfigError(f"quant.target_bits (mixed precision) chooses formats after training: it needs quant.mode=ptq, not {flow.mode!r}")
+    if flow.weight_bits is not None:
+        raise QuantConfigError(
+            f"quant.weight_bits={flow.weight_bits} sets one width for every weight, while quant.target_bits chooses one per "
+            "layer from quant.candidates: leave quant.weight_bits null"
+        )
+    if flow.layer_bits:
+        raise QuantConfigError("quant.layer_bits and quant.target_bits both set the layers' weight formats: use one")
+    specs = candidate_specs(candidates)
+    fewest = {}
+    for name, spec in specs.items():
+        try:
+            fewest[name] = spec_bits(QuantizationSpec.from_dict(spec))
+        except (ValueError, TypeError) as err:
+            raise QuantConfigError(f"quant.candidates: {name}: {err}") from None
+    name = min(fewest, key=fewest.__getitem__)
+    if bits < fewest[name]:
+        raise QuantConfigError(
+            f"quant.target_bits={bits} is below the fewest bits a candidate stores: {name}, {fewest[name]:g} bits per "
+            f"weight before its scales; allowed: >= {fewest[name]:g} (plus scales) with these quant.candidates"
+        )
+
+
+def _check_layer_bits(layer_bits: Any) -> None:
+    """``quant.layer_bits`` (flattened): layer name / group -> an int 2..16 or a spec name of conf/quant/spec."""
+    if layer_bits is None:
+        return
+    if not isinstance(layer_bits, dict):
+        raise QuantConfigError(f"quant.layer_bits={layer_bits!r} must be a mapping of layer (group) names to bit widths")
+    specs = sorted(p.stem for p in SPEC_DIR.glob("*.yaml"))
+    for key, value in layer_bits.items():
+        width = isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 16
+        if not width and not (isinstance(value, str) and value in specs):
+            raise QuantConfigError(
+                f"quant.layer_bits.{key}={value!r} must be an int in 2..16 (the weight width, the layer's format "
+                f"family kept) or a weight spec of conf/quant/spec: {specs}"
+            )
+
+
+def flatten_layer_bits(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"net": {"fc2": 4}}`` (Hydra nests dotted keys) -> ``{"net.fc2": 4}``; null entries are dropped."""
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            out.update(flatten_layer_bits(value, f"{prefix}{key}."))
+        elif value is not None:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- role groups
@@ -126,6 +235,8 @@ def build_quant(node: DictConfig | dict[str, Any]) -> tuple[QuantFlow, Config | 
     unknown = [k for k in data if k not in FLOW_KEYS and k not in CONFIG_KEYS]
     if unknown:
         raise QuantConfigError(_unknown("quant", unknown[0], FLOW_KEYS + CONFIG_KEYS))
+    if isinstance(data.get("layer_bits"), dict):
+        data["layer_bits"] = flatten_layer_bits(data["layer_bits"])
     flow = QuantFlow(**{k: data[k] for k in FLOW_KEYS if k in data})
     config_dict = {k: data[k] for k in CONFIG_KEYS if k in data and data[k] is not None}
     config_dict.setdefault("global_quant_config", {})
@@ -140,7 +251,12 @@ def build_quant(node: DictConfig | dict[str, Any]) -> tuple[QuantFlow, Config | 
         raise
     except (ValueError, TypeError) as err:
         raise QuantConfigError(f"quant: {err}") from None
+    if flow.target_bits is not None:
+        _check_mixed_config(config, data)
+        return flow, config  # the weights come from the candidates: the composed roles may all be null
     if flow.mode == "none":
+        if flow.layer_bits:
+            raise QuantConfigError(f"quant.layer_bits={flow.layer_bits} is set but quant.mode='none' quantizes nothing")
         return flow, None
     levels = [config.global_quant_config, *config.layer_type_quant_config.values(), *config.layer_quant_config.values()]
     if not any(getattr(qc, role) is not None for qc in levels for role in ROLES):
@@ -149,6 +265,20 @@ def build_quant(node: DictConfig | dict[str, Any]) -> tuple[QuantFlow, Config | 
             "or use quant=none for a float run"
         )
     return flow, config
+
+
+def _check_mixed_config(config: Config, data: dict[str, Any]) -> None:
+    """What mixed precision cannot work with: Brevitas configs, graph mode, algorithms that rewrite the weights."""
+    if data.get("brevitas") is not None:
+        raise QuantConfigError("quant.brevitas and quant.target_bits (mixed precision) are both set; use one")
+    if config.quant_mode == QuantizationMode.fx_graph_mode:
+        raise QuantConfigError("quant.target_bits (mixed precision) works on the module's own layers: quant.quant_mode must be eager_mode")
+    for key in ("algo_config", "pre_quant_opt_config"):
+        if data.get(key) is not None:
+            raise QuantConfigError(
+                f"quant.{key} and quant.target_bits (mixed precision) are both set: the sensitivity is measured with "
+                "round-to-nearest formats; set quant.{key}=null"
+            )
 
 
 def _from_brevitas(brevitas: dict[str, Any], config_dict: dict[str, Any]) -> dict[str, Any]:

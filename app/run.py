@@ -28,9 +28,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from app.checks import check_activations, check_plain_keys, warnings_logged_once
 from app.conf import ConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
-from callbacks import QuantCallback
-from callbacks.quant import read_checkpoint
+from app.layer_bits import apply_layer_bits
+from app.mixed import candidate_configs, check_before_training, run_mixed, with_candidate
+from app.rundir import claim, recording, remove_temporaries, run_files
+from callbacks import AtomicCheckpointIO, QuantCallback
+from callbacks.quant import _feedable, read_checkpoint
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm import find_decoder_layers, scaling_groups
 from quark.torch.export import (
@@ -41,6 +45,7 @@ from quark.torch.export import (
     export_safetensors,
     size_report,
 )
+from quark.torch.export.files import write_atomically, write_files_atomically, write_text_atomically
 from quark.torch.quantization.api import run_batch
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
@@ -98,9 +103,11 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     _one_log_line_per_message()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with _run_dir_lock(out):
+    with _run_dir_lock(out), warnings_logged_once():  # each warning once, through logging (so into train.log)
+        remove_temporaries(out)  # of a run killed mid-write (app.rundir)
         _save_composed_config(cfg, out)
-        return _run_locked(cfg, out, start)
+        with recording(out):  # run_state.json: complete, or failed with the error (once the run claimed the dir)
+            return _run_locked(cfg, out, start)
 
 
 def _save_composed_config(cfg: DictConfig, out: Path) -> None:
@@ -110,13 +117,15 @@ def _save_composed_config(cfg: DictConfig, out: Path) -> None:
 
     folder = out / ".hydra"
     folder.mkdir(exist_ok=True)
-    OmegaConf.save(cfg, folder / "config.yaml")
+    write_atomically(folder, "config.yaml", lambda tmp: OmegaConf.save(cfg, tmp))
     if HydraConfig.initialized():
-        OmegaConf.save(OmegaConf.create(list(HydraConfig.get().overrides.task)), folder / "overrides.yaml")
+        overrides = OmegaConf.create(list(HydraConfig.get().overrides.task))
+        write_atomically(folder, "overrides.yaml", lambda tmp: OmegaConf.save(overrides, tmp))
 
 
 def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
     flow, qconfig = build_quant(cfg.quant)  # first: a bad quant config stops here
+    check_plain_keys(cfg)  # seed=abc, trainer.max_epochs=abc, ...: named, before anything is built
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
         datamodule = _build(cfg.data, "data")
@@ -125,15 +134,26 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         if callable(check_data):  # e.g. the data's vocabulary and window length fit the model
             check_data(datamodule)
         metric, higher_is_better = _metric(cfg, model)
-        layers, prepared = _check_quantizable(qconfig, model) if qconfig is not None else ({}, None)
+        if qconfig is not None and flow.layer_bits:  # per-layer widths: names checked against the built model
+            qconfig = apply_layer_bits(qconfig, model, flow.layer_bits)
+        uniform: dict[str, float] = {}
+        if qconfig is not None and flow.target_bits is not None:  # mixed precision: every candidate is checked
+            layers, prepared, uniform = _check_mixed(cfg, flow, qconfig, model)
+        else:
+            layers, prepared = _check_quantizable(qconfig, model) if qconfig is not None else ({}, None)
         formats = _check_export(cfg, prepared)
+        check_activations(prepared, datamodule, _feedable)  # activation ch_axis vs one batch (a dry forward)
         if cfg.get("ckpt_path"):
             _load_float_weights(model, str(cfg.ckpt_path))
     except (ValueError, FileNotFoundError) as err:  # before any Trainer: the composed config cannot run
         raise ConfigError(str(err)) from err
+    claim(cfg, out, inputs=[cfg.get("ckpt_path"), flow.sensitivity_csv])  # run_state.json "running"; another run's files here are removed
 
     timings: dict[str, float] = {}
-    trainer = _trainer(cfg, out, "fp32", checkpoint_name="float-epoch{epoch}")
+    try:
+        trainer = _trainer(cfg, out, "fp32", checkpoint_name="float-epoch{epoch}")
+    except InstantiationException as err:  # an argument Lightning refuses (trainer.accelerator=gpu without one)
+        raise ConfigError(f"the Trainer (or a logger) could not be built from the config: {err.__cause__ or err}") from err
     if not cfg.get("ckpt_path"):
         t0 = time.perf_counter()
         trainer.fit(model, datamodule=datamodule)
@@ -143,20 +163,27 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
     float_bits = model_size_bits(model)[1]
 
     quant_metrics: dict[str, float] | None = None
+    mixed: dict[str, Any] | None = None
     report: dict[str, Any] = {}
     quantized_ckpt = None
     if qconfig is not None:
         t0 = time.perf_counter()
+        if flow.target_bits is not None:  # sensitivity -> allocation -> mixed_precision.yaml, whose Config PTQ uses
+            quant_node = OmegaConf.to_container(cfg.quant, resolve=True)
+            device = trainer.strategy.root_device  # where the float model was tested
+            qconfig, mixed = run_mixed(quant_node, flow, qconfig, model, datamodule, out, uniform, flow.name, device)  # type: ignore[arg-type]
+            timings["sensitivity_s"] = time.perf_counter() - t0
+            layers = _check_quantizable(qconfig, model)[0]
         qtrainer, model = _quantize(cfg, flow, qconfig, model, datamodule, out)
         quant_metrics = _test(qtrainer, model, datamodule)
         if ModelQuantizer(qconfig).graph_mode:
             layers = _graph_layers(qconfig, model)
         timings["quantize_s"] = time.perf_counter() - t0
-        report = _report(model, datamodule)
+        report = _report(model, datamodule, qtrainer)
         quantized_ckpt = str(out / "checkpoints" / "quantized.ckpt")
         qtrainer.save_checkpoint(quantized_ckpt, weights_only=False)  # with the callback state (its Config)
         if formats:
-            example = _first_input(datamodule)
+            example = qtrainer.precision_plugin.convert_input(_first_input(datamodule))  # the model's dtype
             report["export"] = export_model(model, out / "export", [f for f in formats if f != "quark"], example)
             if "quark" in formats:
                 report["export"]["quark"] = _export_quark(model, out / "export" / "quark", datamodule)
@@ -164,7 +191,11 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
 
     results = _results(cfg, flow, qconfig, metric, higher_is_better, float_metrics, quant_metrics, report, float_bits, timings)
     results["layers"] = layers
+    if mixed is not None:  # the weights' width is the choice's average (element bits; scales in mixed_precision)
+        results["quant"]["weight_bits"] = mixed["avg_element_bits"]
+        results["mixed_precision"] = mixed
     results["checkpoints"] = {"float": float_ckpt or cfg.get("ckpt_path"), "quantized": quantized_ckpt}
+    results["files"] = run_files(out)  # this run's files in its directory (relative paths), by kind
     _write_json(out / "results.json", results)
     print(format_table(results))
     print(f"results: {out / 'results.json'}")
@@ -249,6 +280,23 @@ def _layer_table(plans: list[Any]) -> dict[str, dict[str, Any]]:
     return layers
 
 
+def _check_mixed(cfg: DictConfig, flow: QuantFlow, config: Config, model: LightningModule) -> tuple[dict[str, Any], Any, dict[str, float]]:
+    """Mixed precision, before training: each candidate as the global weight spec fits every layer (and the export
+    formats), and the budget can be met. Returns the layers and prepared copy of the first candidate, and each
+    candidate's average bits when used everywhere."""
+    layers: dict[str, Any] = {}
+    prepared = None
+    for name, qconfig in candidate_configs(config, flow).items():
+        try:
+            found, copy_ = _check_quantizable(with_candidate(config, qconfig), model)
+            _check_export(cfg, copy_)
+        except ValueError as err:
+            raise ValueError(f"quant.candidates: {name}: {err}") from None
+        if prepared is None:
+            layers, prepared = found, copy_
+    return layers, prepared, check_before_training(model, config, flow)
+
+
 def _check_export(cfg: DictConfig, prepared: LightningModule | None) -> list[str]:
     """The ``export`` list: known formats, a quantized run, and (ONNX) Q/DQ-expressible quantizers of the
     ``prepared`` copy (None: a float run)."""
@@ -308,7 +356,7 @@ def _export_quark(model: LightningModule, directory: Path, datamodule: Any) -> d
                 root.quant_config = saved
     tokenizer = getattr(datamodule, "tokenizer", None)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(directory))
+        write_files_atomically(directory, "tokenizer", lambda tmp: tokenizer.save_pretrained(tmp))  # each file whole
     return {"path": str(directory), "weights": str(weights), "module": prefix or None, **size_report(weights, root)}
 
 
@@ -396,6 +444,8 @@ def _trainer(cfg: DictConfig, out: Path, phase: str, checkpoint_name: str, callb
     kwargs: dict[str, Any] = {"callbacks": callbacks, "logger": _loggers(cfg, out, phase) or False, **overrides}
     if cfg.trainer.get("default_root_dir") is None:
         kwargs["default_root_dir"] = str(out)
+    if not cfg.trainer.get("plugins"):  # checkpoints complete under their name or absent (a full disk, a kill)
+        kwargs["plugins"] = [AtomicCheckpointIO()]
     return instantiate(cfg.trainer, **kwargs)
 
 
@@ -423,9 +473,10 @@ def _test(trainer: Trainer, model: LightningModule, datamodule: Any) -> dict[str
 
 
 @torch.no_grad()
-def _report(model: LightningModule, datamodule: Any) -> dict[str, Any]:
-    """Per-layer SQNR (dB) of weights and of activations on the first test batch, and the model size."""
-    batch = next(iter(datamodule.test_dataloader()))
+def _report(model: LightningModule, datamodule: Any, trainer: Trainer) -> dict[str, Any]:
+    """Per-layer SQNR (dB) of weights and of activations on the first test batch (cast as the ``trainer``'s
+    precision casts batches: trainer.precision=64-true / bf16-true), and the model size."""
+    batch = trainer.precision_plugin.convert_input(next(iter(datamodule.test_dataloader())))
     was_training = model.training
     model.eval()
     try:
@@ -484,10 +535,8 @@ def _results(
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomic write: a temporary file in the same folder, then a rename."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    """Atomic write: a temporary file in the same folder, synced, then a rename (``write_atomically``)."""
+    write_text_atomically(path, json.dumps(data, indent=2, default=str))
 
 
 def format_table(results: dict[str, Any]) -> str:

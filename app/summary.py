@@ -8,6 +8,7 @@ Runs as a Hydra callback (``hydra.callbacks.sweep_summary`` in conf/config.yaml)
 from __future__ import annotations
 
 import csv
+import io
 import json
 import sys
 from collections import defaultdict
@@ -55,12 +56,15 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
 
 def write_summary(rows: list[dict[str, Any]], folder: Path) -> tuple[Path, Path]:
     """Write ``summary.csv`` and ``summary.png`` into ``folder``; returns their paths."""
-    csv_path, png_path = folder / "summary.csv", folder / "summary.png"
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, png_path)
+    from quark.torch.export.files import write_atomically, write_text_atomically  # here: importing quark takes a second
+
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    csv_path = write_text_atomically(folder / "summary.csv", text.getvalue(), newline="")  # complete or absent
+    png_path = folder / "summary.png"
+    write_atomically(folder, png_path.name, lambda tmp: plot(rows, Path(tmp)))
     return csv_path, png_path
 
 
@@ -79,7 +83,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax, ((task, metric), panel) in zip(axes[0], sorted(panels.items()), strict=True):
         _panel(ax, task, metric, panel)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=130, format="png")  # the format named: ``path`` may be a temporary (.tmp)
     plt.close(fig)
 
 

@@ -1,6 +1,7 @@
 """Lightning front end of the engine."""
 
+from callbacks.checkpoint_io import AtomicCheckpointIO
 from callbacks.mixed_precision import MixedPrecision
 from callbacks.quant import QuantCallback, load_quantized_checkpoint
 
-__all__ = ["QuantCallback", "MixedPrecision", "load_quantized_checkpoint"]
+__all__ = ["QuantCallback", "MixedPrecision", "load_quantized_checkpoint", "AtomicCheckpointIO"]

@@ -6,6 +6,7 @@ quantize with the resulting Config (the engine's ``quark.torch.quantization.sens
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 import yaml
 from torch import nn
 
+from quark.torch.export.files import write_text_atomically
 from quark.torch.quantization.config.config import Config, QuantizationConfig
 from quark.torch.quantization.sensitivity import (
     METHODS,
@@ -82,24 +84,19 @@ def choose(model: nn.Module, base: Config, search: MixedPrecision, batches: Sequ
 
 def write_sensitivity_csv(path: str | Path, sensitivities: Sequence[LayerSensitivity], choice: dict[str, str]) -> Path:
     """One row per layer and candidate: layer, parameters, candidate, bits per parameter, loss, chosen (0/1)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["layer", "params", "candidate", "bits", "loss", "chosen"])
-        for s in sensitivities:
-            for c in s.loss:
-                writer.writerow([s.layer, s.numel, c, f"{s.bits[c]:.6g}", f"{s.loss[c]:.9g}", int(choice.get(s.layer) == c)])
-    return out
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["layer", "params", "candidate", "bits", "loss", "chosen"])
+    for s in sensitivities:
+        for c in s.loss:
+            writer.writerow([s.layer, s.numel, c, f"{s.bits[c]:.6g}", f"{s.loss[c]:.9g}", int(choice.get(s.layer) == c)])
+    return write_text_atomically(path, text.getvalue(), newline="")  # complete or absent, as every file written here
 
 
 def write_config_yaml(path: str | Path, config: Config, sensitivities: Sequence[LayerSensitivity], choice: dict[str, str]) -> Path:
     """The chosen Config as YAML (``Config.from_dict`` reads it back), headed by the average bits it reached."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     header = f"# mixed precision: {average_bits(choice, sensitivities):.4f} weight bits per parameter on average\n"
-    out.write_text(header + yaml.safe_dump(_plain(config.to_dict()), sort_keys=False))
-    return out
+    return write_text_atomically(path, header + yaml.safe_dump(_plain(config.to_dict()), sort_keys=False))
 
 
 def _plain(obj: Any) -> Any:

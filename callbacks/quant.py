@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from callbacks.checkpoint_io import ensure_atomic_checkpoints
 from callbacks.mixed_precision import MixedPrecision, write_config_yaml, write_sensitivity_csv
 from callbacks.mixed_precision import choose as choose_mixed
 from callbacks.quantizer_lr import follow_schedule, split_quantizer_groups
@@ -38,7 +39,7 @@ from quark.torch.export import EXPORT_FORMATS, export_model
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
 from quark.torch.extensions.brevitas import to_quark_config
 from quark.torch.quantization import graph
-from quark.torch.quantization.api import format_plans, run_batch
+from quark.torch.quantization.api import activation_axes_to_check, check_activation_shapes, format_plans, run_batch
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
 from quark.torch.quantization.hf import no_kv_cache
@@ -164,6 +165,29 @@ def _describe(batch: Any) -> str:
     return type(batch).__name__
 
 
+def _as_trained(trainer: Trainer, batch: Any) -> Any:
+    """``batch`` as the Trainer's loops hand it to the module: floating tensors cast by the precision plugin
+    (float64 under ``precision="64-true"``, bfloat16 under ``"bf16-true"``; unchanged under mixed precision)."""
+    return trainer.precision_plugin.convert_input(batch)
+
+
+def _non_finite(batch: Any, path: str = "batch") -> str | None:
+    """Where the first floating tensor of ``batch`` holding NaN or Inf is, with the counts; None when all finite."""
+    if isinstance(batch, torch.Tensor):
+        if batch.is_floating_point() or batch.is_complex():
+            finite = torch.isfinite(batch)
+            if not bool(finite.all()):
+                nan = int(torch.isnan(batch).sum())
+                return f"{path} (Tensor{list(batch.shape)}: {nan} NaN, {int((~finite).sum()) - nan} Inf)"
+        return None
+    items = batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, list | tuple) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{path}[{key!r}]")
+        if found:
+            return found
+    return None
+
+
 def _binds(signature: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if signature is None:
         return True
@@ -261,12 +285,16 @@ class QuantCallback(Callback):
 
     Raises:
         ValueError: a bad argument (named, with the allowed values), or, in ``setup``, a config matching no layer,
-            or a ``ModelPruning`` placed before this callback.
+            or a ``ModelPruning`` placed before this callback, or, in ``on_fit_start`` (before any training step), an
+            empty ``calib_dataloader`` or one whose first batch is not finite (PTQ), or an activation spec whose
+            ``ch_axis`` does not fit that layer's tensor in a dry forward of one batch (naming layer, role, shape).
 
     Checkpoints: the quantization state is part of the module's state_dict. A float checkpoint (no quantizer state)
     is a valid start: ``test/validate/predict(ckpt_path=float.ckpt)`` in PTQ loads the weights then calibrates,
     ``fit(ckpt_path=float.ckpt)`` in QAT starts QAT from them. A quantized checkpoint loads into a fresh model with
-    ``load_quantized_checkpoint`` (a plain ``Model.load_from_checkpoint`` fails with a message saying so).
+    ``load_quantized_checkpoint`` (a plain ``Model.load_from_checkpoint`` fails with a message saying so). Every
+    checkpoint of the Trainer is complete under its final name or absent: with Lightning's default CheckpointIO,
+    ``setup`` installs ``AtomicCheckpointIO`` (one info line); a CheckpointIO plugin of yours is kept as it is.
 
     With ``ModelPruning``, put this callback first (``callbacks=[QuantCallback(...), ModelPruning(...)]``):
     ModelPruning collects the layers to prune in its own ``setup``, so it must see the quantized twins; the other
@@ -362,6 +390,7 @@ class QuantCallback(Callback):
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Swap the configured layers (once: a second fit or test reuses them)."""
+        ensure_atomic_checkpoints(trainer, "QuantCallback")  # quantized.ckpt is complete or absent (not a user's plugin)
         self._datamodule_fit_ready = stage == TrainerFn.FITTING  # Lightning just ran datamodule.setup(stage)
         if stage == TrainerFn.FITTING and (self._counting_for is None or self._counting_for() is not trainer):
             self._batches_seen = 0  # a new trainer counts from its first batch (a checkpoint restores the count)
@@ -504,7 +533,10 @@ class QuantCallback(Callback):
     # ------------------------------------------------------------------------------------------- QAT
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Optimizers exist now (their states are restored after this, on resume): give the learned quantizer
-        parameters their own learning rate when ``quantizer_lr`` is set."""
+        parameters their own learning rate when ``quantizer_lr`` is set. First, before any training step: the
+        ``calib_dataloader``'s first batch (there, finite) and the activation specs' axes against one batch."""
+        first = self._check_calibration_data()
+        self._check_activation_axes(trainer, pl_module, first)
         if self.quantizer_lr is None:  # only accepted with mode="qat"
             return
         params = [p for _, q in iter_quantizers(pl_module) if _is_learnable(q) for p in q.parameters()]
@@ -517,6 +549,53 @@ class QuantCallback(Callback):
                 f"QuantCallback(quantizer_lr={self.quantizer_lr}): no optimizer holds the {len(params)} learned "
                 "quantizer parameter(s), so they do not train; build the optimizer from self.parameters()."
             )
+
+    def _check_calibration_data(self) -> Any:
+        """PTQ: a ``calib_dataloader`` given to the callback yields a first batch, and its floating tensors are
+        finite (a peek at one batch; a one-shot iterator keeps it). ValueError before fitting, not after it. Returns
+        that batch (None without ``calib_dataloader``, and in QAT, where it only feeds the report)."""
+        data = self.calib_dataloader
+        if data is None or self.mode != "ptq":
+            return None
+        with contextlib.suppress(TypeError):  # no len(): the peek tells
+            if len(data) == 0:  # type: ignore[arg-type]
+                raise ValueError("QuantCallback: calib_dataloader is empty (len 0); calibration needs at least one batch")
+        iterator = iter(data)
+        try:
+            first = next(iterator)
+        except StopIteration:
+            raise ValueError("QuantCallback: calib_dataloader yielded no batch; calibration needs at least one") from None
+        if iterator is data:  # a one-shot iterator: the batch peeked at is still calibrated on
+            self.calib_dataloader = itertools.chain([first], iterator)
+        bad = _non_finite(first)
+        if bad:
+            raise ValueError(
+                f"QuantCallback: the first batch of calib_dataloader holds non-finite values in {bad}; the calibration "
+                "statistics (scales) would be NaN. Clean the data (torch.nan_to_num, dropping bad samples) or give "
+                "another calib_dataloader."
+            )
+        return first
+
+    def _check_activation_axes(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
+        """Activation specs with an axis (per_channel / per_group ``ch_axis``, per_block) against one batch, before
+        any training step: a dry forward (eval, no_grad, quantizers off) of the example batch fed as calibration
+        feeds it (``batch``: the calibration data's first, else the example batch); ValueError naming the layer,
+        role, axis and shape. Only when such a spec exists."""
+        if not activation_axes_to_check(pl_module):
+            return
+        if batch is None:
+            batch = self._example_batch(trainer, pl_module)
+        batch = trainer.strategy.batch_to_device(_as_trained(trainer, batch))
+        calib_forward = self.calib_forward
+        if calib_forward is None:
+            try:
+                batch = _feedable(pl_module, batch)
+            except ValueError:
+                if self.mode == "ptq":
+                    raise  # calibration would fail the same way, after training
+                return  # QAT: the training steps feed the module; no forward of ours to check with
+            calib_forward = run_batch
+        check_activation_shapes(pl_module, lambda m: calib_forward(m, batch))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_float_start(pl_module)
@@ -700,10 +779,10 @@ class QuantCallback(Callback):
         if self.calib_forward is not None:
             def forward_loop(model: nn.Module, batches: Iterable[Any] = batches) -> None:  # noqa: E306
                 for batch in batches:
-                    self.calib_forward(model, trainer.strategy.batch_to_device(batch))  # type: ignore[misc]
+                    self.calib_forward(model, trainer.strategy.batch_to_device(_as_trained(trainer, batch)))  # type: ignore[misc]
             self.quantizer.calibrate(pl_module, forward_loop=forward_loop)
-        else:
-            self.quantizer.calibrate(pl_module, (_feedable(pl_module, batch) for batch in batches))
+        else:  # in the module's dtype, as its training batches (precision="64-true" / "bf16-true")
+            self.quantizer.calibrate(pl_module, (_feedable(pl_module, _as_trained(trainer, batch)) for batch in batches))
         sync_observers(pl_module)
         self.calibrated = True
         self._calibrated_for = weakref.ref(pl_module)
@@ -718,7 +797,7 @@ class QuantCallback(Callback):
         search = self.mixed_precision
         assert search is not None
         data = self._calibration_data(trainer, pl_module)
-        batches = [trainer.strategy.batch_to_device(b) for b in itertools.islice(data, search.batches)]
+        batches = [trainer.strategy.batch_to_device(_as_trained(trainer, b)) for b in itertools.islice(data, search.batches)]
         if not batches:
             raise ValueError("QuantCallback(mixed_precision=...): the calibration data yielded no batch")
         if self.calib_forward is not None:
@@ -803,7 +882,7 @@ class QuantCallback(Callback):
                 modes = [(m, m.training) for m in pl_module.modules()]  # per module: a frozen BatchNorm stays in eval
                 pl_module.eval()
                 try:
-                    batch = trainer.strategy.batch_to_device(batch)
+                    batch = trainer.strategy.batch_to_device(_as_trained(trainer, batch))
                     run = (lambda m: self.calib_forward(m, batch)) if self.calib_forward else self._report_feed(pl_module, batch)
                     if run is not None:
                         with no_kv_cache(pl_module):  # a measurement, not generation: as calibration's forwards

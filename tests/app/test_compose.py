@@ -18,6 +18,7 @@ from app.conf import (
     nominal_bits,
     with_bits,
 )
+from app.mixed import candidate_configs, with_candidate
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.config.type import Dtype
@@ -54,6 +55,8 @@ def test_every_preset_composes_and_instantiates(preset: str) -> None:
         assert config is None and flow.mode == "none"
         return
     assert flow.mode in ("ptq", "qat")
+    if flow.target_bits is not None:  # mixed precision: the weights come from the candidates (each checked in run)
+        config = with_candidate(config, next(iter(candidate_configs(config, flow).values())))
     if config.quant_mode.name == "fx_graph_mode":  # graph presets: the network is captured (the callback's job)
         from quark.torch.quantization.graph import capture
 
@@ -299,7 +302,9 @@ def test_char_lm_experiment_sets_data_model_and_metric() -> None:
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p not in ("none", "w4_edges8") and not p.endswith("_graph")])  # graph: conv nets (test_graph_mode)
 def test_every_preset_fits_the_lm(preset: str) -> None:
     cfg = compose_cfg("experiment=char_lm", f"quant={preset}", "model.n_layers=1")
-    config = build_quant(cfg.quant)[1]
+    flow, config = build_quant(cfg.quant)
+    if flow.target_bits is not None:  # mixed precision: the weights come from the candidates
+        config = with_candidate(config, next(iter(candidate_configs(config, flow).values())))
     model = instantiate(cfg.model)
     plans = ModelQuantizer(config).resolve(model)
     linears = {"net.lm_head"} | {f"net.model.layers.0.self_attn.{p}_proj" for p in "qkvo"}

@@ -49,7 +49,7 @@ from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelQuantizer", "LayerPlan"]
+__all__ = ["ModelQuantizer", "LayerPlan", "activation_axes_to_check", "check_activation_shapes"]
 
 ROLES = QuantizationConfig.ROLES
 SUPPORTED_TYPE_NAMES = sorted(c.__name__ for c in QUANT_MODULE_MAP)
@@ -81,6 +81,16 @@ def _float_type(module: nn.Module) -> type[nn.Module] | None:
         if cls in QUANT_MODULE_MAP:
             return cls if type(module).forward is cls.forward else None
     return None
+
+
+def _layer_types(model: nn.Module) -> list[str]:
+    """The supported float types of the model's layers (a quantized twin counts as its float type), sorted."""
+    found = set()
+    for m in model.modules():
+        float_type = m._float_class if isinstance(m, QuantMixin) else _float_type(m)
+        if float_type is not None:
+            found.add(float_type.__name__)
+    return sorted(found)
 
 
 def _custom_forward_layers(model: nn.Module) -> list[str]:
@@ -211,6 +221,76 @@ def _check_layer(plan: LayerPlan, module: nn.Module) -> None:
                 )
 
 
+_AXIS_SCHEMES = (QSchemeType.per_channel, QSchemeType.per_group)
+
+
+def _activation_shape_error(q: FakeQuantizeBase, role: str, x: Any) -> str | None:
+    """Why the activation ``x`` does not fit the spec of ``q`` (its channel axis, a per_block 2-D shape), or None."""
+    spec = q.spec
+    if not isinstance(x, torch.Tensor):
+        return None
+    shape = tuple(x.shape)
+    where = q.where if role in q.where else f"{q.where} ({role})"
+    if spec.qscheme in _AXIS_SCHEMES and spec.ch_axis is not None and not -max(x.ndim, 1) <= spec.ch_axis < max(x.ndim, 1):
+        return (
+            f"{where}: ch_axis={spec.ch_axis} ({spec.qscheme.name}) is out of range for the activation of shape "
+            f"{shape} ({x.ndim} dimension(s): allowed {-max(x.ndim, 1)}..{max(x.ndim, 1) - 1}); set the spec's ch_axis to "
+            "the tensor's feature axis (-1 for a Linear's input/output, 1 for a convolution's)"
+        )
+    if spec.qscheme == QSchemeType.per_block and x.ndim != 2:
+        return f"{where}: qscheme=per_block (block_size={spec.block_size}) quantizes 2-D tensors only; the activation has shape {shape}"
+    return None
+
+
+def activation_axes_to_check(model: nn.Module) -> bool:
+    """Whether a prepared model has an activation quantizer whose spec has an axis (per_channel / per_group along
+    ``ch_axis``, per_block): those are what ``check_activation_shapes`` checks."""
+    return any(
+        role in ("input_tensors", "output_tensors") and q.spec.qscheme in (*_AXIS_SCHEMES, QSchemeType.per_block)
+        for role, q in iter_quantizers(model)
+    )
+
+
+def check_activation_shapes(model: nn.Module, feed: Callable[[nn.Module], Any]) -> bool:
+    """Check the activation specs of a prepared model against the tensors of one forward, before any training or
+    calibration: ``feed(model)`` runs once (eval, no_grad) with every quantizer off (observers and fake quantization;
+    a float forward that changes no statistic) and each activation quantizer with an axis (per_channel / per_group
+    ``ch_axis``, per_block) checks the tensor it is given. A mismatch raises a ValueError naming the layer, the role,
+    the axis and the tensor's shape (instead of an IndexError from the observer at calibration). Nothing runs when no
+    activation spec has an axis; returns whether ``feed`` ran."""
+    if not activation_axes_to_check(model):
+        return False
+    quantizers = list(iter_quantizers(model))
+    flags = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in quantizers]
+
+    def check(role: str) -> Callable[..., None]:
+        def hook(q: FakeQuantizeBase, args: tuple[Any, ...]) -> None:
+            problem = _activation_shape_error(q, role, args[0] if args else None)
+            if problem:
+                raise ValueError(problem)
+
+        return hook
+
+    hooks = [q.register_forward_pre_hook(check(role)) for role, q in quantizers if role in ("input_tensors", "output_tensors")]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        for q, _, _ in flags:
+            FakeQuantizeBase.enable_observer(q, False)  # the base switch: no qparams are computed from old statistics
+            q.disable_fake_quant()
+        model.eval()
+        with torch.no_grad(), no_kv_cache(model):
+            feed(model)
+    finally:
+        for h in hooks:
+            h.remove()
+        for q, observe, fake_quant in flags:
+            FakeQuantizeBase.enable_observer(q, observe)
+            q.enable_fake_quant(fake_quant)
+        for m, training in modes:
+            m.training = training
+    return True
+
+
 # ----------------------------------------------------------------------------------------------- batches
 def _to_device(obj: Any, device: torch.device | None) -> Any:
     if device is None:
@@ -284,6 +364,7 @@ class ModelQuantizer:
                 f"Config.layer_type_quant_config names unsupported layer type(s) {unknown}; supported: {SUPPORTED_TYPE_NAMES}"
             )
         self.config = config
+        self._warned: set[str] = set()  # each unmatched-entry warning once per quantizer (resolve, then prepare)
 
     # -- planning
     def resolve(self, model: nn.Module, warn: bool = True) -> list[LayerPlan]:
@@ -301,17 +382,29 @@ class ModelQuantizer:
                 _check_layer(plan, module)
                 plans.append(plan)
         if warn:
-            self._warn_unmatched(names)
+            self._warn_unmatched(model, names)
             custom = _custom_forward_layers(model)
             if custom:
                 warnings.warn(f"layers that subclass a supported type but define their own forward stay float: {custom}", stacklevel=2)
         return plans
 
-    def _warn_unmatched(self, names: list[str]) -> None:
+    def _warn_unmatched(self, model: nn.Module, names: list[str]) -> None:
+        messages = []
         for field_name, keys in (("layer_quant_config", list(self.config.layer_quant_config)), ("exclude", self.config.exclude)):
             dead = [k for k in keys if not any(fnmatch.fnmatchcase(n, k) for n in names)]
             if dead:
-                warnings.warn(f"Config.{field_name} entries match no layer of the model (typo?): {dead}", stacklevel=3)
+                messages.append(f"Config.{field_name} entries match no layer of the model (typo?): {dead}")
+        present = {t for m in model.modules() for t in _type_names(m)}
+        unused = [k for k in self.config.layer_type_quant_config if k not in present]
+        if unused:
+            messages.append(
+                f"Config.layer_type_quant_config entries name layer types the model does not have, so they configure "
+                f"nothing: {unused}; the model's quantizable layer types: {_layer_types(model)}"
+            )
+        for message in messages:
+            if message not in self._warned:
+                self._warned.add(message)
+                warnings.warn(message, stacklevel=3)
 
     def _graph_plans(self, model: nn.Module) -> list[LayerPlan]:
         prepared = model if hasattr(model, "_graph_units") else graph.prepare_graph(self._require_graph(model), self.config)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from quark.torch.quantization.api import ModelQuantizer, _parent_of, run_batch
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
@@ -268,7 +269,8 @@ def hessian_trace(
     try:
         for w in leaves:
             w.requires_grad_(True)
-        with torch.enable_grad(), no_kv_cache(model):
+        # the math attention kernel: the fused CPU/CUDA ones have no double backward (Hessian-vector products)
+        with torch.enable_grad(), no_kv_cache(model), sdpa_kernel(SDPBackend.MATH):
             for batch in batches:
                 loss = loss_fn(model, batch)
                 grads = torch.autograd.grad(loss, leaves, create_graph=True)

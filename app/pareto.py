@@ -1,0 +1,241 @@
+"""The end of ``hparams_search=optuna_bits``: ``pareto.csv`` (every trial, failed ones with their error, the Pareto
+front flagged) and ``pareto.png`` (metric against model size: the trials, the front, the uniform-width runs).
+
+A Hydra callback (``hydra.callbacks.sweep_summary`` of conf/hparams_search/optuna_bits.yaml): after each job it
+writes ``trial.json`` (overrides, status, error, returned values) into the job's folder, so a trial that raised is
+recorded too; at the end of the multirun it reads those and the jobs' ``results.json``. By hand:
+``python -m app.pareto multirun/2026-11-22/10-00-00``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from app.summary import _natural
+
+log = logging.getLogger(__name__)
+
+TRIAL_FILE = "trial.json"
+COLUMNS = (
+    "trial", "status", "pareto", "uniform", "metric", "value", "float", "model_bits", "model_kib", "bits_per_param",
+    "compression", "weight_formats", "error", "job",
+)  # fmt: skip
+
+
+class ParetoFront(Callback):
+    """Hydra callback: a ``trial.json`` per job, ``pareto.csv`` and ``pareto.png`` per multirun."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        out = Path(str(config.hydra.runtime.output_dir))
+        status = getattr(job_return.status, "name", str(job_return.status))
+        value = job_return._return_value  # return_value would raise the job's exception
+        record: dict[str, Any] = {"job": int(config.hydra.job.num), "overrides": list(job_return.overrides or []), "status": status}
+        if status == "COMPLETED":
+            record["values"] = list(value) if isinstance(value, list | tuple) else value
+        else:
+            record["error"] = f"{type(value).__name__}: {value}"
+            log.error("trial %s failed: %s", record["job"], record["error"], exc_info=value if isinstance(value, BaseException) else None)
+        from quark.torch.export.files import write_text_atomically  # here: importing quark takes a second
+
+        write_text_atomically(out / TRIAL_FILE, json.dumps(record, indent=2, default=str))  # complete or absent
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        rows = collect(sweep_dir)
+        if not rows:
+            print(f"pareto: no trials under {sweep_dir}")
+            return
+        csv_path, png_path = write_pareto(rows, sweep_dir)
+        front = sum(r["pareto"] for r in rows)
+        failed = sum(r["status"] != "ok" for r in rows)
+        print(f"pareto: {csv_path} and {png_path} ({len(rows)} trials, {front} on the front, {failed} failed)")
+
+
+# ----------------------------------------------------------------------------------------------- the front
+def dominates(a: Sequence[float], b: Sequence[float], directions: Sequence[str]) -> bool:
+    """``a`` is no worse than ``b`` in every objective and better in one (``maximize`` / ``minimize`` each)."""
+    better = False
+    for x, y, d in zip(a, b, directions, strict=True):
+        if d == "maximize":
+            x, y = -x, -y
+        if x > y:
+            return False
+        better |= x < y
+    return better
+
+
+def pareto_mask(points: Sequence[Sequence[float] | None], directions: Sequence[str]) -> list[bool]:
+    """For each point, whether no other point dominates it (ties: equal points are all on the front). ``None``
+    (a failed trial) is never on it, and NaN objectives neither."""
+    valid = [p is not None and all(not math.isnan(v) for v in p) for p in points]
+    return [
+        ok and not any(valid[j] and dominates(points[j], p, directions) for j in range(len(points)) if j != i)  # type: ignore[arg-type]
+        for i, (p, ok) in enumerate(zip(points, valid, strict=True))
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- the table
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job folder of the sweep (one holding trial.json or results.json), in job order, the front flagged."""
+    folders = {p.parent for name in (TRIAL_FILE, "results.json") for p in sweep_dir.glob(f"**/{name}")}
+    rows = [_row(folder, sweep_dir) for folder in sorted(folders, key=lambda p: _natural(p.relative_to(sweep_dir)))]
+    modes = {r["metric_mode"] for r in rows if r["metric_mode"]}
+    directions = ["maximize" if modes == {"max"} else "minimize", "minimize"]
+    points = [(r["value"], r["model_bits"]) if r["status"] == "ok" else None for r in rows]
+    for row, on_front in zip(rows, pareto_mask(points, directions), strict=True):
+        row["pareto"] = on_front
+    return rows
+
+
+def _row(folder: Path, sweep_dir: Path) -> dict[str, Any]:
+    trial = _read(folder / TRIAL_FILE) or {}
+    results = _read(folder / "results.json")
+    row: dict[str, Any] = {c: None for c in COLUMNS}
+    row.update(job=str(folder.relative_to(sweep_dir)), trial=trial.get("job"), metric_mode=None, params=_params(trial))
+    if results is not None:
+        m, size = results["metric"], results["size"]
+        value = m["quantized"] if m["quantized"] is not None else m["float"]
+        n_params = size["fp32_bits"] / 32
+        row.update(
+            metric=m["name"], metric_mode=m["mode"], value=value, float=m["float"], model_bits=size["quantized_bits"],
+            model_kib=round(size["quantized_bits"] / 8 / 1024, 3), bits_per_param=round(size["quantized_bits"] / n_params, 4),
+            compression=round(size["compression"], 3) if size.get("compression") else None,
+            weight_formats=_formats(results.get("layers") or {}), uniform=_uniform(results.get("layers") or {}),
+        )  # fmt: skip
+    status = trial.get("status", "COMPLETED" if results is not None else "UNKNOWN")
+    if status == "COMPLETED" and results is not None and value_ok(row["value"]):
+        row["status"] = "ok"
+    else:
+        row["status"] = "failed"
+        row["error"] = trial.get("error") or ("no results.json" if results is None else f"objective is {row['value']}")
+    if row["trial"] is None and row["job"].isdigit():
+        row["trial"] = int(row["job"])
+    return row
+
+
+def value_ok(value: Any) -> bool:
+    return value is not None and not math.isnan(float(value))
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _params(trial: dict[str, Any]) -> dict[str, str]:
+    """The trial's overrides as columns: ``++quant.layer_bits.fc1=3`` -> ``layer_bits.fc1``: ``3``."""
+    out = {}
+    for override in trial.get("overrides") or []:
+        key, _, value = str(override).partition("=")
+        key = key.lstrip("+~")
+        out[key.removeprefix("quant.")] = value
+    return out
+
+
+def _weight_key(entry: dict[str, Any]) -> str | None:
+    w = entry.get("weight")
+    if not w:
+        return None
+    group = f"/g{w['group_size']}" if w.get("group_size") else ""
+    return f"{w['dtype']}{group}"
+
+
+def _formats(layers: dict[str, Any]) -> str:
+    """``int4:2 int8:2``: the layers of each weight format."""
+    counts = Counter(k for k in (_weight_key(e) for e in layers.values()) if k)
+    return " ".join(f"{k}:{n}" for k, n in sorted(counts.items()))
+
+
+def _uniform(layers: dict[str, Any]) -> str:
+    """The weight format every quantized layer has (``int4``), else empty; the bit width of each layer's format
+    decides (``int4`` per channel and per group of 32 are both 4-bit)."""
+    bits = {e["weight"]["bits"] for e in layers.values() if e.get("weight")}
+    keys = {e["weight"]["dtype"] for e in layers.values() if e.get("weight")}
+    return keys.pop() if len(bits) == 1 and len(keys) == 1 else ""
+
+
+def write_pareto(rows: list[dict[str, Any]], folder: Path) -> tuple[Path, Path]:
+    """``pareto.csv`` (COLUMNS, then one column per searched parameter: a ``layer_bits`` key, or an override whose
+    value differs between trials) and ``pareto.png`` in ``folder``."""
+    keys = sorted({k for r in rows for k in r["params"]})
+    params = [k for k in keys if "layer_bits" in k or len({r["params"].get(k) for r in rows}) > 1]
+    from quark.torch.export.files import write_atomically, write_text_atomically  # here: importing quark takes a second
+
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=[*COLUMNS, *params], extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({**row, **row["params"]})
+    csv_path = write_text_atomically(folder / "pareto.csv", text.getvalue(), newline="")  # complete or absent
+    png_path = write_atomically(folder, "pareto.png", lambda tmp: plot(rows, Path(tmp)))
+    return csv_path, png_path
+
+
+# ----------------------------------------------------------------------------------------------- the plot
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Metric against bits per parameter: every trial, the front as a staircase, uniform-width runs as a dashed
+    reference line, the float model as a horizontal line; failed trials are counted in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    if ok:
+        ax.scatter([r["bits_per_param"] for r in ok], [r["value"] for r in ok], s=22, color="tab:blue", alpha=0.55, label=f"trials ({len(ok)})")
+        front = sorted((r for r in ok if r["pareto"]), key=lambda r: (r["bits_per_param"], r["value"]))
+        xs, ys = [r["bits_per_param"] for r in front], [r["value"] for r in front]
+        ax.step(xs, ys, where="post", color="tab:red", linewidth=1.6)
+        ax.scatter(xs, ys, s=46, color="tab:red", zorder=3, label=f"Pareto front ({len(front)})")
+        labels: dict[tuple[float, float], list[str]] = {}
+        for r in front:  # one label per point: a repeated configuration lists its trials
+            labels.setdefault((r["bits_per_param"], r["value"]), []).append(str(r["trial"]))
+        for xy, trials in labels.items():
+            ax.annotate(",".join(trials), xy, textcoords="offset points", xytext=(4, 4), fontsize=7, color="tab:red")
+        uniform = sorted((r for r in ok if r["uniform"]), key=lambda r: r["bits_per_param"])
+        if uniform:
+            ax.plot([r["bits_per_param"] for r in uniform], [r["value"] for r in uniform], "s--", color="0.15", markersize=6, linewidth=1.1, label="uniform widths")
+            for r in uniform:
+                ax.annotate(r["uniform"], (r["bits_per_param"], r["value"]), textcoords="offset points", xytext=(4, -11), fontsize=7)
+        floats = [r["float"] for r in ok if r["float"] is not None]
+        if floats:
+            baseline = sum(floats) / len(floats)
+            ax.axhline(baseline, color="0.45", linestyle=":", linewidth=1.2, label=f"float ({baseline:.4g})")
+        values = [r["value"] for r in ok] + floats
+        if ok[0]["metric_mode"] == "min" and min(values) > 0 and max(values) / min(values) > 10:
+            ax.set_yscale("log")
+    first = ok[0] if ok else rows[0]
+    better = {"max": "higher", "min": "lower"}.get(first["metric_mode"] or "", "?")
+    failed = len(rows) - len(ok)
+    ax.set_xlabel("model size: bits per parameter (quantized weights, float biases and norms)")
+    ax.set_ylabel(f"{first['metric'] or 'metric'} ({better} is better)")
+    ax.set_title(f"per-layer bit widths: {len(rows)} trials" + (f", {failed} failed (pareto.csv)" if failed else ""))
+    ax.grid(True, alpha=0.3)
+    if ok:  # every trial failed: nothing to label
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130, format="png")  # the format named: ``path`` may be a temporary (.tmp)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sweep = Path(sys.argv[1])
+    found = collect(sweep)
+    if not found:
+        sys.exit(f"no trials under {sweep}")
+    print(*write_pareto(found, sweep))
