@@ -96,8 +96,9 @@ class QuantFlow:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise QuantConfigError(f"quant.{key}={value!r} must be {'null or ' if optional else ''}an int >= {minimum}")
-        if isinstance(self.qat_lr_scale, bool) or not isinstance(self.qat_lr_scale, int | float) or self.qat_lr_scale <= 0:
-            raise QuantConfigError(f"quant.qat_lr_scale={self.qat_lr_scale!r} must be a number > 0")
+        scale = self.qat_lr_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < float("inf"):
+            raise QuantConfigError(f"quant.qat_lr_scale={scale!r} must be a finite number > 0")
         lr = self.quantizer_lr
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf")):
             raise QuantConfigError(f"quant.quantizer_lr={lr!r} must be null or a finite number > 0")

@@ -189,7 +189,10 @@ def test_bad_value_is_named_with_allowed_values() -> None:
         ("quant.mode=train", r"quant.mode='train' is not allowed; allowed: \['none', 'ptq', 'qat'\]"),
         ("quant.weight_bits=1", r"quant.weight_bits=1 must be null or an int in 2..16"),
         ("quant.calib_batches=0", r"quant.calib_batches=0 must be null or an int >= 1"),
-        ("quant.qat_lr_scale=0", r"quant.qat_lr_scale=0 must be a number > 0"),
+        ("quant.qat_lr_scale=0", r"quant.qat_lr_scale=0 must be a finite number > 0"),
+        ("quant.qat_lr_scale=inf", r"quant.qat_lr_scale=inf must be a finite number > 0"),
+        ("quant.qat_lr_scale=nan", r"quant.qat_lr_scale=nan must be a finite number > 0"),
+        ("quant.quantizer_lr=inf", r"quant.quantizer_lr=inf must be null or a finite number > 0"),
         ("+quant.epochs=3", r"unknown key quant.epochs; allowed: \[.*'qat_epochs'.*\]; did you mean quant.qat_epochs\?"),
     ],
 )
