@@ -445,3 +445,15 @@ def test_block_formats_keep_dtype_and_zero(fn):
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert_bitwise_equal(out, fn(x.float()).to(torch.bfloat16))
     assert torch.equal(fn(torch.zeros(3, 64)), torch.zeros(3, 64))
+
+
+@pytest.mark.parametrize("m,fn", [(4, fake_quantize_mx6), (7, fake_quantize_mx9)])
+def test_microexponent_at_the_ends_of_float32_equals_ldexp_of_its_codes(m, fn):
+    """Blocks of subnormals (steps down to 2^-134, whose inverse is no float32) and near float32's max: the fake
+    quantized values are torch.ldexp(codes, step_exp), bit for bit (the kernel builds its powers of two from bits)."""
+    g = torch.Generator().manual_seed(3)
+    scales = torch.tensor([1e-45, 1e-42, 1e-39, 3e-38, 1.0, 1e30, 1.7e38]).repeat_interleave(64)
+    x = (torch.rand(scales.numel(), generator=g) * 2 - 1) * scales
+    x[::7] = 0.0
+    codes, step_exp = microexponent_codes(x.reshape(-1, 16), m)
+    assert_bitwise_equal(fn(x), torch.ldexp(codes, step_exp).reshape(-1))
