@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +160,8 @@ def _task_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def choose(model: nn.Module, datamodule: Any, flow: QuantFlow, config: Config,
-           device: torch.device | None = None) -> tuple[dict[str, str], list[LayerSensitivity]]:  # fmt: skip
+def choose(model: nn.Module, datamodule: Any, flow: QuantFlow, config: Config, device: torch.device | None = None,
+           convert: Callable[[Any], Any] | None = None) -> tuple[dict[str, str], list[LayerSensitivity]]:  # fmt: skip
     """(candidate per layer, the sensitivities) of the float ``model``, measured on the first
     ``quant.sensitivity_batches`` batches of the train loader (the calibration data), on ``device`` (the Trainer's;
     the model goes back where it was after)."""
@@ -176,7 +176,8 @@ def choose(model: nn.Module, datamodule: Any, flow: QuantFlow, config: Config,
     batches = list(itertools.islice(datamodule.train_dataloader(), flow.sensitivity_batches))
     if not batches:
         raise ValueError("mixed precision: the train dataloader yielded no batch to measure the sensitivity on")
-    batches = [_in_dtype(b, _float_dtype(model)) for b in batches]  # a float64 / bf16 model (trainer.precision=64-true)
+    if convert is not None:  # the Trainer's precision plugin: float64 / bf16 batches for trainer.precision=64-true
+        batches = [convert(b) for b in batches]
     home = next(model.parameters()).device
     device = device or home
     was_training = model.training
@@ -193,23 +194,6 @@ def choose(model: nn.Module, datamodule: Any, flow: QuantFlow, config: Config,
         model.train(was_training).to(home)
     choice = allocate(sensitivities, float(flow.target_bits))
     return choice, sensitivities
-
-
-def _float_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the model's floating Parameters (float32 when it has none)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _in_dtype(batch: Any, dtype: torch.dtype) -> Any:
-    """``batch`` with its floating tensors in ``dtype`` (token ids and labels unchanged), as the Trainer's precision
-    plugin hands batches to a model converted to that dtype."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, dict):
-        return {k: _in_dtype(v, dtype) for k, v in batch.items()}
-    if isinstance(batch, list | tuple) and not hasattr(batch, "_fields"):
-        return type(batch)(_in_dtype(v, dtype) for v in batch)
-    return batch
 
 
 # ----------------------------------------------------------------------------------------------- the preset
@@ -373,8 +357,9 @@ def write_outputs(out: Path, quant_node: dict[str, Any], config: Config, flow: Q
 
 
 def run_mixed(quant_node: dict[str, Any], flow: QuantFlow, config: Config, model: nn.Module, datamodule: Any, out: Path,
-              uniform: dict[str, float], run_name: str, device: torch.device | None = None) -> tuple[Config, dict[str, Any]]:  # fmt: skip
+              uniform: dict[str, float], run_name: str, device: torch.device | None = None,
+              convert: Callable[[Any], Any] | None = None) -> tuple[Config, dict[str, Any]]:  # fmt: skip
     """Measure (on ``device``), allocate, write the files: (the Config to quantize with, the results.json block)."""
-    choice, sensitivities = choose(model, datamodule, flow, config, device)
+    choice, sensitivities = choose(model, datamodule, flow, config, device, convert)
     mixed_config, files = write_outputs(out, quant_node, config, flow, choice, sensitivities, run_name)
     return mixed_config, report(flow, choice, sensitivities, uniform, files)

@@ -171,7 +171,10 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         if flow.target_bits is not None:  # sensitivity -> allocation -> mixed_precision.yaml, whose Config PTQ uses
             quant_node = OmegaConf.to_container(cfg.quant, resolve=True)
             device = trainer.strategy.root_device  # where the float model was tested
-            qconfig, mixed = run_mixed(quant_node, flow, qconfig, model, datamodule, out, uniform, flow.name, device)  # type: ignore[arg-type]
+            qconfig, mixed = run_mixed(
+                quant_node, flow, qconfig, model, datamodule, out, uniform, flow.name, device,  # type: ignore[arg-type]
+                convert=trainer.precision_plugin.convert_input,  # batches as training saw them (64-true, bf16-true)
+            )
             timings["sensitivity_s"] = time.perf_counter() - t0
             layers = _check_quantizable(qconfig, model)[0]
         qtrainer, model = _quantize(cfg, flow, qconfig, model, datamodule, out)

@@ -455,7 +455,7 @@ class TQTFakeQuantize(_LearnableFakeQuantize):
         return s.reshape(()) if self.axis is None else s
 
     def _invalid(self) -> torch.Tensor:
-        s = torch.exp2(torch.ceil(self.log_threshold.detach()) - (self.bits - 1))  # NaN, inf (t >= 2^128) or 0
+        s = self.scale  # NaN, inf (t >= 2^128) or 0
         return ~torch.isfinite(s) | (s <= 0)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
