@@ -10,7 +10,7 @@ import torch
 
 from quark.torch.quantization.config.type import Dtype
 from quark.torch.quantization.formats.bits import frexp32, ldexp32, pow2
-from quark.torch.quantization.formats.grouping import cast_saturating, compilable, from_blocks, to_blocks
+from quark.torch.quantization.formats.grouping import cast_saturating, compilable, from_blocks, static_int, to_blocks
 from quark.torch.quantization.formats.minifloat import round_to_grid
 from quark.torch.quantization.formats.table import (
     FLOAT_FORMATS,
@@ -89,7 +89,7 @@ def _e8m0_value(exp: torch.Tensor) -> torch.Tensor:
 
 @compilable
 def _fake_mx(x: torch.Tensor, element: Dtype, block_size: int, axis: int, mode: str = "floor") -> torch.Tensor:
-    xb, layout = to_blocks(x.float(), axis, block_size)
+    xb, layout = to_blocks(x.float(), axis, static_int(block_size))
     exp = mx_shared_exponent(xb, element, mode)
     out = _mx_elements(xb * _e8m0_value(-exp), element) * _e8m0_value(exp)
     return from_blocks(out, layout, x.shape)
@@ -124,17 +124,40 @@ def microexponent_codes(xb: torch.Tensor, mantissa_bits: int, sub_block: int = 2
 def _pow2_wide(k: torch.Tensor) -> torch.Tensor:
     """``2.0^k`` (float32, exact) for int32 ``k`` in [-149, 127]: below -126 (subnormal powers) as two factors."""
     k1 = k.clamp(min=-126)
+    if torch.compiler.is_compiling():  # no data-dependent branch in a traced graph
+        return pow2(k1) * pow2((k - k1).clamp(min=-126))
     out = pow2(k1)
     if bool((k < -126).any()):
         out = out * pow2((k - k1).clamp(min=-126))
     return out
 
 
+def _pow2_factors(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``2^k`` for int32 k in [-126, 254] as two float32 factors (``2^134``, the inverse of MX6's smallest step, is no
+    float32): ``x * f1 * f2`` is exact, the same bits as ``ldexp(x, k)`` wherever the result is a normal float."""
+    first = k.clamp(max=127)
+    return pow2(first), pow2(k - first)
+
+
+def _scale_up(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x * 2^k`` by ``_pow2_factors``."""
+    f1, f2 = _pow2_factors(k)
+    return x * f1 * f2
+
+
+@compilable
 def _fake_microexponent(x: torch.Tensor, mantissa_bits: int, block_size: int, axis: int) -> torch.Tensor:
-    """``microexponent_codes`` dequantized, bit-identical to ``ldexp(codes, step_exp)``, with every full-size pass
-    elementwise: pair maxima by ``maximum`` of the two halves, and the step's powers of two made from exponent bits
-    on the per-pair tensors (``torch.ldexp`` computes ``pow`` per element: 2.3x slower on a 4096x4096 tensor). Eager
-    on purpose: inductor's CPU code for the reductions over blocks of 16 and pairs of 2 measured slower than eager."""
+    """``microexponent_codes`` dequantized, bit-identical to ``ldexp(codes, step_exp)``. Traced by ``torch.compile``
+    every full-size pass is float arithmetic in one vectorized loop (``_microexponent_traced``); eagerly, pair maxima
+    and steps are computed once per pair (``_microexponent_eager``)."""
+    if torch.compiler.is_compiling():
+        return _microexponent_traced(x, static_int(mantissa_bits), static_int(block_size), axis)
+    return _microexponent_eager(x, mantissa_bits, block_size, axis)
+
+
+def _microexponent_eager(x: torch.Tensor, mantissa_bits: int, block_size: int, axis: int) -> torch.Tensor:
+    """Pair maxima by ``maximum`` of the two halves, and the step's powers of two made from exponent bits on the
+    per-pair tensors (``torch.ldexp`` computes ``pow`` per element: 2.3x slower on a 4096x4096 tensor)."""
     xb, layout = to_blocks(x.float(), axis, block_size)
     pairs = xb.reshape(*xb.shape[:-1], -1, 2)  # [..., n_blocks, block / 2, 2]
     a = pairs.abs()
@@ -150,26 +173,48 @@ def _fake_microexponent(x: torch.Tensor, mantissa_bits: int, block_size: int, ax
     return from_blocks(out.reshape(xb.shape), layout, x.shape)
 
 
+def _microexponent_traced(x: torch.Tensor, mantissa_bits: int, block_size: int, axis: int) -> torch.Tensor:
+    """The same bits in the form inductor vectorizes: exponents and powers of two per block (integer work on 1/16 of
+    the data), per element only float ops; the pair partner is read by a flip of the pair axis (a constant index, as
+    ``static_int`` makes the block size), since a reduction over pairs of 2 compiles to a loop 2 wide."""
+    xb, layout = to_blocks(x.float(), axis, block_size)
+    a = xb.abs()
+    pair_max = torch.maximum(a, a.unflatten(-1, (block_size // 2, 2)).flip(-1).flatten(-2))
+    block_exp = _floor_log2(a.amax(dim=-1, keepdim=True)).clamp(-E8M0_BIAS, E8M0_BIAS)  # [..., n_blocks, 1]
+    shift = pair_max < _pow2_wide(block_exp)  # both of the pair below 2^E: the step halves
+    k = (mantissa_bits - 1) - block_exp  # -(step exponent) of an unshifted pair, up to 133
+    (f1, f2), (f1_shifted, f2_shifted) = _pow2_factors(k), _pow2_factors(k + 1)  # per block; selected per element
+    scaled = xb * torch.where(shift, f1_shifted, f1) * torch.where(shift, f2_shifted, f2)
+    limit = 2**mantissa_bits - 1
+    out = scaled.round().clamp(-limit, limit) * torch.where(shift, _pow2_wide(-k - 1), _pow2_wide(-k))
+    return from_blocks(out, layout, x.shape)
+
+
 def bfp_codes(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """BFP16 on blocked x: (int8 codes in [-128, 127], shared step exponent [..., n_blocks, 1]).
 
     Step ``2^(floor(log2 max|x|) - 6)``, raised by one where a code would overflow int8 after rounding.
     """
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    # 8-bit shared exponent E = floor(log2 max) in [-127, 127] (all-zero blocks: any E, codes are 0); step 2^(E - 6)
-    step_exp = _floor_log2(amax).clamp_(-E8M0_BIAS, E8M0_BIAS) - 6
-    codes = torch.round(ldexp32(xb, -step_exp))
-    overflow = ((codes > 127) | (codes < -128)).any(dim=-1, keepdim=True)
-    step_exp = step_exp + overflow.to(torch.int32)
-    codes = torch.round(ldexp32(xb, -step_exp)).clamp_(-128, 127)
-    return codes, step_exp
+    step_exp = _bfp_step_exp(xb)
+    return torch.round(ldexp32(xb, -step_exp)).clamp_(-128, 127), step_exp
+
+
+def _bfp_step_exp(xb: torch.Tensor) -> torch.Tensor:
+    """BFP16's step exponent per block, [..., n_blocks, 1] (int32). ``E = floor(log2 max|x|)`` (8 bits: [-127, 127];
+    all-zero blocks: any E, their codes are 0); step ``2^(E - 6)`` puts the block max in [64, 128) steps, where only
+    the largest positive value can round up to 128 (-128 fits): then the step doubles."""
+    step_exp = _floor_log2(xb.abs().amax(dim=-1, keepdim=True)).clamp(-E8M0_BIAS, E8M0_BIAS) - 6
+    top = _scale_up(xb.amax(dim=-1, keepdim=True), -step_exp)
+    return step_exp + (top.round() > 127).to(torch.int32)
 
 
 @compilable
 def _fake_bfp(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
-    xb, layout = to_blocks(x.float(), axis, block_size)
-    codes, step_exp = bfp_codes(xb)
-    return from_blocks(ldexp32(codes, step_exp), layout, x.shape)
+    """Codes times steps with float ops per element (the step's exponent per block), one vectorized loop compiled."""
+    xb, layout = to_blocks(x.float(), axis, static_int(block_size))
+    step_exp = _bfp_step_exp(xb)
+    out = _scale_up(xb, -step_exp).round().clamp(-128, 127) * _pow2_wide(step_exp)
+    return from_blocks(out, layout, x.shape)
 
 
 def _check_even(block_size: int) -> None:

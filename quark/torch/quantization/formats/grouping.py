@@ -68,6 +68,22 @@ def compiled_kernels_active(x: torch.Tensor) -> bool:
 RECOMPILE_LIMIT = 64
 
 
+#: the largest int ``static_int`` pins (block and group sizes, mantissa widths)
+STATIC_INT_MAX = 4096
+
+
+def static_int(n: int) -> int:
+    """``n`` as a constant of the graph ``torch.compile`` traces (eagerly: ``n``). With ``dynamic=True`` an int argument
+    is symbolic, and an index built from a symbolic block size (a pair's partner) costs an integer division per element;
+    comparing it with constants guards on its value instead, so each value gets its own kernel, built once."""
+    if not torch.compiler.is_compiling():
+        return n
+    for value in range(STATIC_INT_MAX + 1):
+        if n == value:
+            return value
+    raise ValueError(f"static_int: {n} is above {STATIC_INT_MAX}")
+
+
 def _call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a compiled kernel with dynamo's recompile limit raised to ``RECOMPILE_LIMIT`` for this call only."""
     limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)

@@ -17,6 +17,8 @@ from quark.torch.quantization.formats import (
     fake_quantize_int,
     fake_quantize_minifloat,
     fake_quantize_mx,
+    fake_quantize_mx6,
+    fake_quantize_mx9,
     set_compile,
 )
 from quark.torch.quantization.formats.bits import frexp32, ldexp32
@@ -65,6 +67,10 @@ def _cases() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         "mxfp4": lambda t: fake_quantize_mx(t, Dtype.fp4, 32, -1),
         "mxfp8 even": lambda t: fake_quantize_mx(t, Dtype.fp8_e4m3, 32, -1, "even"),
         "bfp16": lambda t: fake_quantize_bfp16(t, 8, -1),
+        "bfp16 blocks of 16 along rows": lambda t: fake_quantize_bfp16(t, 16, 0),
+        "mx6": lambda t: fake_quantize_mx6(t, 16, -1),
+        "mx9": lambda t: fake_quantize_mx9(t, 16, -1),
+        "mx6 blocks of 32 along rows": lambda t: fake_quantize_mx6(t, 32, 0),
     }
 
 
@@ -96,6 +102,26 @@ def test_compiled_equals_eager(name: str, compiler: None) -> None:
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], outs[1][1])
     assert not torch.equal(outs[0][0], x)  # it did quantize
+
+
+@pytest.mark.parametrize("name", ["bfp16", "bfp16 blocks of 16 along rows", "mx6", "mx9", "mx6 blocks of 32 along rows"])
+def test_block_kernels_compiled_equal_eager_at_the_ends_of_float32(name: str, compiler: None) -> None:
+    """The compiled block kernels build their powers of two per block and scale in two factors: blocks of float32
+    subnormals (MX6 steps down to 2^-134), tiny normals and values near float32's max give eager's bits."""
+    g = torch.Generator().manual_seed(1)
+    scales = torch.tensor([1e-45, 1e-42, 1e-39, 3e-38, 1e-3, 1.0, 1e30, 1.7e38]).repeat_interleave(ROWS * COLS // 8)
+    x = ((torch.rand(scales.numel(), generator=g) * 2 - 1) * scales).reshape(ROWS, COLS)
+    x[:, ::7] = 0.0
+    fn, before = _cases()[name], Backend.compile
+    outs = []
+    for mode in (False, True):
+        set_compile(mode)
+        try:
+            outs.append(fn(x))
+        finally:
+            set_compile(before)
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    assert torch.isfinite(outs[1]).all() and (outs[1] != 0).any() and (outs[1].abs() < 1e-38).logical_and(outs[1] != 0).any()
 
 
 def test_bit_helpers_match_torch_when_compiled(compiler: None) -> None:
