@@ -10,7 +10,6 @@ bit against the straightforward column-major loop of the paper.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,17 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from quark.torch.quantization.config.config import QuantizationSpec
-from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
+from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.formats import (
     BLOCK_FORMATS,
     CAST_FORMATS,
-    TORCH_FLOAT8,
+    ElementwiseQuantizer,
     FloatFormat,
     IntFormat,
+    elementwise_quantizer,
     format_of,
 )
-from quark.torch.quantization.formats.integer import _int_forward
-from quark.torch.quantization.formats.minifloat import _cast_forward, _grid_forward
 from quark.torch.quantization.hf import is_linear
 
 
@@ -102,34 +100,13 @@ def observer_qparams(spec: QuantizationSpec, weight: torch.Tensor) -> tuple[torc
     return scale.to(weight.device), zero_point.to(weight.device)
 
 
-ColumnQuantizer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def column_quantizer(spec: QuantizationSpec) -> ColumnQuantizer:
-    """``fn(column, scale, zero_point)``: the spec's format on one weight column, qparams broadcastable to it.
-
-    The format's own elementwise core, called eagerly and without autograd (the same arithmetic as ``fake_quantize``:
-    for integers ``(clamp(round(x * (1 / s)) + zp) - zp) * s`` with the spec's rounding, for fp8 torch's cast of
-    ``x / s``, for the other minifloats the grid rounding): one column is far below the size where a compiled kernel
-    pays, and GPTQ calls it once per column."""
-    fmt = format_of(spec.dtype)
-    if isinstance(fmt, IntFormat):
-        qmin, qmax, method = fmt.qmin, fmt.qmax, spec.round_method or RoundType.half_even
-        int_core = _eager(_int_forward)
-        return lambda x, s, z: int_core(x, s, z, qmin, qmax, method)
-    if isinstance(fmt, FloatFormat):
-        torch_dtype = TORCH_FLOAT8.get(Dtype(spec.dtype))
-        if torch_dtype is not None:  # what fake_quantize runs eagerly for fp8: bit-identical to the grid, faster
-            cast_core = _eager(_cast_forward)
-            return lambda x, s, z: cast_core(x, s, fmt.max_normal, torch_dtype)
-        grid_core = _eager(_grid_forward)
-        return lambda x, s, z: grid_core(x, s, fmt)
-    raise ValueError(f"GPTQ needs an integer or minifloat weight dtype with scales, got {spec.dtype}")
-
-
-def _eager(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The eager body of a ``compilable`` format kernel (compiled == eager bit for bit)."""
-    return getattr(kernel, "__wrapped__", kernel)
+def column_quantizer(spec: QuantizationSpec) -> ElementwiseQuantizer:
+    """``fn(column, scale, zero_point)``: the spec's format on one weight column, qparams broadcastable to it, eagerly
+    and without autograd: one column is far below the size where a compiled kernel pays, and GPTQ calls it once per
+    column."""
+    if not isinstance(format_of(spec.dtype), (IntFormat, FloatFormat)):
+        raise ValueError(f"GPTQ needs an integer or minifloat weight dtype with scales, got {spec.dtype}")
+    return elementwise_quantizer(spec.dtype, spec.round_method)
 
 
 def _column_qparams(spec: QuantizationSpec, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

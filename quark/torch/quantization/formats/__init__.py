@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,8 +34,21 @@ from quark.torch.quantization.formats.grouping import (
     to_blocks,
     to_tiles,
 )
-from quark.torch.quantization.formats.integer import apply_scale_type, dequantize_int, fake_quantize_int, quantize_int
-from quark.torch.quantization.formats.minifloat import decode, encode, fake_quantize_minifloat, round_to_grid
+from quark.torch.quantization.formats.integer import (
+    _int_forward,
+    apply_scale_type,
+    dequantize_int,
+    fake_quantize_int,
+    quantize_int,
+)
+from quark.torch.quantization.formats.minifloat import (
+    _cast_forward,
+    _grid_forward,
+    decode,
+    encode,
+    fake_quantize_minifloat,
+    round_to_grid,
+)
 from quark.torch.quantization.formats.table import (
     BLOCK_FORMATS,
     CAST_FORMATS,
@@ -58,6 +71,7 @@ __all__ = [
     "set_compile",
     "aminmax_along",
     "fake_cast",
+    "elementwise_quantizer",
     "is_scaled",
     # tables
     "IntFormat",
@@ -115,6 +129,29 @@ class _CastSTE(torch.autograd.Function):
 def fake_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round trip through ``dtype`` (bfloat16, float16), straight-through gradient."""
     return _CastSTE.apply(x, dtype)
+
+
+#: ``fn(x, scale, zero_point)``: a scaled format's quantize -> dequantize, qparams broadcastable to ``x``
+ElementwiseQuantizer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def elementwise_quantizer(dtype: Dtype | str, round_method: RoundType | None = None) -> ElementwiseQuantizer:
+    """The eager elementwise core of a scaled format (integers, minifloats), without autograd or dispatch: the same
+    arithmetic as ``fake_quantize`` (integers ``(clamp(round(x * (1 / s)) + zp) - zp) * s`` with ``round_method``,
+    fp8 torch's cast of ``x / s``, other minifloats the grid rounding) for callers that quantize many small slices
+    one at a time (GPTQ's columns), where neither a compiled kernel nor the autograd wrapper pays."""
+    fmt = format_of(Dtype(dtype))
+    if isinstance(fmt, IntFormat):
+        qmin, qmax, method = fmt.qmin, fmt.qmax, round_method or RoundType.half_even
+        int_core = _int_forward.__wrapped__  # the eager body of the compilable kernel (the same bits)
+        return lambda x, s, z: int_core(x, s, z, qmin, qmax, method)
+    if isinstance(fmt, FloatFormat):
+        torch_dtype = TORCH_FLOAT8.get(Dtype(dtype))
+        if torch_dtype is not None:  # what fake_quantize runs eagerly for fp8: bit-identical to the grid, faster
+            return lambda x, s, z: _cast_forward(x, s, fmt.max_normal, torch_dtype)
+        grid_core = _grid_forward.__wrapped__
+        return lambda x, s, z: grid_core(x, s, fmt)
+    raise ValueError(f"dtype {Dtype(dtype).value} has no scale: elementwise_quantizer serves integer and minifloat dtypes")
 
 
 def is_scaled(dtype: Dtype) -> bool:
