@@ -86,18 +86,22 @@ def model_size_bits(model: nn.Module) -> tuple[int, int]:
 
     Quantized weights and biases count their format's bits per element (block formats include their shared
     scales; per-channel/group scales of integer formats are not counted); every other parameter its dtype's bits,
-    and so do the weights of layers that no calibration forward reached (they are not run quantized).
+    and so do the weights of layers that no calibration forward reached (they are not run quantized). A parameter
+    shared by several modules counts the widest of its uses: a float use (an input embedding tied to a quantized
+    ``lm_head``) needs the float tensor, so it is not reported as quantized.
     """
-    quantized = {}
-    for m in model.modules():
+    bits: dict[int, float] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        quantized = {}
         if isinstance(m, QuantMixin) and not getattr(m, "_quant_unreached", False):
-            for param, q in m.param_quantizers():
-                if isinstance(getattr(m, param, None), torch.Tensor) and bool(q.fake_quant_enabled):
-                    spec = q.spec
-                    quantized[id(getattr(m, param))] = bits_per_element(spec.dtype, spec.mx_element_dtype, spec.group_size)
+            for name, q in m.param_quantizers():
+                if bool(q.fake_quant_enabled):
+                    quantized[name] = bits_per_element(q.spec.dtype, q.spec.mx_element_dtype, q.spec.group_size)
+        for name, p in m.named_parameters(recurse=False):
+            use = quantized.get(name, p.element_size() * 8)
+            bits[id(p)] = max(bits.get(id(p), 0.0), use)
     total_q = total_f = 0
     for p in model.parameters():
-        float_bits = p.numel() * p.element_size() * 8
-        total_f += float_bits
-        total_q += int(round(p.numel() * quantized[id(p)])) if id(p) in quantized else float_bits
+        total_f += p.numel() * p.element_size() * 8
+        total_q += int(round(p.numel() * bits[id(p)]))
     return total_q, total_f

@@ -117,3 +117,30 @@ def test_running_an_unreached_layer_later_errors_with_its_name() -> None:
         ModelQuantizer(Config(global_quant_config=W8A8)).quantize_model(model, [torch.randn(4, 8)])
     with pytest.raises(RuntimeError, match=r"layer 'skip' \(Linear, input_tensors\)"):
         model.skip(torch.randn(2, 8))
+
+
+class TiedLM(nn.Module):
+    """An input embedding tied to the output projection (GPT-2's wte / lm_head): both uses run every forward."""
+
+    def __init__(self, vocab: int = 32, dim: int = 8, tie: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.relu(self.mid(self.embed(ids))))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_weight_tied_to_a_float_embedding_counts_float(tie: bool) -> None:
+    """The lm_head runs int8, but the embedding reads the same tensor in float: the float tensor must be kept, so the
+    size report counts it at 32 bits; untied, the lm_head's own weight counts 8."""
+    model = TiedLM(tie=tie)
+    ModelQuantizer(Config(global_quant_config=W8A8)).quantize_model(model, [torch.randint(0, 32, (4, 6))])
+    quantized_bits, float_bits = model_size_bits(model)
+    assert float_bits == sum(p.numel() for p in model.parameters()) * 32
+    int8_weights = 8 * 8 + (0 if tie else 32 * 8)  # mid's weight; lm_head's only when it is its own tensor
+    assert float_bits - quantized_bits == int8_weights * (32 - 8)
