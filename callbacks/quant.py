@@ -39,7 +39,13 @@ from quark.torch.export import EXPORT_FORMATS, export_model
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
 from quark.torch.extensions.brevitas import to_quark_config
 from quark.torch.quantization import graph
-from quark.torch.quantization.api import activation_axes_to_check, check_activation_shapes, format_plans, run_batch
+from quark.torch.quantization.api import (
+    activation_axes_to_check,
+    check_activation_shapes,
+    format_plans,
+    layers_without_activation_qparams,
+    run_batch,
+)
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
 from quark.torch.quantization.hf import no_kv_cache
@@ -50,7 +56,6 @@ from quark.torch.quantization.sensitivity import average_bits, mixed_precision_c
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
     LSQFakeQuantize,
-    ScaledFakeQuantize,
     TQTFakeQuantize,
 )
 
@@ -1094,11 +1099,17 @@ def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_locati
     for _, q in iter_quantizers(model):
         if not q.is_dynamic:
             q.disable_observer()
-        if isinstance(q, ScaledFakeQuantize) and not _ready(q):
-            raise ValueError(
-                f"{checkpoint_path}: {q.where} was never calibrated ({type(q).__name__} has no qparams): no "
-                "calibration or training batch reached it before the checkpoint was written"
-            )
+    try:
+        unreached = layers_without_activation_qparams(model)
+    except ValueError as err:
+        raise ValueError(
+            f"{checkpoint_path}: {err} (no calibration or training batch reached it before the checkpoint was written)"
+        ) from err
     if freeze:
-        ModelQuantizer.freeze(model)
+        ModelQuantizer.freeze(model)  # the unreached layers run in float, named in a warning
+    elif unreached:
+        rank_zero_warn(
+            f"{checkpoint_path}: layer(s) that no calibration or training batch reached have no activation qparams and "
+            f"raise if a forward reaches them (freeze=True runs them in float): {sorted(unreached)}"
+        )
     return model.eval()

@@ -325,12 +325,34 @@ class Spare(BoringMLP):
 
 
 @UNREACHED
-def test_never_calibrated_error_names_the_layer(tmp_path) -> None:
+def test_a_layer_no_batch_reached_loads_and_runs_in_float(tmp_path) -> None:
+    """A spare head (or an MoE expert no batch was routed to) has weight qparams but no input qparams: the checkpoint
+    loads; frozen, that layer runs float, named in a warning; unfrozen, reaching it raises naming it."""
     seed(0)
     cb = QuantCallback(minmax_config(), mode="ptq", calib_batches=2)
     make_trainer(tmp_path, [cb], limit_train_batches=2).fit(Spare(), datamodule=DataModule())
-    with pytest.raises(ValueError, match=r"layer 'spare' \(Linear, input_tensors\) was never calibrated"):
-        load_quantized_checkpoint(Spare(), cb.quantized_checkpoint)
+    with pytest.warns(UserWarning, match=r"run in float from now on .*\['spare'\]"):
+        frozen = load_quantized_checkpoint(Spare(), cb.quantized_checkpoint)
+    assert not list(frozen.spare.quantizers()) and list(frozen.fc1.quantizers()) and list(frozen.fc2.quantizers())
+    x = torch.randn(3, 4)
+    assert torch.equal(frozen.spare(x), torch.nn.functional.linear(x, frozen.spare.weight, frozen.spare.bias))
+    with pytest.warns(UserWarning, match=r"raise if a forward reaches them .*\['spare'\]"):
+        unfrozen = load_quantized_checkpoint(Spare(), cb.quantized_checkpoint, freeze=False)
+    with pytest.raises(RuntimeError, match="spare"):
+        unfrozen.spare(x)
+
+
+@UNREACHED
+def test_a_weight_quantizer_without_qparams_is_refused_naming_the_layer(tmp_path) -> None:
+    seed(0)
+    cb = QuantCallback(minmax_config(), mode="ptq", calib_batches=2)
+    make_trainer(tmp_path, [cb], limit_train_batches=2).fit(BoringMLP(), datamodule=DataModule())
+    checkpoint = torch.load(cb.quantized_checkpoint, weights_only=True)
+    checkpoint["state_dict"]["fc1._weight_quantizer.initialized"].fill_(0)
+    bad = str(tmp_path / "uncalibrated.ckpt")
+    torch.save(checkpoint, bad)
+    with pytest.raises(ValueError, match=r"uncalibrated.ckpt: layer 'fc1' \(QuantLinear\): the weight quantizer has no qparams"):
+        load_quantized_checkpoint(BoringMLP(), bad)
 
 
 # ----------------------------------------------------------------------------------------------- smaller things

@@ -620,20 +620,21 @@ class ModelQuantizer:
         mode become plain convs with the folded weights first.
         """
         graph.fold_batch_norms(model)
-        for name, module in model.named_modules():  # checked before anything is changed
-            if isinstance(module, QuantMixin):
-                for role, q in module.quantizers():
-                    initialized = getattr(q, "initialized", None)
-                    if q.is_dynamic or not isinstance(initialized, torch.Tensor):
-                        continue
-                    q.calculate_qparams()  # brings lazily computed qparams up to date (sets ``initialized``)
-                    if not bool(initialized):
-                        raise ValueError(
-                            f"layer '{name}' ({type(module).__name__}): the {role} quantizer has no qparams yet; "
-                            "calibrate the model (or load a calibrated state_dict) before freezing it"
-                        )
-        for module in model.modules():
+        unreached = layers_without_activation_qparams(model)  # checked before anything is changed
+        if unreached:
+            warnings.warn(
+                f"layer(s) that no calibration forward reached run in float from now on (their activation quantizers "
+                f"have no qparams; size reports count them as float): {sorted(unreached)}. Calibrate with data that "
+                "reaches them to quantize them.",
+                stacklevel=2,
+            )
+        for name, module in model.named_modules():
             if not isinstance(module, QuantMixin):
+                continue
+            if name in unreached:
+                for slot, _ in list(module.quantizer_slots()):
+                    module.set_quantizer(slot, None)
+                module._quant_unreached = True
                 continue
             for slot, q in list(module.quantizer_slots()):
                 if bake_weights and slot.tensor is not None:
@@ -650,6 +651,37 @@ class ModelQuantizer:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+def layers_without_activation_qparams(model: nn.Module) -> set[str]:
+    """Names of the quantized layers that calibration did not reach: every weight quantizer has its qparams (weights
+    are observed directly) but an activation quantizer has none. Raises a ValueError naming the layer and role for a
+    weight quantizer without qparams, or when no layer of the model has its activation qparams (not calibrated)."""
+    unreached, calibrated_activations = set(), False
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantMixin):
+            continue
+        for slot, q in module.quantizer_slots():
+            initialized = getattr(q, "initialized", None)
+            if q.is_dynamic or not isinstance(initialized, torch.Tensor):
+                continue
+            q.calculate_qparams()  # brings lazily computed qparams up to date (sets ``initialized``)
+            if bool(initialized):
+                calibrated_activations |= slot.tensor is None
+            elif slot.tensor is None:
+                unreached.add(name)
+            else:
+                raise ValueError(
+                    f"layer '{name}' ({type(module).__name__}): the {slot.role} quantizer has no qparams yet; "
+                    "calibrate the model (or load a calibrated state_dict) first"
+                )
+    if unreached and not calibrated_activations:
+        name = sorted(unreached)[0]
+        raise ValueError(
+            f"layer '{name}': no activation quantizer of the model has qparams yet; calibrate the model (or load a "
+            "calibrated state_dict) first"
+        )
+    return unreached
+
+
 def format_plans(plans: list[LayerPlan]) -> str:
     """Plans as a fixed-width table."""
     rows = [("layer", "type", "role", "dtype", "qscheme", "observer", "from")]

@@ -144,3 +144,27 @@ def test_a_weight_tied_to_a_float_embedding_counts_float(tie: bool) -> None:
     assert float_bits == sum(p.numel() for p in model.parameters()) * 32
     int8_weights = 8 * 8 + (0 if tie else 32 * 8)  # mid's weight; lm_head's only when it is its own tensor
     assert float_bits - quantized_bits == int8_weights * (32 - 8)
+
+
+def test_freeze_runs_layers_no_calibration_reached_in_float() -> None:
+    """Weights are observed directly, inputs only by a forward: freezing names the layers whose inputs calibration
+    never saw and runs them in float (the size report already counts them so); the reached layer stays quantized."""
+    model = BypassNet()
+    quantizer = ModelQuantizer(Config(global_quant_config=W8A8))
+    with pytest.warns(UserWarning, match="no forward reached"):
+        quantizer.quantize_model(model, [torch.randn(4, 8)])
+    bits_before = model_size_bits(model)
+    with pytest.warns(UserWarning, match=r"run in float from now on .*\['skip', 'tied'\]"):
+        ModelQuantizer.freeze(model)
+    assert not list(model.skip.quantizers()) and not list(model.tied.quantizers())
+    assert [role for role, _ in model.fc.quantizers()] == ["input_tensors", "weight"]
+    x = torch.randn(3, 8)
+    assert torch.equal(model.skip(x), F.linear(x, model.skip.weight, model.skip.bias))
+    assert model_size_bits(model) == bits_before
+
+
+def test_freeze_refuses_a_model_never_calibrated() -> None:
+    model = BypassNet()
+    ModelQuantizer(Config(global_quant_config=W8A8)).prepare(model)
+    with pytest.raises(ValueError, match=r"layer 'fc' \(QuantLinear\): the weight quantizer has no qparams yet"):
+        ModelQuantizer.freeze(model)
