@@ -35,7 +35,9 @@ minifloats, quantized biases and the extra slots of LSTMs and attention.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,7 @@ from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, pack_sextets, unpack_nibbles, unpack_sextets
 from quark.torch.export.safetensors import _Checker, _described, _require_safetensors, _scale_view, check_header
 from quark.torch.export.skeleton import materialize
-from quark.torch.quantization.api import ModelQuantizer
+from quark.torch.quantization.api import ModelQuantizer, layers_without_activation_qparams
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType
 from quark.torch.quantization.formats import (
@@ -396,8 +398,11 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
     if config is None:
         raise ValueError("export needs a model prepared by ModelQuantizer (it has no quant_config)")
     check_quark_exportable(model)
+    floated = _unreached_for_export(model)
     tensors: dict[str, torch.Tensor] = {}
     for name, m in _layers(model):
+        if name in floated:
+            continue  # its float weights go out with the rest of the state dict; the config excludes it
         prefix = f"{name}." if name else ""
         wq = getattr(m, "_weight_quantizer", None)
         if isinstance(getattr(m, "weight", None), torch.Tensor) and wq is not None and bool(wq.fake_quant_enabled):
@@ -418,11 +423,30 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
             tensors[key] = value.detach().contiguous()
     hf = getattr(model, "config", None)
     document = hf.to_dict() if hasattr(hf, "to_dict") else {}
-    document["quantization_config"] = to_quark_dict(_as_amd_quark(config, model), weight_format, pack_method)
+    stored = _as_amd_quark(config, model)
+    if floated:
+        stored = dataclasses.replace(stored, exclude=list(stored.exclude) + [n for n in floated if n not in stored.exclude])
+    document["quantization_config"] = to_quark_dict(stored, weight_format, pack_method)
     out = Path(output_dir)
     write_atomically(out, WEIGHTS_FILE, lambda tmp: st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}))
     write_atomically(out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n"))
     return out
+
+
+def _unreached_for_export(model: nn.Module) -> list[str]:
+    """Quantized layers that calibration never reached (``layers_without_activation_qparams``, or run in float by
+    ``ModelQuantizer.freeze``): exported in float and added to the config's ``exclude``, with a warning naming them,
+    so that amd-quark and vLLM load them as float rather than with a placeholder input scale."""
+    floated = layers_without_activation_qparams(model) | {
+        name for name, m in _layers(model) if getattr(m, "_quant_unreached", False) and not list(m.quantizer_slots())
+    }
+    if floated:
+        warnings.warn(
+            f"layer(s) that no calibration forward reached are exported in float and excluded in the stored config: "
+            f"{sorted(floated)}",
+            stacklevel=3,
+        )
+    return sorted(floated)
 
 
 _STORED_SLOTS = {"_weight_quantizer", "_input_quantizer", "_output_quantizer"}

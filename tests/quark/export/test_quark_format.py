@@ -31,6 +31,7 @@ from quark.torch.quantization.config.config import (
     Uint8PerChannelSpec,
     Uint8PerTensorSpec,
 )
+from quark.torch.quantization.nn.modules import QuantMixin
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
@@ -319,3 +320,38 @@ def test_a_fully_meta_model_names_the_buffer_it_cannot_recover() -> None:
         import_model_from_safetensors(model, EXPORTS / "w8a8_int8")
     with pytest.raises(ValueError, match="multi_device / multi_gpu loading is not supported"):
         import_model_from_safetensors(tiny_llama(), EXPORTS / "w8a8_int8", multi_device=True)
+
+
+class WithSpare(ConvNet):
+    """A quantized head that no forward reaches (an MoE expert no calibration batch was routed to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(4, 4)
+
+
+@pytest.mark.filterwarnings("ignore:.*no forward reached.*")
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_layer_no_calibration_reached_is_exported_float_and_excluded(frozen: bool, tmp_path: Path) -> None:
+    config = QConfig(global_quant_config=QLayerConfig(weight=INT8_W, input_tensors=INT8_A))
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 4, 4)
+    model = ModelQuantizer(config).quantize_model(WithSpare().eval(), [x])
+    spare_weight = model.spare.weight.detach().clone()
+    if frozen:
+        with pytest.warns(UserWarning, match="run in float"):
+            ModelQuantizer.freeze(model)
+    with pytest.warns(UserWarning, match=r"exported in float and excluded .*\['spare'\]"):
+        export_safetensors(model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert "spare" in written["exclude"]
+    stored = tensors(tmp_path / "model.safetensors")
+    assert torch.equal(stored["spare.weight"], spare_weight) and "spare.input_scale" not in stored
+    assert stored["fc1.weight"].dtype == torch.int8 and "fc1.input_scale" in stored
+    restored = import_model_from_safetensors(WithSpare(), tmp_path)
+    assert not isinstance(restored.spare, QuantMixin) and isinstance(restored.fc1, QuantMixin)
+    assert torch.equal(restored.spare.weight, spare_weight)
+    if not frozen:
+        with pytest.warns(UserWarning, match="run in float"):
+            ModelQuantizer.freeze(model)
+    assert torch.equal(restored(x), model(x))
