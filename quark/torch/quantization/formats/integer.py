@@ -145,7 +145,8 @@ class _IntFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale, zero_point, qmin, qmax, round_method):  # type: ignore[override]
-        if not ctx.needs_input_grad[0]:
+        if not ctx.needs_input_grad[0]:  # (a scale that requires grad gets none here: it is not learned)
+            ctx.meta = "no grad"
             return _int_forward(x, scale, zero_point, qmin, qmax, round_method)
         if compiled_kernels_active(x) or torch.compiler.is_compiling():
             ctx.save_for_backward(x, scale, zero_point)
@@ -158,6 +159,8 @@ class _IntFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        if ctx.meta == "no grad":
+            return None, None, None, None, None, None
         if ctx.meta is None:
             (mask,) = ctx.saved_tensors
             return grad * mask, None, None, None, None, None  # as torch: -0.0 where a negative grad is masked

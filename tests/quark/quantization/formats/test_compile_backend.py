@@ -262,3 +262,13 @@ def _cases_on(device: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """``_cases`` with every qparam on ``device`` (the cases build theirs on the CPU)."""
     with torch.device(device):
         return _cases()
+
+
+def test_block_sizes_beyond_the_pinned_range_compile_without_falling_back(auto_mode: None, compiler: None) -> None:
+    """``static_int`` pins block sizes up to STATIC_INT_MAX; a larger one stays symbolic: still compiled, the same bits,
+    and no process-wide fallback to eager."""
+    x = torch.randn(16, 8192, generator=torch.Generator().manual_seed(0))
+    out = fake_quantize_bfp16(x, 8192, -1)
+    assert Backend.failure is None
+    set_compile(False)
+    assert torch.equal(out, fake_quantize_bfp16(x, 8192, -1))

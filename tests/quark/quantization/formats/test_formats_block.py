@@ -457,3 +457,15 @@ def test_microexponent_at_the_ends_of_float32_equals_ldexp_of_its_codes(m, fn):
     x[::7] = 0.0
     codes, step_exp = microexponent_codes(x.reshape(-1, 16), m)
     assert_bitwise_equal(fn(x), torch.ldexp(codes, step_exp).reshape(-1))
+
+
+def test_bfp16_block_with_minus_inf_doubles_its_step_as_the_rule_says():
+    """-inf rounds below -128 steps: the step doubles, as for any code outside int8 (the finite elements see it)."""
+    x = torch.tensor([-float("inf"), -3.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0])
+    out = fake_quantize_bfp16(x)
+    assert out[1:3].tolist() == [-2.0, 0.5] and out[0].item() == -2.0
+
+
+def test_block_formats_take_empty_tensors():
+    for fn in (fake_quantize_mx6, fake_quantize_mx9, fake_quantize_bfp16):
+        assert fn(torch.randn(0, 16)).shape == (0, 16)

@@ -523,3 +523,12 @@ def test_float_and_float32_scale_types():
         apply_scale_type(s, ScaleType.float, torch.bfloat16), torch.from_numpy(_bfloat16_rne(s.numpy()))
     )
     assert_bitwise_equal(apply_scale_type(s, ScaleType.float, torch.int8), s)
+
+
+def test_a_scale_that_requires_grad_gets_none_and_the_backward_runs():
+    """Only ``x`` is differentiable here (learned scales are TQT/LSQ's own functions): a scale that requires grad,
+    with an input that does not, gets no gradient instead of a crash in the backward."""
+    scale = torch.tensor(0.1, requires_grad=True)
+    x = torch.randn(10000)  # past the size handed to torch's kernel: the elementwise path
+    fake_quantize_int(x, scale, torch.tensor(0, dtype=torch.int32), -128, 127).sum().backward()
+    assert scale.grad is None
