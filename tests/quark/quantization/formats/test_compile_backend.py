@@ -272,3 +272,20 @@ def test_block_sizes_beyond_the_pinned_range_compile_without_falling_back(auto_m
     assert Backend.failure is None
     set_compile(False)
     assert torch.equal(out, fake_quantize_bfp16(x, 8192, -1))
+
+
+@pytest.mark.parametrize("name", ["mx6 blocks of 32 along rows", "bfp16", "mxfp4"])
+def test_block_formats_inside_a_users_torch_compile_give_eager_bits(name: str, compiler: None) -> None:
+    """Inside the user's own ``torch.compile`` the kernels' traced forms (per-block integer work, float work per
+    element) are part of the user's graph, on small tensors too: the same bits as the eager forms."""
+    fn = _cases()[name]
+    x = _input()[:64, :64].contiguous() * 5
+    before = Backend.compile
+    set_compile(False)
+    try:
+        expected = fn(x)
+        torch._dynamo.reset()
+        got = torch.compile(fn, dynamic=True)(x)
+    finally:
+        set_compile(before)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
