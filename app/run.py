@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,7 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer.fit(model, datamodule=datamodule)
         timings["fit_s"] = time.perf_counter() - t0
-    float_metrics = _test(trainer, model, datamodule)
+    float_metrics = float_test(_float_test_cache(cfg), _float_test_key(cfg), lambda: _test(trainer, model, datamodule))
     float_ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
     float_bits = model_size_bits(model)[1]
 
@@ -468,6 +469,54 @@ def _quantize(
     )
     trainer.fit(model, datamodule=datamodule)
     return trainer, model
+
+
+FLOAT_TEST_CACHE = "float_test_cache.json"
+
+
+def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """The float model's test metrics: ``test()``, or what ``cache`` (a JSON file) holds under ``key`` from an earlier
+    job of the same sweep, which tested the same model on the same data. New results are added atomically; an
+    unreadable cache is ignored (the test runs again)."""
+    if cache is None:
+        return test()
+    try:
+        stored = json.loads(cache.read_text()) if cache.is_file() else {}
+    except (OSError, ValueError):
+        stored = {}
+    if not isinstance(stored, dict):
+        stored = {}
+    if isinstance(stored.get(key), dict):
+        logging.getLogger(__name__).info("float test metrics read from %s (an earlier job of this sweep tested this float model)", cache)
+        return {k: float(v) for k, v in stored[key].items()}
+    metrics = test()
+    stored[key] = metrics
+    write_text_atomically(cache, json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    return metrics
+
+
+def _float_test_cache(cfg: DictConfig) -> Path | None:
+    """In a multirun whose jobs all start from one float checkpoint (``ckpt_path``: a search over quantization
+    settings), the sweep directory's float-test cache; None otherwise (each run tests its own float model)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not cfg.get("ckpt_path") or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return Path(HydraConfig.get().sweep.dir) / FLOAT_TEST_CACHE
+
+
+def _float_test_key(cfg: DictConfig) -> str:
+    """What the float test depends on: the checkpoint file (path, size, modification time) and the data, model,
+    trainer, metric and seed settings."""
+    path = Path(str(cfg.get("ckpt_path") or ""))
+    stat = path.stat() if path.is_file() else None
+    parts = {
+        "ckpt": [str(path.resolve()), stat.st_size if stat else None, stat.st_mtime_ns if stat else None],
+        **{k: OmegaConf.to_container(cfg[k], resolve=True) if k in cfg else None for k in ("data", "model", "trainer", "metric")},
+        "seed": cfg.get("seed"),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _test(trainer: Trainer, model: LightningModule, datamodule: Any) -> dict[str, float]:

@@ -224,3 +224,37 @@ def test_graph_presets_run(preset: str, tmp_path: Path) -> None:
     assert on_disk["quark_config"]["quant_mode"] == "fx_graph_mode"
     assert 0.0 <= results["metric"]["quantized"] <= 100.0
     assert on_disk["size"]["quantized_bits"] < on_disk["size"]["fp32_bits"]
+
+
+def test_float_test_cache_tests_once_per_key_and_survives_a_broken_file(tmp_path: Path) -> None:
+    from app.run import float_test
+
+    calls: list[int] = []
+
+    def test() -> dict[str, float]:
+        calls.append(1)
+        return {"test_acc": 0.5 + len(calls)}
+
+    cache = tmp_path / "float_test_cache.json"
+    assert float_test(None, "k", test) == {"test_acc": 1.5}  # no cache: always tested
+    assert float_test(cache, "k", test) == {"test_acc": 2.5}
+    assert float_test(cache, "k", test) == {"test_acc": 2.5} and len(calls) == 2  # read back
+    assert float_test(cache, "other", test) == {"test_acc": 3.5}  # another model or data: tested
+    cache.write_text("{not json")
+    assert float_test(cache, "k", test) == {"test_acc": 4.5}  # unreadable: tested again, and rewritten
+    assert json.loads(cache.read_text()) == {"k": {"test_acc": 4.5}}
+
+
+def test_a_sweep_from_one_float_checkpoint_tests_the_float_model_once(tmp_path: Path) -> None:
+    first = run(compose_cfg("quant=none", *SMOKE), tmp_path / "first")
+    ckpt = first["checkpoints"]["float"]
+    sweep = tmp_path / "sweep"
+    proc = run_train("-m", "quant=int8_per_channel", "quant.weight_bits=4,8", *SMOKE, f"ckpt_path={ckpt}",
+                     f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cache = json.loads((sweep / "float_test_cache.json").read_text())
+    assert len(cache) == 1
+    jobs = [json.loads((sweep / str(i) / "results.json").read_text()) for i in (0, 1)]
+    assert jobs[0]["float_metrics"] == jobs[1]["float_metrics"] == next(iter(cache.values()))
+    assert jobs[0]["float_metrics"]["test_loss"] == pytest.approx(first["float_metrics"]["test_loss"], rel=1e-6)
+    assert "float test metrics read from" in (sweep / "1" / "train.log").read_text()
