@@ -279,6 +279,17 @@ class _SaturateSTE(torch.autograd.Function):
         return grad, None
 
 
+def saturate_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 ``x`` in ``dtype``, past that dtype's largest finite value saturated to it (``cast_saturating``'s rule)
+    without autograd: for use inside the kernels, whose own backward is straight-through, so a bfloat16 or float16
+    input is read and written in its dtype within one compiled pass instead of two extra casts around it."""
+    if x.dtype == dtype:
+        return x
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
+        x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    return x.to(dtype)
+
+
 def cast_saturating(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` (a float32 result the caller owns) in the caller's ``dtype``, where that dtype's range is narrower:
     magnitudes past its largest finite value become that value instead of inf (fp16 data at 65504 rounded onto a grid

@@ -22,7 +22,7 @@ from quark.torch.quantization.formats import (
     set_compile,
 )
 from quark.torch.quantization.formats.bits import frexp32, ldexp32
-from quark.torch.quantization.formats.grouping import compilable, compiled_kernels_active
+from quark.torch.quantization.formats.grouping import compilable, compiled_kernels_active, saturate_to
 from quark.torch.quantization.formats.table import TORCH_FLOAT8
 
 ROWS, COLS = 256, 256  # 65536 elements: the smallest size auto mode compiles
@@ -289,3 +289,29 @@ def test_block_formats_inside_a_users_torch_compile_give_eager_bits(name: str, c
     finally:
         set_compile(before)
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["int8 per-channel", "fp8_e4m3", "mxfp4", "mx6", "bfp16"])
+def test_half_precision_inputs_are_read_and_written_in_their_dtype(name: str, dtype: torch.dtype, compiler: None) -> None:
+    """A bfloat16 / float16 tensor goes into the kernel as it is (computed in float32 inside, saturated on the way
+    out): the same bits as quantizing its float32 copy and casting back with saturation, compiled and eager, and the
+    straight-through gradient in the input's dtype."""
+    fn = _cases()[name]
+    x32 = _input() * 40  # float16 saturates past 65504: large values reach the grid's ends
+    x32[2, :4] = torch.tensor([65504.0, -65504.0, 60000.0, 1e-3])
+    x = x32.to(dtype)
+    expected = saturate_to(fn(x.float()), dtype)
+    grad = torch.randn(x.shape).to(dtype)
+    before = Backend.compile
+    for mode in (False, None):
+        set_compile(mode)
+        try:
+            xg = x.clone().requires_grad_(True)
+            out = fn(xg)
+            out.backward(grad)
+        finally:
+            set_compile(before)
+        assert out.dtype == dtype and torch.equal(out.detach(), expected), mode
+        assert xg.grad is not None and xg.grad.dtype == dtype
+        assert torch.equal(xg.grad, torch.where(xg.grad == 0, torch.zeros_like(grad), grad))  # grad or 0 per element
