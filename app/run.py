@@ -33,7 +33,7 @@ from app.checks import check_activations, check_plain_keys, warnings_logged_once
 from app.conf import ConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
 from app.layer_bits import apply_layer_bits
 from app.mixed import candidate_configs, check_before_training, run_mixed, with_candidate
-from app.rundir import claim, recording, remove_temporaries, run_files
+from app.rundir import FLOAT_TEST_CACHE, claim, recording, remove_temporaries, run_files
 from callbacks import AtomicCheckpointIO, QuantCallback
 from callbacks.quant import _feedable, read_checkpoint
 from quark.torch import ModelQuantizer
@@ -160,6 +160,7 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         trainer.fit(model, datamodule=datamodule)
         timings["fit_s"] = time.perf_counter() - t0
     float_metrics = float_test(_float_test_cache(cfg), _float_test_key(cfg), lambda: _test(trainer, model, datamodule))
+    model = trainer.precision_plugin.convert_module(model).to(trainer.strategy.root_device)  # as a test leaves it
     float_ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
     float_bits = model_size_bits(model)[1]
 
@@ -471,9 +472,6 @@ def _quantize(
     return trainer, model
 
 
-FLOAT_TEST_CACHE = "float_test_cache.json"
-
-
 def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]]) -> dict[str, float]:
     """The float model's test metrics: ``test()``, or what ``cache`` (a JSON file) holds under ``key`` from an earlier
     job of the same sweep, which tested the same model on the same data. New results are added atomically; an
@@ -486,13 +484,35 @@ def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]
         stored = {}
     if not isinstance(stored, dict):
         stored = {}
-    if isinstance(stored.get(key), dict):
+    try:
+        cached = {str(k): float(v) for k, v in stored[key].items()} if isinstance(stored.get(key), dict) else None
+    except (TypeError, ValueError):  # not numbers: tested again
+        cached = None
+    if cached is not None:
         logging.getLogger(__name__).info("float test metrics read from %s (an earlier job of this sweep tested this float model)", cache)
-        return {k: float(v) for k, v in stored[key].items()}
-    metrics = test()
+        return cached
+    with _rng_kept():  # a cache hit consumes no randomness: neither does the test that fills it
+        metrics = test()
     stored[key] = metrics
     write_text_atomically(cache, json.dumps(stored, indent=1, sort_keys=True) + "\n")
     return metrics
+
+
+@contextlib.contextmanager
+def _rng_kept() -> Iterator[None]:
+    """torch's (CPU and CUDA), Python's and numpy's random states as they were before the block."""
+    import random
+
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 def _float_test_cache(cfg: DictConfig) -> Path | None:

@@ -39,6 +39,8 @@ except ImportError:  # not POSIX: a "running" state cannot be told stale
 log = logging.getLogger(__name__)
 
 RUN_STATE = "run_state.json"
+#: in a sweep's directory: the float model's test metrics, shared by the jobs that start from one ckpt_path
+FLOAT_TEST_CACHE = "float_test_cache.json"
 LOCK = ".lock"
 #: what a run of the app writes into its directory, besides the loggers' folders (from the config), ``.hydra/`` and the
 #: Hydra log file (rewritten / appended by every run: not removed)

@@ -25,7 +25,13 @@ COLUMNS = (
 
 
 class SweepSummary(Callback):
-    """Hydra callback: after a multirun, summarise the jobs' results in the sweep directory."""
+    """Hydra callback: after a multirun, summarise the jobs' results in the sweep directory. At its start, remove an
+    earlier sweep's float-test cache there (a new sweep tests its float model again: code or data may have changed)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from app.rundir import FLOAT_TEST_CACHE  # here: importing quark takes a second
+
+        (Path(str(config.hydra.sweep.dir)) / FLOAT_TEST_CACHE).unlink(missing_ok=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))

@@ -8,6 +8,7 @@ compiled where they work) unless ``--backend`` says otherwise.
     python bench/fake_quant.py               # 4096 x 4096, median of 7 interleaved rounds
     python bench/fake_quant.py --size 1024 --repeats 5
     python bench/fake_quant.py --backend eager   # the eager kernels (what runs where torch.compile cannot)
+    python bench/fake_quant.py --dtype bfloat16  # a bfloat16 tensor (the copy peer copies bfloat16 too)
 """
 
 from __future__ import annotations
@@ -43,26 +44,28 @@ def _ms(fn: Callable[[], object]) -> float:
 
 def _cases(x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     rows = x.shape[0]
-    s_t = (x.detach().abs().max() / 127.5).reshape(())
+    xs = x.detach().float()  # float32 scales, whatever x's dtype
+    s_t = (xs.abs().max() / 127.5).reshape(())
     z_t = torch.zeros((), dtype=torch.int32)
-    s_c = x.detach().abs().amax(dim=1) / 127.5
+    s_c = xs.abs().amax(dim=1) / 127.5
     z_c = torch.zeros(rows, dtype=torch.int32)
-    s_g = x.detach().reshape(rows, -1, 32).abs().amax(dim=-1) / 7.5
+    s_g = xs.reshape(rows, -1, 32).abs().amax(dim=-1) / 7.5
     z_g = torch.zeros_like(s_g, dtype=torch.int32)
-    s_f8 = (x.detach().abs().max() / 448).reshape(())
+    s_f8 = (xs.abs().max() / 448).reshape(())
 
     def minifloat(dtype: Dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         fmt = FLOAT_FORMATS[dtype]
-        s = (x.detach().abs().max() / fmt.max_normal).reshape(())
+        s = (xs.abs().max() / fmt.max_normal).reshape(())
         return lambda t: fake_quantize_minifloat(t, fmt, s, torch_dtype=TORCH_FLOAT8.get(dtype))
 
     out = torch.empty_like(x)
     return {
         "peer: copy": lambda t: out.copy_(t),  # read + write of the tensor: the memory-bound limit
         "peer: clone": lambda t: t.clone(),
-        "peer: torch int8 per-tensor": lambda t: torch.fake_quantize_per_tensor_affine(t, s_t, z_t, -128, 127),
-        "peer: torch int8 per-channel": lambda t: torch.fake_quantize_per_channel_affine(t, s_c, z_c, 0, -128, 127),
-        "peer: fp8 e4m3 cast round trip": lambda t: t.to(torch.float8_e4m3fn).float(),
+        # torch's kernels take float32 only: a half-precision tensor is cast there and back, as a user would
+        "peer: torch int8 per-tensor": lambda t: torch.fake_quantize_per_tensor_affine(t.float(), s_t, z_t, -128, 127).to(t.dtype),
+        "peer: torch int8 per-channel": lambda t: torch.fake_quantize_per_channel_affine(t.float(), s_c, z_c, 0, -128, 127).to(t.dtype),
+        "peer: fp8 e4m3 cast round trip": lambda t: t.to(torch.float8_e4m3fn).to(t.dtype),
         "int8 per-tensor": lambda t: fake_quantize_int(t, s_t, z_t, -128, 127),
         "int8 per-channel": lambda t: fake_quantize_int(t, s_c, z_c, -128, 127, qscheme=QSchemeType.per_channel, axis=0),
         "int8 per-tensor, round half away": lambda t: fake_quantize_int(t, s_t, z_t, -128, 127, round_method=RoundType.round),
@@ -83,13 +86,13 @@ def _cases(x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
     }
 
 
-def run(size: int = 4096, repeats: int = 7, seed: int = 0) -> dict[str, tuple[float, float, float]]:
+def run(size: int = 4096, repeats: int = 7, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, tuple[float, float, float]]:
     """{name: (forward ms, forward+backward ms, forward / copy)}: medians over ``repeats`` rounds, each of which
     times every case once after two warm-up calls per case (the first compile the kernels); the copy ratio is the
     median of per-round ratios, so a slow stretch of a shared machine hits both sides of it alike."""
     torch.manual_seed(seed)
-    x = torch.randn(size, size)
-    grad = torch.randn(size, size)
+    x = torch.randn(size, size).to(dtype)
+    grad = torch.randn(size, size).to(dtype)
     xg = x.clone().requires_grad_(True)
     fwd_fns, both_fns = {}, {}
     for name, fn in _cases(x).items():
@@ -130,14 +133,14 @@ def _copy_goal(name: str) -> float | None:
     return next((g for prefix, g in COPY_GOALS.items() if name.startswith(prefix)), None)
 
 
-def _report(results: dict[str, tuple[float, float, float]], size: int) -> None:
+def _report(results: dict[str, tuple[float, float, float]], size: int, dtype: torch.dtype = torch.float32) -> None:
     ref = {
         "int8 per-tensor": "peer: torch int8 per-tensor",
         "int8 per-channel": "peer: torch int8 per-channel",
         "fp8_e4m3 per-tensor": "peer: fp8 e4m3 cast round trip",
         "fp8_e5m2 per-tensor": "peer: fp8 e4m3 cast round trip",
     }
-    print(f"# fake quantization of a {size}x{size} float32 tensor, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"# fake quantization of a {size}x{size} {str(dtype).removeprefix('torch.')} tensor, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"| {'format':34s} | fwd ms | fwd+bwd ms | fwd / copy | fwd / peer | peer | goal (fwd / copy) |")
     print("|" + "---|" * 7)
     for name, (fwd, both, to_copy) in results.items():
@@ -155,6 +158,7 @@ def main() -> None:
         help="leave glibc's allocator as it is (default: keep_freed_memory(), as train.py does)",
     )
     parser.add_argument("--size", type=int, default=4096)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--backend", choices=("auto", "compile", "eager"), default="auto",
@@ -165,7 +169,8 @@ def main() -> None:
     print(f"# CPU allocator: {'freed memory kept (keep_freed_memory)' if kept else 'system default'}")
     set_compile({"auto": None, "compile": True, "eager": False}[args.backend])
     print(f"# format kernels: {args.backend}")
-    _report(run(args.size, args.repeats), args.size)
+    dtype = getattr(torch, args.dtype)
+    _report(run(args.size, args.repeats, dtype=dtype), args.size, dtype)
 
 
 if __name__ == "__main__":

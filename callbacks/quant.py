@@ -43,8 +43,8 @@ from quark.torch.quantization.api import (
     activation_axes_to_check,
     check_activation_shapes,
     format_plans,
-    layers_without_activation_qparams,
     run_batch,
+    uncalibrated_layers,
 )
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable, sync_observers
@@ -1100,11 +1100,9 @@ def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_locati
         if not q.is_dynamic:
             q.disable_observer()
     try:
-        unreached = layers_without_activation_qparams(model)
+        unreached = uncalibrated_layers(model)
     except ValueError as err:
-        raise ValueError(
-            f"{checkpoint_path}: {err} (no calibration or training batch reached it before the checkpoint was written)"
-        ) from err
+        raise ValueError(f"{checkpoint_path}: {err}") from err
     if freeze:
         ModelQuantizer.freeze(model)  # the unreached layers run in float, named in a warning
     elif unreached:

@@ -343,6 +343,22 @@ def test_a_layer_no_batch_reached_loads_and_runs_in_float(tmp_path) -> None:
 
 
 @UNREACHED
+@pytest.mark.parametrize("recipe_name", ["w8a8_int8", "w4a8_tqt_3sd"])
+def test_a_head_qat_never_reached_loads_and_runs_in_float(tmp_path, recipe_name) -> None:
+    """QAT observes weights in the forward too: a head no training batch reached has no qparams at all (TQT: no
+    threshold); it runs in float after loading, named, and the reached layers stay quantized."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seed(0)
+    cb = QuantCallback(recipe(recipe_name), mode="qat", observer_steps=2)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    make_trainer(tmp_path, [cb, ckpt], limit_train_batches=3).fit(Spare(), datamodule=DataModule())
+    with pytest.warns(UserWarning, match=r"run in float from now on .*\['spare'\]"):
+        loaded = load_quantized_checkpoint(Spare(), ckpt.last_model_path or ckpt.best_model_path)
+    assert not list(loaded.spare.quantizers()) and list(loaded.fc1.quantizers())
+
+
+@UNREACHED
 def test_a_weight_quantizer_without_qparams_is_refused_naming_the_layer(tmp_path) -> None:
     seed(0)
     cb = QuantCallback(minmax_config(), mode="ptq", calib_batches=2)

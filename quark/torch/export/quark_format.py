@@ -48,7 +48,7 @@ from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, pack_sextets, unpack_nibbles, unpack_sextets
 from quark.torch.export.safetensors import _Checker, _described, _require_safetensors, _scale_view, check_header
 from quark.torch.export.skeleton import materialize
-from quark.torch.quantization.api import ModelQuantizer, layers_without_activation_qparams
+from quark.torch.quantization.api import ModelQuantizer, uncalibrated_layers
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType
 from quark.torch.quantization.formats import (
@@ -434,16 +434,17 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
 
 
 def _unreached_for_export(model: nn.Module) -> list[str]:
-    """Quantized layers that calibration never reached (``layers_without_activation_qparams``, or run in float by
+    """Quantized layers that calibration never reached (``uncalibrated_layers``, or run in float by
     ``ModelQuantizer.freeze``): exported in float and added to the config's ``exclude``, with a warning naming them,
     so that amd-quark and vLLM load them as float rather than with a placeholder input scale."""
-    floated = layers_without_activation_qparams(model) | {
+    floated = uncalibrated_layers(model) | {
         name for name, m in _layers(model) if getattr(m, "_quant_unreached", False) and not list(m.quantizer_slots())
     }
     if floated:
         warnings.warn(
             f"layer(s) that no calibration forward reached are exported in float and excluded in the stored config: "
-            f"{sorted(floated)}",
+            f"{sorted(floated)}. vLLM quantizes a fused MoE layer's experts alike, whatever exclude says of one "
+            "expert: calibrate with data that reaches every expert before serving such a model there.",
             stacklevel=3,
         )
     return sorted(floated)

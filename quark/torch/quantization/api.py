@@ -620,12 +620,12 @@ class ModelQuantizer:
         mode become plain convs with the folded weights first.
         """
         graph.fold_batch_norms(model)
-        unreached = layers_without_activation_qparams(model)  # checked before anything is changed
+        unreached = uncalibrated_layers(model)  # checked before anything is changed
         if unreached:
             warnings.warn(
-                f"layer(s) that no calibration forward reached run in float from now on (their activation quantizers "
-                f"have no qparams; size reports count them as float): {sorted(unreached)}. Calibrate with data that "
-                "reaches them to quantize them.",
+                f"layer(s) that no calibration or training forward reached run in float from now on (their activation "
+                f"quantizers have no qparams; size reports count them as float): {sorted(unreached)}. Calibrate with "
+                "data that reaches them to quantize them.",
                 stacklevel=2,
             )
         for name, module in model.named_modules():
@@ -651,33 +651,40 @@ class ModelQuantizer:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def layers_without_activation_qparams(model: nn.Module) -> set[str]:
-    """Names of the quantized layers that calibration did not reach: every weight quantizer has its qparams (weights
-    are observed directly) but an activation quantizer has none. Raises a ValueError naming the layer and role for a
-    weight quantizer without qparams, or when no layer of the model has its activation qparams (not calibrated)."""
-    unreached, calibrated_activations = set(), False
+_ACTIVATION_ROLES = ("input_tensors", "output_tensors")
+
+
+def uncalibrated_layers(model: nn.Module) -> set[str]:
+    """Names of the quantized layers that calibration (or QAT) never reached: none of their static activation
+    quantizers has qparams (their weight quantizers may have them: PTQ observes weights directly, QAT in the forward).
+
+    Raises a ValueError naming the layer and role for a layer that was reached (an activation quantizer has qparams)
+    but has a quantizer without them, and when no quantizer of the model has qparams (it was never calibrated)."""
+    unreached, calibrated = set(), False
     for name, module in model.named_modules():
         if not isinstance(module, QuantMixin):
             continue
+        static = []
         for slot, q in module.quantizer_slots():
             initialized = getattr(q, "initialized", None)
             if q.is_dynamic or not isinstance(initialized, torch.Tensor):
                 continue
             q.calculate_qparams()  # brings lazily computed qparams up to date (sets ``initialized``)
-            if bool(initialized):
-                calibrated_activations |= slot.tensor is None
-            elif slot.tensor is None:
-                unreached.add(name)
-            else:
-                raise ValueError(
-                    f"layer '{name}' ({type(module).__name__}): the {slot.role} quantizer has no qparams yet; "
-                    "calibrate the model (or load a calibrated state_dict) first"
-                )
-    if unreached and not calibrated_activations:
-        name = sorted(unreached)[0]
+            static.append((slot, bool(initialized)))
+        missing = [slot for slot, ready in static if not ready]
+        calibrated |= len(missing) < len(static)
+        if not missing:
+            continue
+        if any(ready for slot, ready in static if slot.role in _ACTIVATION_ROLES):
+            raise ValueError(
+                f"layer '{name}' ({type(module).__name__}): the {missing[0].role} quantizer has no qparams yet; "
+                "calibrate the model (or load a calibrated state_dict) first"
+            )
+        unreached.add(name)
+    if unreached and not calibrated:
         raise ValueError(
-            f"layer '{name}': no activation quantizer of the model has qparams yet; calibrate the model (or load a "
-            "calibrated state_dict) first"
+            f"no quantizer of the model has qparams yet (layer '{sorted(unreached)[0]}', ...); calibrate the model "
+            "(or load a calibrated state_dict) first"
         )
     return unreached
 

@@ -166,5 +166,5 @@ def test_freeze_runs_layers_no_calibration_reached_in_float() -> None:
 def test_freeze_refuses_a_model_never_calibrated() -> None:
     model = BypassNet()
     ModelQuantizer(Config(global_quant_config=W8A8)).prepare(model)
-    with pytest.raises(ValueError, match=r"layer 'fc' \(QuantLinear\): the weight quantizer has no qparams yet"):
+    with pytest.raises(ValueError, match=r"no quantizer of the model has qparams yet \(layer 'fc', ...\); calibrate"):
         ModelQuantizer.freeze(model)
