@@ -466,3 +466,29 @@ def test_hf_llama_in_graph_mode_with_its_default_config() -> None:
         ref = model(**b).logits
         err = (gm(**b).logits - ref).pow(2).mean() / ref.pow(2).mean()
         assert float(err) < 2e-3
+
+
+class OwnWeightNet(nn.Module):
+    """A Parameter fed to F.linear by the model itself: graph mode quantizes it as a functional weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.relu(self.fc(x)), self.w)
+
+
+def test_weight_only_graph_mode_observes_functional_weights_from_the_data() -> None:
+    """A functional weight reaches its quantizer only through the forward: weight-only calibration runs the data too
+    (it used to skip it, leaving that quantizer without qparams and freeze refusing the model)."""
+    config = Config.from_dict({"global_quant_config": {"weight": W8}, "quant_mode": "fx_graph_mode"})
+    model = ModelQuantizer(config).quantize_model(OwnWeightNet(), [torch.randn(4, 8)])
+    functional = [q for role, q in iter_quantizers(model) if role == "weight" and q is not model.fc._weight_quantizer]
+    assert functional and all(bool(q.initialized) for q in functional)
+    expected_w = functional[0](model.w).detach()
+    ModelQuantizer.freeze(model)
+    x = torch.randn(2, 8)
+    assert torch.equal(model(x), F.linear(torch.relu(model.fc(x)), expected_w))
+    assert not torch.equal(expected_w, model.w)

@@ -736,7 +736,15 @@ def _plan_needs_data(plan: LayerPlan) -> bool:
 
 
 def _needs_data(model: nn.Module) -> bool:
-    return any(_spec_needs_data(q.spec) for role, q in iter_quantizers(model) if role in ("input_tensors", "output_tensors"))
+    """Whether calibration must run the model: a static activation quantizer, or a weight quantizer of a slot that
+    holds no Parameter (graph mode's functional weight: the weight reaches it only through the forward)."""
+    return any(
+        _spec_needs_data(q.spec)
+        for m in model.modules()
+        if isinstance(m, QuantMixin)
+        for slot, q in m.quantizer_slots()
+        if slot.role in _ACTIVATION_ROLES or slot.tensor is None
+    )
 
 
 def _check_data(dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None) -> None:
