@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -96,8 +97,10 @@ def track_forward(model: nn.Module, functional: bool = True) -> Iterator[dict[st
     handles = []
     params: dict[int, tuple[str, str | None]] = {id(p): (n, None) for n, p in model.named_parameters()}
 
-    def enter(name: str) -> None:  # hooks must return None (a value would replace the layer's input / output)
-        record["reached"].add(name)
+    def enter(name: str, args: tuple[Any, ...]) -> None:  # hooks return None (a value would replace the input)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors or any(t.numel() for t in tensors):  # an empty batch (an MoE expert no token was routed to)
+            record["reached"].add(name)  # gives its quantizers no statistics: it does not count as reached
         active.append(name)
 
     def leave() -> None:
@@ -106,7 +109,7 @@ def track_forward(model: nn.Module, functional: bool = True) -> Iterator[dict[st
 
     for name, m in model.named_modules():
         if isinstance(m, QuantMixin):
-            handles.append(m.register_forward_pre_hook(lambda mod, args, n=name: enter(n)))
+            handles.append(m.register_forward_pre_hook(lambda mod, args, n=name: enter(n, args)))
             handles.append(m.register_forward_hook(lambda mod, args, out: leave()))
             prefix = f"{name}." if name else ""
             for p_name, p in m.named_parameters(recurse=False):

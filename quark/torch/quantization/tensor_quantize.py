@@ -150,7 +150,9 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         self._stale = False
 
     def _sync(self) -> None:
-        if getattr(self, "_stale", False):
+        # an observer that saw only empty tensors (an MoE expert no token was routed to) has nothing to compute from:
+        # the quantizer stays without qparams, and a forward that quantizes with it says so, naming the layer
+        if getattr(self, "_stale", False) and getattr(self.observer, "has_statistics", True):
             self._refresh_qparams()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

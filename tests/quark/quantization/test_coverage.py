@@ -168,3 +168,37 @@ def test_freeze_refuses_a_model_never_calibrated() -> None:
     ModelQuantizer(Config(global_quant_config=W8A8)).prepare(model)
     with pytest.raises(ValueError, match=r"no quantizer of the model has qparams yet \(layer 'fc', ...\); calibrate"):
         ModelQuantizer.freeze(model)
+
+
+class TinyMoE(nn.Module):
+    """Top-1 routing written as HF's MoE blocks are: every expert is called on the tokens routed to it, an empty slice
+    for an expert no token chose (expert 2 here: the router never picks it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 3)
+        self.experts = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        with torch.no_grad():
+            self.router.bias.copy_(torch.tensor([0.0, 0.0, -1e4]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (choice == i).nonzero().flatten()
+            out[rows] = expert(x[rows])
+        return out
+
+
+def test_an_expert_called_only_on_empty_slices_counts_as_unreached_and_runs_float_after_freeze() -> None:
+    model = TinyMoE()
+    quantizer = ModelQuantizer(Config(global_quant_config=W8A8, exclude=["router"]))
+    with pytest.warns(UserWarning, match=r"no forward reached during calibration .*\['experts.2'\]"):
+        quantizer.quantize_model(model, [torch.randn(16, 8)])  # calibration itself no longer fails
+    with pytest.raises(RuntimeError, match="experts.2"):
+        model.experts[2](torch.randn(2, 8))  # quantizing with no qparams names the layer
+    with pytest.warns(UserWarning, match=r"run in float from now on .*\['experts.2'\]"):
+        ModelQuantizer.freeze(model)
+    assert not list(model.experts[2].quantizers()) and list(model.experts[0].quantizers())
+    x = torch.randn(2, 8)
+    assert torch.equal(model.experts[2](x), F.linear(x, model.experts[2].weight, model.experts[2].bias))
