@@ -150,15 +150,16 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         self._stale = False
 
     def _sync(self) -> None:
-        # an observer that saw only empty tensors (an MoE expert no token was routed to) has nothing to compute from:
-        # the quantizer stays without qparams, and a forward that quantizes with it says so, naming the layer
-        if getattr(self, "_stale", False) and getattr(self.observer, "has_statistics", True):
+        if getattr(self, "_stale", False):
             self._refresh_qparams()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_dynamic or self.observer_enabled:
             self.observer(x)
-            self._stale = True  # qparams follow lazily: calibration with fake quant off never pays for them
+            # qparams follow lazily: calibration with fake quant off never pays for them. An empty tensor (an MoE
+            # expert no token was routed to) adds no statistics: a quantizer that saw only such stays without qparams
+            if x.numel():
+                self._stale = True
         if not self.fake_quant_enabled:
             return x
         self._sync()

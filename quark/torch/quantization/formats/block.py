@@ -203,10 +203,11 @@ def _bfp_step_exp(xb: torch.Tensor) -> torch.Tensor:
     """BFP16's step exponent per block, [..., n_blocks, 1] (int32). ``E = floor(log2 max|x|)`` (8 bits: [-127, 127];
     all-zero blocks: any E, their codes are 0); step ``2^(E - 6)`` puts the block max in [64, 128) steps, where only
     the largest positive value can round up to 128 (-128 fits): then the step doubles."""
-    step_exp = _floor_log2(xb.abs().amax(dim=-1, keepdim=True)).clamp(-E8M0_BIAS, E8M0_BIAS) - 6
-    top = _scale_up(xb.amax(dim=-1, keepdim=True), -step_exp)
-    bottom = _scale_up(xb.amin(dim=-1, keepdim=True), -step_exp)  # below -128 only for -inf: the rule as stated
-    return step_exp + ((top.round() > 127) | (bottom.round() < -128)).to(torch.int32)
+    top, bottom = xb.amax(dim=-1, keepdim=True), xb.amin(dim=-1, keepdim=True)
+    step_exp = _floor_log2(torch.maximum(top, -bottom)).clamp(-E8M0_BIAS, E8M0_BIAS) - 6  # max|x| from the two
+    # only the largest value can round up past 127 steps; the smallest below -128 only when it is -inf
+    overflow = (_scale_up(top, -step_exp).round() > 127) | (_scale_up(bottom, -step_exp).round() < -128)
+    return step_exp + overflow.to(torch.int32)
 
 
 @compilable
