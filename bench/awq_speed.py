@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
+from quark_side import REPO_ROOT, import_quark  # bench/: the folder of this script, first on sys.path
+
 GROUP = 128
 VOCAB = 256
 #: amd-quark 0.13's AWQ_MAP["llama"].scaling_layers (checked against it on the amd-quark side)
@@ -213,22 +213,9 @@ def float_logits(job: dict[str, Any]) -> dict[str, Any]:
 
 def worker(side: str, job_path: Path, out_path: Path, warmup_path: Path | None, threads: int | None, measure: bool) -> None:
     """One quantization (after an untimed warm-up) with ``side``'s quark; its times, and its quality if asked."""
-    if side == "amd":  # amd-quark's package, never this repository's
-        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (REPO_ROOT, HERE)]
-        os.environ.setdefault("QUARK_LOG_LEVEL", "error")
-    import logging
-    import warnings
-
+    import_quark(side, threads)
     import torch
 
-    import quark
-
-    if side == "amd" and "site-packages" not in (quark.__file__ or ""):
-        raise SystemExit(f"imported quark from {quark.__file__}: the amd-quark venv is needed")
-    if threads:
-        torch.set_num_threads(threads)
-    logging.disable(logging.WARNING)
-    warnings.simplefilter("ignore")
     if warmup_path is not None:
         quantize(side, torch.load(warmup_path, weights_only=True))
     job = torch.load(job_path, weights_only=True)

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
+from quark_side import REPO_ROOT, import_quark  # bench/: the folder of this script, first on sys.path
+
 MODULES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
 GPTQ = {"damp_percent": 0.01, "desc_act": True, "static_groups": True, "block_size": 128}
@@ -94,22 +94,9 @@ def quantize(side: str, job: dict[str, Any]) -> tuple[Any, float]:
 def worker(side: str, job_path: Path, out_path: Path, warmup_path: Path | None, threads: int | None, repeats: int) -> None:
     """Quantize the job's model ``repeats`` times with ``side``'s quark (a fresh float model each time); write the
     times, the logits error and the decoder weights of the last one."""
-    if side == "amd":  # amd-quark's package, never this repository's
-        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (REPO_ROOT, HERE)]
-        os.environ.setdefault("QUARK_LOG_LEVEL", "error")
-    import logging
-    import warnings
-
+    import_quark(side, threads)
     import torch
 
-    import quark
-
-    if side == "amd" and "site-packages" not in (quark.__file__ or ""):
-        raise SystemExit(f"imported quark from {quark.__file__}: the amd-quark venv is needed")
-    if threads:
-        torch.set_num_threads(threads)
-    logging.disable(logging.WARNING)
-    warnings.simplefilter("ignore")
     if warmup_path is not None:
         quantize(side, torch.load(warmup_path, weights_only=True))
     job = torch.load(job_path, weights_only=True)
