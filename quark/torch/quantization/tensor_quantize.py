@@ -24,6 +24,12 @@ from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQ
 from quark.torch.quantization.config.type import QSchemeType, RoundType, TQTThresholdInitMeth
 from quark.torch.quantization.formats import IntFormat, fake_quantize, format_of, is_scaled
 from quark.torch.quantization.formats.grouping import cast_saturating, channel_view, round_to_int
+from quark.torch.quantization.observe_quantize import (
+    fused_pass_active,
+    fused_plan,
+    observe_fake_quantize,
+    scale_may_have_saturated,
+)
 from quark.torch.quantization.observer.observer import threshold_3sd, threshold_kl_j
 
 __all__ = [
@@ -153,8 +159,32 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         if getattr(self, "_stale", False):
             self._refresh_qparams()
 
+    def _observe_and_quantize(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Observe ``x`` and fake-quantize it in one compiled pass (``observe_quantize``) where that applies: a min-max
+        observer whose statistics already have this input's shape, fake quant on, the compiled kernels active. None
+        where it does not (the caller takes the step-by-step path, with the same bits)."""
+        plan = self.observer.minmax_plan() if self.fake_quant_enabled and x.numel() else None
+        if plan is None or not x.is_floating_point() or not fused_pass_active(x):
+            return None
+        obs = self.observer
+        if obs.min_val.shape != plan.statistics_shape(x.shape):  # first batch, or a new shape: the eager rebind
+            return None
+        fused = fused_plan(plan, self.spec.dtype, self.spec.round_method)
+        out, scale, zp, finite = observe_fake_quantize(x, obs.min_val, obs.max_val, fused)
+        obs.fused_observed(x, finite)  # raises on NaN / Inf (the statistics stayed as they were)
+        if scale_may_have_saturated(fused, scale, x.dtype):
+            scale, zp = obs.calculate_qparams()  # the same qparams, computed eagerly: it warns where they saturated
+        self.scale = scale.to(self.scale.device)
+        self.zero_point = zp.to(self.zero_point.device)
+        self.initialized.fill_(1)
+        self._stale = False
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_dynamic or self.observer_enabled:
+            out = self._observe_and_quantize(x)
+            if out is not None:
+                return out
             self.observer(x)
             # qparams follow lazily: calibration with fake quant off never pays for them. An empty tensor (an MoE
             # expert no token was routed to) adds no statistics: a quantizer that saw only such stays without qparams

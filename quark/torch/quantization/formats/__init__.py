@@ -39,7 +39,9 @@ from quark.torch.quantization.formats.integer import (
     apply_scale_type,
     dequantize_int,
     fake_quantize_int,
+    fake_quantize_int_grad,
     quantize_int,
+    scale_dtype,
 )
 from quark.torch.quantization.formats.minifloat import (
     _cast_forward,
@@ -47,6 +49,7 @@ from quark.torch.quantization.formats.minifloat import (
     decode,
     encode,
     fake_quantize_minifloat,
+    fake_quantize_minifloat_grad,
     round_to_grid,
 )
 from quark.torch.quantization.formats.table import (
@@ -67,6 +70,7 @@ from quark.torch.quantization.formats.table import (
 __all__ = [
     # dispatch and backend
     "fake_quantize",
+    "fake_quantize_grad",
     "Backend",
     "set_compile",
     "aminmax_along",
@@ -91,6 +95,7 @@ __all__ = [
     "quantize_int",
     "dequantize_int",
     "apply_scale_type",
+    "scale_dtype",
     "round_to_int",
     # minifloats
     "round_to_grid",
@@ -204,3 +209,33 @@ def fake_quantize(
     if dtype == Dtype.mx9:
         return fake_quantize_mx9(x, block, axis)
     return fake_quantize_bfp16(x, block, axis)
+
+
+def fake_quantize_grad(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    dtype: Dtype,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    *,
+    qscheme: QSchemeType | None = QSchemeType.per_tensor,
+    axis: int | None = None,
+    group_size: int | None = None,
+    round_method: RoundType | None = RoundType.half_even,
+    block_size: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The gradient ``fake_quantize`` (same arguments) gives ``x`` for ``grad``, for a scaled format (integers and
+    minifloats): the straight-through estimator, 0 where the format clips. For callers that compute the forward in a
+    pass of their own (an observer's statistics, the qparams and the rounding in one compiled kernel)."""
+    fmt = format_of(dtype)
+    qscheme = qscheme or QSchemeType.per_tensor
+    if isinstance(fmt, IntFormat):
+        return fake_quantize_int_grad(
+            grad, x, scale, zero_point, fmt.qmin, fmt.qmax, round_method=round_method or RoundType.half_even,
+            qscheme=qscheme, axis=axis, group_size=group_size, block_size=block_size,
+        )  # fmt: skip
+    if isinstance(fmt, FloatFormat):
+        return fake_quantize_minifloat_grad(
+            grad, x, fmt, scale, qscheme=qscheme, axis=axis, group_size=group_size, block_size=block_size
+        )
+    raise ValueError(f"dtype {Dtype(dtype).value} has no scale: fake_quantize_grad serves integer and minifloat dtypes")

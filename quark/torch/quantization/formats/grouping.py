@@ -56,11 +56,13 @@ def set_compile(enabled: bool | None) -> None:
     Backend.failure = None
 
 
-def compiled_kernels_active(x: torch.Tensor) -> bool:
-    """Whether a ``compilable`` kernel called on ``x`` now would run compiled."""
+def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None) -> bool:
+    """Whether a ``compilable`` kernel called on ``x`` now would run compiled (``min_numel``: auto mode's threshold
+    for this kernel, by default ``Backend.min_numel``)."""
     if Backend.compile is False or torch.compiler.is_compiling():
         return False  # inside a caller's torch.compile the eager body is traced into the caller's graph
-    return Backend.compile is True or (Backend.failure is None and x.numel() >= Backend.min_numel)
+    threshold = Backend.min_numel if min_numel is None else min_numel
+    return Backend.compile is True or (Backend.failure is None and x.numel() >= threshold)
 
 
 #: variants one kernel may be compiled for (each format, qscheme layout and round mode is one): dynamo's default of
@@ -101,18 +103,21 @@ def _call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> A
         setattr(config, name, before)
 
 
-def compilable(fn: F_) -> F_:
+def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: dict[str, Any] | None = None) -> Any:
     """Run ``fn`` compiled (``torch.compile(dynamic=True)``, built once) or eagerly, as ``Backend`` says for its
-    first argument. In auto mode a compile failure falls back to eager with a warning that names the reason; an error
-    the eager kernel raises as well (bad input) is raised as is."""
+    first argument (``min_numel``: this kernel's own auto-mode threshold; ``options``: inductor's, for this kernel).
+    In auto mode a compile failure falls back to eager with a warning that names the reason; an error the eager
+    kernel raises as well (bad input) is raised as is. Use as ``@compilable`` or ``@compilable(min_numel=...)``."""
+    if fn is None:
+        return functools.partial(compilable, min_numel=min_numel, options=options)
     compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not compiled_kernels_active(x):
+        if not compiled_kernels_active(x, min_numel):
             return fn(x, *args, **kwargs)
         if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True))
+            compiled.append(torch.compile(fn, dynamic=True, options=options))
         if Backend.compile is True:
             return _call_compiled(compiled[0], x, *args, **kwargs)
         try:

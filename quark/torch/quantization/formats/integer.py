@@ -61,21 +61,27 @@ def apply_scale_type(
     clip; ``who`` names the quantizer there) and one below its smallest subnormal becomes that subnormal, never inf
     or 0.
     """
-    if scale_type in (None, ScaleType.float32):
-        held = scale.float()
-    elif scale_type == ScaleType.float:
-        held = _held_in(scale, model_dtype if model_dtype.is_floating_point else torch.float32, who)
-    elif scale_type == ScaleType.pof2:
+    if scale_type == ScaleType.pof2:
         held = torch.exp2(torch.round(torch.log2(scale.float())).clamp(max=127))
-    elif scale_type == ScaleType.float16:
-        held = _held_in(scale, torch.float16, who)
-    elif scale_type == ScaleType.bfloat16:
-        held = _held_in(scale, torch.bfloat16, who)
     elif scale_type == ScaleType.float8_e8m0fnu:
         held = ceil_pow2(scale)
     else:
-        raise ValueError(f"scale_type={scale_type!r} is not one of {ScaleType.choices()}")
+        held = _held_in(scale, scale_dtype(scale_type, model_dtype), who)
     return held.float()
+
+
+def scale_dtype(scale_type: ScaleType | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The float dtype a scale of ``scale_type`` is held in (float32 for the power-of-two types, which it holds
+    exactly); ``model_dtype`` decides for ``float``."""
+    if scale_type in (None, ScaleType.float32, ScaleType.pof2, ScaleType.float8_e8m0fnu):
+        return torch.float32
+    if scale_type == ScaleType.float:
+        return model_dtype if model_dtype.is_floating_point else torch.float32
+    if scale_type == ScaleType.float16:
+        return torch.float16
+    if scale_type == ScaleType.bfloat16:
+        return torch.bfloat16
+    raise ValueError(f"scale_type={scale_type!r} is not one of {ScaleType.choices()}")
 
 
 def _held_in(scale: torch.Tensor, dtype: torch.dtype, who: str) -> torch.Tensor:
@@ -84,7 +90,8 @@ def _held_in(scale: torch.Tensor, dtype: torch.dtype, who: str) -> torch.Tensor:
     if dtype == torch.float32 or torch.finfo(dtype).max >= torch.finfo(s.dtype).max:
         return s.to(dtype)
     info = torch.finfo(dtype)
-    if bool((s > info.max).any()):
+    # traced into a compiled graph the check would break it: a caller tracing this checks the held scale itself
+    if not torch.compiler.is_compiling() and bool((s > info.max).any()):
         warnings.warn(
             f"{who}: a scale of {float(s.max()):.6g} exceeds {str(dtype).removeprefix('torch.')}'s largest value "
             f"{info.max:.6g}; it is held as {info.max:.6g}, so values beyond it times the format's largest code clip "
@@ -209,6 +216,7 @@ def fake_quantize_int(
         and x.numel() <= TORCH_KERNEL_MAX_NUMEL
         and _torch_kernel_applies(zero_point, qmin, qmax, round_method)
         and not compiled_kernels_active(x)
+        and not torch.compiler.is_compiling()  # traced into a compiled graph, the elementwise chain fuses
     )
     # torch's kernels take float32; ours read any float dtype and compute in float32 (a bfloat16 weight is not cast
     # to float32 and back around the kernel: in one compiled pass, 4096x4096 bf16 per channel 23 -> 3 ms)
@@ -247,6 +255,28 @@ def fake_quantize_int(
     else:
         raise ValueError(f"qscheme={qscheme!r} is not one of {QSchemeType.choices()}")
     return cast_saturating(out, orig_dtype)  # fp16 at 65504 on a grid point past it: 65504, not inf
+
+
+def fake_quantize_int_grad(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    qmin: int,
+    qmax: int,
+    *,
+    round_method: RoundType = RoundType.half_even,
+    qscheme: QSchemeType = QSchemeType.per_tensor,
+    axis: int | None = None,
+    group_size: int | None = None,
+    block_size: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The gradient ``fake_quantize_int`` gives ``x`` for ``grad`` (straight-through inside ``[qmin, qmax]``), for a
+    caller that computed the forward itself (the quantizers' fused observe-and-quantize pass)."""
+    xv, back = _qparam_layout(x, qscheme, axis, group_size, block_size)
+    gv, _ = _qparam_layout(grad, qscheme, axis, group_size, block_size)
+    s, z = _broadcast_qparams(x, scale.float(), zero_point, qscheme, axis, group_size, block_size)
+    return back(_int_grad(gv, xv, s, z, qmin, qmax, round_method))
 
 
 def quantize_int(

@@ -105,8 +105,37 @@ def fake_quantize_minifloat(
     return cast_saturating(out, orig_dtype)  # max_normal * scale can lie past an fp16 input's largest value
 
 
+def fake_quantize_minifloat_grad(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    fmt: FloatFormat,
+    scale: torch.Tensor,
+    *,
+    qscheme: QSchemeType = QSchemeType.per_tensor,
+    axis: int | None = None,
+    group_size: int | None = None,
+    block_size: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The gradient ``fake_quantize_minifloat`` gives ``x`` for ``grad`` (straight-through where ``|x / scale|`` is
+    within the format's range), for a caller that computed the forward itself."""
+    xf, gf, scale = x.float(), grad.float(), scale.float()
+    if qscheme == QSchemeType.per_group:
+        xb, layout = to_blocks(xf, axis, group_size)  # type: ignore[arg-type]
+        gb, _ = to_blocks(gf, axis, group_size)  # type: ignore[arg-type]
+        out = from_blocks(_saturation_grad(gb, xb, scale.unsqueeze(-1), fmt.max_normal), layout, xf.shape)
+    elif qscheme == QSchemeType.per_block:
+        xt, tiles = to_tiles(xf, block_size)
+        gt, _ = to_tiles(gf, block_size)
+        out = from_tiles(_saturation_grad(gt, xt, tile_view(scale, tiles), fmt.max_normal), tiles)
+    else:
+        s = channel_view(scale, xf.ndim, axis) if qscheme == QSchemeType.per_channel else scale.reshape(())  # type: ignore[arg-type]
+        out = _saturation_grad(gf, xf, s, fmt.max_normal)
+    return out.to(grad.dtype)
+
+
 def _scaled_round(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, torch_dtype: torch.dtype | None) -> torch.Tensor:
-    if torch_dtype is not None and not compiled_kernels_active(x):  # the cast: the fastest eager rounding
+    if torch_dtype is not None and not compiled_kernels_active(x) and not torch.compiler.is_compiling():
+        # the cast: the fastest eager rounding (compiled, the grid rounding vectorizes and the cast does not)
         return _CastSTE.apply(x, scale, fmt, torch_dtype)
     return _GridSTE.apply(x, scale, fmt)
 

@@ -12,15 +12,17 @@ dynamic ones (``is_dynamic=True``) recompute them on every call.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from quark.torch.quantization.buffers import ResizableBuffersMixin
-from quark.torch.quantization.config.type import Dtype, QSchemeType, ZeroPointType
+from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType, ZeroPointType
 from quark.torch.quantization.formats import (
     BLOCK_FORMATS,
     CAST_FORMATS,
@@ -78,10 +80,110 @@ def _check_finite(who: str, *values: torch.Tensor) -> None:
     for v in values:
         finite = math.isfinite(v.item()) if v.numel() == 1 else bool(torch.isfinite(v).all())
         if not finite:
-            raise ValueError(
-                f"{who} observed a tensor containing NaN or Inf; its scale would be NaN. "
-                "Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
-            )
+            _raise_non_finite(who)
+
+
+def _raise_non_finite(who: str) -> None:
+    raise ValueError(
+        f"{who} observed a tensor containing NaN or Inf; its scale would be NaN. "
+        "Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
+    )
+
+
+def minmax_qparams(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    fmt: IntFormat | FloatFormat,
+    symmetric: bool | None,
+    eps: float,
+    scale_type: ScaleType | None,
+    zero_point_type: ZeroPointType | None,
+    model_dtype: torch.dtype,
+    who: str = "a quantizer",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of the range [min_val, max_val] extended to include 0 (the conventions above), held as
+    ``scale_type`` says. Pure tensor arithmetic: the observers' ``calculate_qparams`` and the fused observe-and-quantize
+    kernel (which traces it) share it."""
+    min_neg = torch.clamp(min_val.float(), max=0.0)
+    max_pos = torch.clamp(max_val.float(), min=0.0)
+    if isinstance(fmt, FloatFormat):
+        amax = torch.maximum(-min_neg, max_pos)
+        scale = apply_scale_type(torch.clamp(amax / fmt.max_normal, min=eps), scale_type, model_dtype, who)
+        return scale, torch.zeros_like(scale, dtype=torch.int32)
+    qmin, qmax = fmt.qmin, fmt.qmax
+    if symmetric:
+        amax = torch.maximum(-min_neg, max_pos)
+        scale = apply_scale_type(torch.clamp(amax / ((qmax - qmin) / 2), min=eps), scale_type, model_dtype, who)
+        zp = 0 if fmt.signed else (qmin + qmax + 1) // 2
+        return scale, torch.full_like(scale, zp, dtype=torch.int32)
+    span = (max_pos - min_neg) / float(qmax - qmin)  # float32, as amd-quark computes it (bit for bit)
+    # max - min overflows float32 for ranges past ~1.7e38 on both sides of 0: there, the span in float64
+    span = torch.where(torch.isfinite(span), span, ((max_pos.double() - min_neg.double()) / float(qmax - qmin)).float())
+    scale = apply_scale_type(torch.clamp(span, min=eps), scale_type, model_dtype, who)
+    if zero_point_type == ZeroPointType.float32:
+        return scale, qmin - min_neg / scale
+    zp = qmin - torch.round(min_neg / scale)
+    return scale, zp.clamp(qmin, qmax).to(torch.int32)
+
+
+def channel_minmax(x: torch.Tensor, ch_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minimum and maximum of each slice of ``x`` along ``ch_axis`` (shape [C])."""
+    y = x.reshape(1) if x.ndim == 0 else x
+    y = y.movedim(ch_axis, 0).reshape(y.shape[ch_axis], -1)  # [C, rest]
+    return aminmax_along(y, 1)
+
+
+def group_minmax(x: torch.Tensor, ch_axis: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minimum and maximum of each group of ``group_size`` along ``ch_axis`` (shape [..., n_groups])."""
+    xb, _ = to_blocks(x, ch_axis, group_size)  # [..., G, g]
+    return aminmax_along(xb, -1)
+
+
+@dataclass(frozen=True)
+class MinMaxPlan:
+    """What a min-max observer's statistics and qparams depend on besides the data, as pure functions: the quantizer's
+    fused observe-and-quantize kernel traces them (equal plans share one compiled kernel, whatever the layer)."""
+
+    qscheme: QSchemeType
+    ch_axis: int | None
+    group_size: int | None
+    dynamic: bool
+    fmt: IntFormat | FloatFormat
+    symmetric: bool | None
+    eps: float
+    scale_type: ScaleType | None
+    zero_point_type: ZeroPointType | None
+
+    def statistics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This batch's (min, max) in the observer's granularity, float32."""
+        if self.qscheme == QSchemeType.per_channel:
+            mn, mx = channel_minmax(x, self.ch_axis)  # type: ignore[arg-type]
+        elif self.qscheme == QSchemeType.per_group:
+            mn, mx = group_minmax(x, self.ch_axis, self.group_size)  # type: ignore[arg-type]
+        else:
+            mn, mx = torch.aminmax(x)
+        return mn.float(), mx.float()
+
+    def statistics_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        """The shape ``statistics`` gives for a tensor of ``shape``."""
+        if self.qscheme == QSchemeType.per_channel:
+            return (shape[self.ch_axis],) if len(shape) else (1,)  # type: ignore[index]
+        if self.qscheme == QSchemeType.per_group:
+            dims = list(shape) or [1]
+            length = dims.pop(self.ch_axis)  # type: ignore[arg-type]
+            return (*dims, -(-length // self.group_size))  # type: ignore[operator]
+        return ()
+
+    def fold(self, prev_min: torch.Tensor, prev_max: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The statistics after this batch: running extremes, or this batch's alone when dynamic."""
+        if self.dynamic:
+            return mn, mx
+        return torch.minimum(prev_min, mn), torch.maximum(prev_max, mx)
+
+    def qparams(self, min_val: torch.Tensor, max_val: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return minmax_qparams(
+            min_val, max_val, self.fmt, self.symmetric, self.eps, self.scale_type, self.zero_point_type, model_dtype
+        )
 
 
 class ObserverBase(ResizableBuffersMixin, nn.Module):
@@ -112,6 +214,11 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def minmax_plan(self) -> MinMaxPlan | None:
+        """The pure form of this observer's statistics and qparams, for the fused observe-and-quantize pass; None
+        (the default) where there is none."""
+        return None
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -194,6 +301,14 @@ class UniformScalingObserver(ObserverBase):
             torch.minimum(self.min_val, min_val, out=self.min_val)
             torch.maximum(self.max_val, max_val, out=self.max_val)
 
+    def fused_observed(self, x: torch.Tensor, finite: torch.Tensor) -> None:
+        """Book a batch the quantizer's fused pass folded into the statistics (``observe_quantize``): raises
+        ValueError naming the layer, as ``forward`` does, where it had NaN or Inf (the pass then left them as they
+        were)."""
+        if not bool(finite):
+            _raise_non_finite(self.who)
+        self.model_dtype = x.dtype
+
     @property
     def has_statistics(self) -> bool:
         return bool(torch.isfinite(self.min_val).all())
@@ -204,31 +319,21 @@ class UniformScalingObserver(ObserverBase):
             if not self.has_statistics:
                 raise RuntimeError(f"{self.who} has observed no data yet; run calibration batches first")
             min_val, max_val = self.min_val, self.max_val
-        min_neg = torch.clamp(min_val.float(), max=0.0)
-        max_pos = torch.clamp(max_val.float(), min=0.0)
-        if isinstance(self.fmt, FloatFormat):
-            amax = torch.maximum(-min_neg, max_pos)
-            scale = torch.clamp(amax / self.fmt.max_normal, min=self.eps)
-            scale = apply_scale_type(scale, self.scale_type, self.model_dtype, self.who)
-            return scale, torch.zeros_like(scale, dtype=torch.int32)
-        return self._int_qparams(min_neg, max_pos)
+        return minmax_qparams(
+            min_val, max_val, self.fmt, self.symmetric, self.eps, self.scale_type, self.zero_point_type,
+            self.model_dtype, self.who,
+        )  # fmt: skip
 
-    def _int_qparams(self, min_neg: torch.Tensor, max_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fmt: IntFormat = self.fmt  # type: ignore[assignment]
-        qmin, qmax = fmt.qmin, fmt.qmax
-        if self.symmetric:
-            amax = torch.maximum(-min_neg, max_pos)
-            scale = apply_scale_type(torch.clamp(amax / ((qmax - qmin) / 2), min=self.eps), self.scale_type, self.model_dtype, self.who)
-            zp = 0 if fmt.signed else (qmin + qmax + 1) // 2
-            return scale, torch.full_like(scale, zp, dtype=torch.int32)
-        span = (max_pos - min_neg) / float(qmax - qmin)  # float32, as amd-quark computes it (bit for bit)
-        # max - min overflows float32 for ranges past ~1.7e38 on both sides of 0: there, the span in float64
-        span = torch.where(torch.isfinite(span), span, ((max_pos.double() - min_neg.double()) / float(qmax - qmin)).float())
-        scale = apply_scale_type(torch.clamp(span, min=self.eps), self.scale_type, self.model_dtype, self.who)
-        if self.zero_point_type == ZeroPointType.float32:
-            return scale, qmin - min_neg / scale
-        zp = qmin - torch.round(min_neg / scale)
-        return scale, zp.clamp(qmin, qmax).to(torch.int32)
+    def minmax_plan(self) -> MinMaxPlan | None:
+        """This observer as a ``MinMaxPlan`` when its forward is exactly the plan's statistics and fold (the per-tensor,
+        per-channel and per-group min-max observers; not subclasses, which may observe differently), else None."""
+        qscheme = _PLANNED.get(type(self))
+        if qscheme is None:
+            return None
+        return _minmax_plan(
+            qscheme, getattr(self, "ch_axis", None), getattr(self, "group_size", None), self.is_dynamic, self.fmt,
+            self.symmetric, self.eps, self.scale_type, self.zero_point_type,
+        )  # fmt: skip
 
     def sync(self, group: Any = None) -> None:
         import torch.distributed as dist
@@ -280,10 +385,7 @@ class PerChannelMinMaxObserver(UniformScalingObserver):
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel():
-            x = x_orig.detach()
-            y = x.reshape(1) if x.ndim == 0 else x
-            y = y.movedim(self.ch_axis, 0).reshape(y.shape[self.ch_axis], -1)  # [C, rest]
-            mn, mx = aminmax_along(y, 1)
+            mn, mx = channel_minmax(x_orig.detach(), self.ch_axis)
             self._update(mn, mx, x_orig)
         return x_orig
 
@@ -304,10 +406,22 @@ class PerGroupMinMaxObserver(UniformScalingObserver):
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel():
-            xb, _ = to_blocks(x_orig.detach(), self.ch_axis, self.group_size)  # [..., G, g]
-            mn, mx = aminmax_along(xb, -1)
+            mn, mx = group_minmax(x_orig.detach(), self.ch_axis, self.group_size)
             self._update(mn, mx, x_orig)
         return x_orig
+
+
+#: the observers whose forward is ``MinMaxPlan``'s statistics and fold, and the qscheme it computes them for
+_PLANNED: dict[type, QSchemeType] = {
+    PerTensorMinMaxObserver: QSchemeType.per_tensor,
+    PerChannelMinMaxObserver: QSchemeType.per_channel,
+    PerGroupMinMaxObserver: QSchemeType.per_group,
+}
+
+
+@functools.cache
+def _minmax_plan(*fields: Any) -> MinMaxPlan:
+    return MinMaxPlan(*fields)  # one object per distinct plan: a compiled kernel's guards see the same one
 
 
 class PerBlock2DMinMaxObserver(UniformScalingObserver):
