@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -21,7 +22,14 @@ from quark.torch.quantization.formats import fake_quantize, fake_quantize_grad, 
 from quark.torch.quantization.formats.grouping import compilable, compiled_kernels_active
 from quark.torch.quantization.observer.observer import MinMaxPlan
 
-__all__ = ["FusedPlan", "FUSED_MIN_NUMEL", "fused_pass_active", "fused_plan", "observe_fake_quantize"]
+__all__ = [
+    "FusedPlan",
+    "FUSED_MIN_NUMEL",
+    "fused_pass_active",
+    "fused_plan",
+    "observe_fake_quantize",
+    "scale_may_have_saturated",
+]
 
 #: in auto mode the fused pass runs for inputs of at least this many elements (smaller ones take the eager path). It
 #: replaces some 30 eager ops, so it pays well below the single format kernels' threshold (``Backend.min_numel``):
@@ -37,7 +45,8 @@ class FusedPlan:
     dtype: Dtype
     round_method: RoundType | None
 
-    def quantize_kwargs(self) -> dict:
+    def quantize_kwargs(self) -> dict[str, Any]:
+        """``fake_quantize``'s layout and rounding arguments."""
         o = self.observer
         return {"qscheme": o.qscheme, "axis": o.ch_axis, "group_size": o.group_size, "round_method": self.round_method}
 
