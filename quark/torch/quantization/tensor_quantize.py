@@ -163,7 +163,7 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         """Observe ``x`` and fake-quantize it in one compiled pass (``observe_quantize``) where that applies: a min-max
         observer whose statistics already have this input's shape, fake quant on, the compiled kernels active. None
         where it does not (the caller takes the step-by-step path, with the same bits)."""
-        plan = self.observer.minmax_plan() if self.fake_quant_enabled and x.numel() else None
+        plan = self.observer.minmax_plan() if self.fake_quant_enabled else None
         if plan is None or not x.is_floating_point() or not fused_pass_active(x):
             return None
         obs = self.observer
@@ -181,15 +181,14 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.numel():  # nothing to observe or round (an MoE expert no token was routed to): qparams or not
+            return x
         if self.is_dynamic or self.observer_enabled:
             out = self._observe_and_quantize(x)
             if out is not None:
                 return out
             self.observer(x)
-            # qparams follow lazily: calibration with fake quant off never pays for them. An empty tensor (an MoE
-            # expert no token was routed to) adds no statistics: a quantizer that saw only such stays without qparams
-            if x.numel():
-                self._stale = True
+            self._stale = True  # qparams follow lazily: calibration with fake quant off never pays for them
         if not self.fake_quant_enabled:
             return x
         self._sync()
@@ -394,12 +393,14 @@ class _LearnableFakeQuantize(FakeQuantizeBase):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.numel():  # an empty input (an MoE expert no token was routed to): nothing to learn from or round
+            return x
         if not self.initialized:
             if not self.observer_enabled and not self.fake_quant_enabled:
                 return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
             if not self.observer_enabled:
                 raise RuntimeError(f"{self.where}: {type(self).__name__} is not initialised yet: run a batch with the observer on first")
-            if x.numel() and not bool(torch.isfinite(x.detach()).all()):
+            if not bool(torch.isfinite(x.detach()).all()):
                 raise ValueError(
                     f"{self.where}: {type(self).__name__} would initialise its {self._what} from a tensor containing "
                     "NaN or Inf. Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."

@@ -12,6 +12,7 @@ from specs import int_spec
 from torch import nn
 
 from quark.torch import ModelQuantizer
+from quark.torch.quantization.api import uncalibrated_layers
 from quark.torch.quantization.config.config import Config, QuantizationConfig
 from quark.torch.quantization.observer.observer import PerChannelMinMaxObserver
 from quark.torch.quantization.report import model_size_bits
@@ -202,3 +203,18 @@ def test_an_expert_called_only_on_empty_slices_counts_as_unreached_and_runs_floa
     assert not list(model.experts[2].quantizers()) and list(model.experts[0].quantizers())
     x = torch.randn(2, 8)
     assert torch.equal(model.experts[2](x), F.linear(x, model.experts[2].weight, model.experts[2].bias))
+
+
+def test_an_expert_no_token_reaches_does_not_stop_qat_or_the_calibrated_model() -> None:
+    """QAT (observers and fake quant on from the first batch) and the calibrated model before freeze both route empty
+    slices to expert 2: they pass through, and expert 2 stays without qparams until a token reaches it."""
+    model = TinyMoE()
+    ModelQuantizer(Config(global_quant_config=W8A8, exclude=["router"])).prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+    assert uncalibrated_layers(model) == {"experts.2"}
+    with torch.no_grad():
+        assert model(torch.randn(4, 8)).shape == (4, 8)

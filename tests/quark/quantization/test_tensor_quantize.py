@@ -657,3 +657,31 @@ def test_tqt_per_channel_freezes_and_reloads_with_its_shape() -> None:
     fresh.load_state_dict(fq.state_dict())
     assert fresh.log_threshold.shape == (6,) and fresh.channels_known
     assert torch.equal(fresh(x), fq(x))
+
+
+def lsq_spec() -> QuantizationSpec:
+    return int_spec(qat_spec=LSQSpec())
+
+
+@pytest.mark.parametrize(
+    "spec_fn",
+    [int_spec, lambda: int_spec(is_dynamic=True), per_channel_spec, tqt_spec, lsq_spec],
+    ids=["static", "dynamic", "per-channel", "tqt", "lsq"],
+)
+def test_an_empty_input_passes_through_before_and_after_calibration(spec_fn: Any) -> None:
+    """An MoE expert no token was routed to gets an empty slice, in QAT (observer and fake quant on) as in inference:
+    nothing to quantize, so it comes back as it is; no qparams are made up from it and no learned threshold is
+    initialised from it (before, a quantizer without statistics raised, and TQT / LSQ initialised NaN)."""
+    fq = FakeQuantizeBase.get_fake_quantize(spec_fn())
+    empty = torch.randn(0, 16, requires_grad=True)
+    out = fq(empty)
+    assert out.shape == (0, 16) and out.dtype == torch.float32
+    out.sum().backward()
+    assert empty.grad is not None and empty.grad.shape == (0, 16)
+    assert not bool(fq.initialized)
+    x = torch.randn(4, 16)
+    first = fq(x)  # the first real batch initialises as if the empty one had not been there
+    reference = FakeQuantizeBase.get_fake_quantize(spec_fn())
+    assert torch.equal(first, reference(x)) and bool(fq.initialized)
+    assert fq(torch.randn(0, 16)).shape == (0, 16)  # and after calibration too
+    assert all(bool(torch.isfinite(p).all()) for p in fq.parameters())
