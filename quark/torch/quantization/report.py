@@ -85,11 +85,13 @@ def model_size_bits(model: nn.Module) -> tuple[int, int]:
     """(bits of the quantized model, bits of the same parameters in their float dtypes).
 
     Quantized weights and biases count their format's bits per element (block formats include their shared
-    scales; per-channel/group scales of integer formats are not counted); every other parameter its dtype's bits,
-    and so do the weights of layers that no calibration forward reached (they are not run quantized). A parameter
-    shared by several modules counts the widest of its uses: a float use (an input embedding tied to a quantized
-    ``lm_head``) needs the float tensor, so it is not reported as quantized.
+    scales; per-channel/group scales of integer formats are not counted, nor are the scales and thresholds TQT and
+    LSQ learn as Parameters of their quantizers: they are not part of the float model); every other parameter its
+    dtype's bits, and so do the weights of layers that no calibration forward reached (they are not run quantized).
+    A parameter shared by several modules counts the widest of its uses: a float use (an input embedding tied to a
+    quantized ``lm_head``) needs the float tensor, so it is not reported as quantized.
     """
+    qparams = {id(p) for m in model.modules() if isinstance(m, FakeQuantizeBase) for p in m.parameters()}
     bits: dict[int, float] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         quantized = {}
@@ -102,6 +104,8 @@ def model_size_bits(model: nn.Module) -> tuple[int, int]:
             bits[id(p)] = max(bits.get(id(p), 0.0), use)
     total_q = total_f = 0
     for p in model.parameters():
+        if id(p) in qparams:
+            continue
         total_f += p.numel() * p.element_size() * 8
         total_q += int(round(p.numel() * bits[id(p)]))
     return total_q, total_f

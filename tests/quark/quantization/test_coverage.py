@@ -13,7 +13,8 @@ from torch import nn
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.api import uncalibrated_layers
-from quark.torch.quantization.config.config import Config, QuantizationConfig
+from quark.torch.quantization.config.config import Config, LSQSpec, QuantizationConfig, TQTSpec
+from quark.torch.quantization.config.type import ScaleType
 from quark.torch.quantization.observer.observer import PerChannelMinMaxObserver
 from quark.torch.quantization.report import model_size_bits
 
@@ -218,3 +219,18 @@ def test_an_expert_no_token_reaches_does_not_stop_qat_or_the_calibrated_model() 
     assert uncalibrated_layers(model) == {"experts.2"}
     with torch.no_grad():
         assert model(torch.randn(4, 8)).shape == (4, 8)
+
+
+@pytest.mark.parametrize("qat_spec", [TQTSpec(), LSQSpec()], ids=["tqt", "lsq"])
+def test_the_size_report_leaves_out_learned_thresholds(qat_spec) -> None:
+    """TQT / LSQ learn their scales as Parameters of the quantizers: qparams, not part of the float model."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    floats = sum(p.numel() for p in model.parameters())
+    spec = int_spec(scale_type=ScaleType.pof2, qat_spec=qat_spec)
+    ModelQuantizer(Config(global_quant_config=QuantizationConfig(weight=spec, input_tensors=spec))).prepare(model)
+    model(torch.randn(4, 8))
+    assert sum(p.numel() for p in model.parameters()) > floats  # the learned thresholds are there
+    quantized_bits, float_bits = model_size_bits(model)
+    weights = 8 * 8 + 2 * 8
+    assert float_bits == 32 * floats
+    assert quantized_bits == 8 * weights + 32 * (floats - weights)
