@@ -47,7 +47,7 @@ from quark.torch.quantization.api import (
     uncalibrated_layers,
 )
 from quark.torch.quantization.config.config import Config
-from quark.torch.quantization.distributed import sync_learnable, sync_observers
+from quark.torch.quantization.distributed import ready_everywhere, sync_learnable, sync_observers, sync_quantizers
 from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
@@ -383,6 +383,7 @@ class QuantCallback(Callback):
         self._paused: list[tuple[FakeQuantizeBase, bool, bool]] = []
         self._observing = mode == "qat"
         self._learnable_synced = False
+        self._pending: list[FakeQuantizeBase] = []  # QAT: quantizers still observing after the warm-up (unreached)
         self._batches_seen = 0  # QAT: training batches run so far (observer_steps counts these)
         self._counting_for: weakref.ReferenceType[Trainer] | None = None  # the trainer whose batches those are
         self._calibrated_for: weakref.ReferenceType[nn.Module] | None = None  # PTQ: the module calibrate() last ran on
@@ -622,6 +623,8 @@ class QuantCallback(Callback):
         if self.mode != "qat":
             return
         self._batches_seen += 1
+        if self._pending:
+            self._fix_pending()
         if not self._learnable_synced:
             sync_learnable(pl_module)  # each rank initialised its thresholds from its own first batch
             self._learnable_synced = True
@@ -644,14 +647,43 @@ class QuantCallback(Callback):
         self._observing = observing
 
     def _fix_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
-        """Reduce the statistics across ranks, fix the qparams (observers off) and log the report."""
+        """Reduce the statistics across ranks, fix the qparams (observers off) and log the report. Quantizers no batch
+        has reached yet (an MoE expert the router has not chosen) keep observing: the first batch that reaches one
+        calibrates it, and its qparams are fixed after that batch (``_fix_pending``)."""
+        unreached = uncalibrated_layers(pl_module)  # before the observers change
         sync_observers(pl_module)
+        self._pending = []
         for _, q in iter_quantizers(pl_module):
-            if not q.is_dynamic and not _is_learnable(q):
+            if q.is_dynamic or _is_learnable(q):
+                continue
+            if _ready(q):
                 q.disable_observer()
+            else:
+                q.enable_observer(True)
+                self._pending.append(q)
         self._observing = False
         rank_zero_info(f"QuantCallback: observers fixed after {self._batches_seen} training batch(es)")
+        if unreached:
+            rank_zero_warn(
+                f"QuantCallback: {len(unreached)} layer(s) no training batch reached in the {self._batches_seen} observer "
+                f"batch(es): {sorted(unreached)}. Their observers stay on: the first batch that reaches one calibrates "
+                "it, then its qparams are fixed. Layers never reached run in float after ModelQuantizer.freeze and are "
+                "exported in float."
+            )
         self._log_report(trainer, pl_module, batch if self.log_sqnr else None)
+
+    def _fix_pending(self) -> None:
+        """Fix the qparams of the quantizers a batch has reached since the warm-up ended (in a multi-process run,
+        once every rank has seen data for them, with the statistics reduced across ranks)."""
+        ready = ready_everywhere([_ready(q) for q in self._pending], self._pending[0].observer_enabled.device)
+        done = [q for q, r in zip(self._pending, ready, strict=True) if r]
+        if not done:
+            return
+        sync_quantizers(done)
+        for q in done:
+            q.disable_observer()
+        self._pending = [q for q, r in zip(self._pending, ready, strict=True) if not r]
+        rank_zero_info(f"QuantCallback: observers fixed after batch {self._batches_seen} for {sorted({q.where for q in done})}")
 
     # ------------------------------------------------------------------------------------------- evaluation stages
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from cb_helpers import (
@@ -534,3 +535,57 @@ def test_qat_trains_an_lstm_and_its_checkpoint_reloads_bit_for_bit(tmp_path) -> 
     model.eval()
     with torch.no_grad():
         assert torch.equal(restored(x), model(x))
+
+
+class _Routed(pl.LightningModule):
+    """An MoE written as users write it (a loop over experts, each on the tokens routed to it) whose router starts
+    choosing expert 2 only after the observer warm-up; experts 1 and 3 are never chosen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.router = nn.Linear(32, 4)
+        self.experts = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+        self.route(0)
+
+    def route(self, expert: int) -> None:
+        with torch.no_grad():
+            self.router.weight.zero_()
+            self.router.bias.zero_()
+            self.router.bias[expert] = 10.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        choice, out = self.router(h).argmax(-1), torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            rows = choice == i
+            if rows.any():
+                out[rows] = expert(h[rows])
+        return self.head(out)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 3:
+            self.route(2)
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@UNREACHED
+def test_an_expert_first_reached_after_the_observer_warm_up_is_calibrated_by_its_first_batch(tmp_path) -> None:
+    """Before, the training step that first routed tokens to expert 2 raised "has no qparams yet"."""
+    seed(0)
+    data = DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 16), torch.randint(0, 4, (48,))), batch_size=8)
+    model = _Routed()
+    cb = QuantCallback(recipe("w8a8_int8"), mode="qat", observer_steps=2)
+    with pytest.warns(UserWarning, match=r"3 layer\(s\) no training batch reached .*experts.1.*experts.2.*experts.3"):
+        make_trainer(tmp_path, [cb], max_steps=6, limit_train_batches=None).fit(model, train_dataloaders=data)
+    reached = [q for _, q in model.experts[2].quantizers()]
+    assert reached and all(bool(q.initialized) and not bool(q.observer_enabled) for q in reached)
+    assert all(bool(q.observer_enabled) for i in (1, 3) for _, q in model.experts[i].quantizers())
+    assert {q.where for q in cb._pending} == {q.where for i in (1, 3) for _, q in model.experts[i].quantizers()}
+    scale = model.experts[2]._input_quantizer.scale.clone()
+    model.train()
+    model(torch.randn(8, 16))  # fixed after its first batch: later batches leave its qparams alone
+    assert torch.equal(model.experts[2]._input_quantizer.scale, scale)

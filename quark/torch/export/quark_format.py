@@ -433,21 +433,26 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
     return out
 
 
-def _unreached_for_export(model: nn.Module) -> list[str]:
-    """Quantized layers that calibration never reached (``uncalibrated_layers``, or run in float by
-    ``ModelQuantizer.freeze``): exported in float and added to the config's ``exclude``, with a warning naming them,
-    so that amd-quark and vLLM load them as float rather than with a placeholder input scale."""
-    floated = uncalibrated_layers(model) | {
+def unreached_layers(model: nn.Module) -> list[str]:
+    """Quantized layers that calibration never reached: ``uncalibrated_layers``, or run in float by
+    ``ModelQuantizer.freeze``. Both exports write them in float and add them to the stored config's ``exclude``."""
+    return sorted(uncalibrated_layers(model) | {
         name for name, m in _layers(model) if getattr(m, "_quant_unreached", False) and not list(m.quantizer_slots())
-    }
+    })  # fmt: skip
+
+
+def _unreached_for_export(model: nn.Module) -> list[str]:
+    """``unreached_layers``, with a warning naming them: amd-quark and vLLM load them as float rather than with a
+    placeholder input scale."""
+    floated = unreached_layers(model)
     if floated:
         warnings.warn(
             f"layer(s) that no calibration forward reached are exported in float and excluded in the stored config: "
-            f"{sorted(floated)}. vLLM quantizes a fused MoE layer's experts alike, whatever exclude says of one "
+            f"{floated}. vLLM quantizes a fused MoE layer's experts alike, whatever exclude says of one "
             "expert: calibrate with data that reaches every expert before serving such a model there.",
             stacklevel=3,
         )
-    return sorted(floated)
+    return floated
 
 
 _STORED_SLOTS = {"_weight_quantizer", "_input_quantizer", "_output_quantizer"}

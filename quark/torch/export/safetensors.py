@@ -9,7 +9,9 @@ outputs equal the exported (fake-quantized) model's bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -245,6 +247,16 @@ def export_safetensors(
     config: Config | None = getattr(model, "quant_config", None)
     if config is None:
         raise ValueError("export_safetensors needs a model prepared by ModelQuantizer (it has no quant_config)")
+    from quark.torch.export.quark_format import unreached_layers
+
+    floated = unreached_layers(model)  # written in float, and excluded in the stored config so an import runs them so
+    if floated:
+        warnings.warn(
+            f"layer(s) that no calibration forward reached are exported in float and excluded in the stored config: "
+            f"{floated}",
+            stacklevel=2,
+        )
+        config = dataclasses.replace(config, exclude=list(config.exclude) + [n for n in floated if n not in config.exclude])
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
     skip: set[str] = set()
@@ -255,7 +267,7 @@ def export_safetensors(
         tensors[key] = value.detach().contiguous()
 
     for name, m in model.named_modules():
-        if not isinstance(m, QuantMixin):
+        if not isinstance(m, QuantMixin) or name in floated:  # a floated layer's tensors go out with the state_dict
             continue
         prefix = f"{name}." if name else ""
         for slot in _slots(m):

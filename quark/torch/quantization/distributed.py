@@ -23,9 +23,26 @@ def is_distributed(group: Any = None) -> bool:
 def sync_observers(model: nn.Module, group: Any = None) -> None:
     """Reduce every observer's statistics across ranks (min/max by min/max, histograms summed) and refresh the
     static qparams from them, so every rank holds the same qparams. Call it whenever qparams are fixed."""
+    sync_quantizers([q for _, q in iter_quantizers(model)], group)
+
+
+def ready_everywhere(flags: list[bool], device: torch.device, group: Any = None) -> list[bool]:
+    """``flags`` (one per quantizer, the same quantizers on every rank) true on every rank: one collective call on
+    ``device`` (where the quantizers' buffers are, as the observers' own reductions)."""
+    if not flags or not is_distributed(group):
+        return flags
+    import torch.distributed as dist
+
+    t = torch.tensor(flags, dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v) for v in t.tolist()]
+
+
+def sync_quantizers(quantizers: list[Any], group: Any = None) -> None:
+    """``sync_observers`` for these quantizers only (the same list, in the same order, on every rank)."""
     if not is_distributed(group):
         return
-    for _, q in iter_quantizers(model):
+    for q in quantizers:
         observer = getattr(q, "observer", None)
         if observer is None:
             continue

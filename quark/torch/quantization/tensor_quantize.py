@@ -195,7 +195,8 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         if not self.initialized:
             raise RuntimeError(
                 f"{self.where}: {type(self).__name__}({self.extra_repr()}) has no qparams yet: it has observed no data "
-                "and its observer is off. Calibrate (observer on) before quantizing."
+                "and its observer is off. Calibrate (observer on) with data that reaches this layer before quantizing; "
+                "ModelQuantizer.freeze runs the layers calibration never reached in float."
             )
         return _apply_format(x, self.spec, self.scale, self.zero_point)
 

@@ -170,3 +170,36 @@ def test_written_files_get_the_mode_a_plain_open_gives(tmp_path) -> None:  # noq
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+class _WithSpare(torch.nn.Module):
+    """Two experts, only the first ever called (an MoE expert no calibration or training batch was routed to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[0](x)
+
+
+@pytest.mark.filterwarnings("ignore:.*no forward reached.*", "ignore:.*run in float.*", "ignore:.*stay float.*")
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_layer_no_calibration_reached_is_stored_float_and_excluded(frozen: bool, tmp_path: Path) -> None:
+    """Before, the frozen model's file could not be re-imported (its layer had no input qparams), and a QAT model's
+    stored int8 codes with a placeholder input scale of 1.0, which the import then applied."""
+    torch.manual_seed(0)
+    model = ModelQuantizer(recipe("w8a8_int8")).quantize_model(_WithSpare(), [torch.randn(4, 16)])
+    if frozen:
+        ModelQuantizer.freeze(model)
+    with pytest.warns(UserWarning, match=r"exported in float and excluded .*\['experts.1'\]"):
+        path = export_safetensors(model, tmp_path, custom_mode=None)
+    stored, metadata = _stored(path)
+    assert "experts.1" in json.loads(metadata["quantization_config"])["exclude"]
+    assert stored["experts.1.weight"].dtype == torch.float32 and "experts.1.input_scale" not in stored
+    assert stored["experts.0.weight"].dtype == torch.int8 and "experts.0.input_scale" in stored
+    restored = import_model_from_safetensors(_WithSpare(), tmp_path)
+    x = torch.randn(3, 16)
+    assert torch.equal(restored.experts[1](x), torch.nn.functional.linear(x, model.experts[1].weight, model.experts[1].bias))
+    ModelQuantizer.freeze(model)
+    assert torch.equal(restored(x), model(x))
