@@ -295,6 +295,27 @@ def qdq_model(model: nn.Module) -> nn.Module:
     return export
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _in_float32(export: nn.Module, args: tuple[Any, ...]) -> tuple[nn.Module, tuple[Any, ...]]:
+    """A float16 / bfloat16 model (or input) as a float32 graph, with a warning: ONNX's QuantizeLinear takes a float32
+    input in onnxruntime, and the export's dequantized weights are float32. The integer codes and scales are the
+    same; the graph computes in float32."""
+    tensors = [*export.parameters(), *export.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
+    half = sorted({str(t.dtype).removeprefix("torch.") for t in tensors if t.dtype in _HALF})
+    if not half:
+        return export, args
+    warnings.warn(
+        f"export_onnx: the model or its example input is {' / '.join(half)}; the ONNX graph is written in float32 "
+        "(onnxruntime's QuantizeLinear takes float32): the same integer codes and scales, float32 inputs, outputs "
+        "and arithmetic between the Q/DQ pairs",
+        stacklevel=3,
+    )
+    cast = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _HALF else a for a in args)
+    return export.float(), cast
+
+
 def export_onnx(
     model: nn.Module, output_dir: str | Path, input_args: Any, opset_version: int | None = None,
     input_names: list[str] | None = None, output_names: list[str] | None = None, verbose: bool = False,
@@ -330,6 +351,7 @@ def export_onnx(
     export = qdq_model(model)
     placeholders = any(isinstance(m, StoredWeight | Float8QDQ) for m in export.modules())
     args = input_args if isinstance(input_args, tuple) else (input_args,)
+    export, args = _in_float32(export, args)
     names = list(input_names) if input_names else [f"input_{i}" if len(args) > 1 else "input" for i in range(len(args))]
     outputs = list(output_names) if output_names else ["output"]
     axes = {n: {0: "batch"} for n in [*names, *outputs]} if dynamic_batch else None

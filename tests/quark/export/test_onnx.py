@@ -355,3 +355,36 @@ def test_amd_quarks_export_onnx_call_runs_as_written(tmp_path) -> None:
         export_onnx(model, tmp_path / "b", (x[:2],), uint4_int4_flag=True)
     with pytest.raises(ValueError, match="dynamo=True is not supported"):
         export_onnx(model, tmp_path / "c", (x[:2],), dynamo=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_exports_a_float32_graph_onnxruntime_loads(dtype: torch.dtype, tmp_path: Path) -> None:
+    """Before, a bf16/fp16 W8A8 model wrote QuantizeLinear nodes on half inputs, which onnxruntime refuses to load,
+    and int4 / fp8 weights failed in the exporter with a dtype mismatch."""
+    from quark.torch.export.onnx import qdq_model
+
+    model = _mlp().to(dtype)
+    x = torch.randn(64, 20).to(dtype)
+    ModelQuantizer(_w8a8("4", INT8_PER_TENSOR_ACT)).quantize_model(model, [x[:32]])
+    with pytest.warns(UserWarning, match=f"is {str(dtype).removeprefix('torch.')}; the ONNX graph is written in float32"):
+        path = export_onnx(model, tmp_path, x[:2])
+    out = _run(path, x.float())
+    with torch.no_grad():
+        reference = qdq_model(model).float()(x.float()).numpy()  # the same codes and scales, in float32
+    step = float(dict(model.named_modules())["4"]._output_quantizer.calculate_qparams()[0])
+    assert out.dtype == np.float32 and np.abs(out - reference).max() <= step * 1.0001
+    assert next(model.parameters()).dtype == dtype  # the model itself is left as it was
+
+
+def test_half_precision_int4_group_weights_export(tmp_path: Path) -> None:
+    from quark.torch.export.onnx import qdq_model
+    from tasks.recipes import INT4_G32_WEIGHT
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4)).eval().to(torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    ModelQuantizer({"global_quant_config": {"weight": INT4_G32_WEIGHT}}).quantize_model(model, [x])
+    with pytest.warns(UserWarning, match="written in float32"):
+        path = export_onnx(model, tmp_path, x)
+    with torch.no_grad():
+        reference = qdq_model(model).float()(x.float()).numpy()
+    assert np.allclose(_run(path, x.float()), reference, atol=1e-5)
