@@ -296,6 +296,24 @@ def qdq_model(model: nn.Module) -> nn.Module:
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_SDPA_GQA_ARG = 7  # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+class _SdpaWithoutGqa(torch.overrides.TorchFunctionMode):
+    """Grouped-query attention (``scaled_dot_product_attention(..., enable_gqa=True)``, as Hugging Face's LLaMA,
+    Mistral or Qwen2 call it with fewer key/value heads) written as the key/value heads repeated for their query heads,
+    torch's own definition of it: the TorchScript ONNX exporter has no conversion for ``enable_gqa``."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            args = list(args)  # type: ignore[assignment]
+            gqa = args.pop(_SDPA_GQA_ARG) if len(args) > _SDPA_GQA_ARG else kwargs.pop("enable_gqa", False)  # type: ignore[attr-defined]
+            if gqa:
+                query, key, value = args[:3]
+                repeat = query.size(-3) // key.size(-3)
+                args[1:3] = [key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)]  # type: ignore[index]
+        return func(*args, **kwargs)
 
 
 def _in_float32(export: nn.Module, args: tuple[Any, ...]) -> tuple[nn.Module, tuple[Any, ...]]:
@@ -359,9 +377,10 @@ def export_onnx(
     def write(tmp: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter writes Q/DQ for these ops
-            torch.onnx.export(export, args, tmp, dynamo=False, opset_version=min(opset, _TORCHSCRIPT_MAX_OPSET),
-                              input_names=names, output_names=outputs, dynamic_axes=axes, verbose=verbose,
-                              do_constant_folding=do_constant_folding)  # fmt: skip
+            with _SdpaWithoutGqa():
+                torch.onnx.export(export, args, tmp, dynamo=False, opset_version=min(opset, _TORCHSCRIPT_MAX_OPSET),
+                                  input_names=names, output_names=outputs, dynamic_axes=axes, verbose=verbose,
+                                  do_constant_folding=do_constant_folding)  # fmt: skip
         fold_weight_quantization(tmp)
         if placeholders or opset > _TORCHSCRIPT_MAX_OPSET:
             lower_placeholders(tmp, opset)

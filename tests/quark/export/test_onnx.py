@@ -388,3 +388,32 @@ def test_half_precision_int4_group_weights_export(tmp_path: Path) -> None:
     with torch.no_grad():
         reference = qdq_model(model).float()(x.float()).numpy()
     assert np.allclose(_run(path, x.float()), reference, atol=1e-5)
+
+
+class _Logits(nn.Module):
+    """A Hugging Face causal LM as a Lightning module or a deployment wrapper calls it: ids -> logits."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids).logits
+
+
+def test_grouped_query_attention_exports(tmp_path: Path) -> None:
+    """LLaMA with fewer key/value heads than query heads calls SDPA with enable_gqa=True, which the TorchScript
+    exporter cannot convert (before: an AssertionError at the end of fit); the export repeats the key/value heads."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = _Logits(transformers.LlamaForCausalLM(config)).eval()
+    ids = torch.randint(0, 64, (2, 12))
+    ModelQuantizer({"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT}}).quantize_model(model, [ids])
+    path = export_onnx(model, tmp_path, ids)
+    with torch.no_grad():
+        reference = model(ids).numpy()
+    assert np.abs(_run(path, ids) - reference).max() < 1e-5
