@@ -3,11 +3,25 @@
 The format kernels run eagerly in tests (and in the scripts they start) unless ``QUARK_COMPILE`` is set in the
 environment: compiling each kernel variant the suite touches would cost seconds apiece, and the compiled kernels (the
 default for users) are checked bit for bit against eager, forward and backward, in
-``tests/quark/quantization/formats/test_compile_backend.py``.
+``tests/quark/quantization/formats/test_compile_backend.py`` (and the fused observe-and-quantize pass in
+``tests/quark/quantization/test_observe_quantize.py``), which use the ``compiler`` fixture below.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("QUARK_COMPILE", "0")  # before quark is imported: Backend reads it once
+
+
+@pytest.fixture(scope="session")
+def compiler() -> None:
+    """Skip where torch.compile cannot build CPU kernels (no C++ compiler): auto mode runs eagerly there."""
+    import torch
+
+    try:
+        torch.compile(lambda t: t * 2 + 1, dynamic=True)(torch.ones(4))
+    except Exception as err:  # noqa: BLE001 - whatever stops inductor here
+        pytest.skip(f"torch.compile does not work on this machine: {type(err).__name__}: {err}"[:300])
