@@ -47,7 +47,7 @@ from quark.torch.quantization.api import (
     uncalibrated_layers,
 )
 from quark.torch.quantization.config.config import Config
-from quark.torch.quantization.distributed import ready_everywhere, sync_learnable, sync_observers, sync_quantizers
+from quark.torch.quantization.distributed import flags_across_ranks, sync_learnable, sync_observers, sync_quantizers
 from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
@@ -94,6 +94,19 @@ def _ready(q: FakeQuantizeBase) -> bool:
     """Whether a quantizer has what it needs to quantize (qparams, or a learned threshold)."""
     initialized = getattr(q, "initialized", None)
     return q.is_dynamic or initialized is None or bool(initialized)
+
+
+def _device_of(quantizers: list[FakeQuantizeBase]) -> torch.device:
+    """Where the quantizers' buffers are (their collectives run there); CPU for none."""
+    return quantizers[0].observer_enabled.device if quantizers else torch.device("cpu")
+
+
+def _layers_of(module: nn.Module, quantizers: list[FakeQuantizeBase]) -> list[str]:
+    """Names of the layers that hold ``quantizers``, sorted."""
+    ids = {id(q) for q in quantizers}
+    return sorted(
+        name for name, m in module.named_modules() if isinstance(m, QuantMixin) and any(id(q) in ids for _, q in m.quantizers())
+    )
 
 
 def _pause_quantizers(module: nn.Module) -> list[tuple[FakeQuantizeBase, bool, bool]]:
@@ -633,6 +646,8 @@ class QuantCallback(Callback):
         """Observers run for the first ``observer_steps`` training batches (weights: their current values), then are
         fixed. Batches, not optimizer steps: with gradient accumulation or several optimizers they differ."""
         observing = self._batches_seen < self.observer_steps
+        if observing:
+            self._pending = []  # a new warm-up (a later fit) observes everything again
         for role, q in iter_quantizers(pl_module):
             if q.is_dynamic:
                 continue
@@ -647,42 +662,43 @@ class QuantCallback(Callback):
         self._observing = observing
 
     def _fix_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
-        """Reduce the statistics across ranks, fix the qparams (observers off) and log the report. Quantizers no batch
-        has reached yet (an MoE expert the router has not chosen) keep observing: the first batch that reaches one
-        calibrates it, and its qparams are fixed after that batch (``_fix_pending``)."""
-        unreached = uncalibrated_layers(pl_module)  # before the observers change
-        sync_observers(pl_module)
+        """Reduce the statistics across ranks, fix the qparams (observers off) and log the report. Quantizers without
+        qparams on some rank (an MoE expert the router has not chosen yet) keep observing, on every rank alike: the
+        first batch that reaches one on any rank calibrates it, and its qparams are fixed after it (``_fix_pending``)."""
+        sync_observers(pl_module)  # statistics are the union of the ranks'
+        candidates = [q for _, q in iter_quantizers(pl_module) if not q.is_dynamic and not _is_learnable(q)]
+        ready = flags_across_ranks([_ready(q) for q in candidates], "all", _device_of(candidates))
         self._pending = []
-        for _, q in iter_quantizers(pl_module):
-            if q.is_dynamic or _is_learnable(q):
-                continue
-            if _ready(q):
+        for q, ok in zip(candidates, ready, strict=True):
+            if ok:
                 q.disable_observer()
             else:
+                q.forget_qparams()  # a rank's qparams from an earlier warm-up batch: every rank starts alike
                 q.enable_observer(True)
                 self._pending.append(q)
         self._observing = False
         rank_zero_info(f"QuantCallback: observers fixed after {self._batches_seen} training batch(es)")
-        if unreached:
+        if self._pending:
+            layers = _layers_of(pl_module, self._pending)
             rank_zero_warn(
-                f"QuantCallback: {len(unreached)} layer(s) no training batch reached in the {self._batches_seen} observer "
-                f"batch(es): {sorted(unreached)}. Their observers stay on: the first batch that reaches one calibrates "
-                "it, then its qparams are fixed. Layers never reached run in float after ModelQuantizer.freeze and are "
-                "exported in float."
+                f"QuantCallback: {len(layers)} layer(s) no training batch reached in the {self._batches_seen} observer "
+                f"batch(es): {layers}. Their observers stay on: the first batch that reaches one calibrates it, then "
+                "its qparams are fixed. Layers never reached run in float after ModelQuantizer.freeze and are exported "
+                "in float."
             )
         self._log_report(trainer, pl_module, batch if self.log_sqnr else None)
 
     def _fix_pending(self) -> None:
-        """Fix the qparams of the quantizers a batch has reached since the warm-up ended (in a multi-process run,
-        once every rank has seen data for them, with the statistics reduced across ranks)."""
-        ready = ready_everywhere([_ready(q) for q in self._pending], self._pending[0].observer_enabled.device)
-        done = [q for q, r in zip(self._pending, ready, strict=True) if r]
+        """Fix the qparams of the quantizers a batch has reached (on any rank) since the warm-up ended, with the
+        statistics reduced across ranks; the same list on every rank, so the collectives line up."""
+        reached = flags_across_ranks([_ready(q) for q in self._pending], "any", _device_of(self._pending))
+        done = [q for q, r in zip(self._pending, reached, strict=True) if r]
         if not done:
             return
-        sync_quantizers(done)
+        sync_quantizers(done)  # ranks that saw no data for them take the others' statistics and qparams
         for q in done:
             q.disable_observer()
-        self._pending = [q for q, r in zip(self._pending, ready, strict=True) if not r]
+        self._pending = [q for q, r in zip(self._pending, reached, strict=True) if not r]
         rank_zero_info(f"QuantCallback: observers fixed after batch {self._batches_seen} for {sorted({q.where for q in done})}")
 
     # ------------------------------------------------------------------------------------------- evaluation stages

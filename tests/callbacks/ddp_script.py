@@ -10,7 +10,11 @@ differ and only their reduction makes the qparams agree. Each rank writes what t
 - ``qat_short``: QAT that ends before ``observer_steps``, then test: the qparams used by test must agree too.
 - ``lsq``: QAT with LSQ per-channel weights and fc1 input (per feature), TQT fc2 input: the scales have their final
   shapes before DDP wraps the module (else backward fails laying out their gradients).
-- ``all``: the four in turn, in the same two processes.
+- ``moe``: QAT of a model with three experts, each rank routing its own way: expert 1 only on rank 0's first
+  warm-up batch, expert 2 only on rank 1's step after the warm-up. The quantizers with no qparams on some rank when
+  the warm-up ends stay observing on every rank alike (no rank waits in a collective the other skips), and expert 2
+  is fixed on both ranks from rank 1's data.
+- ``all``: the five in turn, in the same two processes.
 """
 
 from __future__ import annotations
@@ -80,7 +84,24 @@ class Record(Callback):
             self.at_fix = qstate(pl_module)
 
 
-MODES = ("ptq", "qat", "qat_short", "lsq")
+class RankRouted(BoringMLP):
+    """Three experts between fc1 and fc2, routed by rank and step as the ``moe`` mode says."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.2)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        rank, step = self.trainer.global_rank if self._trainer else 0, self.global_step if self._trainer else 0
+        routed = [True, rank == 0 and step == 0, rank == 1 and step == 3]
+        out = sum((e(h) for e, on in zip(self.experts, routed, strict=True) if on), torch.zeros_like(h))
+        return self.fc2(out)
+
+
+MOE_WEIGHT = {**LSQ_WEIGHT, "qat_spec": None}
+MOE_CONFIG = {"global_quant_config": {"weight": MOE_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}
+MODES = ("ptq", "qat", "qat_short", "lsq", "moe")
 
 
 def main(mode: str, out: str) -> None:
@@ -89,7 +110,7 @@ def main(mode: str, out: str) -> None:
             main(each, out)
         return
     seed(0)
-    model = BoringMLP(lr=0.2)
+    model = RankRouted() if mode == "moe" else BoringMLP(lr=0.2)
     kwargs = dict(
         strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, limit_val_batches=1, limit_test_batches=1,
         use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -116,6 +137,12 @@ def main(mode: str, out: str) -> None:
         trainer = Trainer(callbacks=[cb], limit_train_batches=2, **kwargs)
         trainer.fit(model, datamodule=RankData())
         trainer.test(model, datamodule=RankData(), verbose=False)
+    elif mode == "moe":
+        cb = QuantCallback(Config.from_dict(MOE_CONFIG), mode="qat", observer_steps=2)
+        kwargs["strategy"] = "ddp_find_unused_parameters_true"  # a rank's unrouted experts get no gradient
+        trainer = Trainer(callbacks=[cb], limit_train_batches=4, **kwargs)
+        trainer.fit(model, datamodule=RankData())
+        result["pending"] = sorted(q.where for q in cb._pending)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     result["qstate"] = qstate(model)

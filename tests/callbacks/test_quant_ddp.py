@@ -139,3 +139,18 @@ def test_lsq_per_channel_on_an_axis_the_layer_does_not_fix_is_refused_before_ddp
     assert trainer.world_size == 2
     with pytest.raises(ValueError, match=r"layer 'fc1' \(Linear, input_tensors\).*ch_axis=-1"):
         QuantCallback(Config.from_dict(config), mode="qat").setup(trainer, BoringMLP(), "fit")
+
+
+def test_moe_experts_routed_differently_per_rank_keep_the_ranks_in_step(ranks) -> None:
+    """Expert 1 had data only on rank 0's first warm-up batch (its weight statistics are reset every warm-up batch),
+    expert 2 only on rank 1 after the warm-up. Before, the ranks disagreed on which quantizers were still observing,
+    so one rank entered a collective the other skipped (a hang under DDP)."""
+    pair = ranks["moe"]
+    _assert_ranks_identical(pair)
+    _assert_ranks_identical(pair, "weights")
+    assert pair[0]["pending"] == pair[1]["pending"] == ["layer 'experts.1' (Linear, weight)"]
+    state = pair[0]["qstate"]
+    assert all(bool(state[f"experts.2.{role}.initialized"]) for role in ("weight", "input_tensors"))
+    assert not bool(state["experts.2.input_tensors.observer_enabled"])  # fixed after its first batch
+    assert state["experts.2.weight.<scale>"].shape == (32,)  # per channel: rank 0 took rank 1's shape and values
+    assert bool(state["experts.1.weight.observer_enabled"]) and not bool(state["experts.1.weight.initialized"])

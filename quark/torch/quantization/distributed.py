@@ -26,15 +26,16 @@ def sync_observers(model: nn.Module, group: Any = None) -> None:
     sync_quantizers([q for _, q in iter_quantizers(model)], group)
 
 
-def ready_everywhere(flags: list[bool], device: torch.device, group: Any = None) -> list[bool]:
-    """``flags`` (one per quantizer, the same quantizers on every rank) true on every rank: one collective call on
-    ``device`` (where the quantizers' buffers are, as the observers' own reductions)."""
+def flags_across_ranks(flags: list[bool], mode: str, device: torch.device, group: Any = None) -> list[bool]:
+    """``flags`` (one per quantizer, the same quantizers on every rank) true on every rank (``mode="all"``) or on some
+    rank (``"any"``): one collective call on ``device`` (where the quantizers' buffers are, as the observers' own
+    reductions). Without several ranks, ``flags`` as they are."""
     if not flags or not is_distributed(group):
         return flags
     import torch.distributed as dist
 
     t = torch.tensor(flags, dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if mode == "all" else dist.ReduceOp.MAX, group=group)
     return [bool(v) for v in t.tolist()]
 
 

@@ -19,22 +19,22 @@ import torch
 
 from quark.torch.quantization.config.type import Dtype, RoundType
 from quark.torch.quantization.formats import fake_quantize, fake_quantize_grad, scale_dtype
-from quark.torch.quantization.formats.grouping import compilable, compiled_kernels_active
+from quark.torch.quantization.formats.grouping import Backend, compilable, compiled_kernels_active
 from quark.torch.quantization.observer.observer import MinMaxPlan
 
 __all__ = [
     "FusedPlan",
-    "FUSED_MIN_NUMEL",
+    "FUSED_FRACTION",
     "fused_pass_active",
     "fused_plan",
     "observe_fake_quantize",
     "scale_may_have_saturated",
 ]
 
-#: in auto mode the fused pass runs for inputs of at least this many elements (smaller ones take the eager path). It
-#: replaces some 30 eager ops, so it pays well below the single format kernels' threshold (``Backend.min_numel``):
-#: per-tensor int8 on 2 cores, 4096 elements 141 against 136 us, 16384: 141 against 204 us
-FUSED_MIN_NUMEL = 8192
+#: in auto mode the fused pass runs for inputs of at least ``Backend.min_numel // FUSED_FRACTION`` elements (8192 by
+#: default; smaller ones take the eager path). It replaces some 30 eager ops, so it pays well below the single format
+#: kernels' threshold: per-tensor int8 on 2 cores, 4096 elements 141 against 136 us, 16384: 141 against 204 us
+FUSED_FRACTION = 8
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,12 @@ def fused_plan(observer: MinMaxPlan, dtype: Dtype, round_method: RoundType | Non
 def fused_pass_active(x: torch.Tensor) -> bool:
     """Whether the fused pass runs for ``x`` now: where the compiled kernels run (``Backend``, with this pass's own
     auto-mode threshold), not inside a caller's ``torch.compile`` (there the eager path is traced and fuses anyway)."""
-    return compiled_kernels_active(x, FUSED_MIN_NUMEL)
+    return compiled_kernels_active(x, Backend.min_numel // FUSED_FRACTION)
 
 
 #: a scale held in bfloat16 / float16 is used in float32 arithmetic in the same kernel: by default inductor would skip
 #: that rounding (it keeps fused intermediates in float32), giving other bits than eager
-@compilable(min_numel=FUSED_MIN_NUMEL, options={"emulate_precision_casts": True})
+@compilable(min_numel=0, options={"emulate_precision_casts": True})  # fused_pass_active chose already
 def _observe_fake_quantize(
     x: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor, plan: FusedPlan
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -159,6 +159,13 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         if getattr(self, "_stale", False):
             self._refresh_qparams()
 
+    def forget_qparams(self) -> None:
+        """Back to no qparams (the state before any data), statistics kept: the next batch it observes gives them."""
+        self.scale = torch.ones((), device=self.scale.device)
+        self.zero_point = torch.zeros((), dtype=torch.int32, device=self.zero_point.device)
+        self.initialized.fill_(0)
+        self._stale = False
+
     def _observe_and_quantize(self, x: torch.Tensor) -> torch.Tensor | None:
         """Observe ``x`` and fake-quantize it in one compiled pass (``observe_quantize``) where that applies: a min-max
         observer whose statistics already have this input's shape, fake quant on, the compiled kernels active. None
@@ -249,6 +256,8 @@ class FrozenScaledFakeQuantize(FakeQuantizeBase):
         return self  # nothing to observe: frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.numel():  # nothing to round (an MoE expert no token was routed to)
+            return x
         if not self.fake_quant_enabled:
             return x
         return _apply_format(x, self.spec, self.scale, self.zero_point)

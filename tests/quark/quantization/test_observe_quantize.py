@@ -21,7 +21,7 @@ from quark.torch.quantization.observer.observer import (
 )
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
-ROWS, COLS = 96, 128  # 12288 elements: above FUSED_MIN_NUMEL, so auto mode fuses too
+ROWS, COLS = 96, 128  # 12288 elements: above the fused pass's auto-mode threshold (8192), so auto mode fuses too
 
 
 @pytest.fixture
@@ -186,3 +186,29 @@ def test_calibration_under_inference_mode_fuses(compiled: None, fused_calls: lis
     plain = _run(spec, xs, False, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(outs, plain["out"], strict=True))
     assert torch.equal(fq.scale, plain["scale"][-1]) and torch.equal(fq.observer.min_val, plain["min"][-1])
+
+
+def test_a_quantizer_cast_to_bfloat16_keeps_float32_statistics_and_fuses_alike(
+    compiled: None, fused_calls: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``precision="bf16-true"`` casts the whole module. Before, the statistics became bfloat16: the eager path
+    computed qparams from the rounded range (narrower than the data: -3.8005 held as -3.7969) and the fused one from
+    the exact range, so they differed."""
+    spec = SPECS["uint8 per-tensor asymmetric"]
+    xs = _batches(torch.bfloat16)
+
+    def run(fused: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        import quark.torch.quantization.tensor_quantize as tq
+
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(tq, "fused_pass_active", lambda x: False)
+            fq = FakeQuantizeBase.get_fake_quantize(spec).to(torch.bfloat16)
+            outs = [fq(x) for x in xs]
+        assert fq.observer.min_val.dtype == torch.float32
+        return outs, fq.scale, fq.observer.min_val
+
+    (a, scale_a, min_a), (b, scale_b, min_b) = run(True), run(False)
+    assert fused_calls and all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+    assert torch.equal(scale_a, scale_b) and torch.equal(min_a, min_b)
+    assert float(min_a) == min(float(x.float().min()) for x in xs)  # the exact range of the data

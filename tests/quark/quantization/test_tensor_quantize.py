@@ -685,3 +685,12 @@ def test_an_empty_input_passes_through_before_and_after_calibration(spec_fn: Any
     assert torch.equal(first, reference(x)) and bool(fq.initialized)
     assert fq(torch.randn(0, 16)).shape == (0, 16)  # and after calibration too
     assert all(bool(torch.isfinite(p).all()) for p in fq.parameters())
+
+
+def test_frozen_per_group_quantizers_pass_an_empty_input_through() -> None:
+    spec = int_spec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=-1, group_size=16)
+    fq = FakeQuantizeBase.get_fake_quantize(spec)
+    fq(torch.randn(64, 64))
+    frozen = fq.to_frozen()
+    assert isinstance(frozen, FrozenScaledFakeQuantize)
+    assert frozen(torch.randn(0, 64)).shape == (0, 64)  # before: the qparams' shape did not fit, and it raised

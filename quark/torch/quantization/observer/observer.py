@@ -68,6 +68,7 @@ __all__ = [
 ]
 
 _EPS = torch.finfo(torch.float32).eps
+_MAX_STAT_DIMS = 8  # the most dimensions statistics of min-max observers have (per group of a high-rank tensor)
 
 
 def _is_scaled(dtype: Dtype) -> bool:
@@ -85,7 +86,8 @@ def _check_finite(who: str, *values: torch.Tensor) -> None:
 
 def _raise_non_finite(who: str) -> None:
     raise ValueError(
-        f"{who} observed a tensor containing NaN or Inf; its scale would be NaN. "
+        f"{who} observed a tensor containing NaN or Inf (or float64 values past float32's range, the statistics' "
+        "type); its scale would be NaN or Inf. "
         "Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
     )
 
@@ -289,9 +291,9 @@ class UniformScalingObserver(ObserverBase):
 
     def _update(self, min_val: torch.Tensor, max_val: torch.Tensor, x: torch.Tensor) -> None:
         """Fold new statistics into the running ones (or replace them when dynamic)."""
+        min_val, max_val = min_val.float(), max_val.float()  # float64 past float32's range becomes inf: refused
         _check_finite(self.who, min_val, max_val)
         self.model_dtype = x.dtype
-        min_val, max_val = min_val.float(), max_val.float()
         if self.min_val.shape != min_val.shape:  # first statistics of this shape (e.g. per channel): rebind once
             self.min_val, self.max_val = min_val.clone(), max_val.clone()
         elif self.is_dynamic:
@@ -300,6 +302,16 @@ class UniformScalingObserver(ObserverBase):
         else:  # in place: running statistics without re-registering buffers on every batch
             torch.minimum(self.min_val, min_val, out=self.min_val)
             torch.maximum(self.max_val, max_val, out=self.max_val)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> UniformScalingObserver:
+        """``.to(torch.bfloat16)`` (Lightning's ``precision="bf16-true"``) moves the statistics but keeps them float32:
+        a range rounded to bfloat16 could come out narrower than the data and clip its extremes."""
+        super()._apply(fn, recurse)
+        for name in ("min_val", "max_val"):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
 
     def fused_observed(self, x: torch.Tensor, finite: torch.Tensor) -> None:
         """Book a batch the quantizer's fused pass folded into the statistics (``observe_quantize``): raises
@@ -338,8 +350,38 @@ class UniformScalingObserver(ObserverBase):
     def sync(self, group: Any = None) -> None:
         import torch.distributed as dist
 
+        self._agree_on_shape(group)
         self._all_reduce(self.min_val, dist.ReduceOp.MIN, group)
         self._all_reduce(self.max_val, dist.ReduceOp.MAX, group)
+
+    def _agree_on_shape(self, group: Any) -> None:
+        """Give the statistics of a rank that has observed nothing (a scalar placeholder) the shape the others'
+        have, so the reductions line up: an MoE expert, say, that only some ranks' batches reached. Ranks that
+        observed differently shaped statistics are refused, naming the observer."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        own = tuple(self.min_val.shape) if self.has_statistics else None
+        if own is not None and len(own) > _MAX_STAT_DIMS:
+            raise ValueError(f"{self.who}: statistics of {len(own)} dimensions; at most {_MAX_STAT_DIMS} can be synced")
+        # one MAX reduction gives the largest and (negated) the smallest [ndim, dims...] of the ranks that observed
+        packed = torch.full((2, _MAX_STAT_DIMS + 1), -1, dtype=torch.int64, device=self.min_val.device)
+        packed[1] = -(2**62)  # a rank without statistics takes no part in the minimum
+        if own is not None:
+            packed[0, : len(own) + 1] = torch.tensor([len(own), *own])
+            packed[1] = -packed[0]
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        largest, smallest = packed[0].tolist(), (-packed[1]).tolist()
+        if largest[0] < 0:
+            return  # no rank has observed anything
+        if largest != smallest:
+            raise ValueError(f"{self.who}: the ranks observed statistics of different shapes ({largest} / {smallest} as "
+                             "[ndim, dims...]); every rank must quantize the same tensor layout")  # fmt: skip
+        shape = tuple(largest[1 : largest[0] + 1])
+        if own is None and tuple(self.min_val.shape) != shape:
+            self.min_val = torch.full(shape, float("inf"), device=self.min_val.device)
+            self.max_val = torch.full(shape, float("-inf"), device=self.max_val.device)
 
     def reset_min_max_vals(self) -> None:
         """Resets the min/max values."""
