@@ -472,6 +472,7 @@ class QuantCallback(Callback):
         if skipped:
             rank_zero_warn(f"QuantCallback (fx_graph_mode): these children stay float: {skipped}")
         plans = [p for name in prepared for p in self.quantizer.resolve(getattr(pl_module, name))]
+        pl_module.quant_config = self.config  # the exporters read the Config of the module they write, as in eager mode
         _keep_out_of_ddp_broadcast(pl_module)
         if not self._table_logged:
             rank_zero_info(f"QuantCallback ({self.mode}, graph mode: {prepared}): quantizing {len(plans)} op(s)\n{format_plans(plans)}")

@@ -119,3 +119,23 @@ def test_ptq_graph_mode_checkpoint_round_trip(tmp_path) -> None:  # noqa: ANN001
                     default_root_dir=tmp_path)  # fmt: skip
     result = again.test(Classifier(), loader(), ckpt_path=callback.quantized_checkpoint)[0]["test_loss"]
     assert abs(result - tested) < 1e-6
+
+
+def test_ptq_graph_mode_exports_safetensors_and_onnx(tmp_path) -> None:  # noqa: ANN001
+    """Before, the exporters found no ``quant_config`` on the LightningModule (graph mode prepares its children) and
+    the end of fit raised after calibration, losing the run's results."""
+    import onnxruntime as ort
+
+    pl.seed_everything(0)
+    model = Classifier()
+    callback = QuantCallback(graph_config(), mode="ptq", calib_batches=3, calib_dataloader=loader(),
+                             export=["safetensors", "onnx"], export_dir=str(tmp_path / "out"))  # fmt: skip
+    trainer(tmp_path, callback, epochs=1).fit(model, loader(), loader())
+    assert set(callback.exported) == {"safetensors", "onnx"}
+    x = next(iter(loader()))[0]
+    model.eval()
+    with torch.no_grad():
+        expected = model(x).numpy()
+    session = ort.InferenceSession(callback.exported["onnx"]["path"])
+    out = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    assert abs(out - expected).max() < 0.05  # within an int8 step or two of the fake-quant model

@@ -418,11 +418,19 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
             fmt = format_of(q.spec.dtype)
             if isinstance(fmt, IntFormat):
                 tensors[f"{prefix}{role}_zero_point"] = zp.detach().to(_container(fmt)).clone()
-    for key, value in model.state_dict().items():  # the rest as it is (quantized weights are already stored)
-        if key not in tensors and "_quantizer." not in key:  # quantizer state is never stored
-            tensors[key] = value.detach().contiguous()
+    stored_float: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    for key, value in model.state_dict(keep_vars=True).items():  # the rest as it is (quantized weights are stored)
+        if key in tensors or "_quantizer." in key:  # quantizer state is never stored
+            continue
+        alias = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if alias in stored_float:
+            continue  # a tied tensor (an lm_head sharing the input embedding): stored once, as save_pretrained does
+        stored_float[alias] = key
+        tensors[key] = value.detach().contiguous()
     hf = getattr(model, "config", None)
     document = hf.to_dict() if hasattr(hf, "to_dict") else {}
+    if document and not document.get("architectures") and type(model).__module__.startswith("transformers."):
+        document["architectures"] = [type(model).__name__]  # what save_pretrained writes: import with model=None builds it
     stored = _as_amd_quark(config, model)
     if floated:
         stored = dataclasses.replace(stored, exclude=list(stored.exclude) + [n for n in floated if n not in stored.exclude])
@@ -628,9 +636,12 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
             owned.update({key, f"{prefix}{role}_zero_point"})
     state = model.state_dict(keep_vars=True)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    stored = {id(state[k]) for k in state if k in t}
     for key, value in state.items():
         if key in owned or "_quantizer." in key:
             continue
+        if key not in t and id(value) in stored:
+            continue  # tied to a tensor the file stores (an lm_head sharing the input embedding): loaded with it
         if key not in t:
             raise ValueError(f"{path}: tensor '{key}' of the model is missing")
         if tuple(t[key].shape) != tuple(value.shape):

@@ -290,8 +290,13 @@ def export_safetensors(
                 put(key + "_zero_point", zp.clone())
                 info[key] = {"encoding": "qparams"}
     prefixes = _quantizer_prefixes(model)
-    for key, value in model.state_dict().items():
-        if key not in skip and not _is_quantizer_state(key, prefixes) and key not in tensors:
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key in skip or _is_quantizer_state(key, prefixes) or key in tensors:
+            continue
+        alias = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if alias not in seen:  # a tied tensor (an lm_head sharing the input embedding) is stored once
+            seen.add(alias)
             put(key, value)
     metadata = {
         "format": "pt", "quant_method": "quark",
@@ -530,9 +535,13 @@ def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tens
                     check.fail(key, "a metadata entry {'encoding': 'qparams'}", repr(info.get(key)))
                 check.qparams(key, spec, None)
     prefixes = _quantizer_prefixes(model)
-    for key, value in model.state_dict(keep_vars=True).items():
+    state = model.state_dict(keep_vars=True)
+    stored = {id(state[k]) for k in state if k in tensors}
+    for key, value in state.items():
         if key in skip or _is_quantizer_state(key, prefixes):
             continue
+        if key not in tensors and id(value) in stored:
+            continue  # tied to a tensor the file stores (an lm_head sharing the input embedding): loaded with it
         dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16) if value.is_floating_point() else (value.dtype,)
         t = check.get(key, dtypes, list(value.shape), "a tensor of the model")
         if t.is_floating_point():

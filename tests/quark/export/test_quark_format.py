@@ -355,3 +355,43 @@ def test_a_layer_no_calibration_reached_is_exported_float_and_excluded(frozen: b
         with pytest.warns(UserWarning, match="run in float"):
             ModelQuantizer.freeze(model)
     assert torch.equal(restored(x), model(x))
+
+
+@pytest.mark.parametrize("custom_mode", ["quark", None])
+def test_a_tied_lm_head_kept_float_is_stored_once(custom_mode: str | None, tmp_path: Path) -> None:
+    """GPT-2 ties its lm_head to the input embedding; with the head excluded both names hold one float tensor. Before,
+    safetensors refused to write two names sharing memory; now it is stored once (as save_pretrained does) and the
+    import ties it back."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    make = lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32)).eval()  # noqa: E731
+    model = make()
+    ModelQuantizer(QConfig(global_quant_config=QLayerConfig(weight=INT8_W), exclude=["lm_head"])).quantize_model(model, None)
+    ModelQuantizer.freeze(model)
+    path = export_safetensors(model, tmp_path, custom_mode=custom_mode)
+    assert "lm_head.weight" not in tensors(path) and "transformer.wte.weight" in tensors(path)
+    restored = import_model_from_safetensors(None if custom_mode else make(), tmp_path)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():  # amd-quark's layout stores a weight's scale as amd-quark does: float noise at most
+        assert torch.allclose(restored(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+    assert restored.lm_head.weight is restored.transformer.wte.weight
+
+
+def test_a_classifier_built_from_its_config_reimports_as_itself(tmp_path: Path) -> None:
+    """Models built with a constructor have ``config.architectures`` None; the export writes the class (as
+    save_pretrained does) so ``model=None`` builds the classifier, not a language-model head."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=32, num_labels=3)  # fmt: skip
+    model = transformers.BertForSequenceClassification(config).eval()
+    ModelQuantizer(QConfig(global_quant_config=QLayerConfig(weight=INT8_W))).quantize_model(model, None)
+    ModelQuantizer.freeze(model)
+    export_safetensors(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["BertForSequenceClassification"]
+    assert model.config.architectures is None  # the model's own config is left as it was
+    restored = import_model_from_safetensors(None, tmp_path)
+    assert type(restored).__name__ == "BertForSequenceClassification"
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.allclose(restored(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
