@@ -456,6 +456,7 @@ def test_hf_llama_in_graph_mode_with_its_default_config() -> None:
     quantizer = ModelQuantizer(graph_config())
     gm = quantizer.quantize_model(model, batches[:2])
     assert model.config.use_cache
+    assert gm.config is model.config  # kept through capture and prepare: the amd-quark export writes config.json from it
     plans = {(p.name, role) for p in quantizer.resolve(gm) for role in p.source}
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert len(linears) == 15 and plans == {(n, r) for n in linears for r in ("weight", "input_tensors")}

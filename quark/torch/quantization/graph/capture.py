@@ -103,7 +103,11 @@ def capture(
             exported = torch.export.export(model, args, kwargs or None, dynamic_shapes=shapes, strict=False)
     except Exception as err:  # torch.export raises many types; all mean "cannot capture"
         raise GraphModeError(_explain(err, model)) from err
-    return normalize(exported.module())  # type: ignore[arg-type]
+    gm = normalize(exported.module())
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and hasattr(hf_config, "to_dict"):
+        gm.config = hf_config  # a Hugging Face model's config: the amd-quark export writes it into config.json
+    return gm  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------------------------- normalize

@@ -360,6 +360,8 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's pytree spec deprecation inside deepcopy
         gm = copy.deepcopy(graph_module, memo)
+    if getattr(graph_module, "config", None) is not None:  # a captured Hugging Face model's config (deepcopy drops it)
+        gm.config = graph_module.config
     normalize(gm)
     if any(isinstance(m, QuantMixin) for m in gm.modules()):
         raise GraphModeError("the graph is already prepared for quantization (it holds quantized layers); prepare a captured float graph")
