@@ -222,17 +222,46 @@ def _slots(model: nn.Module) -> Iterator[tuple[QuantMixin, Any, nn.Module, str, 
                 yield m, slot, q, f"layer '{name}' ({slot_label(slot)})", f"{name}.{label}" if name else label
 
 
-def _ndim(layer: QuantMixin, slot: Any) -> int | None:
+def _functional_weights(model: nn.Module) -> dict[int, torch.Tensor]:
+    """Graph mode: the Parameter each weight-quantizer node of a functionally used weight (``F.linear(x, self.w)``)
+    reads, by the id of that node's module; its codes are stored like a layer's weight."""
+    from quark.torch.quantization.graph import QuantFunctionalWeight, is_graph_module
+    from quark.torch.quantization.graph.capture import fetch_attr
+
+    found: dict[int, torch.Tensor] = {}
+    for gm in model.modules():
+        if not is_graph_module(gm):
+            continue
+        for node in gm.graph.nodes:  # type: ignore[union-attr]
+            if node.op != "call_module" or not node.args or getattr(node.args[0], "op", None) != "get_attr":
+                continue
+            module = gm.get_submodule(str(node.target))
+            tensor = fetch_attr(gm, node.args[0])  # type: ignore[arg-type]
+            if isinstance(module, QuantFunctionalWeight) and isinstance(tensor, torch.Tensor):
+                found[id(module)] = tensor
+    return found
+
+
+def _slot_tensor(layer: QuantMixin, slot: Any, functional: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The weight / bias a slot quantizes (a functionally used Parameter included); None for an activation slot."""
+    if slot.tensor is not None:
+        return getattr(layer, slot.tensor)
+    return functional.get(id(layer))
+
+
+def _ndim(layer: QuantMixin, slot: Any, functional: dict[int, torch.Tensor]) -> int | None:
     """The rank of the tensor a weight / bias slot quantizes; None for an activation slot."""
-    return None if slot.tensor is None else getattr(layer, slot.tensor).ndim
+    tensor = _slot_tensor(layer, slot, functional)
+    return None if tensor is None else tensor.ndim
 
 
 def _required_opset(model: nn.Module) -> tuple[int, str]:
     """Check every quantizer of ``model`` (ValueError naming the first Q/DQ cannot express); the opset the model needs
     and the quantizer that sets it."""
     needed, why = 0, ""
+    functional = _functional_weights(model)
     for layer, slot, q, where, _ in _slots(model):
-        spec, ndim = q.spec, _ndim(layer, slot)  # type: ignore[attr-defined]
+        spec, ndim = q.spec, _ndim(layer, slot, functional)  # type: ignore[attr-defined]
         opset = check_spec(spec, where, ndim)
         if opset > needed:
             needed, why = opset, f"{where}, {_describe(spec, ndim)},"
@@ -289,8 +318,9 @@ def _export_quantizer(quantizer: nn.Module, where: str, tensor: torch.Tensor | N
 def qdq_model(model: nn.Module) -> nn.Module:
     """A frozen copy of ``model`` whose quantizers are in their export form; ValueError naming the first unsupported one."""
     export = ModelQuantizer.freeze(copy.deepcopy(model)).eval()
+    functional = _functional_weights(export)
     for layer, slot, q, where, name in _slots(export):
-        tensor = None if slot.tensor is None else getattr(layer, slot.tensor)
+        tensor = _slot_tensor(layer, slot, functional)
         layer.set_quantizer(slot, _export_quantizer(q, where, tensor, name) if bool(q.fake_quant_enabled) else None)
     return export
 

@@ -417,3 +417,34 @@ def test_grouped_query_attention_exports(tmp_path: Path) -> None:
     with torch.no_grad():
         reference = model(ids).numpy()
     assert np.abs(_run(path, ids) - reference).max() < 1e-5
+
+
+class _Functional(nn.Module):
+    """A Parameter used through ``F.linear`` in the model's own forward: graph mode gives it a weight quantizer node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16) * 0.2)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(nn.functional.linear(x, self.w)) + x)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_graph_mode_functional_weights_export_as_stored_codes(dtype: str, tmp_path: Path) -> None:
+    """Before, an int4 functional weight was refused as "an activation" (its quantizer node has no Parameter slot)."""
+    from quark.torch.quantization.graph import capture
+
+    torch.manual_seed(0)
+    weight = {**INT8_PER_CHANNEL_WEIGHT, "dtype": dtype}
+    data = [torch.randn(4, 16) for _ in range(3)]
+    config = {"global_quant_config": {"weight": weight, "input_tensors": INT8_PER_TENSOR_ACT}, "quant_mode": "fx_graph_mode"}
+    model = ModelQuantizer.freeze(ModelQuantizer(config).quantize_model(capture(_Functional().eval(), (data[0],)), data))
+    path = export_onnx(model, tmp_path, data[0])
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert np.array_equal(_run(path, x), model(x).numpy())
+    if dtype == "int4":
+        stored = [i for i in onnx.load(str(path)).graph.initializer if i.data_type == onnx.TensorProto.INT4]
+        assert any(list(i.dims) == [16, 16] for i in stored)  # the functional weight's codes, two per byte
