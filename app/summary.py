@@ -33,6 +33,18 @@ class SweepSummary(Callback):
 
         (Path(str(config.hydra.sweep.dir)) / FLOAT_TEST_CACHE).unlink(missing_ok=True)
 
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        """After each job of a multirun, the summary of the jobs so far: a later job that fails (a bad value in the
+        sweep) or a sweep stopped by hand leaves the summary of those that finished."""
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hydra = HydraConfig.get()
+        if hydra.mode == RunMode.MULTIRUN:
+            rows = collect(Path(str(hydra.sweep.dir)))
+            if rows:
+                write_summary(rows, Path(str(hydra.sweep.dir)))
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
         rows = collect(sweep_dir)

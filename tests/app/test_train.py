@@ -154,6 +154,14 @@ def test_sweep_writes_summary_csv_and_png(tmp_path: Path) -> None:
     assert "sweep summary:" in proc.stdout
 
 
+def test_a_sweep_value_that_fails_leaves_the_summary_of_the_jobs_that_finished(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_train("-m", "quant=int8_per_channel", "quant.weight_bits=4,1", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode != 0 and "quant.weight_bits=1 must be null or an int in 2..16" in proc.stderr
+    rows = (sweep / "summary.csv").read_text().splitlines()
+    assert len(rows) == 2 and rows[1].split(",")[4] == "4.0"  # the job before the bad value, summarised
+
+
 def test_char_lm_experiment_runs_and_reports_perplexity(tmp_path: Path) -> None:
     tiny = ("data.train_bytes=20000", "data.val_bytes=4000", "data.test_bytes=4000", "model.n_layers=1")
     results = run(compose_cfg("experiment=char_lm", "quant=int4_per_group", *SMOKE, *tiny), tmp_path)
