@@ -364,6 +364,19 @@ def _in_float32(export: nn.Module, args: tuple[Any, ...]) -> tuple[nn.Module, tu
     return export.float(), cast
 
 
+class _FirstOutput(nn.Module):
+    """A Hugging Face model as its first output (``logits`` of a causal LM, a classifier's scores): the TorchScript
+    exporter takes tensors, not a ``ModelOutput`` holding a ``DynamicCache``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        out = self.model(*args)
+        return out[0] if isinstance(out, tuple | dict) or hasattr(out, "to_tuple") else out
+
+
 def export_onnx(
     model: nn.Module, output_dir: str | Path, input_args: Any, opset_version: int | None = None,
     input_names: list[str] | None = None, output_names: list[str] | None = None, verbose: bool = False,
@@ -400,6 +413,8 @@ def export_onnx(
     placeholders = any(isinstance(m, StoredWeight | Float8QDQ) for m in export.modules())
     args = input_args if isinstance(input_args, tuple) else (input_args,)
     export, args = _in_float32(export, args)
+    if type(export).__module__.startswith("transformers."):
+        export = _FirstOutput(export)  # a Hugging Face model returns a ModelOutput (and a KV cache): the graph its logits
     names = list(input_names) if input_names else [f"input_{i}" if len(args) > 1 else "input" for i in range(len(args))]
     outputs = list(output_names) if output_names else ["output"]
     axes = {n: {0: "batch"} for n in [*names, *outputs]} if dynamic_batch else None

@@ -401,21 +401,24 @@ class _Logits(nn.Module):
         return self.lm(input_ids=ids).logits
 
 
-def test_grouped_query_attention_exports(tmp_path: Path) -> None:
+@pytest.mark.parametrize("wrapped", [True, False], ids=["logits wrapper", "bare model"])
+def test_grouped_query_attention_exports(wrapped: bool, tmp_path: Path) -> None:
     """LLaMA with fewer key/value heads than query heads calls SDPA with enable_gqa=True, which the TorchScript
-    exporter cannot convert (before: an AssertionError at the end of fit); the export repeats the key/value heads."""
+    exporter cannot convert (before: an AssertionError at the end of fit); the export repeats the key/value heads.
+    A bare Hugging Face model (whose output holds a KV cache the exporter cannot take) is written as its logits."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa",
     )  # fmt: skip
-    model = _Logits(transformers.LlamaForCausalLM(config)).eval()
+    lm = transformers.LlamaForCausalLM(config).eval()
+    model = _Logits(lm) if wrapped else lm
     ids = torch.randint(0, 64, (2, 12))
     ModelQuantizer({"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT}}).quantize_model(model, [ids])
     path = export_onnx(model, tmp_path, ids)
     with torch.no_grad():
-        reference = model(ids).numpy()
+        reference = _Logits(lm)(ids).numpy()
     assert np.abs(_run(path, ids) - reference).max() < 1e-5
 
 
