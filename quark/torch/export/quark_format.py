@@ -46,7 +46,15 @@ from torch import nn
 
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, pack_sextets, unpack_nibbles, unpack_sextets
-from quark.torch.export.safetensors import _Checker, _described, _require_safetensors, _scale_view, check_header
+from quark.torch.export.safetensors import (
+    _Checker,
+    _described,
+    _require_safetensors,
+    _scale_view,
+    check_header,
+    first_of_its_storage,
+    tied_to_stored,
+)
 from quark.torch.export.skeleton import materialize
 from quark.torch.quantization.api import ModelQuantizer, uncalibrated_layers
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
@@ -418,15 +426,12 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
             fmt = format_of(q.spec.dtype)
             if isinstance(fmt, IntFormat):
                 tensors[f"{prefix}{role}_zero_point"] = zp.detach().to(_container(fmt)).clone()
-    stored_float: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for key, value in model.state_dict(keep_vars=True).items():  # the rest as it is (quantized weights are stored)
         if key in tensors or "_quantizer." in key:  # quantizer state is never stored
             continue
-        alias = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
-        if alias in stored_float:
-            continue  # a tied tensor (an lm_head sharing the input embedding): stored once, as save_pretrained does
-        stored_float[alias] = key
-        tensors[key] = value.detach().contiguous()
+        if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding): stored once
+            tensors[key] = value.detach().contiguous()
     hf = getattr(model, "config", None)
     document = hf.to_dict() if hasattr(hf, "to_dict") else {}
     if document and not document.get("architectures") and type(model).__module__.startswith("transformers."):
@@ -636,12 +641,10 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
             owned.update({key, f"{prefix}{role}_zero_point"})
     state = model.state_dict(keep_vars=True)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    stored = {id(state[k]) for k in state if k in t}
+    tied = tied_to_stored(state, t)  # loaded with the tensor the file stores (an lm_head sharing the input embedding)
     for key, value in state.items():
-        if key in owned or "_quantizer." in key:
+        if key in owned or "_quantizer." in key or key in tied:
             continue
-        if key not in t and id(value) in stored:
-            continue  # tied to a tensor the file stores (an lm_head sharing the input embedding): loaded with it
         if key not in t:
             raise ValueError(f"{path}: tensor '{key}' of the model is missing")
         if tuple(t[key].shape) != tuple(value.shape):

@@ -218,6 +218,23 @@ def _is_quantizer_state(key: str, prefixes: tuple[str, ...]) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- export
+def first_of_its_storage(value: torch.Tensor, seen: set[tuple[int, int, tuple[int, ...]]]) -> bool:
+    """Whether ``value`` is the first of the tensors that share its memory (a tied ``lm_head`` and input embedding)
+    among those ``seen`` so far (which it joins): the exports store such a tensor once, as ``save_pretrained`` does."""
+    alias = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+    if alias in seen:
+        return False
+    seen.add(alias)
+    return True
+
+
+def tied_to_stored(state: dict[str, torch.Tensor], stored: dict[str, Any]) -> set[str]:
+    """Keys of ``state`` (``state_dict(keep_vars=True)``) that a file lacks but that are the same Parameter as a key it
+    has: tied, so loading that one loads them too."""
+    present = {id(state[k]) for k in state if k in stored}
+    return {k for k, v in state.items() if k not in stored and id(v) in present}
+
+
 def export_safetensors(
     model: nn.Module, output_dir: str | Path, custom_mode: str | None = "quark", weight_format: str = "real_quantized",
     pack_method: str = "reorder", *, filename: str = FILENAME,
@@ -294,9 +311,7 @@ def export_safetensors(
     for key, value in model.state_dict(keep_vars=True).items():
         if key in skip or _is_quantizer_state(key, prefixes) or key in tensors:
             continue
-        alias = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
-        if alias not in seen:  # a tied tensor (an lm_head sharing the input embedding) is stored once
-            seen.add(alias)
+        if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding) is stored once
             put(key, value)
     metadata = {
         "format": "pt", "quant_method": "quark",
@@ -536,12 +551,10 @@ def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tens
                 check.qparams(key, spec, None)
     prefixes = _quantizer_prefixes(model)
     state = model.state_dict(keep_vars=True)
-    stored = {id(state[k]) for k in state if k in tensors}
+    tied = tied_to_stored(state, tensors)
     for key, value in state.items():
-        if key in skip or _is_quantizer_state(key, prefixes):
+        if key in skip or _is_quantizer_state(key, prefixes) or key in tied:
             continue
-        if key not in tensors and id(value) in stored:
-            continue  # tied to a tensor the file stores (an lm_head sharing the input embedding): loaded with it
         dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16) if value.is_floating_point() else (value.dtype,)
         t = check.get(key, dtypes, list(value.shape), "a tensor of the model")
         if t.is_floating_point():

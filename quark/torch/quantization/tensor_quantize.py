@@ -149,7 +149,10 @@ class ScaledFakeQuantize(FakeQuantizeBase):
 
     def _refresh_qparams(self) -> None:
         """Recompute scale and zero point from the observer's statistics (once per need, not per batch)."""
-        scale, zp = self.observer.calculate_qparams()
+        self._hold(*self.observer.calculate_qparams())
+
+    def _hold(self, scale: torch.Tensor, zp: torch.Tensor) -> None:
+        """Take ``scale`` / ``zp`` as this quantizer's qparams (on its device): it is initialised and up to date."""
         self.scale = scale.to(self.scale.device)
         self.zero_point = zp.to(self.zero_point.device)
         self.initialized.fill_(1)
@@ -170,21 +173,18 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         """Observe ``x`` and fake-quantize it in one compiled pass (``observe_quantize``) where that applies: a min-max
         observer whose statistics already have this input's shape, fake quant on, the compiled kernels active. None
         where it does not (the caller takes the step-by-step path, with the same bits)."""
-        plan = self.observer.minmax_plan() if self.fake_quant_enabled else None
-        if plan is None or not x.is_floating_point() or not fused_pass_active(x):
-            return None
+        if not self.fake_quant_enabled or not x.is_floating_point() or not fused_pass_active(x):
+            return None  # the cheap checks first: this runs on every forward while observing
         obs = self.observer
-        if obs.min_val.shape != plan.statistics_shape(x.shape):  # first batch, or a new shape: the eager rebind
+        plan = obs.minmax_plan()
+        if plan is None or obs.min_val.shape != plan.statistics_shape(x.shape):  # first batch / new shape: eager rebind
             return None
         fused = fused_plan(plan, self.spec.dtype, self.spec.round_method)
         out, scale, zp, finite = observe_fake_quantize(x, obs.min_val, obs.max_val, fused)
         obs.fused_observed(x, finite)  # raises on NaN / Inf (the statistics stayed as they were)
         if scale_may_have_saturated(fused, scale, x.dtype):
             scale, zp = obs.calculate_qparams()  # the same qparams, computed eagerly: it warns where they saturated
-        self.scale = scale.to(self.scale.device)
-        self.zero_point = zp.to(self.zero_point.device)
-        self.initialized.fill_(1)
-        self._stale = False
+        self._hold(scale, zp)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
