@@ -243,3 +243,17 @@ def test_broken_batchnorm_fold_raises_naming_layer_and_leaves_graph_unchanged(mo
     after = snapshot(gm)
     assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
     assert torch.equal(float_output(gm, x), before)
+
+
+def test_cle_is_undone_when_the_quantized_error_on_the_batch_grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last guard: the quantized error with CLE (measured on the captured batch) larger than without it puts
+    every rescaled layer back."""
+    model, x = lite_net(0)
+    gm = prepared_folded(model, x)
+    weights = snapshot(gm)
+    errors = iter([0.1, 0.2])  # without CLE, then with it
+    monkeypatch.setattr(passes_module, "quantized_error", lambda *args: next(errors))
+    info = equalize_graph(gm, CLEConfig(iterations=3))
+    assert info["kept"] == 0 and info["equalized"] == 0
+    after = snapshot(gm)
+    assert all(torch.equal(after[k], v) for k, v in weights.items())

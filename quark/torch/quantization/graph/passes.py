@@ -112,7 +112,8 @@ def is_folded_state(model: nn.Module, state_dict: dict[str, object], prefix: str
 class CLEPair:
     """Two layers whose channels CLE may rescale: ``first``'s output channel i feeds ``second``'s input channel i
     through ``act`` and ``between`` (quantizers, zero pads, max pooling; their node names). ``bounded``: the
-    activation is ReLU6 / a clamp with an upper bound (the pair is left alone). ``padded``: a pad is between."""
+    activation is ReLU6 / a clamp with an upper bound (the pair is left alone). ``padded``: a pad is between.
+    ``quantized``: an activation quantizer is between (its range bounds the scales)."""
 
     first: str
     second: str
@@ -120,6 +121,7 @@ class CLEPair:
     between: list[str] = field(default_factory=list)
     bounded: bool = False
     padded: bool = False
+    quantized: bool = False
 
 
 def _quantizer_node(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -185,7 +187,8 @@ def find_cle_pairs(gm: fx.GraphModule) -> list[CLEPair]:
             if kind is None:
                 second = _equalizable(gm, user)
                 if second is not None and user.args[:1] == (cur,) and isinstance(second, QuantLinear) == linear and second is not first:
-                    pairs.append(CLEPair(str(node.target), str(user.target), act, [n.name for n in between], bounded, padded))
+                    quantized = any(_quantizer_node(gm, n) for n in between)
+                    pairs.append(CLEPair(str(node.target), str(user.target), act, [n.name for n in between], bounded, padded, quantized))
                 break
             if kind in ("act", "bounded"):
                 act, bounded = user, kind == "bounded"
@@ -245,8 +248,10 @@ def _weight_ranges(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _bounds(pair: CLEPair, first: nn.Module, ranges: tuple[torch.Tensor, torch.Tensor] | None) -> Bounds:
-    """(low, high) of the cumulative scale of a pair: the activation between keeps its per-tensor range
+    """(low, high) of the cumulative scale of a pair: a quantized activation between keeps its per-tensor range
     (s_i >= a_i / max a); no upper bound."""
+    if not pair.quantized:
+        return None, None
     low_y, high_y = ranges if ranges is not None else _weight_ranges(first)
     if pair.act is not None:  # ReLU
         low_y, high_y = low_y.clamp(min=0), high_y.clamp(min=0)
@@ -352,7 +357,8 @@ def equalize_graph(gm: fx.GraphModule, cle: CLEConfig, check: bool = True) -> di
     reference, ranges = _measure(gm, [p for p in pairs if not p.bounded], example)
     plan = _plan(gm, [p for p in pairs if not p.bounded], ranges)
     if not plan.pairs:
-        logger.info("CLE: no conv/linear -> ReLU -> conv/linear chain to equalize")
+        why = "none whose first layer has per-tensor weights" if len(pairs) > info["bounded"] else "no ReLU pair"
+        logger.info("CLE: %d pair(s) found, %s: nothing to equalize", len(pairs), why)
         return info
     rescaled = {n for p in plan.pairs for n in [gm.graph.find_nodes(op="call_module", target=p.first)[0].name, *p.between]}
     before = quantized_error(gm, example, reference) if example is not None else None
