@@ -1109,7 +1109,7 @@ class _FoldForCheckpoint:
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         if graph.is_folded_state(module, state_dict, prefix):
-            graph.fold_and_equalize(module, self.config)
+            graph.fold_and_equalize(module, self.config, structure_only=True)
 
 
 def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_location: Any = "cpu", freeze: bool = True) -> nn.Module:
@@ -1133,7 +1133,7 @@ def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_locati
         else:
             quantizer.prepare(model)
     if quantizer.graph_mode and graph.is_folded_state(model, state):
-        graph.fold_and_equalize(model, quantizer.config)
+        graph.fold_and_equalize(model, quantizer.config, structure_only=True)
     missing: dict[str, list[str]] = {}
     for key, q in _quantizer_keys(model).items():
         if key not in state:

@@ -630,20 +630,25 @@ class GPTQConfig(AlgoConfig):
 
 @dataclass(eq=True)
 class CLEConfig(PreQuantOptConfig):
-    """Cross-layer equalization (Nagel et al. 2019) of conv/linear -> ReLU(6) -> conv/linear chains, depthwise
-    included, on the BatchNorm-folded graph (``quant_mode=fx_graph_mode``): rescales output channel i of the first
-    layer by 1/s_i and input channel i of the second by s_i so both have equal ranges; the float function is unchanged.
+    """Cross-layer equalization (Nagel et al. 2019) of conv/linear -> ReLU -> conv/linear chains (zero pads between
+    looked through), depthwise included, on the BatchNorm-folded graph (``quant_mode=fx_graph_mode``): rescales
+    output channel i of the first layer by 1/s_i and input channel i of the second by s_i so both have equal ranges;
+    the float function is unchanged (checked on the captured batch). Pairs with ReLU6 between are left alone, the
+    activation between a pair keeps its range, and CLE is undone when it makes the quantized error worse (see
+    ``quark.torch.quantization.graph.passes``).
 
     :param int iterations: Passes over all chains (a chain of three layers converges over several passes).
     :param float threshold: Stop early once no channel scale of a pass differs from 1 by more than this (relative).
     :param bool high_bias_absorption: Also move the part of a bias that ReLU never cuts (beta - 3 gamma of the folded
-        BatchNorm) into the next layer's bias (section 4.2 of the paper; ReLU chains only).
+        BatchNorm, at most the captured batch's smallest pre-activation) into the next layer's bias (section 4.2 of
+        the paper; ReLU chains into an unpadded layer with a bias only). An approximation: values below that bound
+        on other data are computed differently, so it is off by default.
     """
 
     name: str = "cle"
     iterations: int = 5
     threshold: float = 1e-3
-    high_bias_absorption: bool = True
+    high_bias_absorption: bool = False
 
     def __post_init__(self) -> None:
         own = "CLEConfig"

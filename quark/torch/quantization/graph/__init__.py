@@ -5,7 +5,6 @@ fake-quant modules and quantized twins of eager mode."""
 
 from quark.torch.quantization.graph.capture import EAGER_FALLBACK, GraphModeError, capture, is_graph_module, normalize
 from quark.torch.quantization.graph.modules import (
-    ChannelClamp,
     QuantActivation,
     QuantConvBn1d,
     QuantConvBn2d,
@@ -27,5 +26,5 @@ from quark.torch.quantization.graph.prepare import QUANTIZERS, prepare_graph
 __all__ = [
     "GraphModeError", "EAGER_FALLBACK", "capture", "is_graph_module", "normalize", "prepare_graph", "QUANTIZERS", "fold_batch_norms",
     "equalize_graph", "find_cle_pairs", "fold_and_equalize", "is_folded_state", "freeze_bn_stats", "fold_conv_bn", "QuantActivation", "QuantFunctionalWeight",
-    "SharedFakeQuantize", "ChannelClamp", "QuantConvBn1d", "QuantConvBn2d", "QuantConvBn3d",
+    "SharedFakeQuantize", "QuantConvBn1d", "QuantConvBn2d", "QuantConvBn3d",
 ]  # fmt: skip

@@ -17,9 +17,12 @@ from torch import fx, nn
 
 from quark.torch.quantization.hf import no_kv_cache
 
-__all__ = ["GraphModeError", "capture", "normalize", "is_graph_module", "module_path", "fetch_attr"]
+__all__ = ["GraphModeError", "capture", "normalize", "is_graph_module", "module_path", "fetch_attr", "example_inputs"]
 
 EAGER_FALLBACK = "Config(quant_mode=QuantizationMode.eager_mode) quantizes such a model by swapping its layers instead"
+#: key of ``GraphModule.meta`` holding the (args, kwargs) a graph was captured with: the batch the function-preserving
+#: passes (BatchNorm folding, CLE) run to check that they kept the function; ``meta`` survives ``copy.deepcopy``
+EXAMPLE_KEY = "quark_example_inputs"
 _BATCH_NORMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 
@@ -93,10 +96,12 @@ def capture(
     """``model`` as a train/eval-aware FX graph sharing its Parameters (``torch.export.export(...).module()`` then
     ``normalize``). ``example_inputs``: a tensor or a tuple of positional arguments. Hugging Face models are captured
     with ``use_cache`` off (``no_kv_cache``): the graph returns no KV cache."""
-    if is_graph_module(model):
-        return normalize(model)  # type: ignore[arg-type]
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = example_kwargs or {}
+    if is_graph_module(model):
+        if example_inputs is not None and EXAMPLE_KEY not in model.meta:  # type: ignore[operator]
+            _keep_example(model, args, kwargs)  # type: ignore[arg-type]
+        return normalize(model)  # type: ignore[arg-type]
     shapes = _dynamic_batch(model, args, kwargs) if dynamic_batch else None
     try:
         with no_kv_cache(model):  # a cache object is no graph output; calibration and evaluation never read one
@@ -107,7 +112,20 @@ def capture(
     hf_config = getattr(model, "config", None)
     if hf_config is not None and hasattr(hf_config, "to_dict"):
         gm.config = hf_config  # a Hugging Face model's config: the amd-quark export writes it into config.json
+    _keep_example(gm, args, kwargs)  # type: ignore[arg-type]
     return gm  # type: ignore[return-value]
+
+
+def _keep_example(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Keep the example inputs on the graph (detached, not copied) for the checks of its equivalence passes."""
+    detach = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    gm.meta[EXAMPLE_KEY] = (tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()})
+
+
+def example_inputs(gm: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The (args, kwargs) ``gm`` was captured with, or None (a graph not made by ``capture``)."""
+    meta = getattr(gm, "meta", None)
+    return meta.get(EXAMPLE_KEY) if isinstance(meta, dict) else None
 
 
 # ----------------------------------------------------------------------------------------------- normalize

@@ -78,33 +78,50 @@ def _scale_in_channels(layer: nn.Module, factor: torch.Tensor) -> None:
     w.copy_(view.reshape(w.shape))
 
 
-def equalize_pair(first: nn.Module, second: nn.Module) -> torch.Tensor:
+def equalize_pair(
+    first: nn.Module, second: nn.Module, low: torch.Tensor | None = None, high: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rescale first's output channel i by 1/s_i and second's input channel i by s_i, with s_i = sqrt(r1_i / r2_i),
-    so both get range sqrt(r1_i * r2_i); the composition is unchanged through ReLU. Returns s ([C])."""
+    so both get range sqrt(r1_i * r2_i); the composition is unchanged through ReLU. ``low`` / ``high``: per-channel
+    bounds on s (the caller's constraints, e.g. activation ranges that must not grow). Returns s ([C])."""
     _check_pair(first, second)
     with torch.no_grad():
         r1, r2 = _out_ranges(first), _in_ranges(second)
         s = (1.0 / r2) * torch.sqrt(r1 * r2)  # the paper's s_i = sqrt(r1_i * r2_i) / r2_i
-        s = torch.where((r1 > 0) & (r2 > 0), s, torch.ones_like(s)).clamp(_S_MIN, _S_MAX)
+        s = torch.where((r1 > 0) & (r2 > 0), s, torch.ones_like(s))
+        if low is not None:
+            s = torch.maximum(s, low.to(s))
+        if high is not None:
+            s = torch.minimum(s, high.to(s))
+        s = s.clamp(_S_MIN, _S_MAX)
         _scale_out_channels(first, 1.0 / s)
         _scale_in_channels(second, s)
     return s
 
 
+Bounds = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
 def equalize(
-    pairs: list[tuple[nn.Module, nn.Module]], iterations: int = 1, threshold: float | None = None
-) -> tuple[int, list[torch.Tensor]]:
+    pairs: list[tuple[nn.Module, nn.Module]], iterations: int = 1, threshold: float | None = None,
+    bounds: list[Bounds] | None = None,
+) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
     """Equalize all pairs in order, up to `iterations` times (chains converge over passes); stop early once the
-    largest |log s| of a pass is below `threshold`. Returns (passes run, cumulative scale per pair)."""
+    largest |log s| of a pass is below `threshold`. ``bounds``: per pair, (low, high) on its cumulative scale (None:
+    unbounded). Returns (passes run, cumulative scale per pair)."""
     scales = [torch.ones(f.weight.shape[0], dtype=_compute_dtype(f.weight), device=f.weight.device) for f, _ in pairs]
+    limits = bounds or [(None, None)] * len(pairs)
     run = 0
     for _ in range(iterations):
         run += 1
         worst = 0.0
-        for k, (first, second) in enumerate(pairs):
-            s = equalize_pair(first, second)
-            scales[k] = scales[k] * s
-            worst = max(worst, float(s.log().abs().max()) if s.numel() else 0.0)
+        for k, ((first, second), (low, high)) in enumerate(zip(pairs, limits, strict=True)):
+            step = equalize_pair(
+                first, second, None if low is None else low.to(scales[k]) / scales[k],
+                None if high is None else high.to(scales[k]) / scales[k],
+            )  # fmt: skip
+            scales[k] = scales[k] * step
+            worst = max(worst, float(step.log().abs().max()) if step.numel() else 0.0)
         if threshold is not None and worst < threshold:
             break
     return run, scales

@@ -31,7 +31,6 @@ __all__ = [
     "QuantConvBn1d",
     "QuantConvBn2d",
     "QuantConvBn3d",
-    "ChannelClamp",
     "fold_conv_bn",
     "freeze_bn_stats",
 ]
@@ -113,21 +112,6 @@ class SharedFakeQuantize(FakeQuantizeBase):
 
     def extra_repr(self) -> str:
         return f"shares {self.source.where}"
-
-
-class ChannelClamp(nn.Module):
-    """``clamp(x, 0, upper[c])`` per channel (dimension 1): ReLU6 after CLE rescaled channel c of the layer before by
-    1/s_c, so its bound is 6/s_c and the float function is unchanged."""
-
-    upper: torch.Tensor
-
-    def __init__(self, upper: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("upper", upper.detach().clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = [1, -1] + [1] * (x.ndim - 2)
-        return torch.minimum(torch.relu(x), self.upper.reshape(shape).to(x.dtype))
 
 
 # ----------------------------------------------------------------------------------------------- conv + BatchNorm
