@@ -408,9 +408,9 @@ def _load_checkpoint(path: str) -> Any:
     """The user's ``ckpt_path`` file, read without running code in it (``read_checkpoint``)."""
     return read_checkpoint(
         path, name=f"ckpt_path={path!r}",
-        if_trusted="If you trust the file, re-save its weights alone and pass that file instead: python -c "
-        f'"import torch; c = torch.load({path!r}, weights_only=False); '
-        "torch.save(c.get('state_dict', c), 'weights.ckpt')\" then ckpt_path=weights.ckpt",
+        if_trusted="Pass a Lightning checkpoint of this model (the app's float-epochN.ckpt), or weights saved as plain "
+        "tensors by the code that trained them: torch.save({'state_dict': model.state_dict()}, 'weights.ckpt'), "
+        "then ckpt_path=weights.ckpt",
     )  # fmt: skip
 
 
