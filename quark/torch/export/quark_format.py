@@ -171,8 +171,9 @@ def _spec_from_quark(d: Any, where: str) -> QuantizationSpec | None:
     """One QTensorConfig of amd-quark's config.json (None: not quantized); a ValueError names its key otherwise."""
     if d is None:
         return None
+    fields = {k: v for k, v in _mapping(d, where).items() if k in _SPEC_KEYS}
     try:
-        return QuantizationSpec.from_dict({k: v for k, v in _mapping(d, where).items() if k in _SPEC_KEYS})
+        return QuantizationSpec.from_dict(fields)
     except (ValueError, TypeError, KeyError) as err:
         raise ValueError(f"{where}: {err}") from None
 
@@ -216,17 +217,15 @@ def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
     export.setdefault("weight_format", "real_quantized")
     export.setdefault("pack_method", "reorder")
     check_export_options(export["weight_format"], export["pack_method"], "quantization_config.export.")
+    layers = {
+        "global_quant_config": _layer_from_quark(q["global_quant_config"], "quantization_config.global_quant_config"),
+        "layer_quant_config": _entries_from_quark(q, "layer_quant_config"),
+        "layer_type_quant_config": _entries_from_quark(q, "layer_type_quant_config"),
+    }
     try:
-        config = Config(
-            global_quant_config=_layer_from_quark(q["global_quant_config"], "quantization_config.global_quant_config"),
-            layer_quant_config=_entries_from_quark(q, "layer_quant_config"),
-            layer_type_quant_config=_entries_from_quark(q, "layer_type_quant_config"),
-            exclude=list(exclude),
-            quant_mode=q.get("quant_mode", "eager_mode"),
-        )
-    except (TypeError, KeyError) as err:
+        return Config(**layers, exclude=list(exclude), quant_mode=q.get("quant_mode", "eager_mode")), export
+    except (ValueError, TypeError, KeyError) as err:  # the Config's own checks name the field
         raise ValueError(f"quantization_config: {err}") from None
-    return config, export
 
 
 # ----------------------------------------------------------------------------------------------- weights
