@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from app.checks import check_activations, check_plain_keys, warnings_logged_once
-from app.conf import ConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
+from app.conf import ConfigError, QuantConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
 from app.layer_bits import apply_layer_bits
 from app.mixed import candidate_configs, check_before_training, run_mixed, with_candidate
 from app.rundir import FLOAT_TEST_CACHE, claim, recording, remove_temporaries, run_files
@@ -47,7 +48,7 @@ from quark.torch.export import (
     size_report,
 )
 from quark.torch.export.files import write_atomically, write_files_atomically, write_text_atomically
-from quark.torch.quantization.api import run_batch
+from quark.torch.quantization.api import run_batch, unmatched_names
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 
@@ -58,6 +59,7 @@ except ImportError:  # not POSIX (Windows): runs are not locked
 
 #: ``export=[...]``: the engine's formats, and ``quark`` (amd-quark's Hugging Face directory, in ``export/quark``)
 APP_EXPORT_FORMATS = (*EXPORT_FORMATS, "quark")
+_SHOWN_NAMES = 40  # layer names listed in an error message (as quant.layer_bits lists them)
 
 for _message in (
     ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
@@ -135,6 +137,8 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         if callable(check_data):  # e.g. the data's vocabulary and window length fit the model
             check_data(datamodule)
         metric, higher_is_better = _metric(cfg, model)
+        if qconfig is not None:  # exclude / layer_quant_config names matching no layer stop here (the engine warns)
+            _check_names(qconfig, model)
         if qconfig is not None and flow.layer_bits:  # per-layer widths: names checked against the built model
             qconfig = apply_layer_bits(qconfig, model, flow.layer_bits)
         uniform: dict[str, float] = {}
@@ -231,6 +235,32 @@ def _metric(cfg: DictConfig, model: LightningModule) -> tuple[str, bool]:
             "(for an LM use experiment=char_lm or experiment=hf_lm, which set data, model and metric together)"
         )
     return name, mode == "max"
+
+
+def _check_names(config: Config, model: LightningModule) -> None:
+    """Every ``quant.exclude`` / ``quant.layer_quant_config`` entry matches a module of the built model (eager mode;
+    graph mode names its units at capture): a typo would quantize the layer the user meant to keep or configure.
+    QuantConfigError naming each unmatched entry with the closest layer names, as ``quant.layer_bits`` does."""
+    if ModelQuantizer(config).graph_mode:
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    problems = [
+        f"quant.{field_name}: {key!r} {_closest(key, names)}"
+        for field_name, keys in unmatched_names(config, names).items() for key in keys
+    ]  # fmt: skip
+    if problems:
+        raise QuantConfigError(
+            "; ".join(problems) + f" (an entry is an fnmatch pattern of a module's full name in {type(model).__name__}, "
+            "e.g. net.fc1 or '*fc1')"
+        )
+
+
+def _closest(key: str, names: list[str]) -> str:
+    """'matches no layer', with the layer names closest to ``key`` (or the first ones, when none is close)."""
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    if close:
+        return f"matches no layer; closest: {close}"
+    return f"matches no layer; the layers: {names[:_SHOWN_NAMES] + (['...'] if len(names) > _SHOWN_NAMES else [])}"
 
 
 def _check_quantizable(config: Config, model: LightningModule) -> tuple[dict[str, dict[str, Any]], LightningModule]:
@@ -408,9 +438,9 @@ def _load_checkpoint(path: str) -> Any:
     """The user's ``ckpt_path`` file, read without running code in it (``read_checkpoint``)."""
     return read_checkpoint(
         path, name=f"ckpt_path={path!r}",
-        if_trusted="If you trust the file, re-save its weights alone and pass that file instead: python -c "
-        f'"import torch; c = torch.load({path!r}, weights_only=False); '
-        "torch.save(c.get('state_dict', c), 'weights.ckpt')\" then ckpt_path=weights.ckpt",
+        if_trusted="Pass a Lightning checkpoint of this model (the app's float-epochN.ckpt), or weights saved as plain "
+        "tensors by the code that trained them: torch.save({'state_dict': model.state_dict()}, 'weights.ckpt'), "
+        "then ckpt_path=weights.ckpt",
     )  # fmt: skip
 
 

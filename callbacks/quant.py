@@ -1062,29 +1062,46 @@ def _checkpoint_safe_globals() -> list[Any]:
 
 
 _IF_TRUSTED = (
-    "Checkpoints written by QuantCallback never need that. If you trust this file and know the types it names, allow "
-    "exactly those with torch.serialization.add_safe_globals([...]) and load it again."
+    "Checkpoints written by QuantCallback hold only tensors and plain containers; a checkpoint you wrote yourself "
+    "loads once saved that way (e.g. torch.save({'state_dict': module.state_dict()}, path))."
 )
+_TORCH_ADVICE = ("weights only load failed", "weights_only", "please file an issue", "check the documentation")
+
+
+def _refused_object(message: str) -> str | None:
+    """What a weights-only load refused to create, from torch's message (any wording: a GLOBAL, or an object)."""
+    found = re.search(r"\bGLOBAL (\S+?)\.?(?:\s|$)", message) or re.search(r"but got (.+?)\.?$", message, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def _unpickler_detail(message: str) -> str:
+    """The weights-only unpickler's own reason, without torch's advice around it (which suggests
+    ``weights_only=False``: running the file's code)."""
+    for line in message.splitlines():
+        line = re.sub(r"^.*WeightsUnpickler error:\s*", "", line).strip()
+        if line and not any(advice in line.lower() for advice in _TORCH_ADVICE):
+            return line
+    return "refused by torch.load(weights_only=True)"
 
 
 def read_checkpoint(path: str, map_location: Any = "cpu", name: str | None = None, if_trusted: str = _IF_TRUSTED) -> Any:
     """``torch.load(path, weights_only=True)`` of a user's file (plus the omegaconf containers Lightning stores as
     hyper-parameters): no code in it runs. A file it refuses, or cannot read, is a ValueError naming it (``name``,
-    default the path) and saying what to do with a trusted file (``if_trusted``)."""
+    default the path) and what it tried to create, with ``if_trusted`` (how to write a loadable file); no message
+    suggests loading it unsafely."""
     name = name or str(path)
     allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; before: plain data only
     try:
         with allow(_checkpoint_safe_globals()) if allow else contextlib.nullcontext():
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if found is None:
-            reason = re.search(r"WeightsUnpickler error: \s*(.+)", str(err))
-            detail = reason.group(1).strip() if reason else str(err).splitlines()[0]
-            raise ValueError(f"{name} is not a checkpoint torch.load can read ({detail})") from None
+        refused = _refused_object(str(err))
+        if refused is None:
+            raise ValueError(f"{name} is not a checkpoint torch.load can read ({_unpickler_detail(str(err))})") from None
         raise ValueError(
-            f"{name} was refused: it holds objects other than tensors and plain containers ({found.group(1)}), and "
-            f"unpickling those can run code, so it is read with torch.load(weights_only=True) only. {if_trusted}"
+            f"{name} was refused: it holds objects other than tensors and plain containers (it tried to load "
+            f"{refused}); unpickling those can run code, so the file is read with torch.load(weights_only=True) only "
+            f"and nothing in it was run. {if_trusted}"
         ) from None
     except (RuntimeError, EOFError) as err:  # a truncated or corrupted file
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__

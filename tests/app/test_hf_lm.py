@@ -221,14 +221,15 @@ def test_quark_export_of_a_model_without_hf_config_writes_the_whole_lightning_mo
 # ----------------------------------------------------------------------------------------------- every preset
 PRESETS = [
     "bf16", "bfp16", "brevitas_int8", "fp8_e4m3", "int4_per_group", "int8_graph", "int8_per_tensor", "mx6", "mx9",
-    "mxfp4", "mxfp4_even", "mxfp8", "w3_awq", "w3_gptq", "w3_rtn", "w4_awq", "w4_edges8", "w4_rtn", "w4a8_tqt",
+    "mxfp4", "mxfp4_even", "mxfp8", "w3_awq", "w3_gptq", "w3_rtn", "w4_awq", "w4_rtn", "w4a8_tqt",
     "w4a8_tqt_graph", "w8a8", "w8a8_smoothquant",
 ]  # fmt: skip
 
 
 def test_the_list_is_every_preset() -> None:
     presets = {p.stem for p in (Path(__file__).parents[2] / "conf" / "quant").glob("*.yaml")}
-    assert set(PRESETS) == presets - {"none", "mixed_auto", "int8_per_channel", "w4_gptq"}  # those two: tests above
+    # w4_edges8 names the digits CNN's layers (net.conv1, net.fc2): on an LM the app stops (test_unmatched_names.py)
+    assert set(PRESETS) == presets - {"none", "mixed_auto", "int8_per_channel", "w4_gptq", "w4_edges8"}  # those two: tests above
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -65,7 +65,8 @@ def test_malicious_checkpoint_is_refused_without_running(tmp_path: Path) -> None
     error = errors[0]
     assert f"error: ckpt_path='{ckpt}' was refused: it holds objects other than tensors and plain containers" in error
     assert "open" in error and "weights_only=True" in error
-    assert "torch.save(c.get('state_dict', c), 'weights.ckpt')" in error and "ckpt_path=weights.ckpt" in error
+    assert "weights_only=False" not in error  # never advice to run the file's code
+    assert "torch.save({'state_dict': model.state_dict()}, 'weights.ckpt')" in error and "ckpt_path=weights.ckpt" in error
     assert "Traceback" not in proc.stderr
     assert not marker.exists()  # the payload never ran
     assert not (out / "results.json").exists() and not (out / "checkpoints").exists()

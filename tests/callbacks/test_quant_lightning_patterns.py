@@ -289,7 +289,7 @@ def test_load_quantized_checkpoint_refuses_a_pickle_payload_without_running_it(t
     bad = str(tmp_path / "bad.ckpt")
     torch.save(checkpoint, bad)
 
-    with pytest.raises(ValueError, match=r"bad\.ckpt was refused.*add_safe_globals") as err:
+    with pytest.raises(ValueError, match=r"bad\.ckpt was refused.*nothing in it was run") as err:
         load_quantized_checkpoint(BoringMLP(), bad)
     assert "open" in str(err.value)  # what it would have called
     assert not marker.exists()

@@ -52,8 +52,8 @@ from quark.torch.export.safetensors import (
     _require_safetensors,
     _scale_view,
     check_header,
+    check_model_tensors,
     first_of_its_storage,
-    tied_to_stored,
 )
 from quark.torch.export.skeleton import materialize
 from quark.torch.quantization.api import ModelQuantizer, uncalibrated_layers
@@ -160,29 +160,72 @@ def to_quark_dict(config: Config, weight_format: str = "real_quantized", pack_me
     }
 
 
-def _spec_from_quark(d: dict[str, Any] | None) -> QuantizationSpec | None:
-    return None if d is None else QuantizationSpec.from_dict({k: v for k, v in d.items() if k in _SPEC_KEYS})
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    """``value`` if it is a JSON object, else a ValueError naming the key ``where`` of config.json."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping, found {type(value).__name__} {value!r}")
+    return value
+
+
+def _spec_from_quark(d: Any, where: str) -> QuantizationSpec | None:
+    """One QTensorConfig of amd-quark's config.json (None: not quantized); a ValueError names its key otherwise."""
+    if d is None:
+        return None
+    fields = {k: v for k, v in _mapping(d, where).items() if k in _SPEC_KEYS}
+    try:
+        return QuantizationSpec.from_dict(fields)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _layer_from_quark(d: Any, where: str) -> QuantizationConfig:
+    """One layer entry of amd-quark's config.json (a spec per role)."""
+    roles = _mapping(d, where)
+    return QuantizationConfig(**{role: _spec_from_quark(roles.get(role), f"{where}.{role}") for role in QuantizationConfig.ROLES})
+
+
+def _entries_from_quark(q: dict[str, Any], key: str) -> dict[str, QuantizationConfig]:
+    """``layer_quant_config`` / ``layer_type_quant_config``: name -> layer entry (absent or null: none)."""
+    where = f"quantization_config.{key}"
+    return {str(k): _layer_from_quark(v, f"{where}.{k}") for k, v in _mapping(q.get(key) or {}, where).items()}
+
+
+def check_export_options(weight_format: Any, pack_method: Any, where: str = "") -> None:
+    """The export options this layout reads and writes (one rule for export and import): real_quantized weights,
+    ``pack_method`` one of PACK_ORDER."""
+    if weight_format != "real_quantized":
+        raise ValueError(f"{where}weight_format={weight_format!r}; allowed here: 'real_quantized'")
+    if not isinstance(pack_method, str) or pack_method not in PACK_ORDER:
+        raise ValueError(f"{where}pack_method={pack_method!r}; allowed: {list(PACK_ORDER)}")
 
 
 def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
-    """Our Config from amd-quark's ``quantization_config``, and its ``export`` block."""
+    """Our Config from amd-quark's ``quantization_config``, and its ``export`` block (checked); a malformed entry
+    is a ValueError naming its key."""
+    q = _mapping(q, "quantization_config")
     if q.get("quant_method") != "quark":
         raise ValueError(f"quantization_config.quant_method={q.get('quant_method')!r}; only 'quark' directories are read")
     for key in ("kv_cache_quant_config", "softmax_quant_spec"):
         if q.get(key):
             raise ValueError(f"quantization_config.{key} is set; KV-cache and softmax quantization are not supported here")
-
-    def layer(d: dict[str, Any]) -> QuantizationConfig:
-        return QuantizationConfig(**{role: _spec_from_quark(d.get(role)) for role in QuantizationConfig.ROLES})
-
-    config = Config(
-        global_quant_config=layer(q["global_quant_config"]),
-        layer_quant_config={k: layer(v) for k, v in (q.get("layer_quant_config") or {}).items()},
-        layer_type_quant_config={k: layer(v) for k, v in (q.get("layer_type_quant_config") or {}).items()},
-        exclude=list(q.get("exclude") or []),
-        quant_mode=q.get("quant_mode", "eager_mode"),
-    )
-    return config, dict(q.get("export") or {})
+    if "global_quant_config" not in q:
+        raise ValueError("quantization_config.global_quant_config is missing (amd-quark writes it in every export)")
+    exclude = q.get("exclude") or []
+    if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
+        raise ValueError(f"quantization_config.exclude must be a list of layer names, found {exclude!r}")
+    export = dict(_mapping(q.get("export") or {}, "quantization_config.export"))
+    export.setdefault("weight_format", "real_quantized")
+    export.setdefault("pack_method", "reorder")
+    check_export_options(export["weight_format"], export["pack_method"], "quantization_config.export.")
+    layers = {
+        "global_quant_config": _layer_from_quark(q["global_quant_config"], "quantization_config.global_quant_config"),
+        "layer_quant_config": _entries_from_quark(q, "layer_quant_config"),
+        "layer_type_quant_config": _entries_from_quark(q, "layer_type_quant_config"),
+    }
+    try:
+        return Config(**layers, exclude=list(exclude), quant_mode=q.get("quant_mode", "eager_mode")), export
+    except (ValueError, TypeError, KeyError) as err:  # the Config's own checks name the field
+        raise ValueError(f"quantization_config: {err}") from None
 
 
 # ----------------------------------------------------------------------------------------------- weights
@@ -398,10 +441,7 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
     """Write amd-quark 0.13's export directory for a model prepared and calibrated (or frozen) by ModelQuantizer.
     Returns the directory. Each file is written atomically."""
     st = _require_safetensors()
-    if weight_format != "real_quantized":
-        raise ValueError(f"weight_format={weight_format!r}; allowed here: 'real_quantized'")
-    if pack_method not in PACK_ORDER:
-        raise ValueError(f"pack_method={pack_method!r}; allowed: {list(PACK_ORDER)}")
+    check_export_options(weight_format, pack_method)
     config: Config | None = getattr(model, "quant_config", None)
     if config is None:
         raise ValueError("export needs a model prepared by ModelQuantizer (it has no quant_config)")
@@ -531,17 +571,26 @@ def is_quark_dir(model_dir: str | Path) -> bool:
         return False
 
 
+def _read_quark_config(path: Path) -> tuple[Config, dict[str, Any]]:
+    """``from_quark_dict`` of config.json's ``quantization_config``; any problem is a ValueError naming the file."""
+    try:
+        document = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not JSON ({err})") from None
+    try:
+        return from_quark_dict(_mapping(document, "the document").get("quantization_config"))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
 def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torch.device | None = None) -> nn.Module:
     """Rebuild a quantized model from amd-quark's export directory and a float ``model`` of the same architecture:
     prepared with the stored Config, weights set to their dequantized values, static quantizers frozen with the
     stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first."""
     st = _require_safetensors()
     root = Path(model_dir)
-    q = json.loads((root / CONFIG_FILE).read_text())["quantization_config"]
-    config, export = from_quark_dict(q)
-    if export.get("weight_format", "real_quantized") != "real_quantized":
-        raise ValueError(f"{root}: weight_format={export.get('weight_format')!r}; only real_quantized directories are read")
-    pack_method = export.get("pack_method", "reorder")
+    config, export = _read_quark_config(root / CONFIG_FILE)
+    pack_method = export["pack_method"]
     check_header(root / WEIGHTS_FILE)  # a tensor whose bytes do not match its dtype and shape, by name
     try:
         with st.safe_open(str(root / WEIGHTS_FILE), "pt") as f:
@@ -605,9 +654,9 @@ def _stored_weight(spec: QuantizationSpec, shape: torch.Size) -> tuple[tuple[tor
 
 def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Tensor], path: Path) -> None:
     """Every tensor a quantized layer needs is there with amd-quark's dtype and shape, scales finite and positive
-    (with the shape of their qscheme), zero points and codes inside the format's range, and the float tensors match
-    the model (shape, a float dtype for a float tensor, no NaN; Parameters finite); raises a ValueError naming the
-    tensor otherwise."""
+    (with the shape of their qscheme), zero points and codes inside the format's range, no companion a layout does
+    not have (a zero point of fp8 weights), then the rest by the single-file import's rule (``check_model_tensors``:
+    float tensors as the model's, nothing extra); raises a ValueError naming the tensor otherwise."""
     check = _Checker(str(path), t)
     owned: set[str] = set()
     for plan in ModelQuantizer(config).resolve(model):
@@ -628,8 +677,9 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
                 raise ValueError(f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(shape)}, found {t[key].dtype} of shape {list(t[key].shape)}")
             if spec.dtype not in (*_BLOCK_DTYPES, Dtype.bfloat16, Dtype.float16):
                 _check_scale(path, key + "_scale", t[key + "_scale"])
-            _check_weight_values(check, key, spec, weight.shape)
-            owned.update({key, key + "_scale", key + "_zero_point", key + "_shift"})
+            check.expected.add(key)
+            _check_weight_values(check, key, spec, weight.shape)  # reads (and expects) the companions it has
+            owned.add(key)
         for role, spec_a in (("input", plan.qconfig.input_tensors), ("output", plan.qconfig.output_tensors)):
             if spec_a is None or spec_a.is_dynamic or spec_a.dtype in _BLOCK_DTYPES:
                 continue
@@ -638,25 +688,7 @@ def _check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Te
                 raise ValueError(f"{path}: tensor '{key}' is missing (the config quantizes the {role} of '{plan.name}' statically)")
             _check_scale(path, key, t[key])
             _check_activation_qparams(check, f"{prefix}{role}", spec_a)
-            owned.update({key, f"{prefix}{role}_zero_point"})
-    state = model.state_dict(keep_vars=True)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    tied = tied_to_stored(state, t)  # loaded with the tensor the file stores (an lm_head sharing the input embedding)
-    for key, value in state.items():
-        if key in owned or "_quantizer." in key or key in tied:
-            continue
-        if key not in t:
-            raise ValueError(f"{path}: tensor '{key}' of the model is missing")
-        if tuple(t[key].shape) != tuple(value.shape):
-            raise ValueError(f"{path}: tensor '{key}': expected shape {list(value.shape)}, found {list(t[key].shape)}")
-        if value.is_floating_point() != t[key].is_floating_point() or (not value.is_floating_point() and t[key].dtype != value.dtype):
-            check.fail(key, f"a {'float' if value.is_floating_point() else str(value.dtype).removeprefix('torch.')} tensor "
-                            "(as the model's)", _described(t[key]))  # fmt: skip
-        if value.is_floating_point():
-            check.finite(key, t[key], "a float tensor", allow_inf=key not in params)  # buffers may hold inf (masks)
-    unknown = sorted(k for k in t if k not in owned and k not in state)
-    if unknown:
-        raise ValueError(f"{path}: tensors the model has no place for: {unknown[:8]}")
+    check_model_tensors(check, model, owned)  # the float tensors and nothing extra: the single-file import's rule
 
 
 def _check_scale(path: Path, key: str, scale: torch.Tensor) -> None:

@@ -364,6 +364,10 @@ def _described(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')} of shape {list(tensor.shape)}"
 
 
+#: the dtypes a float tensor of the model may be stored in, besides its own
+_STORED_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class _Checker:
     """Checks a file's tensors against its Config and the target model; collects the keys it expects."""
 
@@ -393,6 +397,16 @@ class _Checker:
         bad = torch.isnan(v) if allow_inf else ~torch.isfinite(v)
         if bool(bad.any()):
             self.fail(key, f"{what} with {'no NaN' if allow_inf else 'finite values'}", f"{int(bad.sum())} value(s) that are {'NaN' if allow_inf else 'NaN or infinite'}")
+
+    def model_tensor(self, key: str, value: torch.Tensor, is_param: bool) -> None:
+        """A tensor of the model stored as it is (either layout; a quantized layer's unquantized bias too): the
+        model's shape; a float one in float32 / float16 / bfloat16 or the model's own dtype (what the exports
+        write), finite (NaN never; buffers may hold inf, as attention masks do); any other in the model's dtype."""
+        if not value.is_floating_point():
+            self.get(key, (value.dtype,), list(value.shape), "a tensor of the model")
+            return
+        dtypes = tuple(dict.fromkeys((*_STORED_FLOATS, value.dtype)))
+        self.finite(key, self.get(key, dtypes, list(value.shape), "a float tensor"), "a float tensor", allow_inf=not is_param)
 
     def codes_in_format(self, key: str, codes: torch.Tensor, fmt: FloatFormat) -> None:
         """Bit patterns that are values of ``fmt`` (fp8's NaN / inf patterns decode past ``max_normal``)."""
@@ -443,8 +457,11 @@ class _Checker:
         plain = encoding == "float" and "dtype" not in meta  # stored unquantized (no quantizer, or switched off)
         if not plain and encoding != expected:
             self.fail(key, f"encoding {expected!r} (the Config's {spec.dtype.name if spec else 'no quantizer'}) or 'float'", repr(encoding))
-        if plain or encoding == "float":
-            if not plain and meta["dtype"] != spec.dtype.name:  # type: ignore[union-attr]
+        if plain:
+            self.model_tensor(key, param, is_param)
+            return
+        if encoding == "float":
+            if meta["dtype"] != spec.dtype.name:  # type: ignore[union-attr]
                 self.fail(key, f"values of {spec.dtype.name}", f"metadata dtype {meta['dtype']!r}")  # type: ignore[union-attr]
             self.finite(key, self.get(key, (torch.float32,), shape, "a float tensor"), "a float tensor", allow_inf=not is_param)
             return
@@ -525,6 +542,23 @@ def _quant_layers(model: nn.Module, config: Config) -> list[tuple[str, nn.Module
     return out
 
 
+def check_model_tensors(check: _Checker, model: nn.Module, handled: set[str]) -> None:
+    """The rule both imports share once the quantized layers' tensors are checked (``handled``: the model's keys
+    they store; ``check.expected``: every key read): each other tensor of the model stored as it is
+    (``_Checker.model_tensor``; quantizer state and tied copies aside), and nothing else in the file."""
+    prefixes = _quantizer_prefixes(model)
+    state = model.state_dict(keep_vars=True)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    tied = tied_to_stored(state, check.tensors)  # loaded with the tensor the file stores (a tied lm_head)
+    for key, value in state.items():
+        if key not in handled and not _is_quantizer_state(key, prefixes) and key not in tied:
+            check.model_tensor(key, value, key in params)
+    extra = sorted(set(check.tensors) - check.expected)
+    if extra:
+        check.fail(extra[0], "only tensors of the model and of its quantized layers", f"'{extra[0]}' that belongs to none" +
+                   (f" (and {len(extra) - 1} more: {extra[1:6]})" if len(extra) > 1 else ""))  # fmt: skip
+
+
 def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tensor], info: dict[str, Any], where: str) -> None:
     """ValueError (naming the tensor, what was expected and what was found) unless ``tensors`` hold exactly what
     ``export_safetensors`` writes for ``model`` quantized with ``config``: every tensor present, its dtype and shape
@@ -549,20 +583,7 @@ def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tens
                 if info.get(key) != {"encoding": "qparams"}:
                     check.fail(key, "a metadata entry {'encoding': 'qparams'}", repr(info.get(key)))
                 check.qparams(key, spec, None)
-    prefixes = _quantizer_prefixes(model)
-    state = model.state_dict(keep_vars=True)
-    tied = tied_to_stored(state, tensors)
-    for key, value in state.items():
-        if key in skip or _is_quantizer_state(key, prefixes) or key in tied:
-            continue
-        dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16) if value.is_floating_point() else (value.dtype,)
-        t = check.get(key, dtypes, list(value.shape), "a tensor of the model")
-        if t.is_floating_point():
-            check.finite(key, t, "a float tensor", allow_inf=key not in params)
-    extra = sorted(set(tensors) - check.expected)
-    if extra:
-        check.fail(extra[0], "only tensors of the model and of its quantized layers", f"'{extra[0]}' that belongs to none" +
-                   (f" (and {len(extra) - 1} more: {extra[1:6]})" if len(extra) > 1 else ""))  # fmt: skip
+    check_model_tensors(check, model, skip)
     unknown = sorted(set(info) - described)
     if unknown:
         check.fail(unknown[0], "metadata only for the quantized layers' tensors", f"an entry for '{unknown[0]}', which is none of them")
@@ -572,6 +593,27 @@ def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tens
 #: bytes per element of safetensors' dtype names
 _ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
                 "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _header_entry(path: Path, name: str, entry: Any) -> tuple[str, list[int], tuple[int, int]]:
+    """(dtype, shape, data_offsets) of one header entry; a ValueError names the tensor and the field otherwise."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: tensor '{name}': its header entry {entry!r} is not a mapping of dtype, shape and data_offsets")
+    missing = [f for f in ("dtype", "shape", "data_offsets") if f not in entry]
+    if missing:
+        raise ValueError(f"{path}: tensor '{name}': its header entry has no {missing}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str):
+        raise ValueError(f"{path}: tensor '{name}': dtype={dtype!r} must be a safetensors dtype name (e.g. 'F32')")
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        raise ValueError(f"{path}: tensor '{name}': shape={shape!r} must be a list of integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise ValueError(f"{path}: tensor '{name}': data_offsets={offsets!r} must be two integers [start, end]")
+    return dtype, shape, (offsets[0], offsets[1])
 
 
 def check_header(path: str | Path) -> None:
@@ -594,10 +636,7 @@ def check_header(path: str | Path) -> None:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (start, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{path}: tensor '{name}': its header entry {entry!r} is not a dtype, shape and data_offsets") from err
+        dtype, shape, (start, end) = _header_entry(path, name, entry)
         if dtype not in _ST_ITEMSIZE:
             continue  # a dtype this check does not know: safetensors' reader judges it
         need = _ST_ITEMSIZE[dtype] * int(torch.Size(shape).numel()) if all(d >= 0 for d in shape) else -1

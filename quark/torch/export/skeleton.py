@@ -40,8 +40,7 @@ def hf_skeleton(model_dir: str | Path, trust_remote_code: bool = False, attn_imp
     config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # applied by this import, not by transformers
-    archs = list(getattr(config, "architectures", None) or [])
-    cls = getattr(transformers, archs[0], None) if archs else None
+    cls = _architecture(transformers, getattr(config, "architectures", None), Path(model_dir) / "config.json")
     with parameters_on_meta():
         if cls is not None:
             model = cls._from_config(config, attn_implementation=attn_implementation)
@@ -49,6 +48,23 @@ def hf_skeleton(model_dir: str | Path, trust_remote_code: bool = False, attn_imp
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
                                                                   attn_implementation=attn_implementation)  # fmt: skip
     return model.eval()
+
+
+def _architecture(transformers: Any, archs: Any, path: Path) -> type | None:
+    """The model class config.json's ``architectures[0]`` names (None: none named, or a class transformers does not
+    have, which ``AutoModelForCausalLM`` builds, with remote code where allowed); a name of transformers that is no
+    model class (``AutoModelForCausalLM``, a function) is a ValueError naming the key."""
+    if archs is None or archs == []:
+        return None
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{path}: architectures={archs!r} must be a list of model class names (e.g. ['LlamaForCausalLM'])")
+    cls = getattr(transformers, archs[0], None)
+    if cls is None:
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and not cls.__name__.startswith("PreTrained")):
+        raise ValueError(f"{path}: architectures[0]={archs[0]!r} is not a model class of transformers; it names the class "
+                         "the model was saved from (e.g. 'LlamaForCausalLM'), as save_pretrained writes it")  # fmt: skip
+    return cls
 
 
 def meta_tensors(model: nn.Module) -> tuple[list[str], list[str]]:

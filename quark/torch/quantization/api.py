@@ -49,7 +49,7 @@ from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelQuantizer", "LayerPlan", "activation_axes_to_check", "check_activation_shapes"]
+__all__ = ["ModelQuantizer", "LayerPlan", "activation_axes_to_check", "check_activation_shapes", "unmatched_names"]
 
 ROLES = QuantizationConfig.ROLES
 SUPPORTED_TYPE_NAMES = sorted(c.__name__ for c in QUANT_MODULE_MAP)
@@ -66,6 +66,18 @@ class LayerPlan:
 
 
 # ----------------------------------------------------------------------------------------------- resolution
+def unmatched_names(config: Config, names: list[str]) -> dict[str, list[str]]:
+    """The ``layer_quant_config`` / ``exclude`` entries (fnmatch patterns of a full module name) that match none of
+    the module ``names``, per field (fields with none left out). The engine warns about them, as amd-quark does;
+    the app refuses them."""
+    out = {}
+    for field_name, keys in (("layer_quant_config", list(config.layer_quant_config)), ("exclude", list(config.exclude))):
+        dead = [k for k in keys if not any(fnmatch.fnmatchcase(n, k) for n in names)]
+        if dead:
+            out[field_name] = dead
+    return out
+
+
 def _type_names(module: nn.Module) -> list[str]:
     return [c.__name__ for c in type(module).__mro__ if issubclass(c, nn.Module) and c is not nn.Module]
 
@@ -389,11 +401,10 @@ class ModelQuantizer:
         return plans
 
     def _warn_unmatched(self, model: nn.Module, names: list[str]) -> None:
-        messages = []
-        for field_name, keys in (("layer_quant_config", list(self.config.layer_quant_config)), ("exclude", self.config.exclude)):
-            dead = [k for k in keys if not any(fnmatch.fnmatchcase(n, k) for n in names)]
-            if dead:
-                messages.append(f"Config.{field_name} entries match no layer of the model (typo?): {dead}")
+        messages = [
+            f"Config.{field_name} entries match no layer of the model (typo?): {dead}"
+            for field_name, dead in unmatched_names(self.config, names).items()
+        ]
         present = {t for m in model.modules() for t in _type_names(m)}
         unused = [k for k in self.config.layer_type_quant_config if k not in present]
         if unused:
