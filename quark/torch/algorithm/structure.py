@@ -80,30 +80,35 @@ def norm_offset(module: nn.Module) -> float | None:
 
 @torch.no_grad()
 def _probe_offset(module: nn.Module, weight: torch.Tensor) -> float | None:
-    """``norm_offset`` by experiment: with weight 0 a plain norm gives 0 and a ``(1 + w)`` norm its normalised input
-    (what weight 1 adds); the parameters are put back bit for bit."""
+    """``norm_offset`` by experiment, with the bias at 0: weight 1 adds the normalised input to the output at weight 0,
+    weight 2 adds it twice (linear in the weight), and at weight 0 a plain norm gives 0, a ``(1 + w)`` norm the
+    normalised input once. The parameters are put back bit for bit."""
     bias = getattr(module, "bias", None)
     tensors = [t for t in (weight, bias) if isinstance(t, torch.Tensor)]
     saved = [t.detach().clone() for t in tensors]
     x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    outputs = []
     try:
         for t in tensors:
             t.zero_()
-        at_zero = module(x).float()
-        weight.fill_(1)
-        normalised = module(x).float() - at_zero
+        for value in (0, 1, 2):
+            weight.fill_(value)
+            outputs.append(module(x).float())
     except (RuntimeError, TypeError, ValueError):  # not a module of one tensor argument
         return None
     finally:
         for t, value in zip(tensors, saved, strict=True):
             t.copy_(value)
+    at_zero, normalised = outputs[0], outputs[1] - outputs[0]
     scale = float(normalised.abs().max())
-    if not scale > 0 or at_zero.shape != x.shape:
+    if not scale > 0 or at_zero.shape != x.shape or not _near(outputs[2] - at_zero, 2 * normalised, scale):
         return None
-    for offset in (0.0, 1.0):
-        if float((at_zero - offset * normalised).abs().max()) <= 1e-2 * scale:
-            return offset
-    return None
+    return next((offset for offset in (0.0, 1.0) if _near(at_zero, offset * normalised, scale)), None)
+
+
+def _near(a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
+    """Equal to 1% of ``scale`` (the probe's outputs are rounded in the module's dtype, bfloat16 included)."""
+    return float((a - b).abs().max()) <= 1e-2 * scale
 
 
 @dataclass(frozen=True)
