@@ -189,8 +189,10 @@ def _batched_alike(values: list[torch.Tensor], batches: list[int]) -> bool:
     (sample-major, so they concatenate along it) and the same shape otherwise."""
     rows = [_per_sample(v, b) for v, b in zip(values, batches, strict=True)]
     first = values[0]
-    return rows[0] is not None and all(r == rows[0] for r in rows) and all(
-        v.ndim == first.ndim and v.shape[1:] == first.shape[1:] for v in values
+    return (
+        rows[0] is not None
+        and all(r == rows[0] for r in rows)
+        and all(v.ndim == first.ndim and v.shape[1:] == first.shape[1:] for v in values)
     )
 
 

@@ -45,7 +45,10 @@ GEMMAS = ["gemma", "gemma2", "gemma3"]
 
 W4 = spec_dict(4, "per_group", 32, sym=False)
 W8, A8 = spec_dict(8, "per_channel"), spec_dict(8, "per_tensor")
-SMOOTHQUANT = {"global_quant_config": {"weight": W8, "input_tensors": A8}, "pre_quant_opt_config": {"name": "smoothquant", "alpha": 0.5}}
+SMOOTHQUANT = {
+    "global_quant_config": {"weight": W8, "input_tensors": A8},
+    "pre_quant_opt_config": {"name": "smoothquant", "alpha": 0.5},
+}
 AWQ = {"global_quant_config": {"weight": W4}, "algo_config": {"name": "awq"}}
 RTN = {"global_quant_config": {"weight": W4}}
 ALGORITHMS = {"smoothquant": SMOOTHQUANT, "awq": AWQ}
@@ -65,7 +68,9 @@ def build(name: str, kv_heads: int = 4) -> nn.Module:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if "norm" in type(module).__name__.lower() and isinstance(weight, torch.Tensor) and weight.ndim == 1:
-            factor = (torch.rand(weight.shape, generator=g) + 0.5) * (1 + 15 * (torch.rand(weight.shape, generator=g) > 0.9).float())
+            factor = (torch.rand(weight.shape, generator=g) + 0.5) * (
+                1 + 15 * (torch.rand(weight.shape, generator=g) > 0.9).float()
+            )
             with torch.no_grad():
                 weight.copy_(factor - _offset(module))
     return model
@@ -73,7 +78,13 @@ def build(name: str, kv_heads: int = 4) -> nn.Module:
 
 def batches() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [{"input_ids": torch.randint(0, VOCAB, (2, 16), generator=g), "attention_mask": torch.ones(2, 16, dtype=torch.long)} for _ in range(3)]
+    return [
+        {
+            "input_ids": torch.randint(0, VOCAB, (2, 16), generator=g),
+            "attention_mask": torch.ones(2, 16, dtype=torch.long),
+        }
+        for _ in range(3)
+    ]
 
 
 def logits(model: nn.Module, data: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -119,7 +130,9 @@ def test_the_float_function_is_kept_with_quantizers_off(name: str, algo: str, no
     layer = "model.layers.0"
     assert not torch.equal(norms_after[f"{layer}.input_layernorm"], norms_before[f"{layer}.input_layernorm"])
     if name in ("gemma2", "gemma3"):  # the MLP's scale went into the norm before it; the one after attention kept
-        assert not torch.equal(norms_after[f"{layer}.pre_feedforward_layernorm"], norms_before[f"{layer}.pre_feedforward_layernorm"])
+        assert not torch.equal(
+            norms_after[f"{layer}.pre_feedforward_layernorm"], norms_before[f"{layer}.pre_feedforward_layernorm"]
+        )
         for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
             assert torch.equal(norms_after[f"{layer}.{norm}"], norms_before[f"{layer}.{norm}"])
 
@@ -199,7 +212,7 @@ def test_the_norm_form_by_class_name_or_by_probing() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- against round-to-nearest
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", GEMMAS)
 def test_awq_is_no_worse_than_round_to_nearest(name: str) -> None:
     data = batches()
     reference = logits(build(name), data)
@@ -214,7 +227,9 @@ def test_awq_on_bloom_runs_merges_alibi_and_is_no_worse_than_round_to_nearest(mo
     reference = logits(build("bloom"), data)
     merged: list[int] = []
     original = awq_module._merged_calls
-    monkeypatch.setattr(awq_module, "_merged_calls", lambda layer, calls: merged.append(len(r := original(layer, calls))) or r)
+    monkeypatch.setattr(
+        awq_module, "_merged_calls", lambda layer, calls: merged.append(len(r := original(layer, calls))) or r
+    )
     awq = relative(logits(quantize(build("bloom"), AWQ, data), data), reference)
     rtn = relative(logits(quantize(build("bloom"), RTN, data), data), reference)
     assert merged == [1, 1]  # per decoder layer, its 3 calibration calls ran as one
@@ -231,8 +246,13 @@ def test_bloom_awq_scaling_keeps_the_float_function(no_clip) -> None:
 def test_merge_concatenates_a_per_sample_tensor_of_several_rows_per_sample() -> None:
     """Bloom's alibi: [batch * heads, 1, keys], sample-major; merged calls get it concatenated along dim 0."""
     alibi = torch.randn(8, 1, 5)  # batch 2, 4 heads
-    calls = [((torch.randn(2, 5, 16),), {"alibi": alibi, "attention_mask": torch.zeros(2, 1, 5, 5, dtype=torch.bool)}) for _ in range(2)]
-    calls.append(((torch.randn(1, 5, 16),), {"alibi": alibi[:4], "attention_mask": torch.zeros(1, 1, 5, 5, dtype=torch.bool)}))
+    calls = [
+        ((torch.randn(2, 5, 16),), {"alibi": alibi, "attention_mask": torch.zeros(2, 1, 5, 5, dtype=torch.bool)})
+        for _ in range(2)
+    ]
+    calls.append(
+        ((torch.randn(1, 5, 16),), {"alibi": alibi[:4], "attention_mask": torch.zeros(1, 1, 5, 5, dtype=torch.bool)})
+    )
     (merged,) = awq_module._merge(calls)
     assert torch.equal(merged[1]["alibi"], torch.cat([alibi, alibi, alibi[:4]]))
     assert merged[1]["attention_mask"].shape == (5, 1, 5, 5)
