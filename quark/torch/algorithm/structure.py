@@ -1,7 +1,7 @@
 """Where the algorithms act in a model: its decoder stack, and per decoder layer which linears share an input and
 which op feeds them. Given explicitly in the algorithm configs (``model_decoder_layers``, ``scaling_layers``: they
-win), or derived from ``MODEL_FAMILIES``, a table of layer layouts kept as data (LLaMA/Mistral/Qwen2, Gemma, Gemma2/3, Phi,
-OPT, GPT-2, Falcon, BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks.
+win), or derived from ``MODEL_FAMILIES``, a table of layer layouts kept as data (LLaMA/Mistral/Qwen2, Gemma,
+Gemma2/3, Phi, OPT, GPT-2, Falcon, BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks.
 
 A family is its module names, where its norms sit (Gemma2/3: a norm after the attention output, another before the
 MLP) and the form of its norms: ``normalised(x) * (offset + weight)``, offset 0 for LayerNorm/RMSNorm/LLaMA, 1 for
@@ -66,7 +66,7 @@ UNIT_OFFSET_NORMS = frozenset({
 
 def norm_offset(module: nn.Module) -> float | None:
     """The ``offset`` of a norm whose output is ``normalised(x) * (offset + weight) (+ bias)``: 1.0 for the classes of
-    ``UNIT_OFFSET_NORMS``, else found by running the module with its weight (and bias) at 0 and at 1 on a fixed input
+    ``UNIT_OFFSET_NORMS``, else found by running the module with its weight at 0, 1 and 2 (bias 0) on a fixed input
     (what a scale is folded by must not depend on a name alone); None when it is neither form or not such a norm."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.ndim != 1 or is_linear(module):
