@@ -7,6 +7,10 @@ calibration batch (with their keyword arguments), each layer is processed and it
 inputs, so only one layer's inputs are held at a time. GPTQ also runs on models without a decoder stack (layer by
 layer, in forward order). Within a decoder layer, GPTQ's passes stop once the group being collected has its inputs,
 layers that read one input share its Hessian and factorization (see ``_gptq_layer``).
+
+SmoothQuant and AWQ's scaling must keep what each decoder layer computes: each checks its layer's output on the
+captured inputs against the one before (``quark.torch.quantization.equivalence``); on EquivalenceError (or any other
+error) every decoder layer processed so far gets its parameters and buffers back (``_per_decoder_layer``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -40,6 +45,7 @@ from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.algorithm.structure import MODEL_FAMILIES, find_decoder_layers
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig, QuantizationSpec, SmoothQuantConfig
 from quark.torch.quantization.config.type import QSchemeType
+from quark.torch.quantization.equivalence import restored_on_error
 from quark.torch.quantization.hf import is_hf_conv1d, is_linear, linear_weight, no_kv_cache, transpose_weight_spec
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
@@ -73,7 +79,7 @@ def _pre_quant_and_awq(model: nn.Module, config: Config, batches: list[Any], run
     for algo in config.pre_quant_opt_configs + config.algo_configs:
         if isinstance(algo, SmoothQuantConfig):
             _per_decoder_layer(model, algo.model_decoder_layers, batches, run, "SmoothQuant",
-                               lambda prefix, layer, inputs, a=algo: smooth_layer(layer, inputs, a))  # fmt: skip
+                               lambda prefix, layer, inputs, a=algo: smooth_layer(layer, inputs, a, prefix))  # fmt: skip
         elif isinstance(algo, AWQConfig):
             _per_decoder_layer(model, algo.model_decoder_layers, batches, run, "AWQ",
                                lambda prefix, layer, inputs, a=algo: awq_layer(layer, inputs, a, prefix, weight_spec_of))  # fmt: skip
@@ -91,11 +97,13 @@ def _per_decoder_layer(model: nn.Module, path: str | None, batches: list[Any], r
         )
     name, layers = found
     inputs = capture_layer_inputs(model, layers[0], batches, run)
-    for i, layer in enumerate(layers):
-        process(f"{name}.{i}", layer, inputs)
-        if i + 1 < len(layers):
-            inputs = [with_hidden(x, h) for x, h in zip(inputs, run_layer(layer, inputs), strict=True)]
-        logger.info("%s: decoder layer %d/%d done", what, i + 1, len(layers))
+    with ExitStack() as restore:  # an error in layer i puts layers 0 .. i back as they were
+        for i, layer in enumerate(layers):
+            restore.enter_context(restored_on_error(layer))
+            process(f"{name}.{i}", layer, inputs)
+            if i + 1 < len(layers):
+                inputs = [with_hidden(x, h) for x, h in zip(inputs, run_layer(layer, inputs), strict=True)]
+            logger.info("%s: decoder layer %d/%d done", what, i + 1, len(layers))
 
 
 def _module_lists(model: nn.Module) -> dict[str, str]:

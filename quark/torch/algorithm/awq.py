@@ -9,8 +9,11 @@ Per decoder layer, for every scaling group (``prev_op`` -> ``layers`` reading in
   is scored by the squared error of the output against the float output on every calibration token: the output of
   ``module2inspect`` when given (the other weights of that module stay float), else the layers' own outputs. The
   lowest error wins; ratio 0 (``s = 1``, plain RTN) is a candidate, so the result is never worse than RTN on the
-  calibration data. ``s`` is folded into ``prev_op`` (its output channels divided, bias too) and into the layers
-  (input channels multiplied): the float function does not change.
+  calibration data. ``s`` is folded into ``prev_op`` (its output channels divided, bias too; a ``(1 + w)`` norm as
+  ``smoothquant.fold_scales`` says) and into the layers (input channels multiplied): the float function does not
+  change. That is checked once all groups are folded, before clipping: the layer's output on its calibration calls
+  must be the one before to float noise (``quark.torch.quantization.equivalence``), else EquivalenceError names AWQ
+  and the layer.
 * Clipping search, once all groups are scaled, for every weight-quantized linear with integer per-channel or
   per-group weights except those producing attention queries or keys (``_NO_CLIP``). The candidates per output row
   and input group are the ranges ``max|w| * (1 - i / CLIP_GRID)``, ``i = 0 .. CLIP_STEPS - 1`` (1.0 .. 0.55 of the
@@ -36,8 +39,9 @@ for clipping (``n_grid`` 20, ``max_shrink`` 0.5: 10 candidates; q/k not clipped)
   ``CLIP_STEPS`` times its weight. Later folds change these inputs only by a known scale, which the statistics take
   exactly; a group whose ``inp``, layers or ``prev_op`` an earlier group already rescaled is collected again.
 * the decoder layer's calibration calls that differ only along the batch dimension (same shapes; other arguments
-  equal or batched alike) run as one call of up to ``MERGE_TOKENS`` tokens (amd-quark concatenates them all); the
-  merge is checked against separate calls on a first pair, and dropped if the outputs differ.
+  equal or batched alike: dim 0 the call's batch size, or a multiple of it as Bloom's alibi, [batch * heads, ...])
+  run as one call of up to ``MERGE_TOKENS`` tokens (amd-quark concatenates them all); the merge is checked against
+  separate calls on a first pair, and dropped if the outputs differ or the merged call fails.
 * the next decoder layer's calibration inputs are this layer's outputs after AWQ (scaled and clipped, still float:
   ``api._per_decoder_layer``); amd-quark feeds the float layer's outputs from before AWQ.
 """
@@ -52,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark.torch.algorithm.capture import LayerInputs, capture_calls, collect_inputs, hidden_of
+from quark.torch.algorithm.capture import LayerInputs, capture_calls, check_layer_kept, collect_inputs, hidden_of
 from quark.torch.algorithm.gptq import observer_qparams
 from quark.torch.algorithm.smoothquant import fold_scales
 from quark.torch.algorithm.structure import ScalingGroup, scaling_groups
@@ -150,16 +154,17 @@ class _InputStats:
             self._blocks = self._blocks / sb.unsqueeze(2) / sb.unsqueeze(1)
 
 
-def _collect(layer: nn.Module, calls: LayerInputs, stats: dict[str, _InputStats], inspect: dict[str, nn.Module]) -> dict[str, LayerInputs]:
-    """One pass of ``layer`` over ``calls``: the inputs of the modules named in ``stats`` into their statistics, and
-    the calls each module of ``inspect`` receives."""
+def _collect(
+    layer: nn.Module, calls: LayerInputs, stats: dict[str, _InputStats], inspect: dict[str, nn.Module]
+) -> tuple[dict[str, LayerInputs], list[torch.Tensor]]:
+    """One pass of ``layer`` over ``calls``: the inputs of the modules named in ``stats`` into their statistics, the
+    calls each module of ``inspect`` receives, and the layer's outputs (what the folds must keep)."""
     modules = dict(layer.named_modules())
     with ExitStack() as stack, torch.no_grad():
         stack.enter_context(collect_inputs({n: modules[n] for n in stats}, lambda n, m, x: stats[n].add(x)))
         captured = {n: stack.enter_context(capture_calls(m)) for n, m in inspect.items()}
-        for args, kwargs in calls:
-            layer(*args, **kwargs)
-    return captured
+        outputs = [hidden_of(layer(*args, **kwargs)) for args, kwargs in calls]
+    return captured, outputs
 
 
 # ----------------------------------------------------------------------------------------------- merged calls
@@ -170,19 +175,34 @@ def _batch_of(call: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor | No
     return hidden if isinstance(hidden, torch.Tensor) and hidden.ndim >= 2 else None
 
 
-def _batched(value: torch.Tensor, batch: int, like: torch.Tensor) -> bool:
-    """Whether ``value`` is per sample of a call of ``batch`` samples (shaped as ``like`` but for dim 0). 1-D tensors
-    (``cache_position``: per token) never are."""
-    return value.ndim == like.ndim and value.ndim > 1 and value.shape[0] == batch and value.shape[1:] == like.shape[1:]
+def _per_sample(value: torch.Tensor, batch: int) -> int | None:
+    """How many rows of dim 0 ``value`` has per sample of a call of ``batch`` samples (1 for most batched tensors,
+    the number of heads for Bloom's alibi [batch * heads, 1, keys]); None when dim 0 is not a multiple of ``batch``
+    or ``value`` is 1-D (``cache_position``: per token, never per sample)."""
+    if value.ndim < 2 or batch < 1 or value.shape[0] % batch:
+        return None
+    return value.shape[0] // batch
+
+
+def _batched_alike(values: list[torch.Tensor], batches: list[int]) -> bool:
+    """Whether ``values`` (one per call) are per sample of their calls alike: the same rows per sample along dim 0
+    (sample-major, so they concatenate along it) and the same shape otherwise."""
+    rows = [_per_sample(v, b) for v, b in zip(values, batches, strict=True)]
+    first = values[0]
+    return (
+        rows[0] is not None
+        and all(r == rows[0] for r in rows)
+        and all(v.ndim == first.ndim and v.shape[1:] == first.shape[1:] for v in values)
+    )
 
 
 def _fits(a: Any, b: Any, batch_a: int, batch_b: int) -> bool:
-    """Whether a call's argument ``b`` can merge with ``a`` of another: tensors with their call's batch size along
-    dim 0 (concatenated) or equal (kept once), containers of such, other values equal."""
+    """Whether a call's argument ``b`` can merge with ``a`` of another: tensors batched alike along dim 0
+    (concatenated) or equal (kept once), containers of such, other values equal."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype:
             return False
-        return (_batched(a, batch_a, b) and _batched(b, batch_b, a)) or a is b or (a.shape == b.shape and torch.equal(a, b))
+        return _batched_alike([a, b], [batch_a, batch_b]) or a is b or (a.shape == b.shape and torch.equal(a, b))
     if isinstance(a, tuple | list):
         return type(a) is type(b) and len(a) == len(b) and all(_fits(x, y, batch_a, batch_b) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
@@ -191,11 +211,11 @@ def _fits(a: Any, b: Any, batch_a: int, batch_b: int) -> bool:
 
 
 def _merge_values(values: list[Any], batches: list[int]) -> Any:
-    """One value for all calls: tensors concatenated along dim 0 when each has its call's batch size there, else the
-    first when all are equal; ValueError when neither."""
+    """One value for all calls: tensors concatenated along dim 0 when they are batched alike (``_batched_alike``),
+    else the first when all are equal; ValueError when neither."""
     first = values[0]
     if isinstance(first, torch.Tensor):
-        if all(_batched(v, b, first) for v, b in zip(values, batches, strict=True)):
+        if _batched_alike(values, batches):
             return torch.cat(values)
         if all(v is first or torch.equal(v, first) for v in values):
             return first
@@ -254,7 +274,10 @@ def _merged_calls(layer: nn.Module, calls: LayerInputs) -> LayerInputs:
     with torch.no_grad():
         separate = torch.cat([hidden_of(layer(*a, **k)) for a, k in pair]).float()
         args, kwargs = _merge(pair)[0]
-        together = hidden_of(layer(*args, **kwargs)).float()
+        try:
+            together = hidden_of(layer(*args, **kwargs)).float()
+        except (RuntimeError, ValueError, IndexError):  # an argument the merge misread: shapes that do not match
+            return calls
     tolerance = 1e-4 * float(separate.abs().max()) + 1e-6
     if together.shape != separate.shape or not torch.allclose(together, separate, rtol=1e-3, atol=tolerance):
         return calls
@@ -266,7 +289,8 @@ def _merged_calls(layer: nn.Module, calls: LayerInputs) -> LayerInputs:
 def awq_layer(
     layer: nn.Module, inputs: LayerInputs, config: AWQConfig, prefix: str, weight_spec_of: Callable[[str], QuantizationSpec | None]
 ) -> dict[str, float]:
-    """Scale search and clipping for one decoder layer; returns the chosen ratio per scaling group."""
+    """Scale search and clipping for one decoder layer (``prefix``: its name); returns the chosen ratio per scaling
+    group. EquivalenceError when the folded scales changed what the layer computes (the caller restores it)."""
     modules = dict(layer.named_modules())
     groups = []
     for g in scaling_groups(layer, config.scaling_layers):
@@ -298,7 +322,7 @@ def awq_layer(
         return stats, {g.module2inspect: modules[g.module2inspect] for g in todo if g.module2inspect}
 
     stats, inspect = plan([g for g, _ in groups], clipped)
-    captured = _collect(layer, calls, stats, inspect)
+    captured, reference = _collect(layer, calls, stats, inspect)
     ratios: dict[str, float] = {}
     scaled: dict[str, torch.Tensor] = {}  # per module: the scale its inputs were divided by so far
     done: list[ScalingGroup] = []
@@ -306,7 +330,7 @@ def awq_layer(
         group_stats, group_calls = stats.get(g.inp), captured.get(g.module2inspect or "")
         if any(g.inp in d.layers or g.prev_op == d.prev_op or set(g.layers) & set(d.layers) for d in done):
             fresh, fresh_inspect = plan([g], {})  # an earlier fold changed what this group reads: collect again
-            group_calls = _collect(layer, calls, fresh, fresh_inspect).get(g.module2inspect or "")
+            group_calls = _collect(layer, calls, fresh, fresh_inspect)[0].get(g.module2inspect or "")
             group_stats = fresh[g.inp]
         done.append(g)
         if group_stats is None or not group_stats.tokens:
@@ -316,6 +340,8 @@ def awq_layer(
         ratios[g.prev_op] = ratio
         for n in g.layers:
             scaled[n] = scaled[n] * s if n in scaled else s
+    if ratios:  # before clipping, which changes the function on purpose
+        check_layer_kept("AWQ", prefix, layer, calls, reference)
     for name, (module, spec) in clipped.items():
         s = stats[name]
         if not s.tokens:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.quantization.equivalence import check_equivalent
 from quark.torch.quantization.hf import no_kv_cache, without_cache
 
 LayerInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
@@ -79,6 +80,12 @@ def with_hidden(inputs: tuple[tuple[Any, ...], dict[str, Any]], hidden: torch.Te
 def run_layer(layer: nn.Module, inputs: LayerInputs) -> list[torch.Tensor]:
     """The layer's hidden-state outputs for every cached input."""
     return [hidden_of(layer(*args, **kwargs)) for args, kwargs in inputs]
+
+
+def check_layer_kept(transform: str, where: str, layer: nn.Module, inputs: LayerInputs, reference: list[Any]) -> None:
+    """One pass of ``layer`` over ``inputs`` compared with ``reference`` (its outputs before ``transform``):
+    EquivalenceError naming ``transform`` and ``where`` beyond float noise (``equivalence.check_equivalent``)."""
+    check_equivalent(transform, where, reference, run_layer(layer, inputs))
 
 
 @contextmanager

@@ -1,12 +1,17 @@
 """Where the algorithms act in a model: its decoder stack, and per decoder layer which linears share an input and
 which op feeds them. Given explicitly in the algorithm configs (``model_decoder_layers``, ``scaling_layers``: they
-win), or derived from ``MODEL_FAMILIES``, a table of layer layouts kept as data (LLaMA/Mistral/Qwen2, Phi, OPT,
-GPT-2, Falcon, BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks."""
+win), or derived from ``MODEL_FAMILIES``, a table of layer layouts kept as data (LLaMA/Mistral/Qwen2, Gemma,
+Gemma2/3, Phi, OPT, GPT-2, Falcon, BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks.
+
+A family is its module names, where its norms sit (Gemma2/3: a norm after the attention output, another before the
+MLP) and the form of its norms: ``normalised(x) * (offset + weight)``, offset 0 for LayerNorm/RMSNorm/LLaMA, 1 for
+Gemma's (``norm_offset``); a scale folds into such a norm as ``(offset + w) / s - offset``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from quark.torch.quantization.hf import is_linear, linear_weight
@@ -51,17 +56,88 @@ def _looks_like_decoder_layer(module: nn.Module) -> bool:
     return bool(attention) and bool(names & {"mlp", "feed_forward", "fc1", "ffn", "intermediate"})
 
 
+#: norms whose forward computes ``normalised(x) * (1 + weight)`` (transformers' Gemma family and its kin), by class
+#: name; the form of any other norm is found by probing it (``norm_offset``)
+UNIT_OFFSET_NORMS = frozenset({
+    "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "RecurrentGemmaRMSNorm", "VaultGemmaRMSNorm", "T5GemmaRMSNorm",
+    "Qwen3NextRMSNorm",
+})  # fmt: skip
+
+
+def norm_offset(module: nn.Module) -> float | None:
+    """The ``offset`` of a norm whose output is ``normalised(x) * (offset + weight) (+ bias)``: 1.0 for the classes of
+    ``UNIT_OFFSET_NORMS``, else found by running the module with its weight at 0, 1 and 2 (bias 0) on a fixed input
+    (what a scale is folded by must not depend on a name alone); None when it is neither form or not such a norm."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 1 or is_linear(module):
+        return None
+    if type(module).__name__ in UNIT_OFFSET_NORMS:
+        return 1.0
+    if weight.is_meta:
+        return None
+    return _probe_offset(module, weight)
+
+
+@torch.no_grad()
+def _probe_offset(module: nn.Module, weight: torch.Tensor) -> float | None:
+    """``norm_offset`` by experiment, with the bias at 0: weight 1 adds the normalised input to the output at weight 0,
+    weight 2 adds it twice (linear in the weight), and at weight 0 a plain norm gives 0, a ``(1 + w)`` norm the
+    normalised input once. The parameters are put back bit for bit."""
+    bias = getattr(module, "bias", None)
+    tensors = [t for t in (weight, bias) if isinstance(t, torch.Tensor)]
+    saved = [t.detach().clone() for t in tensors]
+    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    outputs = []
+    try:
+        for t in tensors:
+            t.zero_()
+        for value in (0, 1, 2):
+            weight.fill_(value)
+            outputs.append(module(x).float())
+    except (RuntimeError, TypeError, ValueError):  # not a module of one tensor argument
+        return None
+    finally:
+        for t, value in zip(tensors, saved, strict=True):
+            t.copy_(value)
+    at_zero, normalised = outputs[0], outputs[1] - outputs[0]
+    scale = float(normalised.abs().max())
+    if not scale > 0 or at_zero.shape != x.shape or not _near(outputs[2] - at_zero, 2 * normalised, scale):
+        return None
+    return next((offset for offset in (0.0, 1.0) if _near(at_zero, offset * normalised, scale)), None)
+
+
+def _near(a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
+    """Equal to 1% of ``scale`` (the probe's outputs are rounded in the module's dtype, bfloat16 included)."""
+    return float((a - b).abs().max()) <= 1e-2 * scale
+
+
 @dataclass(frozen=True)
 class ModelFamily:
-    """One layout of a transformer layer: the module names (relative to the layer) that identify it, and its
-    scaling groups. Kept as data in ``MODEL_FAMILIES``: supporting another family is one more entry."""
+    """One layout of a transformer layer: the module names (relative to the layer) that identify it, names it must
+    not have (``absent``: a norm placed elsewhere), the ``norm_offset`` its norms have (their form), and its scaling
+    groups. Kept as data in ``MODEL_FAMILIES``: supporting another family is one more entry."""
 
     name: str
     signature: tuple[str, ...]
     groups: tuple[ScalingGroup, ...]
+    norm_offset: float = 0.0
+    absent: tuple[str, ...] = ()
 
-    def fits(self, modules: dict[str, nn.Module]) -> bool:
-        return all(n in modules for n in self.signature)
+    def fits(self, modules: dict[str, nn.Module], offsets: dict[str, float | None] | None = None) -> bool:
+        """Whether a layer of these ``modules`` has this layout and norms of this form (``offsets``: a cache of
+        ``norm_offset`` by module name, shared between the families tried on one layer)."""
+        if not all(n in modules for n in self.signature) or any(n in modules for n in self.absent):
+            return False
+        offsets = {} if offsets is None else offsets
+        for g in self.groups:
+            prev = modules[g.prev_op]
+            if is_linear(prev):
+                continue
+            if g.prev_op not in offsets:
+                offsets[g.prev_op] = norm_offset(prev)
+            if offsets[g.prev_op] != self.norm_offset:
+                return False
+        return True
 
 
 def _g(prev_op: str, layers: list[str], module2inspect: str | None = None) -> ScalingGroup:
@@ -69,14 +145,25 @@ def _g(prev_op: str, layers: list[str], module2inspect: str | None = None) -> Sc
 
 
 _QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+_GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_LLAMA = ("input_layernorm", *_QKV, "self_attn.o_proj", "post_attention_layernorm", *_GATED_MLP)
+_LLAMA_GROUPS = (
+    _g("input_layernorm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.o_proj"]),
+    _g("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"), _g("mlp.up_proj", ["mlp.down_proj"]),
+)  # fmt: skip
+#: norms around both blocks (Gemma2/3): post_attention_layernorm normalises the attention OUTPUT (it feeds the residual
+#: stream, nothing folds into it) and pre_feedforward_layernorm feeds the MLP
+_SANDWICH = (*_LLAMA, "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_SANDWICH_GROUPS = (
+    _g("input_layernorm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.o_proj"]),
+    _g("pre_feedforward_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"), _g("mlp.up_proj", ["mlp.down_proj"]),
+)  # fmt: skip
 #: the transformer layer layouts the algorithms know, most specific first (the first entry that fits a layer wins)
 MODEL_FAMILIES: list[ModelFamily] = [
-    ModelFamily(  # LLaMA, Mistral, Qwen2, Gemma: pre-norm attention, gated MLP
-        "llama",
-        ("input_layernorm", *_QKV, "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-        (_g("input_layernorm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.o_proj"]),
-         _g("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"), _g("mlp.up_proj", ["mlp.down_proj"])),
-    ),
+    ModelFamily("gemma2", _SANDWICH, _SANDWICH_GROUPS, norm_offset=1.0),  # Gemma2, Gemma3: (1 + w) norms
+    ModelFamily("gemma", _LLAMA, _LLAMA_GROUPS, norm_offset=1.0, absent=("pre_feedforward_layernorm",)),
+    # LLaMA, Mistral, Qwen2: pre-norm attention, gated MLP, norms x * w
+    ModelFamily("llama", _LLAMA, _LLAMA_GROUPS, absent=("pre_feedforward_layernorm",)),
     ModelFamily(  # Phi-1/1.5/2: one norm feeds attention and MLP in parallel
         "phi",
         ("input_layernorm", *_QKV, "self_attn.dense", "mlp.fc1", "mlp.fc2"),
@@ -125,9 +212,10 @@ MODEL_FAMILIES: list[ModelFamily] = [
 
 
 def model_family(layer: nn.Module) -> ModelFamily | None:
-    """The first entry of ``MODEL_FAMILIES`` whose modules ``layer`` has, else None."""
+    """The first entry of ``MODEL_FAMILIES`` whose modules and norm form ``layer`` has, else None."""
     modules = dict(layer.named_modules())
-    return next((f for f in MODEL_FAMILIES if f.fits(modules)), None)
+    offsets: dict[str, float | None] = {}
+    return next((f for f in MODEL_FAMILIES if f.fits(modules, offsets)), None)
 
 
 def derive_scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
@@ -139,8 +227,9 @@ def derive_scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
     if family is None:
         raise ValueError(
             f"cannot derive scaling_layers for layer {type(layer).__name__}: it fits none of the known model families "
-            f"{[f.name for f in MODEL_FAMILIES]} (quark.torch.algorithm.structure.MODEL_FAMILIES); its modules: "
-            f"{[n for n, _ in layer.named_modules() if n]}. Give scaling_layers explicitly, or add a ModelFamily."
+            f"{[f.name for f in MODEL_FAMILIES]} (quark.torch.algorithm.structure.MODEL_FAMILIES: module names and "
+            f"norm form); its modules: {[n for n, _ in layer.named_modules() if n]}{_norm_forms(layer)}. Give "
+            f"scaling_layers explicitly, or add a ModelFamily."
         )
     modules = dict(layer.named_modules())
     groups = []
@@ -150,6 +239,15 @@ def derive_scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
             continue
         groups.append(g)
     return groups
+
+
+def _norm_forms(layer: nn.Module) -> str:
+    """The form of each norm-like module of ``layer`` (for the error of a layer no family fits)."""
+    forms = {
+        n: {0.0: "x*w", 1.0: "x*(1+w)", None: "unknown"}[norm_offset(m)]
+        for n, m in layer.named_modules() if n and "norm" in type(m).__name__.lower()
+    }  # fmt: skip
+    return f"; its norms: {forms}" if forms else ""
 
 
 def scaling_groups(layer: nn.Module, explicit: list[dict] | None) -> list[ScalingGroup]:
