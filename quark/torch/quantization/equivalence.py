@@ -56,6 +56,7 @@ def relative_error(before: Any, after: Any) -> float:
         return float("inf")
     if not ref:
         return 0.0
+    ref, new = [t.detach() for t in ref], [t.detach() for t in new]
     diff = sum(float((b.double() - a.double()).square().sum()) for a, b in zip(ref, new, strict=True))
     norm = sum(float(a.double().square().sum()) for a in ref)
     if diff != diff:  # NaN where the reference had none
