@@ -47,6 +47,7 @@ from quark.torch.export import (
     size_report,
 )
 from quark.torch.export.files import write_atomically, write_files_atomically, write_text_atomically
+from quark.torch.extras import MissingExtraError, require_extra
 from quark.torch.quantization.api import run_batch
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
@@ -58,6 +59,8 @@ except ImportError:  # not POSIX (Windows): runs are not locked
 
 #: ``export=[...]``: the engine's formats, and ``quark`` (amd-quark's Hugging Face directory, in ``export/quark``)
 APP_EXPORT_FORMATS = (*EXPORT_FORMATS, "quark")
+#: export format -> the module of the ``export`` extra it writes with (checked before training)
+EXPORT_MODULES = {"safetensors": "safetensors", "onnx": "onnx", "quark": "safetensors"}
 
 for _message in (
     ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
@@ -146,7 +149,7 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         check_activations(prepared, datamodule, _feedable)  # activation ch_axis vs one batch (a dry forward)
         if cfg.get("ckpt_path"):
             _load_float_weights(model, str(cfg.ckpt_path))
-    except (ValueError, FileNotFoundError) as err:  # before any Trainer: the composed config cannot run
+    except (ValueError, FileNotFoundError, MissingExtraError) as err:  # before any Trainer: the config cannot run
         raise ConfigError(str(err)) from err
     claim(cfg, out, inputs=[cfg.get("ckpt_path"), flow.sensitivity_csv])  # run_state.json "running"; another run's files here are removed
 
@@ -215,7 +218,7 @@ def _build(node: DictConfig, key: str) -> Any:
         return instantiate(node)
     except InstantiationException as err:
         cause = err.__cause__
-        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
+        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError | MissingExtraError):
             raise type(cause)(f"{key} ({node.get('_target_')}): {cause}") from cause
         raise
 
@@ -311,6 +314,8 @@ def _check_export(cfg: DictConfig, prepared: LightningModule | None) -> list[str
         raise ValueError(f"export={unknown} is not known; allowed: {list(APP_EXPORT_FORMATS)}")
     if formats and prepared is None:
         raise ValueError("export needs a quantized run (quant.mode ptq or qat), not quant=none")
+    for fmt in formats:  # a core install (no extras): stop now, not after training
+        require_extra("export", f"export=[{fmt}]", (EXPORT_MODULES[fmt],))
     if "onnx" in formats:
         check_onnx_exportable(prepared)
     if "quark" in formats:

@@ -20,6 +20,7 @@ from torch import nn
 
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles
+from quark.torch.extras import import_extra
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ZeroPointType
 from quark.torch.quantization.formats import TORCH_FLOAT8, decode, fake_quantize, format_of, int_range, quantize_int
@@ -399,10 +400,7 @@ def export_onnx(
         raise ValueError("export_onnx: dynamo=True is not supported; the Q/DQ folding here works on the TorchScript exporter's graph")
     if operator_export_type not in (None, torch.onnx.OperatorExportTypes.ONNX):
         raise ValueError(f"export_onnx: operator_export_type={operator_export_type!r}; only OperatorExportTypes.ONNX")
-    try:
-        import onnx  # noqa: F401 - the exporter needs it
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError("ONNX export needs `onnx`: pip install 'quark-lightning[export]'") from err
+    import_extra("onnx", "export", "ONNX export")  # the exporter needs it
     opset = _export_opset(opset_version, model)
     if uint4_int4_flag and not _has_4bit(model):
         raise ValueError(
