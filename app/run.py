@@ -65,13 +65,28 @@ EXPORT_MODULES = {"safetensors": "safetensors", "onnx": "onnx", "quark": "safete
 for _message in (
     ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
     ".*Checkpoint directory .* exists and is not empty.*",  # fp32 then ptq/qat checkpoints share the run folder
+    # Lightning's own pytree helper on torch >= 2.10 (lightning/pytorch/utilities/_pytree.py), nothing a user can act on
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated.*",
 ):
     warnings.filterwarnings("ignore", message=_message)
+
+#: loggers of Lightning's rank-zero messages, and the start of the advertisement they print for every Trainer
+_LIGHTNING_RANK_ZERO = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+_LIGHTNING_TIP = "💡 Tip:"
+
+
+def _no_tip(record: logging.LogRecord) -> bool:
+    """Drops Lightning's "💡 Tip: ... try installing litlogger" (once per Trainer: 2-3 per run, one per search job)."""
+    return not str(record.msg).startswith(_LIGHTNING_TIP)
 
 
 def _one_log_line_per_message() -> None:
     """Lightning and torchmetrics attach their own stderr handlers *and* propagate to the root logger, where Hydra
-    has its console and train.log handlers: drop theirs so each message is printed once (and still logged)."""
+    has its console and train.log handlers: drop theirs so each message is printed once (and still logged).
+    Lightning's litlogger advertisement is dropped at its logger."""
+    for name in _LIGHTNING_RANK_ZERO:
+        if _no_tip not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_no_tip)
     if not logging.getLogger().handlers:
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
@@ -138,6 +153,8 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         if callable(check_data):  # e.g. the data's vocabulary and window length fit the model
             check_data(datamodule)
         metric, higher_is_better = _metric(cfg, model)
+        if qconfig is not None:
+            qconfig = fit_layer_types(qconfig, model)  # a preset's Conv2d entry on an LM: left out, not warned about
         if qconfig is not None and flow.layer_bits:  # per-layer widths: names checked against the built model
             qconfig = apply_layer_bits(qconfig, model, flow.layer_bits)
         uniform: dict[str, float] = {}
@@ -221,6 +238,21 @@ def _build(node: DictConfig, key: str) -> Any:
         if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError | MissingExtraError):
             raise type(cause)(f"{key} ({node.get('_target_')}): {cause}") from cause
         raise
+
+
+def fit_layer_types(config: Config, model: LightningModule) -> Config:
+    """``config`` without the ``layer_type_quant_config`` entries of layer types the model does not have. Presets carry
+    a generic type table (int4_per_group keeps Conv2d weights int8): on a model without convolutions that entry
+    configures nothing, and the engine would warn about it on every run. Type names are validated by the Config, so
+    a typo still stops; the entries dropped are logged at debug level. Graph mode keeps its table: its type names
+    also match the captured graph's ops."""
+    quantizer = ModelQuantizer(config)
+    absent = [] if quantizer.graph_mode else quantizer.absent_layer_types(model)
+    if not absent:
+        return config
+    logging.getLogger(__name__).debug("quant.layer_type_quant_config: %s not in %s, left out", absent, type(model).__name__)
+    kept = {k: v for k, v in config.layer_type_quant_config.items() if k not in absent}
+    return dataclasses.replace(config, layer_type_quant_config=kept)
 
 
 def _metric(cfg: DictConfig, model: LightningModule) -> tuple[str, bool]:
@@ -619,11 +651,11 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def format_table(results: dict[str, Any]) -> str:
     """The short table printed at the end of a run."""
     m, q, size = results["metric"], results["quant"], results["size"]
-    label = f"{q['name']} ({q['mode']}, weights {q['weight_bits']:g} bits, activations {q['act_bits']:g} bits)"
+    label = f"{q['name']} ({q['mode']}, weights {_weight_bits(results)}, activations {q['act_bits']:g} bits)"
     rows = [("model", m["name"], "size")]
     rows.append(("float", f"{m['float']:.2f}", _bytes(size["fp32_bytes"])))
     if m["quantized"] is not None:
-        rows.append((q["name"], f"{m['quantized']:.2f} ({m['delta']:+.2f})", _bytes(size["quantized_bytes"])))
+        rows.append((q["name"], f"{m['quantized']:.2f} ({format_delta(m['delta'])})", _bytes(size["quantized_bytes"])))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{label}; wall time {results['wall_time_s']['total_s']:.1f} s"]
     for i, row in enumerate(rows):
@@ -631,6 +663,23 @@ def format_table(results: dict[str, Any]) -> str:
         if i == 0:
             lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+def format_delta(delta: float, decimals: int = 2) -> str:
+    """A signed difference with ``decimals`` decimals, or two significant digits when it is nonzero but would round
+    to zero there (a perplexity moving by 0.004 prints -0.004, not -0.00)."""
+    if delta != 0 and abs(delta) < 0.5 * 10**-decimals:
+        return f"{delta:+.2g}"
+    return f"{delta:+.{decimals}f}"
+
+
+def _weight_bits(results: dict[str, Any]) -> str:
+    """The weights' width in the table's title: a mixed run names both of its averages, per element and with the
+    per-channel / per-group scales counted (the budget quant.target_bits counts the scales)."""
+    mixed = results.get("mixed_precision")
+    if mixed:
+        return f"{mixed['avg_element_bits']:g} bits per element, {mixed['avg_bits']:.4f} with scales"
+    return f"{results['quant']['weight_bits']:g} bits"
 
 
 def _bytes(n: int) -> str:
