@@ -15,9 +15,10 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,7 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
             check_data(datamodule)
         metric, higher_is_better = _metric(cfg, model)
         if qconfig is not None:
-            qconfig = fit_layer_types(qconfig, model)  # a preset's Conv2d entry on an LM: left out, not warned about
+            qconfig = fit_layer_types(qconfig, model, keep=_command_line_types())  # a preset's Conv2d entry on an LM
         if qconfig is not None and flow.layer_bits:  # per-layer widths: names checked against the built model
             qconfig = apply_layer_bits(qconfig, model, flow.layer_bits)
         uniform: dict[str, float] = {}
@@ -240,19 +241,31 @@ def _build(node: DictConfig, key: str) -> Any:
         raise
 
 
-def fit_layer_types(config: Config, model: LightningModule) -> Config:
-    """``config`` without the ``layer_type_quant_config`` entries of layer types the model does not have. Presets carry
+def fit_layer_types(config: Config, model: torch.nn.Module, keep: Iterable[str] = ()) -> Config:
+    """``config`` without the ``layer_type_quant_config`` entries of layer types the model does not have, except those
+    in ``keep`` (the types the user named on the command line: the engine's warning about them stays). Presets carry
     a generic type table (int4_per_group keeps Conv2d weights int8): on a model without convolutions that entry
     configures nothing, and the engine would warn about it on every run. Type names are validated by the Config, so
     a typo still stops; the entries dropped are logged at debug level. Graph mode keeps its table: its type names
     also match the captured graph's ops."""
     quantizer = ModelQuantizer(config)
-    absent = [] if quantizer.graph_mode else quantizer.absent_layer_types(model)
+    kept_by_user = set(keep)
+    absent = [] if quantizer.graph_mode else [t for t in quantizer.absent_layer_types(model) if t not in kept_by_user]
     if not absent:
         return config
     logging.getLogger(__name__).debug("quant.layer_type_quant_config: %s not in %s, left out", absent, type(model).__name__)
     kept = {k: v for k, v in config.layer_type_quant_config.items() if k not in absent}
     return dataclasses.replace(config, layer_type_quant_config=kept)
+
+
+def _command_line_types(overrides: Iterable[str] | None = None) -> set[str]:
+    """The words of the command-line overrides (Hydra's, else ``overrides``) that touch ``layer_type_quant_config``:
+    the layer types a user configured there, as opposed to a preset's table."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return {w for o in overrides if "layer_type_quant_config" in o for w in re.findall(r"[A-Za-z_]\w*", o)}
 
 
 def _metric(cfg: DictConfig, model: LightningModule) -> tuple[str, bool]:
