@@ -281,8 +281,12 @@ def report(flow: QuantFlow, choice: dict[str, str], sensitivities: Sequence[Laye
 
 def plot_bits(path: str | Path, sensitivities: Sequence[LayerSensitivity], choice: dict[str, str], target_bits: float,
               candidates: Sequence[str], title: str = "") -> Path:  # fmt: skip
-    """``mixed_bits.png``: the chosen bits per parameter of each layer (bars coloured by candidate, the budget and the
-    average as lines) above each candidate's measured loss per layer (log scale; the chosen one circled)."""
+    """``mixed_bits.png``: the chosen bits per parameter of each layer (bars coloured by candidate), then one hatched
+    bar for the average of all layers, under the budget drawn as a line (so the two never hide each other, however
+    close), above each candidate's measured loss per layer (log scale; the chosen one circled). The legend sits
+    beside the bars and the title is wrapped to the figure's width."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,19 +294,23 @@ def plot_bits(path: str | Path, sensitivities: Sequence[LayerSensitivity], choic
 
     layers = [s for s in sensitivities if s.layer in choice]
     x = list(range(len(layers)))
+    mean_x = len(layers) + 0.5  # the average's bar, set apart from the layers'
     colours = {c: plt.get_cmap("viridis")(i / max(len(candidates) - 1, 1)) for i, c in enumerate(candidates)}
     width = max(6.0, 0.35 * len(layers) + 2.0)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(width, 7.0), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     bits = [s.bits[choice[s.layer]] for s in layers]
     top.bar(x, bits, color=[colours[choice[s.layer]] for s in layers])
     avg = average_bits(choice, layers)
+    top.bar([mean_x], [avg], color="lightgrey", edgecolor="black", hatch="//", label=f"average of all layers {avg:.3f}")
+    top.annotate(f"{avg:.3f}", (mean_x, avg), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
     top.axhline(target_bits, color="crimson", linestyle="--", label=f"target {target_bits:g}")
-    top.axhline(avg, color="black", linestyle=":", label=f"average {avg:.3f}")
     for c in candidates:
         top.bar([0], [0], color=colours[c], label=c)  # legend entries
     top.set_ylabel("weight bits per parameter (scales counted)")
-    top.legend(fontsize=7, loc="upper right", ncol=2)
-    top.set_title(title or "mixed precision: chosen format per layer", fontsize=9)
+    top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    text = title or "mixed precision: chosen format per layer"
+    columns = int(width * 13)  # characters of fontsize 9 that fit the figure's width
+    top.set_title("\n".join(textwrap.fill(line, columns) for line in text.splitlines()), fontsize=9)
     for c in candidates:
         losses = [max(s.loss[c], 1e-12) for s in layers]
         bottom.plot(x, losses, marker="o", linestyle="-", color=colours[c], label=c, markersize=4)
@@ -310,12 +318,12 @@ def plot_bits(path: str | Path, sensitivities: Sequence[LayerSensitivity], choic
     bottom.scatter(x, chosen, s=90, facecolors="none", edgecolors="crimson", label="chosen", zorder=3)
     bottom.set_yscale("log")
     bottom.set_ylabel("sensitivity (loss, this layer only)")
-    bottom.set_xticks(x)
-    bottom.set_xticklabels([s.layer for s in layers], rotation=60, ha="right", fontsize=7)
+    bottom.set_xticks([*x, mean_x])
+    bottom.set_xticklabels([*(s.layer for s in layers), "average"], rotation=60, ha="right", fontsize=7)
     fig.tight_layout()
     out = Path(path)
-    try:
-        write_atomically(out.parent, out.name, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    try:  # bbox_inches="tight": the legend beside the axes is part of the image
+        write_atomically(out.parent, out.name, lambda tmp: fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight"))
     finally:
         plt.close(fig)
     return out
@@ -334,7 +342,7 @@ def write_outputs(out: Path, quant_node: dict[str, Any], config: Config, flow: Q
     assert flow.candidates is not None and flow.target_bits is not None
     avg = average_bits(choice, sensitivities)
     csv_path = write_sensitivity_csv(out / "sensitivity.csv", sensitivities, choice)
-    title = f"{run_name}: {avg:.3f} weight bits per parameter (target {flow.target_bits:g})\nsensitivity: {_METHOD_TEXT[flow.sensitivity] if flow.sensitivity_csv is None else flow.sensitivity_csv}"
+    title = f"{run_name}: {avg:.3f} weight bits per parameter, scales counted (target {flow.target_bits:g})\nsensitivity: {_METHOD_TEXT[flow.sensitivity] if flow.sensitivity_csv is None else flow.sensitivity_csv}"
     png_path = plot_bits(out / "mixed_bits.png", sensitivities, choice, float(flow.target_bits), flow.candidates, title)
     preset = preset_dict(quant_node, config, flow, choice)
     header = (
@@ -352,7 +360,8 @@ def write_outputs(out: Path, quant_node: dict[str, Any], config: Config, flow: Q
         if s.layer in choice:
             c = choice[s.layer]
             log.info("mixed precision: %-40s %-24s %6.3f bits  loss %.3g", s.layer, c, s.bits[c], s.loss[c])
-    log.info("mixed precision: %.4f weight bits per parameter (target %g); preset %s", avg, flow.target_bits, preset_path)
+    log.info("mixed precision: %.4f weight bits per parameter with scales (target %g, scales counted); preset %s",
+             avg, flow.target_bits, preset_path)  # the results table also gives the bits per element, without scales
     return preset_config(preset), files
 
 

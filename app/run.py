@@ -16,9 +16,10 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from quark.torch.export import (
     size_report,
 )
 from quark.torch.export.files import write_atomically, write_files_atomically, write_text_atomically
+from quark.torch.extras import MissingExtraError, require_extra
 from quark.torch.quantization.api import run_batch, unmatched_names
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
@@ -60,17 +62,34 @@ except ImportError:  # not POSIX (Windows): runs are not locked
 #: ``export=[...]``: the engine's formats, and ``quark`` (amd-quark's Hugging Face directory, in ``export/quark``)
 APP_EXPORT_FORMATS = (*EXPORT_FORMATS, "quark")
 _SHOWN_NAMES = 40  # layer names listed in an error message (as quant.layer_bits lists them)
+#: export format -> the module of the ``export`` extra it writes with (checked before training)
+EXPORT_MODULES = {"safetensors": "safetensors", "onnx": "onnx", "quark": "safetensors"}
 
 for _message in (
     ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
     ".*Checkpoint directory .* exists and is not empty.*",  # fp32 then ptq/qat checkpoints share the run folder
+    # Lightning's own pytree helper on torch >= 2.10 (lightning/pytorch/utilities/_pytree.py), nothing a user can act on
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated.*",
 ):
     warnings.filterwarnings("ignore", message=_message)
+
+#: loggers of Lightning's rank-zero messages, and the start of the advertisement they print for every Trainer
+_LIGHTNING_RANK_ZERO = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+_LIGHTNING_TIP = "💡 Tip:"
+
+
+def _no_tip(record: logging.LogRecord) -> bool:
+    """Drops Lightning's "💡 Tip: ... try installing litlogger" (once per Trainer: 2-3 per run, one per search job)."""
+    return not str(record.msg).startswith(_LIGHTNING_TIP)
 
 
 def _one_log_line_per_message() -> None:
     """Lightning and torchmetrics attach their own stderr handlers *and* propagate to the root logger, where Hydra
-    has its console and train.log handlers: drop theirs so each message is printed once (and still logged)."""
+    has its console and train.log handlers: drop theirs so each message is printed once (and still logged).
+    Lightning's litlogger advertisement is dropped at its logger."""
+    for name in _LIGHTNING_RANK_ZERO:
+        if _no_tip not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_no_tip)
     if not logging.getLogger().handlers:
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
@@ -139,6 +158,7 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         metric, higher_is_better = _metric(cfg, model)
         if qconfig is not None:  # exclude / layer_quant_config names matching no layer stop here (the engine warns)
             _check_names(qconfig, model)
+            qconfig = fit_layer_types(qconfig, model, keep=_command_line_types())  # a preset's Conv2d entry on an LM
         if qconfig is not None and flow.layer_bits:  # per-layer widths: names checked against the built model
             qconfig = apply_layer_bits(qconfig, model, flow.layer_bits)
         uniform: dict[str, float] = {}
@@ -150,7 +170,7 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         check_activations(prepared, datamodule, _feedable)  # activation ch_axis vs one batch (a dry forward)
         if cfg.get("ckpt_path"):
             _load_float_weights(model, str(cfg.ckpt_path))
-    except (ValueError, FileNotFoundError) as err:  # before any Trainer: the composed config cannot run
+    except (ValueError, FileNotFoundError, MissingExtraError) as err:  # before any Trainer: the config cannot run
         raise ConfigError(str(err)) from err
     claim(cfg, out, inputs=[cfg.get("ckpt_path"), flow.sensitivity_csv])  # run_state.json "running"; another run's files here are removed
 
@@ -219,9 +239,36 @@ def _build(node: DictConfig, key: str) -> Any:
         return instantiate(node)
     except InstantiationException as err:
         cause = err.__cause__
-        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
+        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError | MissingExtraError):
             raise type(cause)(f"{key} ({node.get('_target_')}): {cause}") from cause
         raise
+
+
+def fit_layer_types(config: Config, model: torch.nn.Module, keep: Iterable[str] = ()) -> Config:
+    """``config`` without the ``layer_type_quant_config`` entries of layer types the model does not have, except those
+    in ``keep`` (the types the user named on the command line: the engine's warning about them stays). Presets carry
+    a generic type table (int4_per_group keeps Conv2d weights int8): on a model without convolutions that entry
+    configures nothing, and the engine would warn about it on every run. Type names are validated by the Config, so
+    a typo still stops; the entries dropped are logged at debug level. Graph mode keeps its table: its type names
+    also match the captured graph's ops."""
+    quantizer = ModelQuantizer(config)
+    kept_by_user = set(keep)
+    absent = [] if quantizer.graph_mode else [t for t in quantizer.absent_layer_types(model) if t not in kept_by_user]
+    if not absent:
+        return config
+    logging.getLogger(__name__).debug("quant.layer_type_quant_config: %s not in %s, left out", absent, type(model).__name__)
+    kept = {k: v for k, v in config.layer_type_quant_config.items() if k not in absent}
+    return dataclasses.replace(config, layer_type_quant_config=kept)
+
+
+def _command_line_types(overrides: Iterable[str] | None = None) -> set[str]:
+    """The words of the command-line overrides (Hydra's, else ``overrides``) that touch ``layer_type_quant_config``:
+    the layer types a user configured there, as opposed to a preset's table."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return {w for o in overrides if "layer_type_quant_config" in o for w in re.findall(r"[A-Za-z_]\w*", o)}
 
 
 def _metric(cfg: DictConfig, model: LightningModule) -> tuple[str, bool]:
@@ -341,6 +388,8 @@ def _check_export(cfg: DictConfig, prepared: LightningModule | None) -> list[str
         raise ValueError(f"export={unknown} is not known; allowed: {list(APP_EXPORT_FORMATS)}")
     if formats and prepared is None:
         raise ValueError("export needs a quantized run (quant.mode ptq or qat), not quant=none")
+    for fmt in formats:  # a core install (no extras): stop now, not after training
+        require_extra("export", f"export=[{fmt}]", (EXPORT_MODULES[fmt],))
     if "onnx" in formats:
         check_onnx_exportable(prepared)
     if "quark" in formats:
@@ -644,11 +693,11 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def format_table(results: dict[str, Any]) -> str:
     """The short table printed at the end of a run."""
     m, q, size = results["metric"], results["quant"], results["size"]
-    label = f"{q['name']} ({q['mode']}, weights {q['weight_bits']:g} bits, activations {q['act_bits']:g} bits)"
+    label = f"{q['name']} ({q['mode']}, weights {_weight_bits(results)}, activations {q['act_bits']:g} bits)"
     rows = [("model", m["name"], "size")]
     rows.append(("float", f"{m['float']:.2f}", _bytes(size["fp32_bytes"])))
     if m["quantized"] is not None:
-        rows.append((q["name"], f"{m['quantized']:.2f} ({m['delta']:+.2f})", _bytes(size["quantized_bytes"])))
+        rows.append((q["name"], f"{m['quantized']:.2f} ({format_delta(m['delta'])})", _bytes(size["quantized_bytes"])))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{label}; wall time {results['wall_time_s']['total_s']:.1f} s"]
     for i, row in enumerate(rows):
@@ -656,6 +705,23 @@ def format_table(results: dict[str, Any]) -> str:
         if i == 0:
             lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+def format_delta(delta: float, decimals: int = 2) -> str:
+    """A signed difference with ``decimals`` decimals, or two significant digits when it is nonzero but would round
+    to zero there (a perplexity moving by 0.004 prints -0.004, not -0.00)."""
+    if delta != 0 and abs(delta) < 0.5 * 10**-decimals:
+        return f"{delta:+.2g}"
+    return f"{delta:+.{decimals}f}"
+
+
+def _weight_bits(results: dict[str, Any]) -> str:
+    """The weights' width in the table's title: a mixed run names both of its averages, per element and with the
+    per-channel / per-group scales counted (the budget quant.target_bits counts the scales)."""
+    mixed = results.get("mixed_precision")
+    if mixed:
+        return f"{mixed['avg_element_bits']:g} bits per element, {mixed['avg_bits']:.4f} with scales"
+    return f"{results['quant']['weight_bits']:g} bits"
 
 
 def _bytes(n: int) -> str:

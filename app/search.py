@@ -1,13 +1,13 @@
 """The search side of ``hparams_search=optuna_bits``: the objectives a job returns to Hydra's Optuna sweeper, their
 directions, and the sampler option ``uniform_first`` (app/sampler.py: the first trials are uniform-width runs).
 
-Needs the ``search`` extra (``pip install -e '.[search]'``: hydra-optuna-sweeper, which pins optuna 2.x). Without it
-the app runs as before; ``hparams_search=...`` then stops at once with that install line.
+Needs the ``search`` extra (``pip install -e ".[search]"``: hydra-optuna-sweeper, which pins optuna 2.x). Without it
+(a core install: no ``hydra_plugins`` package at all) the app runs as before; ``hparams_search=...`` then stops at once
+with that install line.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -15,13 +15,16 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from quark.torch.extras import EXTRAS, available, install_line
+
 #: objective name -> (how it is read from results.json, its direction: None = the metric's own mode)
 OBJECTIVES: dict[str, str | None] = {"metric": None, "model_bits": "minimize"}
-INSTALL = "pip install -e '.[search]' (hydra-optuna-sweeper, optuna 2.x)"
+INSTALL = f"{install_line('search')} (hydra-optuna-sweeper, optuna 2.x)"
 
 
 def sweeper_installed() -> bool:
-    return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    """Whether Hydra's Optuna sweeper and optuna are there; False on a core install (no ``hydra_plugins`` package)."""
+    return all(available(module) for module in EXTRAS["search"])
 
 
 def check_search_args(args: Iterable[str]) -> str | None:

@@ -867,7 +867,7 @@ class QuantCallback(Callback):
         self.quantizer.prepare(pl_module)
         _keep_out_of_ddp_broadcast(pl_module)
         bits = average_bits(choice, sensitivities)
-        rank_zero_info(f"QuantCallback: mixed precision at {bits:.3f} weight bits per parameter\n{format_plans(plans)}")
+        rank_zero_info(f"QuantCallback: mixed precision at {bits:.3f} weight bits per parameter, scales counted\n{format_plans(plans)}")
         if trainer.is_global_zero:
             folder = Path(trainer.log_dir or trainer.default_root_dir)
             write_sensitivity_csv(folder / "sensitivity.csv", sensitivities, choice)

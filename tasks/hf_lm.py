@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from quark.torch.extras import import_extra
 from tasks.char_lm import SPLITS, PerplexityLM, PythonSourceDataModule, TokenWindows, load_python_corpus
 
 #: files of which one marks a directory that holds a tokenizer (fast, sentencepiece, or BPE vocab + merges)
@@ -25,11 +26,7 @@ BYTE_VOCAB = 256
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError("experiment=hf_lm needs transformers: pip install -e .[hf]") from err
-    return transformers
+    return import_extra("transformers", "hf", "experiment=hf_lm")
 
 
 def _plain(value: Any) -> Any:

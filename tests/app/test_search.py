@@ -65,7 +65,7 @@ def test_search_needs_the_plugin_message(monkeypatch: pytest.MonkeyPatch) -> Non
     assert check_search_args(["hparams_search=optuna_bits"]) is None  # installed (the search extra)
     monkeypatch.setattr("app.search.sweeper_installed", lambda: False)
     message = check_search_args(["quant=none", "hparams_search=optuna_bits"])
-    assert message == "hparams_search=optuna_bits needs Hydra's Optuna sweeper: pip install -e '.[search]' (hydra-optuna-sweeper, optuna 2.x)"
+    assert message == 'hparams_search=optuna_bits needs Hydra\'s Optuna sweeper: pip install -e ".[search]" (hydra-optuna-sweeper, optuna 2.x)'
     assert check_search_args(["quant=none"]) is None
 
 

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 def ranks(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("ddp")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # each rank one thread, as _calibrate_on below: the same float sums, bit for bit
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "all", str(out)], cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=300
     )
@@ -65,9 +66,16 @@ def test_ptq_calibration_gives_every_rank_the_same_qparams(ranks) -> None:
 
 
 def _calibrate_on(weights: dict[str, torch.Tensor], x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One-process calibration on ``x``, in batches of the ranks' size and on one thread as each rank ran: fc2's
+    inputs are float sums (fc1's outputs), equal bit for bit only when summed by the same kernel in the same order."""
     model = BoringMLP()
     model.load_state_dict(weights, strict=False)
-    ModelQuantizer(Config.from_dict(PTQ_CONFIG)).quantize_model(model, loader(torch.utils.data.TensorDataset(x)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ModelQuantizer(Config.from_dict(PTQ_CONFIG)).quantize_model(model, loader(torch.utils.data.TensorDataset(x)))
+    finally:
+        torch.set_num_threads(threads)
     return qstate(model)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles
+from quark.torch.extras import import_extra
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ZeroPointType
 from quark.torch.quantization.formats import TORCH_FLOAT8, decode, fake_quantize, format_of, int_range, quantize_int
@@ -51,10 +52,13 @@ class QDQ(nn.Module):
         self.register_buffer("scale", scale.detach().float().reshape(-1) if axis is not None else scale.detach().float().reshape(()))
         self.register_buffer("zero_point", zero_point.detach().to(torch.int32).reshape(-1 if axis is not None else ()))
         self.qmin, self.qmax, self.axis = qmin, qmax, axis
+        # per tensor, torch's op takes Python numbers: read once here, not in forward (where the tracer warns about it)
+        self.per_tensor = (float(self.scale), int(self.zero_point)) if axis is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.axis is None:
-            return torch.fake_quantize_per_tensor_affine(x, float(self.scale), int(self.zero_point), self.qmin, self.qmax)
+        if self.per_tensor is not None:
+            scale, zero_point = self.per_tensor
+            return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, self.qmin, self.qmax)
         return torch.fake_quantize_per_channel_affine(x, self.scale, self.zero_point, self.axis, self.qmin, self.qmax)
 
 
@@ -141,7 +145,10 @@ class StoredWeight(nn.Module):
             raise RuntimeError(f"{where}: the stored {self.fmt} codes do not reproduce the fake-quantized tensor")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape != self.codes.shape:  # the layer quantizes another tensor than its Parameter: the codes would not fit
+        with warnings.catch_warnings():  # traced, the sizes are tensors; a weight's shape is a constant of the graph
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            mismatch = x.shape != self.codes.shape
+        if mismatch:  # the layer quantizes another tensor than its Parameter: the codes would not fit
             raise RuntimeError(f"{self.name}: quantizer called on shape {tuple(x.shape)}, the stored codes are {tuple(self.codes.shape)}")
         return _DequantizeCodes.apply(self.codes, self.scale, self.zero_point, self.fmt, self.axis, self.block, self.name)
 
@@ -315,13 +322,26 @@ def _export_quantizer(quantizer: nn.Module, where: str, tensor: torch.Tensor | N
     return _qdq(quantizer, where)
 
 
+class _NoGuards(nn.Module):
+    """Stands in for a captured graph's ``_guards_fn`` (torch.export's input-shape asserts) in the export copy: traced,
+    each assert is a tensor turned into a Python bool (a TracerWarning per guard), and the ONNX graph holds no guard."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 def qdq_model(model: nn.Module) -> nn.Module:
     """A frozen copy of ``model`` whose quantizers are in their export form; ValueError naming the first unsupported one."""
-    export = ModelQuantizer.freeze(copy.deepcopy(model)).eval()
+    with warnings.catch_warnings():  # torch's own pickling of a captured graph's pytree specs (torch >= 2.10)
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        export = ModelQuantizer.freeze(copy.deepcopy(model)).eval()
     functional = _functional_weights(export)
     for layer, slot, q, where, name in _slots(export):
         tensor = _slot_tensor(layer, slot, functional)
         layer.set_quantizer(slot, _export_quantizer(q, where, tensor, name) if bool(q.fake_quant_enabled) else None)
+    guarded = [m for m in export.modules() if isinstance(getattr(m, "_guards_fn", None), nn.Module)]
+    for module in guarded:
+        module._guards_fn = _NoGuards()
     return export
 
 
@@ -399,10 +419,7 @@ def export_onnx(
         raise ValueError("export_onnx: dynamo=True is not supported; the Q/DQ folding here works on the TorchScript exporter's graph")
     if operator_export_type not in (None, torch.onnx.OperatorExportTypes.ONNX):
         raise ValueError(f"export_onnx: operator_export_type={operator_export_type!r}; only OperatorExportTypes.ONNX")
-    try:
-        import onnx  # noqa: F401 - the exporter needs it
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError("ONNX export needs `onnx`: pip install 'quark-lightning[export]'") from err
+    import_extra("onnx", "export", "ONNX export")  # the exporter needs it
     opset = _export_opset(opset_version, model)
     if uint4_int4_flag and not _has_4bit(model):
         raise ValueError(

@@ -21,6 +21,7 @@ from torch import nn
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles, unpack_nibbles
 from quark.torch.export.skeleton import materialize
+from quark.torch.extras import import_extra
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config, QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType, ZeroPointType
@@ -50,11 +51,7 @@ FILENAME = "model.safetensors"
 
 
 def _require_safetensors() -> Any:
-    try:
-        import safetensors.torch as st
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError("export needs the `safetensors` package: pip install 'quark-lightning[export]'") from err
-    return st
+    return import_extra("safetensors.torch", "export", "safetensors export and import")
 
 
 # ----------------------------------------------------------------------------------------------- encoding

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.extras import import_extra
+
 __all__ = ["parameters_on_meta", "hf_skeleton", "materialize", "meta_tensors"]
 
 
@@ -33,10 +35,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 def hf_skeleton(model_dir: str | Path, trust_remote_code: bool = False, attn_implementation: str = "eager") -> nn.Module:
     """The Hugging Face model ``model_dir/config.json`` describes, Parameters on meta (amd-quark's ``model=None``)."""
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError("import_model_from_safetensors(model=None, ...) builds a Hugging Face model: pip install -e .[hf]") from err
+    transformers = import_extra("transformers", "hf", "import_model_from_safetensors(model=None, ...) (it builds a Hugging Face model)")
     config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # applied by this import, not by transformers

@@ -21,8 +21,15 @@ import torch
 from torch import nn
 
 from quark.torch.quantization import graph
-from quark.torch.quantization.config.config import CLEConfig, Config, QuantizationConfig, QuantizationSpec
-from quark.torch.quantization.config.type import QSchemeType, QuantizationMode
+from quark.torch.quantization.config.config import (
+    CLEConfig,
+    Config,
+    LSQSpec,
+    QuantizationConfig,
+    QuantizationSpec,
+    TQTSpec,
+)
+from quark.torch.quantization.config.type import QSchemeType, QuantizationMode, TQTThresholdInitMeth
 from quark.torch.quantization.coverage import (
     FloatLayer,
     format_float_layers,
@@ -400,13 +407,17 @@ class ModelQuantizer:
                 warnings.warn(f"layers that subclass a supported type but define their own forward stay float: {custom}", stacklevel=2)
         return plans
 
+    def absent_layer_types(self, model: nn.Module) -> list[str]:
+        """The keys of ``layer_type_quant_config`` that name no class of the model's modules (they configure nothing)."""
+        present = {t for m in model.modules() for t in _type_names(m)}
+        return [k for k in self.config.layer_type_quant_config if k not in present]
+
     def _warn_unmatched(self, model: nn.Module, names: list[str]) -> None:
         messages = [
             f"Config.{field_name} entries match no layer of the model (typo?): {dead}"
             for field_name, dead in unmatched_names(self.config, names).items()
         ]
-        present = {t for m in model.modules() for t in _type_names(m)}
-        unused = [k for k in self.config.layer_type_quant_config if k not in present]
+        unused = self.absent_layer_types(model)
         if unused:
             messages.append(
                 f"Config.layer_type_quant_config entries name layer types the model does not have, so they configure "
@@ -700,6 +711,17 @@ def uncalibrated_layers(model: nn.Module) -> set[str]:
     return unreached
 
 
+def qparams_source(spec: QuantizationSpec) -> str:
+    """What sets a spec's qparams, as one token: its observer, or for QAT specs the learned quantity and how it is
+    initialised (TQT and LSQ learn from the first batch on; the spec's observer_cls is not used by them)."""
+    if isinstance(spec.qat_spec, TQTSpec):
+        init = spec.qat_spec.threshold_init_meth or TQTThresholdInitMeth._3SD
+        return f"TQT(learned,init={init.name})"
+    if isinstance(spec.qat_spec, LSQSpec):
+        return "LSQ(learned,init=2mean|x|/sqrt(qmax))"
+    return spec.observer_cls.__name__ if spec.observer_cls else "-"
+
+
 def format_plans(plans: list[LayerPlan]) -> str:
     """Plans as a fixed-width table."""
     rows = [("layer", "type", "role", "dtype", "qscheme", "observer", "from")]
@@ -713,8 +735,7 @@ def format_plans(plans: list[LayerPlan]) -> str:
                 qscheme += f"(g{spec.group_size})"
             dtype = spec.dtype.name + (f"[{spec.mx_element_dtype.name}]" if spec.mx_element_dtype else "")
             dtype += ", dynamic" if spec.is_dynamic else ""
-            observer = spec.observer_cls.__name__ if spec.observer_cls else "-"
-            rows.append((plan.name, plan.layer_type, role, dtype, qscheme, observer, plan.source[role]))
+            rows.append((plan.name, plan.layer_type, role, dtype, qscheme, qparams_source(spec), plan.source[role]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -86,6 +86,14 @@ def reference(scheme: str) -> dict:
     return torch.load(EXPORTS / scheme / "reference.pt")
 
 
+def assert_amd_quarks_logits(logits: torch.Tensor, ref: dict) -> None:
+    """Our logits against those amd-quark computed in its own process (``reference.pt``, made once on another
+    machine): the weights and qparams are the same bits, the float32 sums are another run's (CPU kernels, thread
+    count), so they may differ in the last bits; 1e-5 of the largest logit is far below any quantization step."""
+    expected = ref["logits_reimported"]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
 def tensors(path: Path) -> dict[str, torch.Tensor]:
     with safetensors.safe_open(str(path), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
@@ -102,7 +110,7 @@ def test_our_import_of_amd_quarks_export_gives_its_logits(scheme: str) -> None:
         model = import_model_from_safetensors(model, EXPORTS / scheme)
     with torch.no_grad():
         logits = model(input_ids=ref["eval_ids"]).logits
-    assert torch.equal(logits, ref["logits_reimported"])
+    assert_amd_quarks_logits(logits, ref)
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -295,7 +303,7 @@ def test_model_none_builds_the_hf_skeleton_from_config_json_and_gives_amd_quarks
     model = import_model_from_safetensors(None, EXPORTS / "w8a8_int8", device="cpu")
     assert not any(p.device.type == "meta" for p in model.parameters())
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ref["eval_ids"]).logits, ref["logits_reimported"])
+        assert_amd_quarks_logits(model(input_ids=ref["eval_ids"]).logits, ref)
 
 
 def test_a_parameters_on_meta_skeleton_is_filled_and_keeps_its_computed_buffers() -> None:
@@ -310,7 +318,7 @@ def test_a_parameters_on_meta_skeleton_is_filled_and_keeps_its_computed_buffers(
         model = import_model_from_safetensors(skeleton, EXPORTS / "w_uint4_g32", device="cpu")
     assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ref["eval_ids"]).logits, ref["logits_reimported"])
+        assert_amd_quarks_logits(model(input_ids=ref["eval_ids"]).logits, ref)
 
 
 def test_a_fully_meta_model_names_the_buffer_it_cannot_recover() -> None:

@@ -112,19 +112,13 @@ def test_native_path_runs_in_model_quantizer_and_matches_the_direct_config() -> 
 
 # ----------------------------------------------------------------------------------------------- Brevitas backend
 def test_backend_without_brevitas_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    import builtins
+    import sys
 
     from quark.torch.extensions.brevitas import api
 
-    real_import = builtins.__import__
-
-    def no_brevitas(name: str, *args: object, **kwargs: object) -> object:
-        if name == "brevitas" or name.startswith("brevitas."):
-            raise ImportError("No module named 'brevitas'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_brevitas)
-    with pytest.raises(ImportError, match=r"pip install 'quark-lightning\[brevitas\]'"):
+    for name in ("brevitas", "brevitas.nn"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ModuleNotFoundError
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[brevitas\]"'):
         api.ModelQuantizer(Config(global_quant_config={"weight": {}})).quantize_model(DigitsCNN(width=8))
 
 

@@ -15,19 +15,13 @@ import torch
 from torch import nn
 
 from quark.torch.extensions.brevitas.config import Config, ParamType, QuantizationSpec, QuantType
+from quark.torch.extras import import_extra
 from quark.torch.quantization.config.type import QSchemeType, ScaleType
 
 
 def _brevitas() -> Any:
-    try:
-        import brevitas  # noqa: F401
-        import brevitas.nn as qnn
-    except ImportError as err:
-        raise ImportError(
-            "the Brevitas backend needs Brevitas: pip install 'quark-lightning[brevitas]' "
-            "(or run the same Config on this engine: quark.torch.extensions.brevitas.to_quark_config)"
-        ) from err
-    return qnn
+    feature = "the Brevitas backend (or run the same Config on this engine: quark.torch.extensions.brevitas.to_quark_config)"
+    return import_extra("brevitas.nn", "brevitas", feature)
 
 
 def _quantizer(spec: QuantizationSpec, role: str) -> tuple[Any, dict[str, Any]]:

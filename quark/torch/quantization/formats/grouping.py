@@ -61,6 +61,8 @@ def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None) -> bo
     for this kernel, by default ``Backend.min_numel``)."""
     if Backend.compile is False or torch.compiler.is_compiling():
         return False  # inside a caller's torch.compile the eager body is traced into the caller's graph
+    if torch.jit.is_tracing():
+        return False  # a TorchScript trace (ONNX export) records the eager ops; its sizes are traced values
     threshold = Backend.min_numel if min_numel is None else min_numel
     return Backend.compile is True or (Backend.failure is None and x.numel() >= threshold)
 
