@@ -195,3 +195,105 @@ def test_hf_wav2vec2_positional_conv_is_quantized() -> None:
     with torch.no_grad():
         out = model(x).last_hidden_state
     assert float((out - ref).pow(2).mean() / ref.pow(2).mean()) < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------- graph mode
+def graph_w8a8() -> Config:
+    return w8a8(quant_mode="fx_graph_mode")
+
+
+def fake_quant_enabled(model: nn.Module, enabled: bool) -> None:
+    """Every quantizer on or off (off: the graph computes the float function)."""
+    from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+
+    for q in model.modules():
+        if isinstance(q, FakeQuantizeBase):
+            q.enable_fake_quant() if enabled else q.disable_fake_quant()
+
+
+class InPlaceHead(nn.Module):
+    """torchvision's MobileNetV3 / EfficientNet head as those models build it: in-place Hardswish, ReLU and ReLU6, an
+    in-place Dropout between the classifier's Linears, another before the last one (EfficientNet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.Hardswish(inplace=True), nn.Conv2d(8, 8, 1), nn.ReLU6(inplace=True),
+            nn.Conv2d(8, 8, 1), nn.ReLU(inplace=True),
+        )  # fmt: skip
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            nn.Linear(8, 16), nn.Hardswish(inplace=True), nn.Dropout(p=0.5, inplace=True), nn.Linear(16, 16),
+            nn.Dropout(p=0.2, inplace=True), nn.Linear(16, 4),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
+
+
+@pytest.mark.parametrize("captured_in", ["eval", "train"])
+def test_graph_mode_in_place_dropout(captured_in: str) -> None:
+    """Graph mode takes in-place Dropout (before: 'no quantization rule for aten.dropout_.default'): it stays the
+    model's dropout (active in train(), identity in eval()), every Linear and conv is quantized, and with the
+    quantizers off the graph is the float model in both modes (same dropout masks from the same seed)."""
+    from quark.torch.quantization.graph import capture
+
+    torch.manual_seed(0)
+    model = InPlaceHead().train(captured_in == "train")
+    x = torch.randn(8, 3, 8, 8)
+    quantizer = ModelQuantizer(graph_w8a8())
+    gm = quantizer.quantize_model(capture(model, (x[:4],)), [x])
+    layers = {p.name for p in quantizer.resolve(gm)}
+    assert layers == {"features.0", "features.2", "features.4", "classifier.0", "classifier.3", "classifier.5"}
+    dropouts = [m for m in gm.modules() if isinstance(m, nn.Dropout)]
+    assert sorted(d.p for d in dropouts) == [0.2, 0.5] and all(d.inplace for d in dropouts)
+    fake_quant_enabled(gm, False)
+    for mode in (False, True):
+        gm.train(mode)
+        model.train(mode)
+        torch.manual_seed(1)
+        ref = model(x.clone())
+        torch.manual_seed(1)
+        torch.testing.assert_close(gm(x.clone()), ref, rtol=1e-5, atol=1e-6)
+    gm.train()
+    assert not torch.equal(gm(x), gm(x))  # dropout is live in train()
+    fake_quant_enabled(gm, True)
+    gm.eval()
+    model.eval()
+    ref = model(x)
+    out = gm(x)
+    assert not torch.equal(out, ref)
+    assert float((out - ref).pow(2).mean() / ref.pow(2).mean()) < 1e-2
+
+
+def test_graph_mode_hf_gemma2() -> None:
+    """A tiny Gemma2ForCausalLM (its mask building uses ``aten.where.ScalarOther``; before: 'no quantization rule')
+    goes through graph mode: with the quantizers off it computes the float model, quantized it stays close on ragged
+    batches of other sizes than the calibration's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+
+    def batch(n: int, t: int) -> dict[str, torch.Tensor]:
+        mask = torch.ones(n, t, dtype=torch.long)
+        mask[0, : t // 3] = 0  # left padding
+        return {"input_ids": torch.randint(0, 128, (n, t)), "attention_mask": mask}
+
+    batches = [batch(4, 16), batch(3, 16), batch(2, 12)]
+    quantizer = ModelQuantizer(graph_w8a8())
+    gm = quantizer.quantize_model(model, batches[:2])
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    planned = {p.name for p in quantizer.resolve(gm)}
+    assert linears <= planned and all(n.endswith("self_attn") for n in planned - linears)  # + attention matmuls
+    with torch.no_grad():
+        for b in batches:
+            ref = model(**b).logits
+            fake_quant_enabled(gm, False)
+            torch.testing.assert_close(gm(**b).logits, ref, rtol=1e-4, atol=1e-5)
+            fake_quant_enabled(gm, True)
+            err = (gm(**b).logits - ref).pow(2).mean() / ref.pow(2).mean()
+            assert 0 < float(err) < 1e-2

@@ -190,11 +190,11 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
-        elif node.target is aten.dropout.default:
+        elif node.target in (aten.dropout.default, aten.dropout_.default):  # dropout_: nn.Dropout(inplace=True)
             baked.add(bool(node.args[2]))
             p = float(node.args[1])
             name = f"_dropout_{node.name}"
-            gm.add_submodule(name, nn.Dropout(p))
+            gm.add_submodule(name, nn.Dropout(p, inplace=node.target is aten.dropout_.default))
             with graph.inserting_before(node):
                 call = graph.call_module(name, (node.args[0],))
             call.meta = dict(node.meta)
