@@ -297,3 +297,32 @@ def test_graph_mode_hf_gemma2() -> None:
             fake_quant_enabled(gm, True)
             err = (gm(**b).logits - ref).pow(2).mean() / ref.pow(2).mean()
             assert 0 < float(err) < 1e-2
+
+
+def test_graph_of_hf_causal_lm_takes_labels() -> None:
+    """A graph captured from ``model(input_ids=...)`` (or with ``labels=None``) takes ``labels=`` as the model does
+    (before: TypeError 'unexpected keyword argument'): the float graph's loss is the model's own loss, the quantized
+    graph's loss is the next-token cross entropy of its logits, and it trains the weights."""
+    transformers = pytest.importorskip("transformers")
+    from quark.torch.quantization.graph import capture
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (3, 8))
+    expected = model(input_ids=ids, labels=ids).loss
+    for example in ({"input_ids": ids}, {"input_ids": ids, "labels": None}):
+        gm = capture(model, (), example)
+        out = gm(input_ids=ids, labels=ids)
+        torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
+        assert gm(input_ids=ids).loss is None  # no labels: no loss, as the model
+    quantized = ModelQuantizer(graph_w8a8()).quantize_model(gm, [{"input_ids": ids}])
+    quantized.train()
+    out = quantized(input_ids=ids, labels=ids)
+    reference = F.cross_entropy(out.logits[:, :-1].reshape(-1, 64).float(), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, reference, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None

@@ -30,6 +30,7 @@ from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.coverage import FloatLayer
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
 from quark.torch.quantization.graph.capture import EAGER_FALLBACK, GraphModeError, fetch_attr, module_path, normalize
+from quark.torch.quantization.graph.loss import carry_hf_attributes
 from quark.torch.quantization.graph.modules import CONV_BN, QuantActivation, QuantFunctionalWeight, SharedFakeQuantize
 from quark.torch.quantization.graph.rules import COMPUTE, float_tensor, kind_of, weighted_ops_in_body
 from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, QuantMixin
@@ -360,8 +361,7 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's pytree spec deprecation inside deepcopy
         gm = copy.deepcopy(graph_module, memo)
-    if getattr(graph_module, "config", None) is not None:  # a captured Hugging Face model's config (deepcopy drops it)
-        gm.config = graph_module.config
+    carry_hf_attributes(graph_module, gm)  # a captured Hugging Face model's config and loss hooks (deepcopy drops them)
     normalize(gm)
     if any(isinstance(m, QuantMixin) for m in gm.modules()):
         raise GraphModeError("the graph is already prepared for quantization (it holds quantized layers); prepare a captured float graph")
