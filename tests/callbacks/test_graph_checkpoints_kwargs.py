@@ -39,22 +39,24 @@ def llama() -> torch.nn.Module:
 class CausalLM(LightningModule):
     """The README's Hugging Face example: the child is called with keywords, the training step passes labels."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, labels: bool = True) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.net = llama()
+        self.labels = labels  # False: the loss from the logits in the step (no labels= to the model)
         self.losses: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.net(input_ids=input_ids).logits
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        out = self.net(input_ids=batch, labels=batch)
-        self.losses.append(out.loss.detach())
-        # the loss is the model's causal LM loss of the graph's logits: next-token cross entropy
+        out = self.net(input_ids=batch, labels=batch) if self.labels else self.net(input_ids=batch)
+        # the model's causal LM loss of the graph's logits: next-token cross entropy
         expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
-        torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
-        return out.loss
+        if self.labels:
+            torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+        self.losses.append(expected.detach())
+        return expected
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("test_logit_mean", self(batch).mean())
@@ -76,19 +78,15 @@ def test_keyword_called_graph_checkpoint_reloads(tmp_path) -> None:  # noqa: ANN
     """A QAT graph-mode checkpoint of ``self.net(input_ids=...)`` (before: stored ``graph_inputs: {'net': []}``, and
     recapturing with no argument failed with 'You must specify exactly one of input_ids or inputs_embeds') loads
     into a fresh module with ``load_quantized_checkpoint`` and tests through ``Trainer.test(ckpt_path=...)`` with
-    the trained model's outputs. The training steps passed ``labels=`` (before: a raw TypeError from the graph)."""
-    model = CausalLM()
+    the trained model's outputs, on batches of another size and length than the capture's."""
+    model = CausalLM(labels=False)
     callback = QuantCallback(Config.from_dict(GRAPH_W8A8), mode="qat", observer_steps=2)
     fit = trainer(tmp_path, callback, max_steps=4, enable_checkpointing=False)
     fit.fit(model, train_dataloaders=tokens())
-    assert isinstance(model.net, fx.GraphModule) and len(model.losses) == 4
-    assert all(torch.isfinite(loss) for loss in model.losses)
+    assert isinstance(model.net, fx.GraphModule)
     path = str(tmp_path / "qat.ckpt")
     fit.save_checkpoint(path)
-    state = next(v for k, v in read_checkpoint(path)["callbacks"].items() if k.startswith("QuantCallback"))
-    assert set(state["graph_inputs"]["net"]["kwargs"]) == {"input_ids"}  # the keyword the child was called with
-
-    ids = torch.randint(0, VOCAB, (3, SEQ + 4), generator=torch.Generator().manual_seed(2))  # another batch and length
+    ids = torch.randint(0, VOCAB, (3, SEQ + 4), generator=torch.Generator().manual_seed(2))
     model.eval()
     with torch.no_grad():
         expected = model(ids)
@@ -96,9 +94,25 @@ def test_keyword_called_graph_checkpoint_reloads(tmp_path) -> None:  # noqa: ANN
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids), expected, rtol=0, atol=1e-6)
 
+    state = next(v for k, v in read_checkpoint(path)["callbacks"].items() if k.startswith("QuantCallback"))
+    assert set(state["graph_inputs"]["net"]["kwargs"]) == {"input_ids"}  # the keyword the child was called with
+
     tested = trainer(tmp_path, QuantCallback(Config.from_dict(GRAPH_W8A8), mode="qat")).test(CausalLM(seed=1), tokens(), ckpt_path=path)
     reference = trainer(tmp_path, QuantCallback(Config.from_dict(GRAPH_W8A8), mode="qat")).test(model, tokens())
     assert abs(tested[0]["test_logit_mean"] - reference[0]["test_logit_mean"]) < 1e-6
+
+
+def test_labels_in_a_graph_mode_training_step(tmp_path) -> None:  # noqa: ANN001
+    """The README's Hugging Face example in graph mode: ``training_step`` returns ``self.net(input_ids=batch,
+    labels=batch).loss`` (before: TypeError 'unexpected keyword argument labels' from the graph). The loss is the
+    causal LM loss of the quantized graph's logits (checked in the step) and training moves the weights."""
+    model = CausalLM()
+    before = model.net.lm_head.weight.detach().clone()
+    callback = QuantCallback(Config.from_dict(GRAPH_W8A8), mode="qat", observer_steps=2)
+    trainer(tmp_path, callback, max_steps=4, enable_checkpointing=False).fit(model, train_dataloaders=tokens())
+    assert isinstance(model.net, fx.GraphModule) and len(model.losses) == 4
+    assert all(torch.isfinite(loss) for loss in model.losses)
+    assert not torch.equal(model.net.get_submodule("lm_head").weight, before)
 
 
 def test_labels_without_a_known_loss_is_a_clear_error() -> None:
