@@ -299,6 +299,31 @@ def test_graph_mode_hf_gemma2() -> None:
             assert 0 < float(err) < 1e-2
 
 
+def test_graph_mode_weight_norm_conv_quantizes_its_computed_weight() -> None:
+    """Graph mode on a weight-norm conv (before: 'no quantization rule for aten._weight_norm'): the weight computed
+    from g and v gets a weight quantizer before the conv (its qparams those of the computed weight), and nothing is
+    reported float; the output is the conv of the quantized input and computed weight."""
+    model = wn_conv(weight_norm)
+    x = torch.randn(4, 4, 5)
+    quantizer = ModelQuantizer(graph_w8a8())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no float layer named
+        gm = quantizer.quantize_model(model, [x])
+    assert quantizer.float_layers(gm) == []
+    from quark.torch.quantization.graph import QuantFunctionalWeight
+
+    holders = [m for m in gm.modules() if isinstance(m, QuantFunctionalWeight)]
+    assert len(holders) == 1
+    g, v = gv(model[0])
+    w = norm_weight(g, v, 2).detach()
+    torch.testing.assert_close(holders[0]._weight_quantizer.scale, channel_scale(w), rtol=1e-6, atol=0)
+    with torch.no_grad():
+        ref = model(x)
+        out = gm(x)
+    assert not torch.equal(out, ref)
+    assert float((out - ref).pow(2).mean() / ref.pow(2).mean()) < 1e-3
+
+
 def test_graph_of_hf_causal_lm_takes_labels() -> None:
     """A graph captured from ``model(input_ids=...)`` (or with ``labels=None``) takes ``labels=`` as the model does
     (before: TypeError 'unexpected keyword argument'): the float graph's loss is the model's own loss, the quantized

@@ -456,6 +456,14 @@ def _check_unit(gm: fx.GraphModule, unit: GraphUnit) -> None:
     _check_layer(LayerPlan(unit.name, type(layer).__name__, unit.qconfig, unit.source), layer)
 
 
+def _quantized_as_weight(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether every use of ``node`` is a weight quantizer: a weight computed from Parameters (weight_norm's
+    ``_weight_norm(v, g)``) that the op reading it sees quantized."""
+    return bool(node.users) and all(
+        user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), QuantFunctionalWeight) for user in node.users
+    )
+
+
 def _graph_float_layers(
     gm: fx.GraphModule, units: list[GraphUnit], config: Config, prefix: str, data_path: set[fx.Node]
 ) -> list[FloatLayer]:
@@ -478,7 +486,7 @@ def _graph_float_layers(
         elif node.op == "call_function" and (kind_of(node, gm) == "float" or (kind_of(node, gm) == "quantized_output" and node not in data_path)):
             params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(fetch_attr(gm, a), nn.Parameter)]
             path, type_name = module_path(node)
-            if params and path not in seen:
+            if params and path not in seen and not _quantized_as_weight(gm, node):
                 seen.add(path)
                 out.append(FloatLayer(path, type_name, f"{node.target} runs in float (graph mode quantizes conv/linear/matmul/embedding weights)"))
     return out

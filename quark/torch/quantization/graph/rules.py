@@ -74,7 +74,7 @@ FLOAT = {
     aten.cumsum.default, aten.tril.default, aten.triu.default, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar,
     aten.gt.Scalar, aten.scalar_tensor.default, aten.repeat.default, aten.stack.default, aten.roll.default,
     aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input,
-    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten._weight_norm.default,
 }  # fmt: skip
 
 
