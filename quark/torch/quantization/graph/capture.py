@@ -103,7 +103,7 @@ def capture(
         if example_inputs is not None and EXAMPLE_KEY not in model.meta:  # type: ignore[operator]
             _keep_example(model, args, kwargs)  # type: ignore[arg-type]
         return normalize(model)  # type: ignore[arg-type]
-    kwargs = drop_unset_loss_keywords(kwargs)
+    kwargs = drop_unset_loss_keywords(model, kwargs)
     shapes = _dynamic_batch(model, args, kwargs) if dynamic_batch else None
     try:
         with no_kv_cache(model):  # a cache object is no graph output; calibration and evaluation never read one

@@ -27,9 +27,16 @@ LOSS_KEYWORDS = ("labels", "num_items_in_batch", "shift_labels", "ignore_index")
 _LM_LOSSES = ("ForCausalLM", "ForMaskedLM")
 
 
-def drop_unset_loss_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The example keywords without loss keywords left None (``labels=None``: the default), so the graph does not
-    bake them in as constants; the loss hook takes them at call time."""
+def _has_loss_function(model: nn.Module) -> bool:
+    """A Hugging Face model (transformers' ``PreTrainedModel.loss_function``): the ones ``attach_loss`` serves."""
+    return hasattr(type(model), "loss_function")
+
+
+def drop_unset_loss_keywords(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face model's example keywords without loss keywords left None (``labels=None``: the default), so the
+    graph does not bake them in as constants (the loss hooks take them at call time); other models' as they are."""
+    if not _has_loss_function(model):
+        return kwargs
     return {k: v for k, v in kwargs.items() if not (k in LOSS_KEYWORDS and v is None)}
 
 
@@ -98,7 +105,7 @@ def _same_loss(model: nn.Module, kwargs: dict[str, Any], loss_function: Any, voc
 def attach_loss(gm: fx.GraphModule, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Give the graph of a Hugging Face model (one with ``loss_function``) the loss keywords it was not captured with
     (see the module docstring); nothing for other models, or when the graph takes ``labels`` itself."""
-    if not hasattr(type(model), "loss_function"):
+    if not _has_loss_function(model):
         return
     try:
         accepted = frozenset(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
