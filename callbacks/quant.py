@@ -404,7 +404,7 @@ class QuantCallback(Callback):
         self._table_logged = False
         self._warned_unobserved = False
         self._warned_report_feed = False
-        self._graph_inputs: dict[str, list[list[Any]]] = {}  # graph mode: the captured children's input shapes
+        self._graph_inputs: dict[str, dict[str, Any]] = {}  # graph mode: the captured children's calls (_call_spec)
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -462,7 +462,7 @@ class QuantCallback(Callback):
             args, kwargs = calls[name][0]
             gm = graph.capture(child, args, kwargs)
             setattr(pl_module, name, self.quantizer.prepare(gm, name_prefix=f"{name}."))
-            self._graph_inputs[name] = [[list(a.shape), str(a.dtype).replace("torch.", "")] for a in args if isinstance(a, torch.Tensor)]
+            self._graph_inputs[name] = _call_spec(args, kwargs)
             prepared.append(name)
         if not prepared:
             raise ValueError(
@@ -1108,13 +1108,50 @@ def read_checkpoint(path: str, map_location: Any = "cpu", name: str | None = Non
         raise ValueError(f"{name} is not a checkpoint torch.load can read ({detail})") from None
 
 
-def _prepare_graphs_like(model: nn.Module, quantizer: ModelQuantizer, inputs: dict[str, list[list[Any]]], path: str) -> None:
-    """Graph mode: capture the children the callback captured, on zero tensors of the recorded shapes and dtypes."""
+def _call_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What recapturing a child needs of the call it was captured from (``self.net(x)``, ``self.model(input_ids=...,
+    use_cache=False)``), in a form ``torch.load(weights_only=True)`` reads: positional and keyword arguments, tensors
+    as shape and dtype, plain constants as they are."""
+    return {"args": [_value_spec(a) for a in args], "kwargs": {k: _value_spec(v) for k, v in kwargs.items()}}
+
+
+def _value_spec(value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+    if value is None or isinstance(value, bool | int | float | str):
+        return {"value": value}
+    return {"unsupported": type(value).__name__}
+
+
+def _example_value(spec: Any, where: str, device: torch.device) -> Any:
+    """An argument like the recorded one: a tensor of its shape and dtype (ones for integer and bool tensors: a valid
+    token id, an attention mask that masks nothing; zeros for floats), or the recorded constant."""
+    if isinstance(spec, list | tuple):  # written before keywords were recorded: [shape, dtype] of a positional tensor
+        spec = {"shape": spec[0], "dtype": spec[1]}
+    if not isinstance(spec, dict) or not ({"shape", "value"} & set(spec)):
+        kind = spec.get("unsupported") if isinstance(spec, dict) else type(spec).__name__
+        raise ValueError(f"{where}: the recorded argument is a {kind}, which cannot be recreated to recapture the graph")
+    if "value" in spec:
+        return spec["value"]
+    dtype = getattr(torch, spec["dtype"])
+    fill = torch.zeros if dtype.is_floating_point or dtype.is_complex else torch.ones
+    return fill(spec["shape"], dtype=dtype, device=device)
+
+
+def _prepare_graphs_like(model: nn.Module, quantizer: ModelQuantizer, inputs: dict[str, Any], path: str) -> None:
+    """Graph mode: capture the children the callback captured, called as they were (positional and keyword
+    arguments), on tensors of the recorded shapes and dtypes."""
     if not inputs:
         raise ValueError(f"{path} is a graph-mode checkpoint without the captured children's input shapes (written by an older version?)")
-    for name, specs in inputs.items():
-        args = tuple(torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in specs)
-        setattr(model, name, quantizer.prepare(graph.capture(getattr(model, name), args), name_prefix=f"{name}."))
+    for name, spec in inputs.items():
+        child = getattr(model, name)
+        device = next((p.device for p in child.parameters()), torch.device("cpu"))
+        if isinstance(spec, list):  # written before keywords were recorded: the positional tensors only
+            spec = {"args": spec, "kwargs": {}}
+        where = f"{path}: graph input of '{name}'"
+        args = tuple(_example_value(a, f"{where} {i}", device) for i, a in enumerate(spec.get("args", [])))
+        kwargs = {k: _example_value(v, f"{where} '{k}'", device) for k, v in spec.get("kwargs", {}).items()}
+        setattr(model, name, quantizer.prepare(graph.capture(child, args, kwargs), name_prefix=f"{name}."))
 
 
 class _FoldForCheckpoint:

@@ -26,7 +26,12 @@ from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, 
 from quark.torch.quantization.formats import TORCH_FLOAT8, decode, fake_quantize, format_of, int_range, quantize_int
 from quark.torch.quantization.formats.grouping import channel_view
 from quark.torch.quantization.nn.modules import QuantMixin
-from quark.torch.quantization.nn.modules.quant_modules import slot_label, slot_name
+from quark.torch.quantization.nn.modules.quant_modules import (
+    refresh_computed_tensors,
+    slot_label,
+    slot_name,
+    store_computed_tensors,
+)
 
 FILENAME = "quark_model.onnx"  # amd-quark's name
 _RANGES = {Dtype.int8: (-128, 127), Dtype.uint8: (0, 255)}
@@ -332,9 +337,12 @@ class _NoGuards(nn.Module):
 
 def qdq_model(model: nn.Module) -> nn.Module:
     """A frozen copy of ``model`` whose quantizers are in their export form; ValueError naming the first unsupported one."""
+    refresh_computed_tensors(model)  # old-style weight_norm's weight: a non-leaf tensor that deepcopy refuses
     with warnings.catch_warnings():  # torch's own pickling of a captured graph's pytree specs (torch >= 2.10)
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
-        export = ModelQuantizer.freeze(copy.deepcopy(model)).eval()
+        export = copy.deepcopy(model)
+    store_computed_tensors(export)  # weight_norm's weight: stored as the model computes it now, not recomputed
+    export = ModelQuantizer.freeze(export).eval()
     functional = _functional_weights(export)
     for layer, slot, q, where, name in _slots(export):
         tensor = _slot_tensor(layer, slot, functional)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from quark.torch.quantization import graph
 from quark.torch.quantization.config.config import (
@@ -47,7 +48,9 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QuantHFConv1DMixin,
     QuantLinear,
     QuantMixin,
+    computed_tensor,
     iter_quantizers,
+    refresh_computed_tensors,
     slot_label,
     twin_of_foreign_class,
 )
@@ -191,7 +194,7 @@ def _float_reason(config: Config, name: str, module: nn.Module, owner: tuple[str
         return "no QuantizationSpec for any of its tensors at any config level"
     if is_norm(module):
         return "normalization layer (kept float)"
-    params = [n for n, _ in module.named_parameters(recurse=False)]
+    params = _own_parameters(module)
     return f"no quantized twin for {type(module).__name__}: its Parameters {params} are used in its own forward"
 
 
@@ -200,18 +203,29 @@ def _float_layers(config: Config, model: nn.Module, planned: set[str]) -> list[F
     owners = _owners(model)
     out = []
     for name, module in model.named_modules():
-        if name in planned or isinstance(module, QuantMixin | FakeQuantizeBase) or _inside_quantized(model, name):
+        if name in planned or isinstance(module, _NOT_LAYERS) or _inside_quantized(model, name):
             continue
-        if next(module.parameters(recurse=False), None) is None:
+        if not _own_parameters(module):
             continue
         out.append(FloatLayer(name, type(module).__name__, _float_reason(config, name, module, owners.get(name))))
     return out
 
 
+#: modules whose Parameters belong to another: a quantizer's thresholds, the originals of a parametrized tensor (the
+#: layer holding the parametrization is the one quantized or reported float)
+_NOT_LAYERS = (QuantMixin, FakeQuantizeBase, parametrize.ParametrizationList)
+
+
+def _own_parameters(module: nn.Module) -> list[str]:
+    """The Parameters a module holds itself, its parametrized tensors (weight_norm's ``weight``) included."""
+    params = [n for n, _ in module.named_parameters(recurse=False)]
+    return params + list(module.parametrizations) if parametrize.is_parametrized(module) else params
+
+
 def _inside_quantized(model: nn.Module, name: str) -> bool:
-    """Whether ``name`` lies inside a quantizer module (its learnable thresholds are not a layer)."""
+    """Whether ``name`` lies inside a quantizer module or a parametrization (see ``_NOT_LAYERS``)."""
     parts = name.split(".")
-    return any(isinstance(_get_submodule(model, ".".join(parts[:i])), FakeQuantizeBase) for i in range(1, len(parts)))
+    return any(isinstance(_get_submodule(model, ".".join(parts[:i])), _NOT_LAYERS[1:]) for i in range(1, len(parts)))
 
 
 def _check_layer(plan: LayerPlan, module: nn.Module) -> None:
@@ -638,7 +652,8 @@ class ModelQuantizer:
         """Fix every quantizer for inference (observers leave the forward path) and return the model.
 
         ``bake_weights=True`` also writes the quantized weights into the float weight tensors (in place) and drops
-        the weight quantizers, so inference does not re-quantize them on every call. Conv + BatchNorm units of graph
+        the weight quantizers, so inference does not re-quantize them on every call (a weight computed at each forward,
+        weight_norm's, keeps its frozen quantizer: there is no stored tensor to write). Conv + BatchNorm units of graph
         mode become plain convs with the folded weights first.
         """
         graph.fold_batch_norms(model)
@@ -659,7 +674,7 @@ class ModelQuantizer:
                 module._quant_unreached = True
                 continue
             for slot, q in list(module.quantizer_slots()):
-                if bake_weights and slot.tensor is not None:
+                if bake_weights and slot.tensor is not None and not computed_tensor(module, slot.tensor):
                     tensor = getattr(module, slot.tensor)
                     with torch.no_grad():
                         tensor.copy_(q(tensor))
@@ -791,6 +806,7 @@ def _check_data(dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Mod
 
 def _observe_params(model: nn.Module) -> None:
     """Weights and biases are observed once, directly (no data needed)."""
+    refresh_computed_tensors(model)
     for m in model.modules():
         if isinstance(m, QuantMixin):
             for param, q in m.param_quantizers():

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from quark.torch.quantization.graph.loss import attach_loss, drop_unset_loss_keywords
 from quark.torch.quantization.hf import no_kv_cache
 
 __all__ = ["GraphModeError", "capture", "normalize", "is_graph_module", "module_path", "fetch_attr", "example_inputs"]
@@ -102,6 +103,7 @@ def capture(
         if example_inputs is not None and EXAMPLE_KEY not in model.meta:  # type: ignore[operator]
             _keep_example(model, args, kwargs)  # type: ignore[arg-type]
         return normalize(model)  # type: ignore[arg-type]
+    kwargs = drop_unset_loss_keywords(model, kwargs)
     shapes = _dynamic_batch(model, args, kwargs) if dynamic_batch else None
     try:
         with no_kv_cache(model):  # a cache object is no graph output; calibration and evaluation never read one
@@ -113,6 +115,7 @@ def capture(
     if hf_config is not None and hasattr(hf_config, "to_dict"):
         gm.config = hf_config  # a Hugging Face model's config: the amd-quark export writes it into config.json
     _keep_example(gm, args, kwargs)  # type: ignore[arg-type]
+    attach_loss(gm, model, args, kwargs)  # labels= of a training step: the loss from the graph's logits
     return gm  # type: ignore[return-value]
 
 
@@ -190,11 +193,11 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
-        elif node.target is aten.dropout.default:
+        elif node.target in (aten.dropout.default, aten.dropout_.default):  # dropout_: nn.Dropout(inplace=True)
             baked.add(bool(node.args[2]))
             p = float(node.args[1])
             name = f"_dropout_{node.name}"
-            gm.add_submodule(name, nn.Dropout(p))
+            gm.add_submodule(name, nn.Dropout(p, inplace=node.target is aten.dropout_.default))
             with graph.inserting_before(node):
                 call = graph.call_module(name, (node.args[0],))
             call.meta = dict(node.meta)

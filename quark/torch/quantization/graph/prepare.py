@@ -30,6 +30,7 @@ from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.coverage import FloatLayer
 from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
 from quark.torch.quantization.graph.capture import EAGER_FALLBACK, GraphModeError, fetch_attr, module_path, normalize
+from quark.torch.quantization.graph.loss import carry_hf_attributes
 from quark.torch.quantization.graph.modules import CONV_BN, QuantActivation, QuantFunctionalWeight, SharedFakeQuantize
 from quark.torch.quantization.graph.rules import COMPUTE, float_tensor, kind_of, weighted_ops_in_body
 from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, QuantMixin
@@ -360,8 +361,7 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's pytree spec deprecation inside deepcopy
         gm = copy.deepcopy(graph_module, memo)
-    if getattr(graph_module, "config", None) is not None:  # a captured Hugging Face model's config (deepcopy drops it)
-        gm.config = graph_module.config
+    carry_hf_attributes(graph_module, gm)  # a captured Hugging Face model's config and loss hooks (deepcopy drops them)
     normalize(gm)
     if any(isinstance(m, QuantMixin) for m in gm.modules()):
         raise GraphModeError("the graph is already prepared for quantization (it holds quantized layers); prepare a captured float graph")
@@ -456,6 +456,14 @@ def _check_unit(gm: fx.GraphModule, unit: GraphUnit) -> None:
     _check_layer(LayerPlan(unit.name, type(layer).__name__, unit.qconfig, unit.source), layer)
 
 
+def _quantized_as_weight(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether every use of ``node`` is a weight quantizer: a weight computed from Parameters (weight_norm's
+    ``_weight_norm(v, g)``) that the op reading it sees quantized."""
+    return bool(node.users) and all(
+        user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), QuantFunctionalWeight) for user in node.users
+    )
+
+
 def _graph_float_layers(
     gm: fx.GraphModule, units: list[GraphUnit], config: Config, prefix: str, data_path: set[fx.Node]
 ) -> list[FloatLayer]:
@@ -478,7 +486,7 @@ def _graph_float_layers(
         elif node.op == "call_function" and (kind_of(node, gm) == "float" or (kind_of(node, gm) == "quantized_output" and node not in data_path)):
             params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(fetch_attr(gm, a), nn.Parameter)]
             path, type_name = module_path(node)
-            if params and path not in seen:
+            if params and path not in seen and not _quantized_as_weight(gm, node):
                 seen.add(path)
                 out.append(FloatLayer(path, type_name, f"{node.target} runs in float (graph mode quantizes conv/linear/matmul/embedding weights)"))
     return out

@@ -74,7 +74,24 @@ FLOAT = {
     aten.cumsum.default, aten.tril.default, aten.triu.default, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar,
     aten.gt.Scalar, aten.scalar_tensor.default, aten.repeat.default, aten.stack.default, aten.roll.default,
     aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input,
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten._weight_norm.default,
 }  # fmt: skip
+
+
+def _in_place(ops: set[Any]) -> set[Any]:
+    """The in-place forms (``sigmoid_``, ``masked_fill_.Scalar``) of ``ops``, where aten has them: the same value,
+    written into the input, so the same rule (capture keeps them for modules built with ``inplace=True``)."""
+    found = set()
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverload):
+            packet = getattr(aten, op._schema.name.split("::")[1] + "_", None)
+            overload = getattr(packet, op._overloadname, None) if packet is not None else None
+            if overload is not None:
+                found.add(overload)
+    return found
+
+
+FLOAT |= _in_place(FLOAT)
 
 
 #: higher-order ops that run their body (a submodule of the graph, argument ``body_arg``) under a mode switch

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from quark.torch.quantization.config.config import QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.hf import transpose_weight_spec
@@ -32,11 +35,14 @@ __all__ = [
     "QuantEmbeddingBag",
     "QUANT_MODULE_MAP",
     "QuantSlot",
+    "computed_tensor",
     "iter_quantizers",
+    "refresh_computed_tensors",
     "register_quant_module",
     "register_prepare_hook",
     "slot_label",
     "slot_name",
+    "store_computed_tensors",
 ]
 
 QUANTIZER_ROLES = {
@@ -114,7 +120,8 @@ class QuantMixin(nn.Module):
     @classmethod
     def from_float(cls, module: nn.Module, qconfig: QuantizationConfig) -> QuantMixin:
         """The twin of ``module`` sharing its Parameters, buffers, children and hooks, with quantizers of ``qconfig``."""
-        twin = cls.__new__(cls)
+        twin_class = _parametrized_twin_class(cls, module) if parametrize.is_parametrized(module) else cls
+        twin = twin_class.__new__(twin_class)
         state = dict(module.__dict__)
         for key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             state[key] = type(state[key])(state[key])  # own containers, same Parameter / buffer objects
@@ -154,8 +161,9 @@ class QuantMixin(nn.Module):
         return {}
 
     def to_float(self) -> nn.Module:
-        """The float module again (same Parameters), quantizers dropped."""
-        plain = self._float_class.__new__(self._float_class)
+        """The float module again (same Parameters, same parametrizations), quantizers dropped."""
+        float_class = getattr(self, "_parametrized_class", None) or self._float_class
+        plain = float_class.__new__(float_class)
         attrs = {s.attr for s in DEFAULT_SLOTS} | {s.attr for s in self._quant_slots}
         state = dict(self.__dict__)
         state["_modules"] = {k: v for k, v in self._modules.items() if k not in attrs}
@@ -195,6 +203,56 @@ class QuantMixin(nn.Module):
         weight = self._quantize(self._weight_quantizer, self.weight)
         bias = self._quantize(self._bias_quantizer, getattr(self, "bias", None))
         return weight, bias  # type: ignore[return-value]
+
+
+def _parametrized_twin_class(cls: type[QuantMixin], module: nn.Module) -> type[QuantMixin]:
+    """``cls`` on top of the class ``torch.nn.utils.parametrize`` made for ``module`` (weight_norm of Wav2Vec2's and
+    HuBERT's positional conv): its parametrized tensors stay properties, computed from their originals at every
+    access, so the weight quantizer sees the weight the parametrization computes on every forward. torch makes that
+    class per module, so this one is too."""
+    parametrized = type(module)
+    name = f"Quant{parametrized.__name__}"
+    return type(name, (cls, parametrized), {"_parametrized_class": parametrized, "__qualname__": name})
+
+
+#: torch's old-style reparametrizations: a forward pre-hook writes the tensor, computed from others, before each call
+_TENSOR_HOOKS = (WeightNorm, SpectralNorm)
+
+
+def computed_tensor(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` is computed from other Parameters at each forward (a parametrization, the old-style
+    ``torch.nn.utils.weight_norm`` hook) rather than stored: writing into it changes nothing."""
+    if parametrize.is_parametrized(module, name):
+        return True
+    return any(isinstance(h, _TENSOR_HOOKS) and h.name == name for h in module._forward_pre_hooks.values())
+
+
+def refresh_computed_tensors(model: nn.Module) -> None:
+    """Recompute the tensors the old-style hooks write before each forward (after a training step they hold the
+    values of the last forward), so a read outside a forward sees the current ones; without autograd history, which
+    the next forward rebuilds, so the model can be deep-copied (torch refuses to copy a non-leaf tensor)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for hook in list(module._forward_pre_hooks.values()):
+                if isinstance(hook, _TENSOR_HOOKS):
+                    hook(module, ())
+
+
+def store_computed_tensors(model: nn.Module) -> None:
+    """Replace every computed tensor (see ``computed_tensor``) by a Parameter holding its current value, its
+    parametrization or hook removed: for export copies, whose graph stores the weight the model runs with rather than
+    recomputing it from its originals (a float recomputation elsewhere could move a code across a rounding tie)."""
+    for module in list(model.modules()):
+        if parametrize.is_parametrized(module):  # not remove_parametrizations: it edits the class the copy shares
+            values = {name: getattr(module, name).detach().clone() for name in module.parametrizations}
+            module.__class__ = parametrize.type_before_parametrizations(module)
+            del module._modules["parametrizations"]
+            for name, value in values.items():
+                module.register_parameter(name, nn.Parameter(value))
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, _TENSOR_HOOKS):
+                hook.remove(module)
+                del module._forward_pre_hooks[key]
 
 
 class QuantLinear(QuantMixin, nn.Linear):
