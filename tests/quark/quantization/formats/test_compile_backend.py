@@ -238,7 +238,7 @@ def test_every_format_runs_on_cuda(name: str) -> None:
         fn = _cases_on(device)[name]
         set_compile(mode)
         try:
-            xg = x.to(device).requires_grad_(True)
+            xg = x.detach().to(device, copy=True).requires_grad_(True)  # a leaf on every device
             y = fn(xg)
             y.backward(grad.to(device))
             results[(device, mode)] = (y.detach().cpu(), xg.grad.cpu())
