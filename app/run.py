@@ -1,8 +1,9 @@
 """One run of the app: validate -> build -> fit (float) -> test float -> quantize (PTQ or QAT) -> test -> report.
 
 ``train.py`` calls ``run(cfg, output_dir)`` with the composed Hydra config; tests call it in-process the same way.
-Every check that can fail (the quant config, the metric, the checkpoint, the layers' shapes) runs before a Trainer
-is built, so a mistake costs seconds, not a training run.
+Every check that can fail (the quant config, the metric, the checkpoint, the layers' shapes, the data loaders, the
+Trainer's arguments, files of the user's where the run writes) runs before the run directory is touched, so a mistake
+costs seconds, not a training run, and leaves the directory as it was.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ from app.layer_bits import apply_layer_bits
 from app.mixed import candidate_configs, check_before_training, run_mixed, with_candidate
 from app.rundir import (
     FLOAT_TEST_CACHE,
+    LOCK,
     check_free,
     check_writable,
     claim,
     file_logs_held,
+    locked,
     planned,
     read_state,
     record,
@@ -133,7 +136,8 @@ class ScaleLearningRates(Callback):
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run the composed config; writes ``results.json`` (and checkpoints, logs) under ``output_dir``; returns it.
-    The directory is locked for the whole run: a second run on it meanwhile stops at once (ConfigError)."""
+    The directory is locked from the moment every check has passed to the end of the run: a second run on it meanwhile
+    stops (ConfigError). A run refused by a check leaves the directory as it was (``app.rundir``)."""
     start = time.perf_counter()
     _one_log_line_per_message()
     out = Path(output_dir)
@@ -142,9 +146,23 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     # train.log is held back until the run claims the directory; each warning once, through logging (so into train.log)
-    with file_logs_held(out) as release_logs, _run_dir_lock(out), warnings_logged_once():
+    with file_logs_held(out) as release_logs, contextlib.ExitStack() as lock, warnings_logged_once():
+        if locked(out):  # at once; the lock itself is taken when every check has passed (a refused run leaves no .lock)
+            raise _busy(out)
+
+        def take(plan: tuple[list[str], list[str]], inputs: list[str | None]) -> None:
+            """Lock the directory, check again under the lock that no file of anybody else's is in the way, claim."""
+            lock.enter_context(_run_dir_lock(out))
+            try:
+                check_free(out, *plan)  # the directory may have changed while the checks ran
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            claim(cfg, out, inputs=inputs)  # run_state.json "running"; the files the previous run recorded go
+            release_logs()
+            _save_composed_config(cfg, out)
+
         with recording(out):  # run_state.json: complete, or failed with the error (once the run claimed the dir)
-            return _run_locked(cfg, out, start, release_logs)
+            return _run_checked(cfg, out, start, take)
 
 
 def _save_composed_config(cfg: DictConfig, out: Path) -> None:
@@ -160,7 +178,9 @@ def _save_composed_config(cfg: DictConfig, out: Path) -> None:
         write_atomically(folder, "overrides.yaml", lambda tmp: OmegaConf.save(overrides, tmp))
 
 
-def _run_locked(cfg: DictConfig, out: Path, start: float, release_logs: Callable[[], None]) -> dict[str, Any]:
+def _run_checked(cfg: DictConfig, out: Path, start: float, take: Callable[..., None]) -> dict[str, Any]:
+    """Every check (the quant config, the data, the model, the checkpoint, the Trainer, the files in the way), then
+    ``take`` the directory (lock and claim), then the run."""
     flow, qconfig = build_quant(cfg.quant)  # first: a bad quant config stops here
     check_plain_keys(cfg)  # seed=abc, trainer.max_epochs=abc, ...: named, before anything is built
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -187,14 +207,12 @@ def _run_locked(cfg: DictConfig, out: Path, start: float, release_logs: Callable
             _load_float_weights(model, str(cfg.ckpt_path))
         _check_data(cfg, datamodule)  # data.batch_size=0: its loaders are built (not iterated) here
         quantizing = qconfig is not None
-        check_free(out, *planned(cfg, flow.mode if quantizing else None, quantizing and flow.target_bits is not None, bool(formats)))
+        plan = planned(cfg, flow.mode if quantizing else None, quantizing and flow.target_bits is not None, bool(formats))
+        check_free(out, *plan)  # a file of the user's where this run writes: named, the run stops
     except (ValueError, FileNotFoundError, MissingExtraError) as err:  # before any Trainer: the config cannot run
         raise ConfigError(str(err)) from err
     trainer = _checked_trainer(cfg, out)  # trainer.max_epochs=-2 stops here, before the directory is touched
-    # the last check has passed: run_state.json "running"; the files the previous run recorded here are removed
-    claim(cfg, out, inputs=[cfg.get("ckpt_path"), flow.sensitivity_csv])
-    release_logs()
-    _save_composed_config(cfg, out)
+    take(plan, [cfg.get("ckpt_path"), flow.sensitivity_csv])  # the last check has passed: the directory is this run's
 
     timings: dict[str, float] = {}
     if not cfg.get("ckpt_path"):
@@ -506,29 +524,33 @@ def _run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def _flock(out: Path) -> Iterator[None]:
-    path = out / ".lock"
-    fd = _open_lock(path)
+    fd = _open_lock(out / LOCK)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = read_state(out) or {}  # the holder's pid, once it has claimed the directory
-            by = f" (pid {holder.get('pid')})" if holder.get("state") == "running" and holder.get("pid") else ""
-            raise ConfigError(
-                f"the run directory {out} is in use by another run{by}, which holds {path}; this run stops before "
-                "training or writing results there. Wait for that run to finish, or give this one a directory of its "
-                "own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
-            ) from None
+            raise _busy(out) from None
         yield
     finally:
         os.close(fd)  # releases the lock
 
 
+def _busy(out: Path) -> ConfigError:
+    """The refusal of a run whose directory another live run holds (named by its pid once it has claimed it)."""
+    holder = read_state(out) or {}
+    by = f" (pid {holder.get('pid')})" if holder.get("state") == "running" and holder.get("pid") else ""
+    return ConfigError(
+        f"the run directory {out} is in use by another run{by}, which holds {out / LOCK}; this run stops before "
+        "training or writing results there. Wait for that run to finish, or give this one a directory of its "
+        "own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
+    )
+
+
 def _open_lock(path: Path) -> int:
-    """The lock file, opened read-only without following a link, created when absent (never truncated); ConfigError
-    when it is a link or not a regular file."""
+    """The lock file, opened without following a link, created when absent, never written (read-write only because
+    an exclusive lock on NFS needs it); ConfigError when it is a link or not a regular file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as err:
         what = "a symbolic link" if err.errno == errno.ELOOP else f"not usable ({err.strerror})"
         raise ConfigError(
@@ -537,7 +559,10 @@ def _open_lock(path: Path) -> int:
         ) from None
     if not S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise ConfigError(f"{path}, the run directory's lock file, is not a regular file: remove it, or give this run another directory: hydra.run.dir=<another dir>")
+        raise ConfigError(
+            f"{path}, the run directory's lock file, is not a regular file: remove it, or give this run another "
+            "directory: hydra.run.dir=<another dir>"
+        )
     return fd
 
 

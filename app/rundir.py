@@ -263,12 +263,12 @@ def read_state(out: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(state, dict):
         return None
-    if state.get("state") == "running" and Path(out).resolve() not in _claimed and not _locked(Path(out)):
+    if state.get("state") == "running" and Path(out).resolve() not in _claimed and not locked(Path(out)):
         state["state"] = "stale"
     return state
 
 
-def _locked(out: Path) -> bool:
+def locked(out: Path) -> bool:
     """Whether a process holds the directory's lock (unknown without fcntl: assumed held). Never through a link."""
     if fcntl is None:
         return True
