@@ -137,13 +137,15 @@ def check_free(out: Path, files: Sequence[str], folders: Sequence[str]) -> None:
 
 def _files_under(out: Path, folder: str) -> list[str]:
     """Every entry (files and links, not folders) under ``out/folder`` (a link to a folder is followed there only),
-    relative to ``out``."""
+    relative to ``out``; this project's temporaries aside (the claim removes them)."""
     root = out / folder
     if not root.is_dir():
         return []
     found = []
     for parent, dirs, names in os.walk(root):
-        found += [Path(parent, n) for n in names] + [Path(parent, d) for d in dirs if Path(parent, d).is_symlink()]
+        dirs[:] = [d for d in dirs if not is_temporary(d)]
+        found += [Path(parent, n) for n in names if not is_temporary(n)]
+        found += [Path(parent, d) for d in dirs if Path(parent, d).is_symlink()]
     return sorted(_rel(out, p) for p in found)
 
 
@@ -291,12 +293,12 @@ def check_writable(out: Path) -> None:
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
         writable = os.access(out, os.W_OK | os.X_OK)
-        problem = "" if writable else "permission denied"
+        problem = "" if writable else "it is read-only"
     except OSError as err:
         problem = err.strerror or str(err)
     if problem:
         raise ValueError(
-            f"the run directory {out} cannot be written ({problem}): make it writable (chmod u+w), or give this run "
+            f"the run directory {out} cannot be written ({problem}): make it writable, or give this run "
             "another directory: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
         )
 

@@ -23,7 +23,7 @@ import callbacks.checkpoint_io as checkpoint_io
 from callbacks import AtomicCheckpointIO
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_safetensors
-from quark.torch.export.files import is_temporary, remove_stale_temporaries, write_atomically
+from quark.torch.export.files import TEMP_PREFIX, is_temporary, remove_stale_temporaries, write_atomically
 from tasks.recipes import recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def _disk_full_after(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...] = (
 
     def half_then_full(checkpoint: dict[str, Any], tmp: str) -> None:
         seen.append(tmp)
-        if names and not any(Path(tmp).name.startswith(f".{n}.") for n in names):
+        if names and not any(Path(tmp).name.startswith(f"{TEMP_PREFIX}{n}.") for n in names):
             return real(checkpoint, tmp)
         real(checkpoint, tmp)
         size = os.path.getsize(tmp)
