@@ -392,6 +392,28 @@ def record(out: Path) -> list[str]:
     return list(written)
 
 
+def write_recorded(out: Path, name: str, text: str) -> bool:
+    """Write ``out/name`` (atomically) after the run, and add it to the files ``run_state.json`` records (the
+    search's trial.json); False, with an error logged, when a file there is not one a run of this app recorded (a file
+    of the user's is never written over)."""
+    out = Path(out)
+    path = out / RUN_STATE
+    try:
+        state = None if path.is_symlink() else json.loads(path.read_text())
+    except (OSError, ValueError):
+        state = None
+    state = state if isinstance(state, dict) else None
+    if os.path.lexists(out / name) and not _owned(out, name, _recorded(state)):
+        log.error("run directory %s: %s is not a file a run of this app recorded: not written over", out, name)
+        return False
+    write_text_atomically(out / name, text)
+    if state is not None:  # else: no run claimed the directory (refused on a first try): the file stays unrecorded
+        written = [e for e in state.get("written") or [] if not (isinstance(e, dict) and e.get("path") == name)]
+        state["written"] = [*written, {"path": name, **_identity(out / name)}]
+        _write_state(out, state)
+    return True
+
+
 def _overrides() -> list[str] | None:
     from hydra.core.hydra_config import HydraConfig
 

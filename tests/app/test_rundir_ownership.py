@@ -245,3 +245,16 @@ def test_a_read_only_run_directory_gets_one_clear_error(tmp_path: Path) -> None:
         assert sorted(p.name for p in out.iterdir()) == ["results.json"]
     finally:
         out.chmod(0o755)
+
+
+# ----------------------------------------------------------------------------------------------- after the run
+def test_a_searchs_trial_file_is_recorded_and_a_users_is_kept(tmp_path: Path) -> None:
+    """trial.json (written by the search after the run) joins the run's recorded files; one of the user's stays."""
+    mine, job = tmp_path / "mine", tmp_path / "job"
+    _write(mine, {"trial.json": "my trial"})
+    assert rundir.write_recorded(mine, "trial.json", "{}") is False and (mine / "trial.json").read_text() == "my trial"
+    _write(job, {rundir.RUN_STATE: json.dumps({"state": "complete", "written": []})})
+    for text in ('{"status": "FAILED"}', '{"status": "COMPLETED"}'):  # the second replaces the recorded first
+        assert rundir.write_recorded(job, "trial.json", text) is True
+        assert _state(job)["written"] == [{"path": "trial.json", **_identity(job / "trial.json")}]
+    assert (job / "trial.json").read_text() == '{"status": "COMPLETED"}'
