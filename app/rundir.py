@@ -48,8 +48,8 @@ RUN_STATE = "run_state.json"
 #: in a sweep's directory: the float model's test metrics, shared by the jobs that start from one ckpt_path
 FLOAT_TEST_CACHE = "float_test_cache.json"
 LOCK = ".lock"
-#: what a run of the app writes into its directory, besides the loggers' folders (from the config), ``.hydra/`` and the
-#: Hydra log file (rewritten / appended by every run: not removed)
+#: the places a run of the app writes to in its directory, besides the loggers' folders (from the config) and
+#: ``.hydra/``: where ``record`` looks for its files (the Hydra log file, appended by every run, is not recorded)
 PRODUCTS = (
     "results.json",
     "checkpoints",
@@ -59,7 +59,6 @@ PRODUCTS = (
     "mixed_precision.yaml",
     "trial.json",
 )
-_PHASES = ("fp32", "ptq", "qat")
 
 #: the runs of this process that claimed a directory and have not finished: resolved directory -> its state
 _claimed: dict[Path, dict[str, Any]] = {}
@@ -331,7 +330,7 @@ def claim(cfg: DictConfig, out: Path, inputs: Sequence[str | None] = ()) -> dict
         state["replaced"] = {"previous": _summary(previous), "removed": removed, "kept": kept}
     files, dirs = _scan(out, places)
     _claimed[out.resolve()] = {
-        "state": state, "places": places, "inputs": keep, "before": files, "dirs_before": dirs, "written": {},
+        "state": state, "places": places, "before": files, "dirs_before": dirs, "written": {},
     }  # fmt: skip
     _write_state(out, state)
     return state
@@ -368,8 +367,8 @@ def _stat(path: Path) -> tuple[int, int, int]:
 
 
 def record(out: Path) -> list[str]:
-    """Add the files the run that claimed ``out`` has written so far (new or changed since the claim: its inputs
-    and temporaries aside) to its ``run_state.json``, with their size and hash, and the folders it created for them;
+    """Add the files the run that claimed ``out`` has written so far (new or changed since the claim; temporaries
+    aside) to its ``run_state.json``, with their size and hash, and the folders it created for them;
     so that a later run removes them even when this one is killed. Returns the recorded paths."""
     entry = _claimed.get(Path(out).resolve())
     if entry is None:
@@ -378,7 +377,7 @@ def record(out: Path) -> list[str]:
     written: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
     for rel, stat in sorted(files.items()):
         path = out / rel
-        if stat == entry["before"].get(rel) or is_temporary(path.name) or path.resolve() in entry["inputs"]:
+        if stat == entry["before"].get(rel) or is_temporary(path.name):  # as before the claim (an input, a user's)
             continue
         known = entry["written"].get(rel)
         written[rel] = known if known is not None and known[0] == stat else (stat, _identity(path))
