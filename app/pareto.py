@@ -47,9 +47,9 @@ class ParetoFront(Callback):
         else:
             record["error"] = f"{type(value).__name__}: {value}"
             log.error("trial %s failed: %s", record["job"], record["error"], exc_info=value if isinstance(value, BaseException) else None)
-        from quark.torch.export.files import write_text_atomically  # here: importing quark takes a second
+        from app.rundir import write_recorded  # here: importing quark takes a second
 
-        write_text_atomically(out / TRIAL_FILE, json.dumps(record, indent=2, default=str))  # complete or absent
+        write_recorded(out, TRIAL_FILE, json.dumps(record, indent=2, default=str))  # complete or absent, recorded
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))

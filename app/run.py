@@ -1,8 +1,9 @@
 """One run of the app: validate -> build -> fit (float) -> test float -> quantize (PTQ or QAT) -> test -> report.
 
 ``train.py`` calls ``run(cfg, output_dir)`` with the composed Hydra config; tests call it in-process the same way.
-Every check that can fail (the quant config, the metric, the checkpoint, the layers' shapes) runs before a Trainer
-is built, so a mistake costs seconds, not a training run.
+Every check that can fail (the quant config, the metric, the checkpoint, the layers' shapes, the data loaders, the
+Trainer's arguments, files of the user's where the run writes) runs before the run directory is touched, so a mistake
+costs seconds, not a training run, and leaves the directory as it was.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import errno
 import hashlib
 import json
 import logging
@@ -21,6 +23,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 import lightning as L
@@ -35,7 +38,20 @@ from app.checks import check_activations, check_plain_keys, warnings_logged_once
 from app.conf import ConfigError, QuantConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
 from app.layer_bits import apply_layer_bits
 from app.mixed import candidate_configs, check_before_training, run_mixed, with_candidate
-from app.rundir import FLOAT_TEST_CACHE, claim, recording, remove_temporaries, run_files
+from app.rundir import (
+    FLOAT_TEST_CACHE,
+    LOCK,
+    check_free,
+    check_writable,
+    claim,
+    file_logs_held,
+    locked,
+    planned,
+    read_state,
+    record,
+    recording,
+    run_files,
+)  # fmt: skip
 from callbacks import AtomicCheckpointIO, QuantCallback
 from callbacks.quant import _feedable, read_checkpoint
 from quark.torch import ModelQuantizer
@@ -120,21 +136,38 @@ class ScaleLearningRates(Callback):
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run the composed config; writes ``results.json`` (and checkpoints, logs) under ``output_dir``; returns it.
-    The directory is locked for the whole run: a second run on it meanwhile stops at once (ConfigError)."""
+    The directory is locked from the moment every check has passed to the end of the run: a second run on it meanwhile
+    stops (ConfigError). A run refused by a check leaves the directory as it was (``app.rundir``)."""
     start = time.perf_counter()
     _one_log_line_per_message()
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with _run_dir_lock(out), warnings_logged_once():  # each warning once, through logging (so into train.log)
-        remove_temporaries(out)  # of a run killed mid-write (app.rundir)
-        _save_composed_config(cfg, out)
+    try:
+        check_writable(out)  # a read-only directory: named, before anything
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    # train.log is held back until the run claims the directory; each warning once, through logging (so into train.log)
+    with file_logs_held(out) as release_logs, contextlib.ExitStack() as lock, warnings_logged_once():
+        if locked(out):  # at once; the lock itself is taken when every check has passed (a refused run leaves no .lock)
+            raise _busy(out)
+
+        def take(plan: tuple[list[str], list[str]], inputs: list[str | None]) -> None:
+            """Lock the directory, check again under the lock that no file of anybody else's is in the way, claim."""
+            lock.enter_context(_run_dir_lock(out))
+            try:
+                check_free(out, *plan)  # the directory may have changed while the checks ran
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            claim(cfg, out, inputs=inputs)  # run_state.json "running"; the files the previous run recorded go
+            release_logs()
+            _save_composed_config(cfg, out)
+
         with recording(out):  # run_state.json: complete, or failed with the error (once the run claimed the dir)
-            return _run_locked(cfg, out, start)
+            return _run_checked(cfg, out, start, take)
 
 
 def _save_composed_config(cfg: DictConfig, out: Path) -> None:
     """``.hydra/config.yaml`` and ``overrides.yaml``, written by us once the directory is ours (``hydra.output_subdir``
-    is null: Hydra would write them before any code of ours runs, over a running job's)."""
+    is null: Hydra would write them before any code of ours runs, over a running job's or beside a refused run's)."""
     from hydra.core.hydra_config import HydraConfig
 
     folder = out / ".hydra"
@@ -145,7 +178,9 @@ def _save_composed_config(cfg: DictConfig, out: Path) -> None:
         write_atomically(folder, "overrides.yaml", lambda tmp: OmegaConf.save(overrides, tmp))
 
 
-def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
+def _run_checked(cfg: DictConfig, out: Path, start: float, take: Callable[..., None]) -> dict[str, Any]:
+    """Every check (the quant config, the data, the model, the checkpoint, the Trainer, the files in the way), then
+    ``take`` the directory (lock and claim), then the run."""
     flow, qconfig = build_quant(cfg.quant)  # first: a bad quant config stops here
     check_plain_keys(cfg)  # seed=abc, trainer.max_epochs=abc, ...: named, before anything is built
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -170,15 +205,16 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         check_activations(prepared, datamodule, _feedable)  # activation ch_axis vs one batch (a dry forward)
         if cfg.get("ckpt_path"):
             _load_float_weights(model, str(cfg.ckpt_path))
+        _check_data(cfg, datamodule)  # data.batch_size=0: its loaders are built (not iterated) here
+        quantizing = qconfig is not None
+        plan = planned(cfg, flow.mode if quantizing else None, quantizing and flow.target_bits is not None, bool(formats))
+        check_free(out, *plan)  # a file of the user's where this run writes: named, the run stops
     except (ValueError, FileNotFoundError, MissingExtraError) as err:  # before any Trainer: the config cannot run
         raise ConfigError(str(err)) from err
-    claim(cfg, out, inputs=[cfg.get("ckpt_path"), flow.sensitivity_csv])  # run_state.json "running"; another run's files here are removed
+    trainer = _checked_trainer(cfg, out)  # trainer.max_epochs=-2 stops here, before the directory is touched
+    take(plan, [cfg.get("ckpt_path"), flow.sensitivity_csv])  # the last check has passed: the directory is this run's
 
     timings: dict[str, float] = {}
-    try:
-        trainer = _trainer(cfg, out, "fp32", checkpoint_name="float-epoch{epoch}")
-    except InstantiationException as err:  # an argument Lightning refuses (trainer.accelerator=gpu without one)
-        raise ConfigError(f"the Trainer (or a logger) could not be built from the config: {err.__cause__ or err}") from err
     if not cfg.get("ckpt_path"):
         t0 = time.perf_counter()
         trainer.fit(model, datamodule=datamodule)
@@ -187,6 +223,7 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
     model = trainer.precision_plugin.convert_module(model).to(trainer.strategy.root_device)  # as a test leaves it
     float_ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
     float_bits = model_size_bits(model)[1]
+    record(out)  # so far: a killed run's files are removed by the next run too
 
     quant_metrics: dict[str, float] | None = None
     mixed: dict[str, Any] | None = None
@@ -211,11 +248,13 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
         report = _report(model, datamodule, qtrainer)
         quantized_ckpt = str(out / "checkpoints" / "quantized.ckpt")
         qtrainer.save_checkpoint(quantized_ckpt, weights_only=False)  # with the callback state (its Config)
+        record(out)
         if formats:
             example = qtrainer.precision_plugin.convert_input(_first_input(datamodule))  # the model's dtype
             report["export"] = export_model(model, out / "export", [f for f in formats if f != "quark"], example)
             if "quark" in formats:
                 report["export"]["quark"] = _export_quark(model, out / "export" / "quark", datamodule)
+            record(out)
     timings["total_s"] = time.perf_counter() - start
 
     results = _results(cfg, flow, qconfig, metric, higher_is_better, float_metrics, quant_metrics, report, float_bits, timings)
@@ -232,6 +271,30 @@ def _run_locked(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- checks
+def _checked_trainer(cfg: DictConfig, out: Path) -> Trainer:
+    """The float phase's Trainer (building it writes nothing), or ConfigError for an argument Lightning refuses
+    (trainer.max_epochs=-2, trainer.accelerator=gpu without one)."""
+    try:
+        return _trainer(cfg, out, "fp32", checkpoint_name="float-epoch{epoch}")
+    except InstantiationException as err:
+        raise ConfigError(f"the Trainer (or a logger) could not be built from the config: {err.__cause__ or err}") from err
+
+
+def _check_data(cfg: DictConfig, datamodule: Any) -> None:
+    """The data's train and validation loaders can be built (set up as fit sets them up, not iterated): a
+    mistake such as data.batch_size=0 stops the run before the directory is touched, not after the float training."""
+    setup = getattr(datamodule, "setup", None)
+    if callable(setup):
+        setup("fit")
+    for name in ("train_dataloader", "val_dataloader"):
+        make = getattr(datamodule, name, None)
+        try:
+            if callable(make):
+                make()
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"data ({cfg.data.get('_target_')}): {name}() cannot be built: {err}") from err
+
+
 def _build(node: DictConfig, key: str) -> Any:
     """``instantiate`` whose failure in the target's own code is raised as that error (Hydra wraps it in an
     InstantiationException whose message repeats the full traceback text); bad targets keep Hydra's error."""
@@ -452,7 +515,8 @@ def _first_input(datamodule: Any) -> torch.Tensor:
 def _run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
     """An exclusive ``flock`` on ``<out>/.lock`` for the whole run, so that two runs never mix their files in one
     directory. Taken without waiting: if another live run holds it, ConfigError. The OS drops the lock when its
-    process ends, so a crashed run leaves nothing stale; the ``.lock`` file itself stays (emptied on release)."""
+    process ends, so a crashed run leaves nothing stale. The ``.lock`` file is created when absent and never written
+    (nor truncated); it is opened without following a link (a link there: ConfigError)."""
     if fcntl is None:
         return contextlib.nullcontext()
     return _flock(out)
@@ -460,27 +524,46 @@ def _run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def _flock(out: Path) -> Iterator[None]:
-    path = out / ".lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(out / LOCK)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            by = f" (pid {holder})" if holder.isdigit() else ""
-            raise ConfigError(
-                f"the run directory {out} is in use by another run{by}, which holds {path}; this run stops before "
-                "training or writing results there. Wait for that run to finish, or give this one a directory of its "
-                "own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())  # named in the message of a run that is refused
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)
+            raise _busy(out) from None
+        yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _busy(out: Path) -> ConfigError:
+    """The refusal of a run whose directory another live run holds (named by its pid once it has claimed it)."""
+    holder = read_state(out) or {}
+    by = f" (pid {holder.get('pid')})" if holder.get("state") == "running" and holder.get("pid") else ""
+    return ConfigError(
+        f"the run directory {out} is in use by another run{by}, which holds {out / LOCK}; this run stops before "
+        "training or writing results there. Wait for that run to finish, or give this one a directory of its "
+        "own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
+    )
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened without following a link, created when absent, never written (read-write only because
+    an exclusive lock on NFS needs it); ConfigError when it is a link or not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as err:
+        what = "a symbolic link" if err.errno == errno.ELOOP else f"not usable ({err.strerror})"
+        raise ConfigError(
+            f"{path}, the run directory's lock file, is {what}: the app never writes through a link there. Remove "
+            "it, or give this run another directory: hydra.run.dir=<another dir>"
+        ) from None
+    if not S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(
+            f"{path}, the run directory's lock file, is not a regular file: remove it, or give this run another "
+            "directory: hydra.run.dir=<another dir>"
+        )
+    return fd
 
 
 def _load_checkpoint(path: str) -> Any:

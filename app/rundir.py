@@ -1,29 +1,35 @@
 """What a run directory holds, and whose it is.
 
 ``run_state.json`` records the run that owns the directory: written ``"running"`` (pid, host, start time, command line
-and Hydra overrides, the places it writes to) once the config has passed its checks, and rewritten ``"complete"`` or
-``"failed"`` (with the error) when the run ends. A run killed with SIGKILL (or a machine that went down) leaves
-``"running"``; ``read_state`` reports it as ``"stale"`` when no live run holds the directory's lock.
+and Hydra overrides, the places it writes to) once every check of the run has passed, then kept up to date with the
+files the run wrote (``written``: each one's path relative to the directory, size and sha256; ``dirs``: the folders it
+created), and rewritten ``"complete"`` or ``"failed"`` (with the error) when the run ends. A run killed with SIGKILL (or
+a machine that went down) leaves ``"running"``; ``read_state`` reports it as ``"stale"`` when no live run holds the
+directory's lock.
 
-A run reusing a directory first removes what another run left at the places it writes to (results.json,
-checkpoints/, export/, the loggers' folders, the mixed-precision files, trial.json) and at the places that run recorded,
-so that one run's results never sit beside another's checkpoint. Only those places are touched: files of yours in the
-directory stay, and so does a ``ckpt_path=`` file inside it (the run's input). Temporaries of writes that never
-finished (``.<name>.<random>.tmp``, see ``quark.torch.export.files``) are removed when the run starts. All of this
-happens under the directory's lock (``app.run._run_dir_lock``), so never under a live run's feet.
-"""
+A run reusing a directory removes exactly the files the earlier run recorded, and only those that are still regular
+files with the recorded size and hash, reached from the directory without passing a symbolic link; then the empty
+folders that run created. A file changed or replaced since, a link, an entry under a linked folder, and a recorded path
+that leaves the directory (absolute, ``..``) are left alone and named in the log. Nothing is removed by name or
+pattern, except this project's own temporaries (``.quarkl-tmp.*``, see ``quark.torch.export.files``) of writes that
+never finished, in the run's places (never through a link). A ``ckpt_path=`` file inside the directory (the run's input)
+stays. Before any of this, ``check_free`` refuses the run when a file it would write under a fixed name (results.json,
+checkpoints/quantized.ckpt, the loggers' phase folders, export/, ...) is there and is not such a recorded file: a file
+of yours is never overwritten. All of this happens under the directory's lock (``app.run._run_dir_lock``), so never
+under a live run's feet, and only once the run's config, Trainer, data and model have passed their checks: a refused
+run leaves the directory as it was."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
 import logging
 import os
-import shutil
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +48,8 @@ RUN_STATE = "run_state.json"
 #: in a sweep's directory: the float model's test metrics, shared by the jobs that start from one ckpt_path
 FLOAT_TEST_CACHE = "float_test_cache.json"
 LOCK = ".lock"
-#: what a run of the app writes into its directory, besides the loggers' folders (from the config), ``.hydra/`` and the
-#: Hydra log file (rewritten / appended by every run: not removed)
+#: the places a run of the app writes to in its directory, besides the loggers' folders (from the config) and
+#: ``.hydra/``: where ``record`` looks for its files (the Hydra log file, appended by every run, is not recorded)
 PRODUCTS = (
     "results.json",
     "checkpoints",
@@ -53,7 +59,6 @@ PRODUCTS = (
     "mixed_precision.yaml",
     "trial.json",
 )
-_PHASES = ("fp32", "ptq", "qat")
 
 #: the runs of this process that claimed a directory and have not finished: resolved directory -> its state
 _claimed: dict[Path, dict[str, Any]] = {}
@@ -75,51 +80,203 @@ def _inside(out: Path, path: Path) -> bool:
     return rel != Path(".")
 
 
-def output_places(cfg: DictConfig, out: Path) -> list[Path]:
-    """The files and folders a run of ``cfg`` writes into ``out``: PRODUCTS and the loggers' folders there."""
-    places = [out / name for name in PRODUCTS]
+def _logger_names(cfg: DictConfig) -> list[str]:
+    """The folders (relative to the run directory) of the loggers that write there (no ``save_dir`` of their own)."""
+    names = []
     for node in (cfg.get("logger") or {}).values():
         if node is None or node.get("save_dir") is not None:  # a save_dir of the user's: not this directory's
             continue
         name = node.get("name", "lightning_logs")
         if name:
-            places.append(out / str(name))
+            names.append(str(name))
+    return names
+
+
+def output_places(cfg: DictConfig, out: Path) -> list[Path]:
+    """The files and folders a run of ``cfg`` writes into ``out``: PRODUCTS and the loggers' folders there."""
+    places = [out / name for name in (*PRODUCTS, *_logger_names(cfg))]
     return [p for p in places if _inside(out, p)]
 
 
-def remove_temporaries(out: Path) -> list[Path]:
-    """The stale temporaries of writes that never finished (a killed export or checkpoint), in ``out`` and ``.hydra``
-    and anywhere under checkpoints/ and export/; also the ``results.json.tmp`` of earlier versions of the app."""
-    removed = remove_stale_temporaries([out, out / ".hydra"], [out / "checkpoints", out / "export"])
-    legacy = out / "results.json.tmp"
-    if legacy.is_file():
-        legacy.unlink()
-        removed.append(legacy)
+def planned(cfg: DictConfig, mode: str | None, mixed: bool, exporting: bool) -> tuple[list[str], list[str]]:
+    """What a run of ``cfg`` writes under fixed names (relative paths): the files, and the folders it writes into
+    whole (export/, each logger's phase folder, whose metrics.csv Lightning replaces). ``mode``: ptq / qat, None
+    without quantization."""
+    files = ["results.json", ".hydra/config.yaml", ".hydra/overrides.yaml"]
+    files += ["checkpoints/quantized.ckpt"] if mode else []
+    files += ["sensitivity.csv", "mixed_bits.png", "mixed_precision.yaml"] if mixed else []
+    files += ["trial.json"] if cfg.get("hparams_search") else []
+    folders = [f"{name}/{phase}" for name in _logger_names(cfg) for phase in ("fp32", *([mode] if mode else []))]
+    return files, folders + (["export"] if exporting else [])
+
+
+def check_free(out: Path, files: Sequence[str], folders: Sequence[str]) -> None:
+    """ValueError when the run would overwrite a file that no earlier run of this app recorded writing (or that
+    changed since): one of ``files``, or anything in ``folders`` (paths relative to ``out``). Touches nothing."""
+    out = Path(out)
+    state = read_state(out)
+    recorded = _recorded(state)
+    taken = [RUN_STATE] if os.path.lexists(out / RUN_STATE) and (state is None or (out / RUN_STATE).is_symlink()) else []
+    taken += [rel for rel in files if os.path.lexists(out / rel) and not _owned(out, rel, recorded)]
+    for folder in folders:
+        if os.path.lexists(out / folder) and not (out / folder).is_dir():
+            taken.append(folder)
+        for rel in _files_under(out, folder):
+            if not _owned(out, rel, recorded):
+                taken.append(rel)
+    if taken:
+        shown = ", ".join(taken[:8]) + (f" and {len(taken) - 8} more" if len(taken) > 8 else "")
+        raise ValueError(
+            f"the run directory {out} holds {shown}, which no earlier run of this app recorded writing (or which "
+            "changed since): this run would write over them, so it stops here and has touched nothing. Move them "
+            "elsewhere, or give this run a directory of its own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another "
+            "dir> with -m)"
+        )
+
+
+def _files_under(out: Path, folder: str) -> list[str]:
+    """Every entry (files and links, not folders) under ``out/folder`` (a link to a folder is followed there only),
+    relative to ``out``; this project's temporaries aside (the claim removes them)."""
+    root = out / folder
+    if not root.is_dir():
+        return []
+    found = []
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not is_temporary(d)]
+        found += [Path(parent, n) for n in names if not is_temporary(n)]
+        found += [Path(parent, d) for d in dirs if Path(parent, d).is_symlink()]
+    return sorted(_rel(out, p) for p in found)
+
+
+def _rel(out: Path, path: Path) -> str:
+    return path.relative_to(out).as_posix()
+
+
+# ----------------------------------------------------------------------------------------------- identities
+def _hash(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _identity(path: Path) -> dict[str, Any]:
+    """What a recorded file is: its size and content hash."""
+    return {"size": path.stat().st_size, "sha256": _hash(path)}
+
+
+def _recorded(state: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The files a run's state lists as written: path (as recorded) -> size and hash (malformed entries dropped)."""
+    entries = (state or {}).get("written")
+    found = {}
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("size"), int):
+            found[entry["path"]] = entry
+    return found
+
+
+def _relative(rel: str) -> bool:
+    """``rel`` names a place inside the run directory: relative, without ``..``, ``.`` or empty parts."""
+    parts = rel.split("/")
+    return bool(rel) and not os.path.isabs(rel) and "\\" not in rel and all(p not in ("", ".", "..") for p in parts)
+
+
+def _reach(out: Path, rel: str) -> tuple[Path | None, str | None]:
+    """``out/rel`` when every folder on the way is a real folder (not a link): (path, None); else (None, why), why
+    None when the way is simply gone."""
+    path = out
+    for part in rel.split("/")[:-1]:
+        path = path / part
+        if path.is_symlink():
+            return None, f"{_rel(out, path)} is a symbolic link"
+        if not path.is_dir():
+            return None, None
+    return path / rel.rsplit("/", 1)[-1], None
+
+
+def _owned(out: Path, rel: str, recorded: dict[str, dict[str, Any]]) -> bool:
+    """``out/rel`` is a regular file recorded with its size and hash (read through a linked folder such as
+    checkpoints/ on a larger disk: it is only compared here, never removed through the link)."""
+    entry, path = recorded.get(rel), out / rel
+    if entry is None or not _relative(rel) or path.is_symlink() or not path.is_file():
+        return False
+    return path.stat().st_size == entry["size"] and _hash(path) == entry.get("sha256")
+
+
+# ----------------------------------------------------------------------------------------------- removal
+def _remove_recorded(out: Path, state: dict[str, Any] | None, keep: set[Path]) -> tuple[list[str], list[str]]:
+    """Remove the files ``state`` recorded that are still as recorded (see the module's docstring), except ``keep``;
+    then the empty folders it created. Returns what went and what stayed (each with why)."""
+    removed: list[str] = []
+    kept: list[str] = []
+    for rel, entry in _recorded(state).items():
+        why = _removable(out, rel, entry, keep)
+        if why is None:
+            (out / rel).unlink()
+            removed.append(rel)
+        elif why:
+            kept.append(f"{rel} ({why})")
+    dirs = (state or {}).get("dirs")
+    for rel in sorted((d for d in dirs if isinstance(d, str)) if isinstance(dirs, list) else [], reverse=True):
+        path, _ = _reach(out, rel) if _relative(rel) else (None, None)
+        if path is not None and path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            path.rmdir()
+            removed.append(rel + "/")
+    return removed, kept
+
+
+def _removable(out: Path, rel: str, entry: dict[str, Any], keep: set[Path]) -> str | None:
+    """None when ``out/rel`` may go; else why it stays ("" when there is nothing to say: it is gone)."""
+    if not _relative(rel):
+        return "refused: a path outside the run directory"
+    path, why = _reach(out, rel)
+    if path is None:
+        return why or ""
+    if path.is_symlink():
+        return "a symbolic link"
+    if not os.path.lexists(path):
+        return ""
+    if not path.is_file():
+        return "not a regular file"
+    if path.resolve() in keep:
+        return "this run's input"
+    if path.stat().st_size != entry["size"] or _hash(path) != entry.get("sha256"):
+        return "changed since that run wrote it"
+    return None
+
+
+def remove_temporaries(out: Path, places: Sequence[Path]) -> list[Path]:
+    """The stale temporaries (this project's prefix) of writes that never finished (a killed export or checkpoint),
+    in ``out`` and ``.hydra`` and anywhere under ``places`` reached without a link."""
+    reachable = [p for p in places if _inside(out, p) and _reach(out, _rel(out, p))[0] is not None]
+    removed = remove_stale_temporaries([out, out / ".hydra"], reachable)
     if removed:
         log.info("run directory %s: removed %d temporary file(s) of writes that never finished: %s",
-                 out, len(removed), ", ".join(str(p.relative_to(out)) for p in removed))  # fmt: skip
+                 out, len(removed), ", ".join(_rel(out, p) for p in removed))  # fmt: skip
     return removed
 
 
 def read_state(out: Path) -> dict[str, Any] | None:
     """The directory's ``run_state.json`` (None: there is none, or it is unreadable); a ``"running"`` state whose run
     no longer holds the lock is returned as ``"stale"`` (the run was killed)."""
+    path = Path(out) / RUN_STATE
     try:
-        state = json.loads((Path(out) / RUN_STATE).read_text())
+        state = None if path.is_symlink() else json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(state, dict):
         return None
-    if state.get("state") == "running" and Path(out).resolve() not in _claimed and not _locked(Path(out)):
+    if state.get("state") == "running" and Path(out).resolve() not in _claimed and not locked(Path(out)):
         state["state"] = "stale"
     return state
 
 
-def _locked(out: Path) -> bool:
-    """Whether a process holds the directory's lock (unknown without fcntl: assumed held)."""
-    if fcntl is None or not (out / LOCK).exists():
-        return fcntl is None
-    fd = os.open(out / LOCK, os.O_RDONLY)
+def locked(out: Path) -> bool:
+    """Whether a process holds the directory's lock (unknown without fcntl: assumed held). Never through a link."""
+    if fcntl is None:
+        return True
+    try:
+        fd = os.open(out / LOCK, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -129,37 +286,53 @@ def _locked(out: Path) -> bool:
     return False
 
 
+def check_writable(out: Path) -> None:
+    """ValueError naming ``out`` when the run cannot write there (read-only, or not a folder), before anything is
+    written: creates ``out`` (and its parents) when absent."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        writable = os.access(out, os.W_OK | os.X_OK)
+        problem = "" if writable else "it is read-only"
+    except OSError as err:
+        problem = err.strerror or str(err)
+    if problem:
+        raise ValueError(
+            f"the run directory {out} cannot be written ({problem}): make it writable, or give this run "
+            "another directory: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
+        )
+
+
 def claim(cfg: DictConfig, out: Path, inputs: Sequence[str | None] = ()) -> dict[str, Any]:
-    """Make ``out`` this run's (called under its lock, once the config has passed its checks): remove another run's
-    files at this run's places and at the places that run recorded (``inputs``, e.g. ckpt_path, are kept), then write
+    """Make ``out`` this run's (called under its lock, once every check has passed): remove the files the previous run
+    recorded (``inputs``, e.g. ckpt_path, are kept) and the temporaries in this run's places, then write
     ``run_state.json`` as ``"running"``. Returns the state written."""
     out = Path(out)
     previous = read_state(out)
     if previous is not None and previous.get("state") == "running":  # we hold the lock: that run is gone (killed)
         previous["state"] = "stale"
     places = output_places(cfg, out)
-    recorded = [
-        out / p for p in (previous or {}).get("outputs", []) if isinstance(p, str) and ".." not in Path(p).parts
-    ]
     keep = {Path(p).resolve() for p in inputs if p}
-    removed: list[str] = []
-    for place in dict.fromkeys(places + [p for p in recorded if _inside(out, p)]):
-        removed.extend(_remove(out, place, keep))
+    removed, kept = _remove_recorded(out, previous, keep)
+    remove_temporaries(out, places)
+    who = "" if previous is None else (
+        f" (its state: {previous.get('state')}, pid {previous.get('pid')}, started {previous.get('started')})"
+    )  # fmt: skip
     if removed:
-        who = (
-            ""
-            if previous is None
-            else f" (its state: {previous.get('state')}, pid {previous.get('pid')}, started {previous.get('started')})"
-        )
-        log.warning("run directory %s held another run's files%s; removed them: %s", out, who, ", ".join(removed))
+        log.info("run directory %s: removed the files the previous run recorded%s: %s", out, who, ", ".join(removed))
+    if kept:
+        log.warning("run directory %s: kept files the previous run recorded%s: %s", out, who, ", ".join(kept))
     state: dict[str, Any] = {
         "state": "running", "pid": os.getpid(), "host": socket.gethostname(), "started": _now(),
-        "argv": list(sys.argv), "overrides": _overrides(), "outputs": [p.relative_to(out).as_posix() for p in places],
+        "argv": list(sys.argv), "overrides": _overrides(), "outputs": [_rel(out, p) for p in places],
+        "written": [], "dirs": [],
     }  # fmt: skip
-    if previous is not None or removed:
-        state["replaced"] = {"previous": _summary(previous), "removed": removed}
+    if previous is not None:
+        state["replaced"] = {"previous": _summary(previous), "removed": removed, "kept": kept}
+    files, dirs = _scan(out, places)
+    _claimed[out.resolve()] = {
+        "state": state, "places": places, "before": files, "dirs_before": dirs, "written": {},
+    }  # fmt: skip
     _write_state(out, state)
-    _claimed[out.resolve()] = {"state": state, "places": places, "inputs": keep}
     return state
 
 
@@ -169,27 +342,75 @@ def _summary(previous: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: previous.get(k) for k in ("state", "pid", "host", "started", "finished", "overrides")}
 
 
-def _remove(out: Path, place: Path, keep: set[Path]) -> list[str]:
-    """Remove ``place`` (a file, or a folder and what it holds) except the files in ``keep``; returns what went, as
-    paths relative to ``out`` (a folder as ``name/``)."""
-    if not place.is_dir():
-        if not (place.is_symlink() or place.is_file()) or place.resolve() in keep:
-            return []
-        place.unlink()
-        return [place.relative_to(out).as_posix()]
-    if not place.is_symlink() and not any(_inside(place, k) for k in keep):
-        shutil.rmtree(place)
-        return [place.relative_to(out).as_posix() + "/"]
-    # a folder holding an input, or a link to a folder elsewhere (e.g. checkpoints/ on a larger disk; the link stays)
-    removed = []
-    for path in sorted(place.rglob("*"), reverse=True):  # children before their folders
-        if path.is_dir() and not path.is_symlink():
-            if not any(path.iterdir()):
-                path.rmdir()
-        elif path.resolve() not in keep:
-            path.unlink()
-            removed.append(path.relative_to(out).as_posix())
-    return removed
+# ----------------------------------------------------------------------------------------------- recording
+def _scan(out: Path, places: Sequence[Path]) -> tuple[dict[str, tuple[int, int, int]], set[str]]:
+    """The regular files in ``places`` and ``.hydra`` (a place that is a link to a folder is looked into, links
+    below it are not): relative path -> (size, mtime_ns, inode); and the folders there."""
+    files: dict[str, tuple[int, int, int]] = {}
+    dirs: set[str] = set()
+    for place in [*places, out / ".hydra"]:
+        if place.is_file() and not place.is_symlink():
+            files[_rel(out, place)] = _stat(place)
+            continue
+        for parent, _, names in os.walk(place) if place.is_dir() else ():
+            dirs.add(_rel(out, Path(parent)))
+            for name in names:
+                path = Path(parent, name)
+                if path.is_file() and not path.is_symlink():
+                    files[_rel(out, path)] = _stat(path)
+    return files, dirs
+
+
+def _stat(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def record(out: Path) -> list[str]:
+    """Add the files the run that claimed ``out`` has written so far (new or changed since the claim; temporaries
+    aside) to its ``run_state.json``, with their size and hash, and the folders it created for them;
+    so that a later run removes them even when this one is killed. Returns the recorded paths."""
+    entry = _claimed.get(Path(out).resolve())
+    if entry is None:
+        return []
+    files, _ = _scan(out, entry["places"])
+    written: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+    for rel, stat in sorted(files.items()):
+        path = out / rel
+        if stat == entry["before"].get(rel) or is_temporary(path.name):  # as before the claim (an input, a user's)
+            continue
+        known = entry["written"].get(rel)
+        written[rel] = known if known is not None and known[0] == stat else (stat, _identity(path))
+    entry["written"] = written
+    created = {str(parent) for rel in written for parent in Path(rel).parents if str(parent) != "."}
+    entry["state"].update(
+        written=[{"path": rel, **identity} for rel, (_, identity) in written.items()],
+        dirs=sorted(created - entry["dirs_before"]),
+    )
+    _write_state(out, entry["state"])
+    return list(written)
+
+
+def write_recorded(out: Path, name: str, text: str) -> bool:
+    """Write ``out/name`` (atomically) after the run, and add it to the files ``run_state.json`` records (the
+    search's trial.json); False, with an error logged, when a file there is not one a run of this app recorded (a file
+    of the user's is never written over)."""
+    out = Path(out)
+    path = out / RUN_STATE
+    try:
+        state = None if path.is_symlink() else json.loads(path.read_text())
+    except (OSError, ValueError):
+        state = None
+    state = state if isinstance(state, dict) else None
+    if os.path.lexists(out / name) and not _owned(out, name, _recorded(state)):
+        log.error("run directory %s: %s is not a file a run of this app recorded: not written over", out, name)
+        return False
+    write_text_atomically(out / name, text)
+    if state is not None:  # else: no run claimed the directory (refused on a first try): the file stays unrecorded
+        written = [e for e in state.get("written") or [] if not (isinstance(e, dict) and e.get("path") == name)]
+        state["written"] = [*written, {"path": name, **_identity(out / name)}]
+        _write_state(out, state)
+    return True
 
 
 def _overrides() -> list[str] | None:
@@ -203,27 +424,15 @@ def _write_state(out: Path, state: dict[str, Any]) -> None:
 
 
 def run_files(out: Path) -> dict[str, list[str]]:
-    """The files the run that claimed ``out`` wrote there (paths relative to it, by kind; its inputs, e.g. a ckpt_path
-    inside it, are not listed): checkpoints, export, logs (the loggers' folders and the Hydra log file), other
-    (results.json, .hydra/, the mixed-precision files)."""
+    """The files the run that claimed ``out`` wrote there (``record``: paths relative to it, by kind; its inputs, e.g.
+    a ckpt_path inside it, are not listed): checkpoints, export, logs (the loggers' folders and the Hydra log file),
+    other (results.json, .hydra/, the mixed-precision files)."""
     out = Path(out)
-    entry = _claimed.get(out.resolve())
-    places = entry["places"] if entry is not None else [out / name for name in PRODUCTS]
-    inputs = entry["inputs"] if entry is not None else set()
     found: dict[str, list[str]] = {"checkpoints": [], "export": [], "logs": [], "other": []}
-    for place in [*places, out / ".hydra"]:
-        paths = (
-            [place] if place.is_file() else sorted(p for p in place.rglob("*") if p.is_file()) if place.is_dir() else []
-        )
-        for path in paths:
-            if is_temporary(path.name) or path.resolve() in inputs:
-                continue
-            rel = path.relative_to(out).as_posix()
-            top = rel.split("/", 1)[0]
-            kind = (
-                top if top in ("checkpoints", "export") else "other" if top in PRODUCTS or top == ".hydra" else "logs"
-            )
-            found[kind].append(rel)
+    for rel in record(out):
+        top = rel.split("/", 1)[0]
+        kind = top if top in ("checkpoints", "export") else "other" if top in PRODUCTS or top == ".hydra" else "logs"
+        found[kind].append(rel)
     for handler in logging.getLogger().handlers:  # Hydra's job log (train.log), when it lies in the directory
         name = getattr(handler, "baseFilename", None)
         if name and _inside(out, Path(name)) and Path(name).is_file():
@@ -239,8 +448,10 @@ def finish(out: Path, error: BaseException | None) -> None:
     entry = _claimed.get(out.resolve())
     if entry is None:
         return
-    state = dict(entry["state"], finished=_now())
     try:
+        with contextlib.suppress(OSError):  # a failed run's files are recorded too (a full disk: as far as it can)
+            record(out)
+        state = dict(entry["state"], finished=_now())
         if error is None:
             state.update(state="complete", results="results.json", files=run_files(out))
         else:
@@ -264,3 +475,46 @@ def recording(out: Path) -> Iterator[None]:
             log.warning("run directory %s: could not record the failed state: %s", out, failed)
         raise
     finish(out, None)
+
+
+class _Held(logging.Handler):
+    """Keeps the records it gets, to hand them to the file handlers they were meant for once the run may write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def file_logs_held(out: Path) -> Iterator[Callable[[], None]]:
+    """Hold back what the root logger's file handlers would write into ``out`` (Hydra's train.log) until the run has
+    claimed it (call the yielded function then): a refused run leaves no log file there (the console still shows
+    everything). Without a claim the held records are dropped."""
+    root = logging.getLogger()
+    files = [h for h in root.handlers if isinstance(h, logging.FileHandler) and _inside(out, Path(h.baseFilename))]
+    if not files:
+        yield lambda: None
+        return
+    held = _Held()
+    for handler in files:
+        root.removeHandler(handler)
+    root.addHandler(held)
+
+    def release() -> None:
+        if held in root.handlers:
+            root.removeHandler(held)
+            for handler in files:
+                root.addHandler(handler)
+                for record in held.records:
+                    handler.handle(record)
+            held.records.clear()
+
+    try:
+        yield release
+    finally:
+        if held in root.handlers:  # never claimed: the records were shown on the console, the file stays as it was
+            held.records.clear()
+            release()

@@ -27,7 +27,7 @@ __all__ = ["AtomicCheckpointIO", "ensure_atomic_checkpoints"]
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes are atomic: temporary file in the destination folder (named
-    ``.<name>.<random>.tmp``), fsync, rename. Loading and removing are ``TorchCheckpointIO``'s."""
+    ``.quarkl-tmp.<name>.<random>``), fsync, rename. Loading and removing are ``TorchCheckpointIO``'s."""
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:

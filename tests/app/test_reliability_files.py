@@ -6,6 +6,7 @@ the temporaries of a killed export when a run reuses it (``app.rundir``)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from app import rundir
 from app.conf import ConfigError
 from app.run import _trainer, run
 from callbacks import AtomicCheckpointIO
-from quark.torch.export.files import is_temporary
+from quark.torch.export.files import TEMP_PREFIX, is_temporary
 from tasks.lightning_digits import DigitsClassifier
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
@@ -46,40 +47,39 @@ def _float_checkpoint(path: Path) -> Path:
     return path
 
 
+_LEFT = ("results.json", "checkpoints/quantized.ckpt", "checkpoints/float-epoch3.ckpt", "export/model.safetensors",
+         "export/config.json", "logs/ptq/metrics.csv", "logs/fp32/metrics.csv", "sensitivity.csv", "extra/recorded.bin")  # fmt: skip
+
+
 def _leftovers(out: Path) -> None:
-    """What a complete PTQ run with export=[safetensors] leaves, plus a file of the user's."""
-    for rel in ("results.json", "checkpoints/quantized.ckpt", "checkpoints/float-epoch3.ckpt", "export/model.safetensors",
-                "export/config.json", "logs/ptq/metrics.csv", "logs/fp32/metrics.csv", "sensitivity.csv"):  # fmt: skip
+    """What a complete PTQ run with export=[safetensors] leaves (recorded in its run_state.json with size and hash),
+    plus a file of the user's."""
+    written = []
+    for rel in _LEFT:
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_text(f"the other run's {rel}")
+        written.append({"path": rel, "size": (out / rel).stat().st_size,
+                        "sha256": hashlib.sha256((out / rel).read_bytes()).hexdigest()})  # fmt: skip
     (out / "notes.txt").write_text("mine")
-    (out / rundir.RUN_STATE).write_text(json.dumps({"state": "complete", "pid": 1, "started": "yesterday",
-                                                    "outputs": ["results.json", "checkpoints", "export", "logs", "extra"]}))  # fmt: skip
-    (out / "extra").mkdir()
-    (out / "extra" / "recorded.bin").write_text("a place the other run recorded")
+    (out / rundir.RUN_STATE).write_text(json.dumps({
+        "state": "complete", "pid": 1, "started": "yesterday", "written": written,
+        "dirs": ["checkpoints", "export", "logs", "logs/ptq", "logs/fp32", "extra"],
+    }))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- app.rundir, no training
-def test_claim_clears_another_runs_places_and_keeps_the_rest(tmp_path: Path) -> None:
+def test_claim_removes_what_the_other_run_recorded_and_keeps_the_rest(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _leftovers(out)
     ckpt = _float_checkpoint(out / "checkpoints" / "float-epoch0.ckpt")  # this run's input: kept
-    outside = tmp_path / "outside.txt"
-    outside.write_text("not in the run directory")
-    previous = _state(out)  # a run_state.json that names places outside the directory: never followed
-    previous["outputs"] += ["../outside.txt", str(outside), "checkpoints/..", ".", ""]
-    (out / rundir.RUN_STATE).write_text(json.dumps(previous))
     state = rundir.claim(compose_cfg(*SMOKE), out, inputs=[str(ckpt)])
-    assert outside.read_text() == "not in the run directory"
     try:
         assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
             "checkpoints/float-epoch0.ckpt", "notes.txt", "run_state.json",
         ]  # fmt: skip
         assert state["state"] == "running" and state["pid"] == os.getpid() and _state(out)["state"] == "running"
-        assert state["replaced"]["previous"]["state"] == "complete"
-        assert {"results.json", "export/", "logs/", "extra/", "checkpoints/quantized.ckpt"} <= set(
-            state["replaced"]["removed"]
-        )
+        assert state["replaced"]["previous"]["state"] == "complete" and state["replaced"]["kept"] == []
+        assert set(state["replaced"]["removed"]) == {*_LEFT, "export/", "logs/", "logs/ptq/", "logs/fp32/", "extra/"}
         assert rundir.read_state(out)["state"] == "running"  # this process holds it
     finally:
         rundir.finish(out, RuntimeError("stopped\nsecond line"))
@@ -87,19 +87,23 @@ def test_claim_clears_another_runs_places_and_keeps_the_rest(tmp_path: Path) -> 
     assert final["state"] == "failed" and final["error"] == "RuntimeError: stopped" and "finished" in final
 
 
-def test_a_linked_checkpoint_folder_is_emptied_not_unlinked(tmp_path: Path) -> None:
-    """checkpoints/ as a link to a larger disk: the other run's files there go, the link stays."""
+def test_a_linked_checkpoint_folder_is_left_alone(tmp_path: Path) -> None:
+    """checkpoints/ as a link to a larger disk: nothing there is removed through the link (named in the state)."""
     out, elsewhere = tmp_path / "run", tmp_path / "big" / "ckpts"
     elsewhere.mkdir(parents=True)
     (elsewhere / "quantized.ckpt").write_text("the other run's")
     out.mkdir()
     (out / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    written = [{"path": "checkpoints/quantized.ckpt", "size": 15,
+                "sha256": hashlib.sha256(b"the other run's").hexdigest()}]  # fmt: skip
+    (out / rundir.RUN_STATE).write_text(json.dumps({"state": "complete", "written": written}))
     try:
         state = rundir.claim(compose_cfg(*SMOKE), out)
     finally:
         rundir.finish(out, None)
-    assert (out / "checkpoints").is_symlink() and elsewhere.is_dir() and not any(elsewhere.iterdir())
-    assert state["replaced"]["removed"] == ["checkpoints/quantized.ckpt"]
+    assert (out / "checkpoints").is_symlink() and (elsewhere / "quantized.ckpt").read_text() == "the other run's"
+    assert state["replaced"]["removed"] == []
+    assert state["replaced"]["kept"] == ["checkpoints/quantized.ckpt (checkpoints is a symbolic link)"]
 
 
 def test_the_apps_trainers_write_checkpoints_atomically(tmp_path: Path) -> None:
@@ -112,16 +116,13 @@ def test_a_killed_run_reads_as_stale_and_temporaries_go(tmp_path: Path) -> None:
     (out / "export" / "quark").mkdir(parents=True)
     (out / rundir.RUN_STATE).write_text(json.dumps({"state": "running", "pid": 999999}))
     (out / rundir.LOCK).write_text("999999\n")  # the OS released its lock when it died
-    stale = [
-        out / "export" / "quark" / ".model.safetensors.k3j4h5g6.tmp",
-        out / ".results.json.abcdefgh.tmp",
-        out / "results.json.tmp",
-    ]
+    stale = [out / "export" / "quark" / f"{TEMP_PREFIX}model.safetensors.k3j4h5g6", out / f"{TEMP_PREFIX}results.json.abcdefgh"]
     for path in stale:
         path.write_bytes(b"half")
+    (out / "results.json.tmp").write_bytes(b"not named like ours: kept")
     assert rundir.read_state(out)["state"] == "stale"
-    assert sorted(rundir.remove_temporaries(out)) == sorted(stale)
-    assert not _temporaries(out)
+    assert sorted(rundir.remove_temporaries(out, [out / "export"])) == sorted(stale)
+    assert [p.name for p in _temporaries(out)] == ["results.json.tmp"]
 
 
 def test_a_config_error_leaves_the_previous_run_as_it_was(tmp_path: Path) -> None:
@@ -153,6 +154,7 @@ def test_a_rerun_into_a_used_directory_holds_only_its_own_files(tmp_path: Path) 
         state["state"] == "complete" and state["results"] == "results.json" and state["files"]["logs"] == files["logs"]
     )
     assert state["replaced"]["previous"]["pid"] == 1 and "checkpoints/quantized.ckpt" in state["replaced"]["removed"]
+    assert sorted(e["path"] for e in state["written"]) == sorted([*files["logs"], *files["other"], "results.json"])
     assert json.loads((out / "results.json").read_text())["files"] == files
 
 
@@ -163,7 +165,7 @@ def test_a_full_disk_while_quantized_ckpt_is_written(tmp_path: Path, monkeypatch
 
     def full_on_quantized(checkpoint: dict[str, Any], tmp: str) -> None:
         real(checkpoint, tmp)
-        if Path(tmp).name.startswith(".quantized.ckpt."):
+        if Path(tmp).name.startswith(f"{TEMP_PREFIX}quantized.ckpt."):
             with open(tmp, "r+b") as f:
                 f.truncate(os.path.getsize(tmp) // 2)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tmp)

@@ -5,6 +5,8 @@ locked for the whole run (a second run on it stops at once, without results or c
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -128,6 +130,8 @@ def test_a_busy_run_dir_is_refused_then_free_once_released(tmp_path: Path) -> No
     (out / "theirs.txt").write_text("the other run's file")
     (out / ".hydra").mkdir()
     (out / ".hydra" / "config.yaml").write_text("theirs: true\n")
+    written = [{"path": ".hydra/config.yaml", "size": 13, "sha256": hashlib.sha256(b"theirs: true\n").hexdigest()}]
+    (out / "run_state.json").write_text(json.dumps({"state": "running", "pid": 4242, "written": written}))
     try:
         proc = run_train(*SMOKE, "quant=none", f"hydra.run.dir={out}", cwd=tmp_path)
         assert proc.returncode != 0
@@ -151,11 +155,11 @@ def test_a_busy_run_dir_is_refused_then_free_once_released(tmp_path: Path) -> No
 
 
 def test_the_refusal_names_the_holder(tmp_path: Path) -> None:
-    """A run of the app writes its pid into the lock file; a refused run names it."""
+    """A run that has claimed its directory has its pid in run_state.json; a refused run names it."""
     out = tmp_path / "run"
     fd = _hold_lock(out)
     try:
-        os.write(fd, b"4242\n")
+        (out / "run_state.json").write_text(json.dumps({"state": "running", "pid": 4242}))
         with pytest.raises(ConfigError, match=r"in use by another run \(pid 4242\)"):
             run(compose_cfg("quant=none", *SMOKE), out)
     finally:
@@ -174,6 +178,6 @@ def test_a_crashed_run_leaves_no_stale_lock(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", child, str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    assert (out / ".lock").read_text().strip().isdigit()  # it died holding the lock
+    assert (out / ".lock").is_file() and (out / ".lock").read_text() == ""  # it died holding the lock (never written)
     results = run(compose_cfg("quant=none", *SMOKE), out)
     assert (out / "results.json").exists() and results["metric"]["quantized"] is None

@@ -23,7 +23,7 @@ import callbacks.checkpoint_io as checkpoint_io
 from callbacks import AtomicCheckpointIO
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_safetensors
-from quark.torch.export.files import is_temporary, remove_stale_temporaries, write_atomically
+from quark.torch.export.files import TEMP_PREFIX, is_temporary, remove_stale_temporaries, write_atomically
 from tasks.recipes import recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def _disk_full_after(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...] = (
 
     def half_then_full(checkpoint: dict[str, Any], tmp: str) -> None:
         seen.append(tmp)
-        if names and not any(Path(tmp).name.startswith(f".{n}.") for n in names):
+        if names and not any(Path(tmp).name.startswith(f"{TEMP_PREFIX}{n}.") for n in names):
             return real(checkpoint, tmp)
         real(checkpoint, tmp)
         size = os.path.getsize(tmp)
@@ -190,25 +190,35 @@ def test_an_export_on_a_full_disk_keeps_the_previous_file(tmp_path: Path, monkey
 
 
 def test_stale_temporaries_are_recognised_and_removed(tmp_path: Path) -> None:
-    """What a killed writer leaves (``.<name>.<8 random>.tmp``, files or folders) goes; other files stay."""
+    """What a killed writer leaves (``.quarkl-tmp.<name>.<8 random>``, files or folders) goes; other files stay, also
+    ones named like other tools' temporaries (``.<name>.<8 random>.tmp``), and nothing is followed through a link."""
     (tmp_path / "export" / "quark").mkdir(parents=True)
-    stale = [tmp_path / ".results.json.a1b2c3d4.tmp", tmp_path / "export" / "quark" / ".model.safetensors.zz_9xy01.tmp"]
+    stale = [tmp_path / ".quarkl-tmp.results.json.a1b2c3d4", tmp_path / "export" / "quark" / ".quarkl-tmp.model.safetensors.zz_9xy01"]
     for path in stale:
         path.write_bytes(b"half")
-    (tmp_path / "export" / ".tokenizer.abcdefgh.tmp").mkdir()
-    (tmp_path / "export" / ".tokenizer.abcdefgh.tmp" / "tokenizer.json").write_text("{")
+    (tmp_path / "export" / ".quarkl-tmp.tokenizer.abcdefgh").mkdir()
+    (tmp_path / "export" / ".quarkl-tmp.tokenizer.abcdefgh" / "tokenizer.json").write_text("{")
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".quarkl-tmp.x.bin.abcdefgh").write_bytes(b"not under the folders")
+    (tmp_path / "export" / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (tmp_path / ".quarkl-tmp.link.abcdefgh").symlink_to(elsewhere / ".quarkl-tmp.x.bin.abcdefgh")
     kept = [
         tmp_path / "notes.tmp",
         tmp_path / ".hidden",
         tmp_path / "export" / "model.safetensors",
         tmp_path / ".x.tmp",
+        tmp_path / ".results.json.a1b2c3d4.tmp",
+        tmp_path / ".notes.abcdefgh.tmp",
     ]
     for path in kept:
         path.write_bytes(b"mine")
     removed = remove_stale_temporaries([tmp_path], recursive=[tmp_path / "export"])
-    assert sorted(removed) == sorted([*stale, tmp_path / "export" / ".tokenizer.abcdefgh.tmp"])
+    assert sorted(removed) == sorted([*stale, tmp_path / "export" / ".quarkl-tmp.tokenizer.abcdefgh"])
     assert all(p.exists() for p in kept) and not any(p.exists() for p in stale)
-    assert not (tmp_path / "export" / ".tokenizer.abcdefgh.tmp").exists()
+    assert not (tmp_path / "export" / ".quarkl-tmp.tokenizer.abcdefgh").exists()
+    assert (elsewhere / ".quarkl-tmp.x.bin.abcdefgh").read_bytes() == b"not under the folders"
+    assert (tmp_path / ".quarkl-tmp.link.abcdefgh").is_symlink()
     path = write_atomically(tmp_path, "x.bin", lambda tmp: Path(tmp).write_bytes(b"1"))  # its own temporary matches
     assert path.read_bytes() == b"1"
 

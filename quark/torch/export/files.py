@@ -2,9 +2,9 @@
 file in its target folder, flushed to disk, and renamed to its final name, so that a file under its final name is
 complete or absent: a full disk, a crash or a ``kill -9`` mid-write leaves the previous file (if any) intact.
 
-The temporaries are named ``.<final name>.<8 random characters>.tmp`` (``mkstemp``); a process killed mid-write cannot
-remove its own, so ``remove_stale_temporaries`` removes them later (the app does at the start of a run, under the run
-directory's lock)."""
+The temporaries are named ``.quarkl-tmp.<final name>.<8 random characters>`` (``mkstemp``): this project's own prefix,
+so that no file of anybody else's is ever taken for one. A process killed mid-write cannot remove its own, so
+``remove_stale_temporaries`` removes them later (the app does when a run claims its directory, under its lock)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from pathlib import Path
 
 __all__ = [
     "write_atomically", "write_text_atomically", "write_files_atomically", "is_temporary", "remove_stale_temporaries",
-    "TEMP_SUFFIX",
+    "TEMP_PREFIX",
 ]  # fmt: skip
 
-TEMP_SUFFIX = ".tmp"
-#: ``.<name>.<mkstemp's 8 characters>.tmp``: the names ``write_atomically`` (files) and ``write_files_atomically``
-#: (folders) create
-_TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+#: the start of every temporary this project creates (a name nobody else uses)
+TEMP_PREFIX = ".quarkl-tmp."
+#: ``.quarkl-tmp.<name>.<mkstemp's 8 characters>``: the names ``write_atomically`` (files) and
+#: ``write_files_atomically`` (folders) create
+_TEMPORARY = re.compile(rf"^{re.escape(TEMP_PREFIX)}.+\.[a-z0-9_]{{8}}$")
 
 
 def write_atomically(output_dir: str | Path, filename: str, write: Callable[[str], None]) -> Path:
@@ -35,7 +36,7 @@ def write_atomically(output_dir: str | Path, filename: str, write: Callable[[str
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / filename
-    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=TEMP_SUFFIX, dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{filename}.", dir=out_dir)
     os.close(fd)
     try:
         write(tmp)
@@ -67,7 +68,7 @@ def write_files_atomically(output_dir: str | Path, label: str, write: Callable[[
     final name or absent (the set is not one transaction). The temporary folder is removed in any case."""
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{label}.", suffix=TEMP_SUFFIX, dir=out_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{label}.", dir=out_dir))
     moved: list[Path] = []
     try:
         write(str(tmp))
@@ -85,34 +86,45 @@ def write_files_atomically(output_dir: str | Path, label: str, write: Callable[[
 
 
 def is_temporary(name: str) -> bool:
-    """Whether a file name is one of the temporaries ``write_atomically`` creates (``.<name>.<random>.tmp``)."""
+    """Whether a file name is one of the temporaries ``write_atomically`` creates (``.quarkl-tmp.<name>.<random>``)."""
     return bool(_TEMPORARY.match(name))
 
 
 def remove_stale_temporaries(folders: Iterable[str | Path], recursive: Iterable[str | Path] = ()) -> list[Path]:
     """Remove the temporaries left by writes that never finished (a killed process): those directly in ``folders``,
-    and those anywhere under ``recursive``. Only call it when no live writer uses the folders (the app holds its run
-    directory's lock). Returns what was removed."""
-    removed: list[Path] = []
+    and those anywhere under ``recursive``. Symbolic links are never followed (a folder that is a link is not looked
+    into, a link named like a temporary stays). Only call it when no live writer uses the folders (the app holds its
+    run directory's lock). Returns what was removed."""
     candidates: list[Path] = []
     for folder in folders:
-        if Path(folder).is_dir():
-            candidates.extend(Path(folder).iterdir())
+        candidates.extend(_entries(Path(folder)))
     for folder in recursive:
-        if Path(folder).is_dir():
-            candidates.extend(p for p in Path(folder).rglob(f"*{TEMP_SUFFIX}"))
-    for path in candidates:
-        if not is_temporary(path.name) or path in removed:
-            continue
+        for parent, dirs, _ in os.walk(folder) if _real_dir(Path(folder)) else ():
+            candidates.extend(_entries(Path(parent)))
+            dirs[:] = [d for d in dirs if not is_temporary(d)]  # a temporary folder goes whole, not walked
+    removed: list[Path] = []
+    for path in dict.fromkeys(candidates):
         try:
-            if path.is_dir() and not path.is_symlink():
+            if _real_dir(path):
                 shutil.rmtree(path)
-            else:
+            elif path.is_file() and not path.is_symlink():
                 path.unlink()
+            else:
+                continue
         except FileNotFoundError:
             continue
         removed.append(path)
     return removed
+
+
+def _real_dir(path: Path) -> bool:
+    """A folder that is not a symbolic link."""
+    return path.is_dir() and not path.is_symlink()
+
+
+def _entries(folder: Path) -> list[Path]:
+    """The temporaries directly in ``folder`` (none when it is a link or absent)."""
+    return sorted(p for p in folder.iterdir() if is_temporary(p.name)) if _real_dir(folder) else []
 
 
 def _fsync_file(path: str) -> None:
