@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import warnings
 
 import pytest
@@ -492,3 +494,21 @@ def test_weight_only_graph_mode_observes_functional_weights_from_the_data() -> N
     x = torch.randn(2, 8)
     assert torch.equal(model(x), F.linear(torch.relu(model.fc(x)), expected_w))
     assert not torch.equal(expected_w, model.w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cle", [False, True])
+def test_graph_mode_ptq_runs_on_cuda(net_and_data: tuple[nn.Module, torch.Tensor], cle: bool) -> None:
+    """A graph captured on the GPU gets its inserted quantizers there too (they hold no Parameters to place them):
+    PTQ (BN folding, CLE, calibration) and freeze run on CUDA and give the CPU's result to float noise."""
+    model, x = net_and_data
+    extra = {"pre_quant_opt_config": [{"name": "cle", "iterations": 5}]} if cle else {}
+    config = Config.from_dict({"global_quant_config": {"input_tensors": SYM8, "weight": SYM8}, "quant_mode": "fx_graph_mode", **extra})
+    results = {}
+    for device in ("cpu", "cuda"):
+        m, xd = copy.deepcopy(model).to(device), x.to(device)
+        gm = ModelQuantizer.freeze(calibrated(m, xd, config))
+        assert {t.device.type for t in itertools.chain(gm.parameters(), gm.buffers())} == {device}
+        results[device] = gm(xd).cpu()
+    step = (results["cpu"].abs().max() / 127).item()  # a one-step difference where a value sits on a rounding edge
+    assert (results["cuda"] - results["cpu"]).abs().max() <= 2 * step

@@ -354,6 +354,14 @@ class _Placer:
 
 
 # ----------------------------------------------------------------------------------------------- entry
+def _on_graph_device(holders: nn.Module, graph: fx.GraphModule) -> None:
+    """The inserted quantizers (built parameter-less, so on the CPU) on the device of the graph's Parameters, so a
+    graph captured on a GPU runs there."""
+    device = next((t.device for t in itertools.chain(graph.parameters(), graph.buffers()) if t.device.type != "meta"), None)
+    if device is not None:
+        holders.to(device)
+
+
 def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str = "") -> fx.GraphModule:
     """A quantized copy of ``graph_module`` (same Parameter and buffer objects, new graph and containers): units
     swapped for twins, activation quantizers inserted. The input graph is left as it was."""
@@ -394,6 +402,7 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
         if kind == "quantized_output" and node in data_path:
             _quantized_output(gm, placer, node, config, name_prefix)
     placer.place(list(gm.graph.nodes), passthrough, pooling)
+    _on_graph_device(holders, graph_module)  # the input graph: the holders are not part of it
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

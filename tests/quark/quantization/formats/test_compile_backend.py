@@ -43,12 +43,13 @@ def _cases() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     z = torch.tensor(3, dtype=torch.int32)
     s_c = torch.linspace(0.01, 0.05, ROWS)
     z_c = torch.zeros(ROWS, dtype=torch.int32)
+    s_g, z_g = torch.full((ROWS, COLS // 16), 0.1), torch.zeros(ROWS, COLS // 16, dtype=torch.int32)  # built here: on the device
     return {
         "int8 per-tensor": lambda t: fake_quantize_int(t, s, z, -128, 127),
         "int8 per-channel": lambda t: fake_quantize_int(t, s_c, z_c, -128, 127, qscheme=QSchemeType.per_channel, axis=0),
         "int8 round half away": lambda t: fake_quantize_int(t, s, z, -128, 127, round_method=RoundType.round),
         "int4 floor per-group": lambda t: fake_quantize_int(
-            t, torch.full((ROWS, COLS // 16), 0.1), torch.zeros(ROWS, COLS // 16, dtype=torch.int32), -8, 7,
+            t, s_g, z_g, -8, 7,
             round_method=RoundType.floor, qscheme=QSchemeType.per_group, axis=1, group_size=16,
         ),
         "fp8_e4m3": lambda t: fake_quantize_minifloat(t, FLOAT_FORMATS[Dtype.fp8_e4m3], s, torch_dtype=TORCH_FLOAT8[Dtype.fp8_e4m3]),
