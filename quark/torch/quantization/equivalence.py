@@ -20,17 +20,29 @@ from torch import nn
 #: relative error allowed per compute dtype: float noise of a rescaled layer (a product of two roundings of each
 #: weight and of a differently ordered sum), far below what a wrong fold gives (O(1) for a misplaced scale)
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+#: float32 convolutions and matmuls on CUDA may run in TF32 (10 mantissa bits; cuDNN's default for convolutions)
+_TF32_EPS = 2.0**-10
 
 
 class EquivalenceError(ValueError):
     """A transform that should not change what a model computes changed it."""
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """The relative error a function-preserving transform may show in ``dtype`` (half types: 8 machine epsilons)."""
+def tolerance(dtype: torch.dtype, device: torch.device | str | None = None) -> float:
+    """The relative error a function-preserving transform may show in ``dtype`` on ``device`` (half types, and float32
+    on a GPU where TF32 is allowed: 8 machine epsilons of the precision that really computes)."""
+    if dtype == torch.float32 and _tf32(device):
+        return 8 * _TF32_EPS
     if dtype in _TOLERANCE:
         return _TOLERANCE[dtype]
     return 8 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+def _tf32(device: torch.device | str | None) -> bool:
+    """Whether float32 convolutions or matmuls on ``device`` may run in TF32 (torch's settings as they are now)."""
+    if device is None or torch.device(device).type != "cuda":
+        return False
+    return bool(torch.backends.cudnn.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
 def float_tensors(value: Any) -> list[torch.Tensor]:
@@ -70,11 +82,11 @@ def check_equivalent(transform: str, where: str, before: Any, after: Any, dtype:
     ref = float_tensors(before)
     dtype = dtype or (ref[0].dtype if ref else torch.float32)
     err = relative_error(before, after)
-    limit = tolerance(dtype)
+    limit = tolerance(dtype, ref[0].device if ref else None)
     if not err <= limit:
         raise EquivalenceError(
             f"{transform} changed what {where} computes (quantizers off): relative error {err:.3g} on the same data, "
-            f"more than float noise of {dtype} allows ({limit:.1g}); the model was left as it was. This is a bug or "
+            f"more than float noise of {dtype}{' (TF32 allowed)' if limit == 8 * _TF32_EPS else ''} allows ({limit:.1g}); the model was left as it was. This is a bug or "
             f"an architecture the transform does not know (e.g. a norm of another form): exclude the layer or turn "
             f"{transform} off, and report it"
         )

@@ -52,3 +52,15 @@ def test_the_module_is_put_back_when_the_transform_raises():
     assert layer[0].weight is weight  # the same Parameter object (optimizers keep theirs)
     for k, v in layer.state_dict().items():
         assert torch.equal(v, saved[k]), k
+
+
+def test_float32_on_a_gpu_allowing_tf32_gets_tf32_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN runs float32 convolutions in TF32 by default: a rescaled conv pair differs by ~4e-4 there (measured on an
+    H100 on torchvision ResNet-18), which is TF32 noise, not a broken fold; on the CPU float32's limit holds."""
+    assert tolerance(torch.float32, "cpu") == tolerance(torch.float32) == 1e-4
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert tolerance(torch.float32, "cuda") == 8 * 2.0**-10
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert tolerance(torch.float32, "cuda") == 1e-4
+    assert tolerance(torch.bfloat16, "cuda") == 8 * torch.finfo(torch.bfloat16).eps

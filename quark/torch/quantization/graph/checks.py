@@ -126,7 +126,7 @@ def _first_divergence(
         old, new = before[node.name], after.get(node.name)
         if not isinstance(old, torch.Tensor) or not old.is_floating_point():
             continue
-        if not relative_error(old, new) <= tolerance(old.dtype):
+        if not relative_error(old, new) <= tolerance(old.dtype, old.device):
             return label(node), old, new
     return None
 
