@@ -135,6 +135,9 @@ def test_each_layer_runs_on_the_inputs_the_model_passes_it(name: str, algo: str,
                 assert same_value(kwargs.get(key), ref_kwargs.get(key)), f"{key} of {where}"
             torch.testing.assert_close(hidden_in(args, kwargs), hidden_in(ref_args, ref_kwargs), rtol=1e-5, atol=1e-6, msg=where)
             torch.testing.assert_close(outputs[b], reference_outputs[i][b], rtol=1e-5, atol=1e-6, msg=where)
+    for i in range(2, len(LAYER_TYPES)):  # layers of one type share their masks and rope: held once, not copied
+        for (_, kwargs), (_, same_type) in zip(seen[i][0], seen[i - 2][0], strict=True):
+            assert all(kwargs[key] is same_type[key] for key in MASKS_AND_ROPE)
 
 
 def test_gemma3_layers_really_get_different_masks_and_rope() -> None:
