@@ -6,8 +6,8 @@ Models with a decoder stack are processed one decoder layer at a time: every lay
 calibration batch (its own keyword arguments: Gemma2/3's sliding or full attention masks, Gemma3's local or global
 rotary embeddings), each layer is processed and its outputs become the next layer's hidden states, so only one
 layer's hidden states are held at a time (``capture.layer_by_layer``). GPTQ also runs on models without a decoder
-stack (layer by layer, in forward order). Within a decoder layer, GPTQ's passes stop once the group being collected has its inputs,
-layers that read one input share its Hessian and factorization (see ``_gptq_layer``).
+stack (layer by layer, in forward order). Within a decoder layer, GPTQ's passes stop once the group being collected
+has its inputs, layers that read one input share its Hessian and factorization (see ``_gptq_layer``).
 
 SmoothQuant and AWQ's scaling must keep what each decoder layer computes: each checks its layer's output on the
 captured inputs against the one before (``quark.torch.quantization.equivalence``); on EquivalenceError (or any other
