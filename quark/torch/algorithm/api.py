@@ -2,11 +2,12 @@
 inverse into the previous op), GPTQ on the prepared and calibrated model (it writes the quantized weights and their
 qparams into the weight quantizers).
 
-Models with a decoder stack are processed one decoder layer at a time: the inputs of layer 0 are captured per
-calibration batch (with their keyword arguments), each layer is processed and its outputs become the next layer's
-inputs, so only one layer's inputs are held at a time. GPTQ also runs on models without a decoder stack (layer by
-layer, in forward order). Within a decoder layer, GPTQ's passes stop once the group being collected has its inputs,
-layers that read one input share its Hessian and factorization (see ``_gptq_layer``).
+Models with a decoder stack are processed one decoder layer at a time: every layer's inputs are captured per
+calibration batch (its own keyword arguments: Gemma2/3's sliding or full attention masks, Gemma3's local or global
+rotary embeddings), each layer is processed and its outputs become the next layer's hidden states, so only one
+layer's hidden states are held at a time (``capture.layer_by_layer``). GPTQ also runs on models without a decoder
+stack (layer by layer, in forward order). Within a decoder layer, GPTQ's passes stop once the group being collected
+has its inputs, layers that read one input share its Hessian and factorization (see ``_gptq_layer``).
 
 SmoothQuant and AWQ's scaling must keep what each decoder layer computes: each checks its layer's output on the
 captured inputs against the one before (``quark.torch.quantization.equivalence``); on EquivalenceError (or any other
@@ -25,14 +26,7 @@ import torch
 from torch import nn
 
 from quark.torch.algorithm.awq import awq_layer
-from quark.torch.algorithm.capture import (
-    LayerInputs,
-    capture_layer_inputs,
-    collect_inputs,
-    forward_order,
-    run_layer,
-    with_hidden,
-)
+from quark.torch.algorithm.capture import LayerInputs, RunFn, collect_inputs, forward_order, layer_by_layer
 from quark.torch.algorithm.gptq import (
     HessianAccumulator,
     InverseHessian,
@@ -51,7 +45,6 @@ from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
 logger = logging.getLogger(__name__)
-RunFn = Callable[[nn.Module, Any], Any]
 
 
 # ----------------------------------------------------------------------------------------------- float-model passes
@@ -96,13 +89,11 @@ def _per_decoder_layer(model: nn.Module, path: str | None, batches: list[Any], r
             "'model.layers') and scaling_layers, or add a ModelFamily to quark.torch.algorithm.structure.MODEL_FAMILIES."
         )
     name, layers = found
-    inputs = capture_layer_inputs(model, layers[0], batches, run)
     with ExitStack() as restore:  # an error in layer i puts layers 0 .. i back as they were
-        for i, layer in enumerate(layers):
+        for i, inputs in layer_by_layer(model, layers, batches, run):
+            layer = layers[i]
             restore.enter_context(restored_on_error(layer))
             process(f"{name}.{i}", layer, inputs)
-            if i + 1 < len(layers):
-                inputs = [with_hidden(x, h) for x, h in zip(inputs, run_layer(layer, inputs), strict=True)]
             logger.info("%s: decoder layer %d/%d done", what, i + 1, len(layers))
 
 
@@ -225,8 +216,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _gptq_decoder(model: nn.Module, found: tuple[str, nn.ModuleList], targets: dict[str, nn.Module], algo: GPTQConfig,
                   batches: list[Any], run: RunFn, losses: dict[str, float]) -> None:  # fmt: skip
     prefix, layers = found
-    inputs = capture_layer_inputs(model, layers[0], batches, run)
-    for i, layer in enumerate(layers):
+    for i, inputs in layer_by_layer(model, layers, batches, run):
+        layer = layers[i]
         own = {n[len(f"{prefix}.{i}.") :]: m for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
         order = list(algo.inside_layer_modules) if algo.inside_layer_modules else list(own)
         missing = [n for n in order if n not in own]
@@ -234,8 +225,6 @@ def _gptq_decoder(model: nn.Module, found: tuple[str, nn.ModuleList], targets: d
             raise ValueError(f"GPTQ inside_layer_modules {missing} are not weight-quantized modules of {prefix}.{i}; found: {list(own)}")
         if order:
             _gptq_layer(f"{prefix}.{i}", layer, {n: own[n] for n in order}, inputs, algo, losses)
-        if i + 1 < len(layers):
-            inputs = [with_hidden(x, h) for x, h in zip(inputs, run_layer(layer, inputs), strict=True)]
         logger.info("GPTQ: decoder layer %d/%d done", i + 1, len(layers))
     rest = {n: m for n, m in targets.items() if not n.startswith(prefix + ".")}
     if rest:  # e.g. lm_head: after the stack, one by one on the full model
