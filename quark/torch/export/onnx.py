@@ -98,16 +98,18 @@ def _onnx_layout(param: torch.Tensor, w: torch.Tensor, qscheme: QSchemeType, axi
     return param.reshape(()) if axis is None else param.reshape(-1)
 
 
-def _codes(spec: Any, w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int | None) -> torch.Tensor:
-    """The codes the simulation rounds ``w`` to, one byte each: integers as int8 / uint8, fp8 as bit patterns."""
+def _codes(
+    spec: Any, w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int | None, round_method: RoundType
+) -> torch.Tensor:
+    """The codes the simulation rounds ``w`` to, one byte each: integers as int8 / uint8 (rounded by the quantizer's
+    ``round_method``), fp8 as bit patterns."""
     if spec.dtype in _FLOAT8:
         limit = format_of(spec.dtype).max_normal  # type: ignore[union-attr]
         s = scale.reshape(()) if axis is None else channel_view(scale, w.ndim, axis)
         return (w / s).clamp(-limit, limit).to(TORCH_FLOAT8[spec.dtype]).view(torch.uint8)
     qmin, qmax = int_range(spec.dtype)
     codes = quantize_int(
-        w, scale, zero_point, qmin, qmax, round_method=spec.round_method or RoundType.half_even,
-        qscheme=spec.qscheme, axis=axis, group_size=spec.group_size,
+        w, scale, zero_point, qmin, qmax, round_method=round_method, qscheme=spec.qscheme, axis=axis, group_size=spec.group_size,
     )  # fmt: skip
     return codes.to(torch.int8 if qmin < 0 else torch.uint8)
 
@@ -141,7 +143,7 @@ class StoredWeight(nn.Module):
         self.fmt, self.name = spec.dtype.name, name
         self.axis = None if spec.qscheme == QSchemeType.per_tensor else spec.ch_axis % w.ndim
         self.block = spec.group_size if spec.qscheme == QSchemeType.per_group else 0
-        codes = _codes(spec, w, scale.float(), zero_point, self.axis)
+        codes = _codes(spec, w, scale.float(), zero_point, self.axis, quantizer.round_method)  # type: ignore[arg-type]
         zero_point = torch.zeros_like(zero_point) if spec.dtype in _FLOAT8 else zero_point
         self.register_buffer("codes", codes)
         self.register_buffer("scale", _onnx_layout(scale.float(), w, spec.qscheme, self.axis))
@@ -307,7 +309,7 @@ def _has_4bit(model: nn.Module) -> bool:
 # ----------------------------------------------------------------------------------------------- export
 def _qdq(quantizer: nn.Module, where: str) -> QDQ:
     spec = quantizer.spec  # type: ignore[attr-defined]
-    if spec.round_method not in (RoundType.half_even, None):
+    if quantizer.round_method != RoundType.half_even:  # type: ignore[attr-defined] # a baked weight's is half_even
         warnings.warn(f"{where}: round_method={spec.round_method.name}; ONNX QuantizeLinear rounds half to even", stacklevel=4)
     scale, zero_point = quantizer.calculate_qparams()  # type: ignore[attr-defined]
     qmin, qmax = _RANGES[spec.dtype]

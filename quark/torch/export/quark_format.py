@@ -352,7 +352,7 @@ def _encode_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, where
         rows = round_to_grid(q(w).float() / view, ffmt).reshape(w.shape[0], -1)
         return {"": _pack_rows(encode(rows, ffmt), ffmt.bits), "_scale": scale}
     fmt = _int_format(spec, where)
-    codes = quantize_int(w, scale, zp, fmt.qmin, fmt.qmax, round_method=spec.round_method, qscheme=spec.qscheme,
+    codes = quantize_int(w, scale, zp, fmt.qmin, fmt.qmax, round_method=q.round_method, qscheme=spec.qscheme,
                          axis=spec.ch_axis, group_size=spec.group_size, block_size=spec.block_size)  # fmt: skip
     if layout == "int_group":  # transposed: [in, out], scales and zero points [in / g, out]
         codes, scale, zp = codes.t(), scale.t().contiguous(), zp.t()
@@ -519,6 +519,7 @@ class _TransposedQuantizer:
         self.quantizer = quantizer
         self.spec = transpose_weight_spec(quantizer.spec)
         self.fake_quant_enabled = quantizer.fake_quant_enabled
+        self.round_method = quantizer.round_method
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.quantizer.calculate_qparams()

@@ -101,7 +101,7 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
             info["block_size"] = list(spec.block_size)
         stored_scale = _stored_scale(scale, spec)
         if isinstance(fmt, IntFormat):
-            codes = quantize_int(w.detach(), scale, zp, fmt.qmin, fmt.qmax, round_method=spec.round_method,
+            codes = quantize_int(w.detach(), scale, zp, fmt.qmin, fmt.qmax, round_method=q.round_method,
                                  qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
                                  block_size=spec.block_size)  # fmt: skip
             stored = _store_int(codes, fmt)

@@ -48,14 +48,16 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QuantHFConv1DMixin,
     QuantLinear,
     QuantMixin,
+    QuantSlot,
     computed_tensor,
     iter_quantizers,
     refresh_computed_tensors,
+    shared_tensors,
     slot_label,
     twin_of_foreign_class,
 )
 from quark.torch.quantization.resolve import merge_levels
-from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuantizeBase
 
 logger = logging.getLogger(__name__)
 
@@ -651,10 +653,13 @@ class ModelQuantizer:
     def freeze(model: nn.Module, bake_weights: bool = False) -> nn.Module:
         """Fix every quantizer for inference (observers leave the forward path) and return the model.
 
-        ``bake_weights=True`` also writes the quantized weights into the float weight tensors (in place) and drops
-        the weight quantizers, so inference does not re-quantize them on every call (a weight computed at each forward,
-        weight_norm's, keeps its frozen quantizer: there is no stored tensor to write). Conv + BatchNorm units of graph
-        mode become plain convs with the folded weights first.
+        ``bake_weights=True`` also writes the quantized weights into the float weight tensors (in place) and puts a
+        ``BakedFakeQuantize`` in their slots, which passes the weight through, so inference does not re-quantize them
+        on every call; it keeps the spec and qparams, so the exports store the same codes and scales as an unbaked
+        frozen model. Two kinds of weights keep their frozen quantizer: one computed at each forward (weight_norm's:
+        there is no stored tensor to write) and one another module holds too (an lm_head tied to the input
+        embeddings, which need its float values). Conv + BatchNorm units of graph mode become plain convs with the
+        folded weights first.
         """
         graph.fold_batch_norms(model)
         unreached = uncalibrated_layers(model)  # checked before anything is changed
@@ -665,6 +670,7 @@ class ModelQuantizer:
                 "data that reaches them to quantize them.",
                 stacklevel=2,
             )
+        shared = shared_tensors(model)
         for name, module in model.named_modules():
             if not isinstance(module, QuantMixin):
                 continue
@@ -674,21 +680,28 @@ class ModelQuantizer:
                 module._quant_unreached = True
                 continue
             for slot, q in list(module.quantizer_slots()):
-                if bake_weights and slot.tensor is not None and not computed_tensor(module, slot.tensor):
+                frozen = q.to_frozen()
+                if not q.is_dynamic:
+                    frozen.enable_observer(False)  # block formats and casts: nothing left to record
+                if bake_weights and _bakeable(module, slot, shared):
                     tensor = getattr(module, slot.tensor)
                     with torch.no_grad():
-                        tensor.copy_(q(tensor))
-                    module.set_quantizer(slot, None)
-                else:
-                    frozen = q.to_frozen()
-                    if not q.is_dynamic:
-                        frozen.enable_observer(False)  # block formats and casts: nothing left to record
-                    module.set_quantizer(slot, frozen)
+                        tensor.copy_(frozen(tensor))
+                    frozen = BakedFakeQuantize.of(frozen)
+                module.set_quantizer(slot, frozen)
         return model
 
 
 # ----------------------------------------------------------------------------------------------- helpers
 _ACTIVATION_ROLES = ("input_tensors", "output_tensors")
+
+
+def _bakeable(module: QuantMixin, slot: QuantSlot, shared: set[int]) -> bool:
+    """Whether ``freeze(bake_weights=True)`` writes the quantized values of ``slot``'s tensor into it: a stored
+    tensor (not computed at each forward) that no other module holds (``shared``: ids from ``shared_tensors``)."""
+    if slot.tensor is None or computed_tensor(module, slot.tensor):
+        return False
+    return id(getattr(module, slot.tensor)) not in shared
 
 
 def uncalibrated_layers(model: nn.Module) -> set[str]:

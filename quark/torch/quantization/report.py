@@ -12,7 +12,7 @@ from torch import nn
 
 from quark.torch.quantization.formats import bits_per_element
 from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
-from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuantizeBase
 
 __all__ = ["sqnr_db", "weight_sqnr", "activation_sqnr", "model_size_bits", "observers_paused"]
 
@@ -45,15 +45,16 @@ def observers_paused(model: nn.Module) -> Iterator[None]:
 @torch.no_grad()
 def weight_sqnr(model: nn.Module) -> dict[str, float]:
     """SQNR (dB) of every quantized weight against its fake-quantized value, keyed by layer name (a layer with
-    several weights, such as an LSTM or an attention's projections: ``layer.weight_ih_l0``). Layers calibration found
-    no forward reaching are left out: they never run quantized (``model_size_bits`` counts them as float too)."""
+    several weights, such as an LSTM or an attention's projections: ``layer.weight_ih_l0``). Left out: baked weights
+    (``freeze(bake_weights=True)``: their float values are gone) and layers calibration found no forward reaching
+    (they never run quantized; ``model_size_bits`` counts them as float too)."""
     out = {}
     with observers_paused(model):
         for name, m in model.named_modules():
             if not isinstance(m, QuantMixin) or getattr(m, "_quant_unreached", False):
                 continue
             for slot, q in m.quantizer_slots():
-                if slot.role == "weight" and bool(q.fake_quant_enabled):
+                if slot.role == "weight" and bool(q.fake_quant_enabled) and not isinstance(q, BakedFakeQuantize):
                     key = name if slot.tensor == "weight" else f"{name}.{slot.tensor}"
                     out[key] = sqnr_db(getattr(m, slot.tensor), q(getattr(m, slot.tensor)))  # type: ignore[arg-type]
     return out

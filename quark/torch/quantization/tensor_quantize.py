@@ -5,6 +5,8 @@
 - ``NonScaledFakeQuantize``: casts (bfloat16, float16) and block formats (MX, MX6/MX9, BFP16), whose scales come
   from each block's data.
 - ``FrozenScaledFakeQuantize``: fixed qparams, no observer (what ``to_frozen()`` returns).
+- ``BakedFakeQuantize``: the quantizer of a weight that holds its quantized values already (``freeze(...,
+  bake_weights=True)``): passes it through, keeps the spec and qparams for exports and size reports.
 - ``TQTFakeQuantize`` / ``LSQFakeQuantize``: learnable thresholds / scales for quantization-aware training.
 
 Observer and fake quantization switch on and off independently (``enable_observer`` / ``enable_fake_quant``, as in
@@ -37,6 +39,7 @@ __all__ = [
     "ScaledFakeQuantize",
     "NonScaledFakeQuantize",
     "FrozenScaledFakeQuantize",
+    "BakedFakeQuantize",
     "TQTFakeQuantize",
     "LSQFakeQuantize",
 ]
@@ -100,8 +103,9 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         return bool(self.spec.is_dynamic)
 
     @property
-    def _round_method(self) -> RoundType:
-        """The spec's rounding of ``x / scale`` (half_even when unset), shared with the frozen form."""
+    def round_method(self) -> RoundType:
+        """The rounding of ``x / scale`` to codes: the spec's (half_even when unset), shared with the frozen form and
+        used by the exports."""
         return self.spec.round_method or RoundType.half_even
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,6 +268,52 @@ class FrozenScaledFakeQuantize(FakeQuantizeBase):
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.scale, self.zero_point
+
+
+class BakedFakeQuantize(FakeQuantizeBase):
+    """The weight quantizer of a tensor that holds its quantized values already (``ModelQuantizer.freeze(model,
+    bake_weights=True)``): the forward returns the tensor as it is. It keeps the spec and, for a static scaled
+    format, the frozen scale and zero point, so the exports store the codes and qparams the unbaked quantizer gives
+    and size reports count the format's bits; codes are recovered with nearest rounding (the values lie on the
+    grid, whatever rounding put them there)."""
+
+    def __init__(
+        self, spec: QuantizationSpec, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(spec, device if scale is None else scale.device)
+        self.observer_enabled.fill_(0)
+        if scale is not None:
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32, device=scale.device) if zero_point is None else zero_point)
+
+    @classmethod
+    def of(cls, frozen: FakeQuantizeBase) -> BakedFakeQuantize:
+        """The baked form of a frozen quantizer: its spec, its qparams where they are fixed, its fake-quant switch."""
+        if isinstance(frozen, cls):
+            return frozen
+        scale, zp = frozen.calculate_qparams() if isinstance(frozen, FrozenScaledFakeQuantize) else (None, None)
+        baked = cls(frozen.spec, scale, zp, frozen.fake_quant_enabled.device)
+        baked.fake_quant_enabled.copy_(frozen.fake_quant_enabled)
+        return baked
+
+    @property
+    def round_method(self) -> RoundType:
+        return RoundType.half_even  # the tensor is on the grid: nearest rounding gives its codes back
+
+    def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
+        return self  # nothing to observe: baked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if "scale" not in self._buffers:
+            return super().calculate_qparams()  # a block format or cast: no qparams (as before baking)
+        return self.scale, self.zero_point
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, baked"
 
 
 class NonScaledFakeQuantize(FakeQuantizeBase):
@@ -489,7 +539,7 @@ class TQTFakeQuantize(_LearnableFakeQuantize):
 
     def _learned(self, x: torch.Tensor) -> torch.Tensor:
         out = _TQTFunction.apply(
-            x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1), self._round_method, self.axis
+            x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1), self.round_method, self.axis
         )
         return cast_saturating(out, x.dtype)  # an fp16 input at 65504 may round to a grid point past it
 
@@ -578,7 +628,7 @@ class LSQFakeQuantize(_LearnableFakeQuantize):
     def _learned(self, x: torch.Tensor) -> torch.Tensor:
         grad_factor = 1.0 / math.sqrt(x.numel() / self.scale.numel() * self.qmax)
         out = _LSQFunction.apply(
-            x.float(), self.scale, self.zero_point, self.qmin, self.qmax, grad_factor, self.axis, self._round_method
+            x.float(), self.scale, self.zero_point, self.qmin, self.qmax, grad_factor, self.axis, self.round_method
         )
         return cast_saturating(out, x.dtype)  # an fp16 input at 65504 may round to a grid point past it
 

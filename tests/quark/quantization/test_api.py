@@ -27,6 +27,7 @@ from quark.torch.quantization.observer.observer import (
     PerTensorMinMaxObserver,
 )
 from quark.torch.quantization.tensor_quantize import (
+    BakedFakeQuantize,
     FakeQuantizeBase,
     FrozenScaledFakeQuantize,
     NonScaledFakeQuantize,
@@ -946,7 +947,8 @@ def test_freeze_bake_weights_writes_quantized_values_into_the_weights() -> None:
         if not isinstance(m, QuantMixin):
             continue
         w_expected, b_expected, wq = expected[name]
-        assert m._weight_quantizer is None and m._bias_quantizer is None
+        assert type(m._weight_quantizer) is BakedFakeQuantize and type(m._bias_quantizer) is BakedFakeQuantize
+        assert torch.equal(m._weight_quantizer.scale, wq.scale)  # kept for the exports
         assert type(m._input_quantizer) is FrozenScaledFakeQuantize
         assert m.weight is weights[name][0] and m.bias is weights[name][1]  # in place
         assert torch.equal(m.weight, w_expected) and torch.equal(m.bias, b_expected)

@@ -32,7 +32,14 @@ from quark.torch.quantization.formats import BLOCK_FORMATS, is_scaled
 from quark.torch.quantization.graph.capture import EAGER_FALLBACK, GraphModeError, fetch_attr, module_path, normalize
 from quark.torch.quantization.graph.loss import carry_hf_attributes
 from quark.torch.quantization.graph.modules import CONV_BN, QuantActivation, QuantFunctionalWeight, SharedFakeQuantize
-from quark.torch.quantization.graph.rules import COMPUTE, float_tensor, kind_of, weighted_ops_in_body
+from quark.torch.quantization.graph.rules import (
+    COMPUTE,
+    computing_users,
+    float_tensor,
+    kind_of,
+    tensor_valued,
+    weighted_ops_in_body,
+)
 from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, QuantMixin
 from quark.torch.quantization.resolve import merge_levels
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
@@ -492,10 +499,25 @@ def _graph_float_layers(
         if node.op == "call_module" and kind_of(node, gm) == "batch_norm" and str(node.target) not in seen:
             seen.add(str(node.target))
             out.append(FloatLayer(str(node.target), type(gm.get_submodule(str(node.target))).__name__, "BatchNorm not after a conv (kept float, not folded)"))
-        elif node.op == "call_function" and (kind_of(node, gm) == "float" or (kind_of(node, gm) == "quantized_output" and node not in data_path)):
+        elif node.op == "call_function" and tensor_valued(node) and _runs_float(gm, node, data_path):
             params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(fetch_attr(gm, a), nn.Parameter)]
             path, type_name = module_path(node)
             if params and path not in seen and not _quantized_as_weight(gm, node):
                 seen.add(path)
-                out.append(FloatLayer(path, type_name, f"{node.target} runs in float (graph mode quantizes conv/linear/matmul/embedding weights)"))
+                out.append(FloatLayer(path, type_name, _float_reason(gm, node, params, data_path)))
     return out
+
+
+def _runs_float(gm: fx.GraphModule, node: fx.Node, data_path: set[fx.Node]) -> bool:
+    """An op that computes in float: float by rule, or an add / mul / ... off the quantized data path."""
+    kind = kind_of(node, gm)
+    return kind == "float" or (kind == "quantized_output" and node not in data_path)
+
+
+def _float_reason(gm: fx.GraphModule, node: fx.Node, params: list[fx.Node], data_path: set[fx.Node]) -> str:
+    """Why a layer whose Parameters ``node`` reads stays float: the ops that compute with them (through casts and
+    layout ops; never bookkeeping such as ``_assert_tensor_metadata``), which run in float."""
+    ops = [str(u.target) for p in params for u in computing_users(p) if _runs_float(gm, u, data_path)] or [str(node.target)]
+    names = list(dict.fromkeys(ops))
+    verb = "runs" if len(names) == 1 else "run"
+    return f"{', '.join(names)} {verb} in float (graph mode quantizes conv/linear/matmul/embedding weights)"

@@ -78,6 +78,10 @@ FLOAT = {
 }  # fmt: skip
 
 
+#: casts: the same values in another dtype or on another device
+CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default}
+
+
 def _in_place(ops: set[Any]) -> set[Any]:
     """The in-place forms (``sigmoid_``, ``masked_fill_.Scalar``) of ``ops``, where aten has them: the same value,
     written into the input, so the same rule (capture keeps them for modules built with ``inplace=True``)."""
@@ -123,6 +127,24 @@ def weighted_ops_in_body(node: fx.Node, gm: fx.GraphModule) -> list[str]:
             found.append(f"{inner.target} (node '{inner.name}')")
         found += weighted_ops_in_body(inner, body)
     return found
+
+
+def computing_users(node: fx.Node) -> list[fx.Node]:
+    """The ops that compute with ``node``'s value: its users, looked through casts and layout ops (the same values),
+    without bookkeeping (``_assert_tensor_metadata``, ``_assert_scalar``, ``sym_size``: no tensor out) and without
+    module calls (the graph's quantizers)."""
+    out: list[fx.Node] = []
+    pending, seen = list(node.users), set()
+    while pending:
+        user = pending.pop(0)
+        if user in seen or user.op != "call_function" or not tensor_valued(user):
+            continue
+        seen.add(user)
+        if user.target in CASTS or user.target in PASSTHROUGH:
+            pending += list(user.users)
+        else:
+            out.append(user)
+    return out
 
 
 def integer_valued(node: fx.Node) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "computed_tensor",
     "iter_quantizers",
     "refresh_computed_tensors",
+    "shared_tensors",
     "register_quant_module",
     "register_prepare_hook",
     "slot_label",
@@ -225,6 +226,16 @@ def computed_tensor(module: nn.Module, name: str) -> bool:
     if parametrize.is_parametrized(module, name):
         return True
     return any(isinstance(h, _TENSOR_HOOKS) and h.name == name for h in module._forward_pre_hooks.values())
+
+
+def shared_tensors(model: nn.Module) -> set[int]:
+    """ids of the Parameters that more than one module of ``model`` holds (an ``lm_head`` tied to the input
+    embeddings): writing quantized values into one changes what the other computes with."""
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(module))
+    return {key for key, modules in holders.items() if len(modules) > 1}
 
 
 def refresh_computed_tensors(model: nn.Module) -> None:
