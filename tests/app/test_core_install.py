@@ -129,9 +129,17 @@ def test_an_extra_only_feature_stops_at_once_with_its_install_line(
 
 
 # ----------------------------------------------------------------------------------------------- the helpers
+def _without_hydra_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hydra_plugins`` absent, whatever an earlier test imported: an import of it raises ModuleNotFoundError, and no
+    submodule of it is cached (``find_spec`` answers a cached module without looking at its parents)."""
+    for name in [n for n in sys.modules if n.startswith("hydra_plugins.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "hydra_plugins", None)
+
+
 def test_available_is_false_when_a_parent_package_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     """``importlib.util.find_spec('a.b')`` raises when ``a`` is absent; ``available`` says False instead."""
-    monkeypatch.setitem(sys.modules, "hydra_plugins", None)  # an import of it raises ModuleNotFoundError
+    _without_hydra_plugins(monkeypatch)
     assert available("hydra_plugins.hydra_optuna_sweeper") is False
     assert available("quark_lightning_no_such_package") is False
     assert available("json") is True
@@ -140,7 +148,7 @@ def test_available_is_false_when_a_parent_package_is_missing(monkeypatch: pytest
 def test_sweeper_installed_without_hydra_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     from app.search import check_search_args, sweeper_installed
 
-    monkeypatch.setitem(sys.modules, "hydra_plugins", None)
+    _without_hydra_plugins(monkeypatch)
     assert sweeper_installed() is False
     message = check_search_args(["hparams_search=optuna_bits"])
     assert message is not None and 'pip install -e ".[search]"' in message

@@ -97,8 +97,9 @@ def check_equivalent(transform: str, where: str, before: Any, after: Any, dtype:
 def restored_on_error(module: nn.Module) -> Iterator[None]:
     """Around an in-place transform of ``module``'s parameters and buffers: if the body raises, every one of them
     gets back the values it had (same tensor objects, so optimizers and ties stay valid). Keys the body added or
-    removed are not tracked: transforms that change the module tree keep a copy of their own."""
-    saved = {name: t.detach().clone() for name, t in _tensors(module)}
+    removed are not tracked: transforms that change the module tree keep a copy of their own. The copies are kept in
+    CPU memory, so a model on an accelerator does not hold a second copy of the layers processed so far there."""
+    saved = {name: t.detach().to("cpu", copy=True) for name, t in _tensors(module)}
     try:
         yield
     except BaseException:

@@ -15,7 +15,7 @@ from torch import nn
 from quark.torch.quantization.config.config import QuantizationSpec
 
 #: keyword arguments through which a decoder layer receives the model's KV cache
-CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")  # "cache": transformers 5.2x layers
 
 
 @contextmanager

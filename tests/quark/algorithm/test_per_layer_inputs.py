@@ -8,6 +8,7 @@ reference is a plain forward of the float model with every layer hooked: its (ar
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -289,3 +290,17 @@ def test_tuple_outputs_and_arguments_made_by_an_earlier_layer(caplog: pytest.Log
         for b in range(2):
             assert same_value(calls[i][b][1]["position_bias"], reference[i][b][1]["position_bias"]), (i, b)
     assert calls[0][0][1]["position_bias"] is None and calls[1][1][1]["position_bias"].shape == (7, 1)
+
+
+def test_captured_layer_calls_never_hold_a_kv_cache() -> None:
+    """Whatever a transformers version calls the cache keyword (``past_key_value(s)``, Bloom's ``layer_past``, the
+    5.2x layers' ``cache``), captured calls carry None there and ``use_cache=False``; other keywords are kept."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from quark.torch.quantization.hf import CACHE_KWARGS, without_cache
+
+    signature = inspect.signature(LlamaDecoderLayer.forward).parameters
+    assert [k for k in signature if k in CACHE_KWARGS], "this transformers' LLaMA layer takes its cache by a name we miss"
+    mask = torch.ones(2)
+    kwargs = {name: object() for name in CACHE_KWARGS} | {"use_cache": True, "attention_mask": mask}
+    assert without_cache(kwargs) == {**dict.fromkeys(CACHE_KWARGS), "use_cache": False, "attention_mask": mask}
