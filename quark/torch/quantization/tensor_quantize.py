@@ -15,6 +15,7 @@ torch.ao.quantization). ``FakeQuantizeBase.get_fake_quantize(spec)`` picks the c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -311,6 +312,16 @@ class BakedFakeQuantize(FakeQuantizeBase):
         if "scale" not in self._buffers:
             return super().calculate_qparams()  # a block format or cast: no qparams (as before baking)
         return self.scale, self.zero_point
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` lies on this quantizer's grid: its qparams with nearest rounding give ``x`` back bit for bit,
+        so passing it through computes what quantizing it would (False for formats without qparams, whose grid
+        moves with the data)."""
+        if "scale" not in self._buffers:
+            return False
+        nearest = dataclasses.replace(self.spec, round_method=RoundType.half_even)
+        x = x.detach()
+        return torch.equal(_apply_format(x, nearest, self.scale, self.zero_point), x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, baked"
