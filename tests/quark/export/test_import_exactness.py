@@ -271,3 +271,70 @@ def test_a_gptq_model_exports_its_codes_and_reimports_exactly(round_method: str,
         assert torch.equal(restored[i]._weight_quantizer.scale, scale)
         with torch.no_grad():
             assert torch.equal(restored[i].weight, model[i]._weight_quantizer(model[i].weight))
+
+
+# ----------------------------------------------------------------------------------------------- ONNX
+def _onnx_weight_codes(path: Path, shape: list[int]) -> torch.Tensor | None:
+    """The integer initializer of ``shape`` a DequantizeLinear reads (a weight stored as codes), None if there is none."""
+    onnx = pytest.importorskip("onnx")
+    graph = onnx.load(str(path)).graph
+    dequantized = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+    found = [onnx.numpy_helper.to_array(i) for i in graph.initializer if i.name in dequantized and list(i.dims) == shape]
+    return torch.from_numpy(found[0].copy()).float() if found else None
+
+
+def _onnx_outputs(path: Path, x: torch.Tensor) -> torch.Tensor:
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    session = ort.InferenceSession(str(path), options, disabled_optimizers=["WeightBiasQuantization"])  # as written
+    return torch.from_numpy(session.run(None, {"input": x.numpy()})[0])
+
+
+def _assert_close_across_runtimes(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Float outputs of onnxruntime against torch: each sums in its own order, so the last bits may differ; 1e-5 of
+    the largest output is far below one quantization step here."""
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("round_method", ["round", "floor"])
+def test_weights_rounded_other_than_half_even_export_to_onnx_as_their_codes(round_method: str, tmp_path: Path) -> None:
+    """QuantizeLinear rounds half to even: a floor-rounded weight went out as a float weight through Q/DQ, whose
+    codes were not the model's (only a warning said so); stored as the model's codes, the graph computes its weights."""
+    from quark.torch.export import export_onnx
+
+    x = _inputs()
+    model = _quantized(_per_channel("int8", round_method=round_method), x)
+    with torch.no_grad():
+        scale = model[0]._weight_quantizer.scale.detach()
+        v = model[0].weight * torch.reciprocal(scale)[:, None]
+        codes = (torch.floor(v) if round_method == "floor" else torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-128, 127)
+        expected = model(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = export_onnx(model, tmp_path, x[:2])
+    assert not [w for w in caught if "rounds half to even" in str(w.message)]
+    stored = _onnx_weight_codes(path, [32, 64])
+    assert stored is not None and torch.equal(stored, codes)
+    _assert_close_across_runtimes(_onnx_outputs(path, x), expected)
+
+
+@pytest.mark.parametrize("on_grid", [True, False], ids=["on_grid", "off_grid"])
+def test_a_switched_off_weight_exports_to_onnx_as_the_model_computes(on_grid: bool, tmp_path: Path) -> None:
+    """On its grid, the weight is stored as its codes (as both safetensors exports do); off it, as the float weight
+    the model computes with."""
+    from quark.torch.export import export_onnx
+
+    if on_grid:
+        model, x = _switched_off_on_the_grid("floor")
+    else:
+        x = _inputs()
+        model = _quantized(_per_channel("int8"), x)
+        model[0]._weight_quantizer.disable_fake_quant()
+    with torch.no_grad():
+        expected = model(x)
+        codes = torch.round(model[0].weight / model[0]._weight_quantizer.scale[:, None])
+    path = export_onnx(model, tmp_path, x[:2])
+    stored = _onnx_weight_codes(path, [32, 64])
+    assert (stored is not None and torch.equal(stored, codes)) if on_grid else stored is None
+    _assert_close_across_runtimes(_onnx_outputs(path, x), expected)
