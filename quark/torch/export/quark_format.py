@@ -617,8 +617,9 @@ def _read_quark_config(path: Path) -> tuple[Config, dict[str, Any]]:
 
 def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torch.device | None = None) -> nn.Module:
     """Rebuild a quantized model from amd-quark's export directory and a float ``model`` of the same architecture:
-    prepared with the stored Config, weights set to their dequantized values, static quantizers frozen with the
-    stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first."""
+    prepared with the stored Config, weights set to their dequantized values with the quantizer
+    ``decoded_weight_quantizer`` gives (pass-through: they are on the grid), static activation quantizers frozen with
+    the stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first."""
     st = _require_safetensors()
     root = Path(model_dir)
     config, export = _read_quark_config(root / CONFIG_FILE)

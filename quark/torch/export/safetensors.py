@@ -286,6 +286,11 @@ def export_safetensors(
     float when it has no quantizer; static activation quantizers' scales and zero points are stored under the slot's
     name (``input_scale``, ``output_zero_point``, ``key_input_scale``); everything else as in the state_dict. The
     write is atomic (a temporary file renamed).
+
+    What is stored is what the model computes: a quantizer with fake quant switched off (``disable_fake_quant()``)
+    leaves its tensor as it is, so such a weight is stored as its codes when it lies on the quantizer's grid, else in
+    float (the single file) or refused with a ValueError naming the layer (amd-quark's directory, whose config.json
+    cannot say so); a switched-off activation quantizer is stored as unquantized (single file) or refused (directory).
     """
     if custom_mode is not None:
         if custom_mode != "quark":
@@ -720,8 +725,11 @@ def import_model_from_safetensors(
     ``model`` whose Parameters are on meta is filled the same way. ``device`` places the result (None: where the
     model's tensors are, the CPU for a skeleton; amd-quark's default is "cuda"). Every tensor of the file is checked
     first against the stored Config and ``model``: on any mismatch a ValueError names the tensor and ``model`` is
-    left as it was. Returns the model prepared with the stored Config, weights set to their dequantized codes, every
-    static quantizer frozen with the stored qparams, in eval mode."""
+    left as it was. Returns the model prepared with the stored Config, in eval mode: weights set to their dequantized
+    codes, each with a pass-through ``BakedFakeQuantize`` holding its spec and qparams (the values are on the grid;
+    a weight another module shares, such as an lm_head tied to float input embeddings, holds those float values and
+    keeps a frozen quantizer), every static activation quantizer frozen with the stored qparams; a tensor stored as
+    the exported model ran it unquantized (fake quant switched off, not on its grid) has no quantizer."""
     from quark.torch.export.quark_format import import_quark_dir, is_quark_dir
     from quark.torch.export.skeleton import hf_skeleton
 

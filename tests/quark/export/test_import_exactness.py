@@ -338,3 +338,26 @@ def test_a_switched_off_weight_exports_to_onnx_as_the_model_computes(on_grid: bo
     stored = _onnx_weight_codes(path, [32, 64])
     assert (stored is not None and torch.equal(stored, codes)) if on_grid else stored is None
     _assert_close_across_runtimes(_onnx_outputs(path, x), expected)
+
+
+# ----------------------------------------------------------------------------------------------- a Hugging Face model
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_floor_rounded_gpt2_reimports_to_the_same_logits(mode: str, tmp_path: Path) -> None:
+    """Conv1D weights (stored as the equivalent Linear's) and an lm_head tied to the float input embeddings."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = _gpt2()
+    config = Config(global_quant_config=QuantizationConfig(weight=_per_channel("int8", round_method="floor"), input_tensors=INT8_ACT))
+    ModelQuantizer(config).quantize_model(model, [{"input_ids": ids}])
+    ModelQuantizer.freeze(model)
+    restored = _round_trip(model, tmp_path, mode, _gpt2())
+    assert restored.lm_head.weight is restored.transformer.wte.weight and restored.lm_head._weight_quantizer is not None
+    with torch.no_grad():
+        expected, got = model(input_ids=ids).logits, restored(input_ids=ids).logits
+    assert torch.equal(got, expected), f"max diff {float((got - expected).abs().max())}"
