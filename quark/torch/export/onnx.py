@@ -20,6 +20,7 @@ from torch import nn
 
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles
+from quark.torch.export.safetensors import stored_quantizer
 from quark.torch.extras import import_extra
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ZeroPointType
@@ -319,10 +320,12 @@ def _qdq(quantizer: nn.Module, where: str) -> QDQ:
 
 def _export_quantizer(quantizer: nn.Module, where: str, tensor: torch.Tensor | None, name: str) -> nn.Module:
     """The export form of one frozen quantizer: the codes of a weight that torch's fake-quant ops cannot express
-    (StoredWeight), an fp8 activation placeholder (Float8QDQ), else torch's fused fake quantization (QDQ)."""
+    (StoredWeight; also a weight rounded other than half to even, which QuantizeLinear would round differently), an
+    fp8 activation placeholder (Float8QDQ), else torch's fused fake quantization (QDQ)."""
     spec = quantizer.spec  # type: ignore[attr-defined]
     check_spec(spec, where, None if tensor is None else tensor.ndim)
-    if tensor is not None and (spec.dtype not in _RANGES or spec.qscheme == QSchemeType.per_group):
+    nearest = quantizer.round_method == RoundType.half_even  # type: ignore[attr-defined]
+    if tensor is not None and (spec.dtype not in _RANGES or spec.qscheme == QSchemeType.per_group or not nearest):
         return StoredWeight(quantizer, tensor, where, name)
     if spec.dtype in _FLOAT8:
         return Float8QDQ(quantizer.calculate_qparams()[0], spec.dtype.name, name)  # type: ignore[operator]
@@ -348,7 +351,8 @@ def qdq_model(model: nn.Module) -> nn.Module:
     functional = _functional_weights(export)
     for layer, slot, q, where, name in _slots(export):
         tensor = _slot_tensor(layer, slot, functional)
-        layer.set_quantizer(slot, _export_quantizer(q, where, tensor, name) if bool(q.fake_quant_enabled) else None)
+        q = stored_quantizer(tensor, q) if tensor is not None else q if bool(q.fake_quant_enabled) else None  # fake quant off: float
+        layer.set_quantizer(slot, None if q is None else _export_quantizer(q, where, tensor, name))
     guarded = [m for m in export.modules() if isinstance(getattr(m, "_guards_fn", None), nn.Module)]
     for module in guarded:
         module._guards_fn = _NoGuards()

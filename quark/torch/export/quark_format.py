@@ -53,7 +53,9 @@ from quark.torch.export.safetensors import (
     _scale_view,
     check_header,
     check_model_tensors,
+    decoded_weight_quantizer,
     first_of_its_storage,
+    stored_quantizer,
 )
 from quark.torch.export.skeleton import materialize
 from quark.torch.quantization.api import ModelQuantizer, uncalibrated_layers
@@ -76,7 +78,7 @@ from quark.torch.quantization.formats.grouping import tile_layout
 from quark.torch.quantization.formats.table import MXINT8_QMAX, FloatFormat, IntFormat
 from quark.torch.quantization.hf import is_hf_conv1d, linear_weight, transpose_weight_spec
 from quark.torch.quantization.nn.modules import QuantMixin
-from quark.torch.quantization.nn.modules.quant_modules import slot_label
+from quark.torch.quantization.nn.modules.quant_modules import DEFAULT_SLOTS, shared_tensors, slot_label
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
 
 __all__ = ["export_quark_dir", "import_quark_dir", "is_quark_dir", "to_quark_dict", "from_quark_dict", "pack_int4", "unpack_int4"]
@@ -452,8 +454,8 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
         if name in floated:
             continue  # its float weights go out with the rest of the state dict; the config excludes it
         prefix = f"{name}." if name else ""
-        wq = getattr(m, "_weight_quantizer", None)
-        if isinstance(getattr(m, "weight", None), torch.Tensor) and wq is not None and bool(wq.fake_quant_enabled):
+        wq = _stored_weight_quantizer(m)
+        if wq is not None:
             weight, wq = _as_linear(m, wq)
             for suffix, value in _encode_weight(weight, wq, pack_method, f"layer '{name}'").items():  # type: ignore[arg-type]
                 tensors[prefix + "weight" + suffix] = value.detach().contiguous()
@@ -536,17 +538,46 @@ def _as_linear(m: nn.Module, wq: Any) -> tuple[torch.Tensor, Any]:
     return m.weight, wq
 
 
+_WEIGHT_SLOT = next(s for s in DEFAULT_SLOTS if s.attr == "_weight_quantizer")
+
+
+def _stored_weight_quantizer(m: QuantMixin) -> FakeQuantizeBase | None:
+    """The quantizer whose codes the directory stores for ``m``'s weight (``stored_quantizer``: with fake quant
+    switched off, a pass-through one when the weight is on its grid); None: no quantized weight to store."""
+    wq = getattr(m, "_weight_quantizer", None)
+    if wq is None or not isinstance(getattr(m, "weight", None), torch.Tensor):
+        return None
+    return stored_quantizer(m.weight, wq)
+
+
+def _switched_off(where: str, what: str) -> ValueError:
+    """A quantizer with fake quant off, which config.json cannot express: the model runs that tensor in float."""
+    return ValueError(
+        f"{where}: its quantizer's fake quant is switched off, so the model computes with the float {what}, but "
+        "amd-quark's config.json would say it is quantized (and the import would quantize it). Switch it back on "
+        "(quantizer.enable_fake_quant()) to export it quantized, or exclude the layer (Config.exclude) or give it a "
+        "layer_quant_config entry without that tensor and quantize again to export it in float; custom_mode=None "
+        "writes this project's single file, which stores what the model computes"
+    )
+
+
 def check_quark_exportable(model: nn.Module) -> None:
-    """Before anything is written: every quantized tensor of ``model`` has a layout here (a ValueError names the
-    first layer and slot that has none)."""
+    """Before anything is written: every quantized tensor of ``model`` has a layout here, and every quantizer
+    config.json names is applied by the model: fake quant on, or a weight on its quantizer's grid, which is stored as
+    its codes (a ValueError names the first layer and slot that fails)."""
     for name, m in _layers(model):
         for slot, q in m.quantizer_slots():
             where = f"layer '{name}' ({slot_label(slot)})"
             if slot.attr not in _STORED_SLOTS:
                 raise ValueError(f"{where}: amd-quark's layout stores the weight, input and output quantizers of a layer "
                                  "only; custom_mode=None writes this project's single-file format, which stores every slot")  # fmt: skip
-            if slot.attr == "_weight_quantizer" and bool(q.fake_quant_enabled):
-                weight, wq = _as_linear(m, q)
+            stored = _stored_weight_quantizer(m) if slot.attr == "_weight_quantizer" else q
+            if not bool(q.fake_quant_enabled) and stored is q:
+                raise _switched_off(where, f"{slot.role.removesuffix('_tensors')}s")
+            if stored is None:
+                raise _switched_off(where, "weight, which is not on the grid of its quantizer's qparams")
+            if slot.attr == "_weight_quantizer":
+                weight, wq = _as_linear(m, stored)
                 if _layout(wq.spec, weight) is None:
                     raise _unsupported(where, wq.spec)
 
@@ -586,8 +617,9 @@ def _read_quark_config(path: Path) -> tuple[Config, dict[str, Any]]:
 
 def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torch.device | None = None) -> nn.Module:
     """Rebuild a quantized model from amd-quark's export directory and a float ``model`` of the same architecture:
-    prepared with the stored Config, weights set to their dequantized values, static quantizers frozen with the
-    stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first."""
+    prepared with the stored Config, weights set to their dequantized values with the quantizer
+    ``decoded_weight_quantizer`` gives (pass-through: they are on the grid), static activation quantizers frozen with
+    the stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first."""
     st = _require_safetensors()
     root = Path(model_dir)
     config, export = _read_quark_config(root / CONFIG_FILE)
@@ -603,6 +635,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     plain = {k: v for k, v in t.items() if not k.endswith(("_scale", "_zero_point", "weight_shift"))}
+    shared = shared_tensors(model)
     with torch.no_grad():
         for name, m in _layers(model):
             prefix = f"{name}." if name else ""
@@ -613,8 +646,9 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
                 values, scale, zp = _decode_weight(t, key, weight.shape, as_linear.spec, pack_method)
                 weight.copy_(values.to(weight.dtype))  # a Conv1D's weight through its [out, in] view
                 plain.pop(key, None)
-                if scale is not None:
-                    m._weight_quantizer = FrozenScaledFakeQuantize(wq.spec, scale, zp)
+                quantizer = decoded_weight_quantizer(m, _WEIGHT_SLOT, wq.spec, scale, zp, shared)
+                if quantizer is not None:
+                    m.set_quantizer(_WEIGHT_SLOT, quantizer)
             for role in ("input", "output"):
                 aq = getattr(m, f"_{role}_quantizer", None)
                 if aq is not None and f"{prefix}{role}_scale" in t:

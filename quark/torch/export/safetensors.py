@@ -43,9 +43,16 @@ from quark.torch.quantization.formats import (
 from quark.torch.quantization.formats.grouping import channel_view, from_tiles, tile_layout, tile_view
 from quark.torch.quantization.formats.table import MXINT8_QMAX
 from quark.torch.quantization.nn.modules import QuantMixin
-from quark.torch.quantization.nn.modules.quant_modules import DEFAULT_SLOTS, QUANT_MODULE_MAP, QuantSlot, slot_name
+from quark.torch.quantization.nn.modules.quant_modules import (
+    DEFAULT_SLOTS,
+    QUANT_MODULE_MAP,
+    QuantSlot,
+    bakeable,
+    shared_tensors,
+    slot_name,
+)
 from quark.torch.quantization.resolve import config_from_stored
-from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
+from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuantizeBase, FrozenScaledFakeQuantize
 
 FILENAME = "model.safetensors"
 
@@ -58,6 +65,35 @@ def _require_safetensors() -> Any:
 def _has_qparams(q: FakeQuantizeBase | None) -> bool:
     """A static quantizer with a scale (integers, minifloats): its qparams are part of the export."""
     return q is not None and not q.is_dynamic and isinstance(format_of(q.spec.dtype), IntFormat | FloatFormat)
+
+
+def stored_quantizer(tensor: torch.Tensor, q: FakeQuantizeBase | None) -> FakeQuantizeBase | None:
+    """The quantizer whose codes the exports store for ``tensor``: ``q`` while its fake quant is on. With fake quant
+    switched off the model computes with ``tensor`` as it is: a pass-through ``BakedFakeQuantize`` with ``q``'s spec
+    and qparams when ``tensor`` lies on their grid (a weight an algorithm or the user quantized already), else None:
+    the tensor is stored in float."""
+    if q is None or bool(q.fake_quant_enabled):
+        return q
+    if not _has_qparams(q):
+        return None
+    scale, zp = q.calculate_qparams()
+    baked = BakedFakeQuantize(q.spec, scale.detach().clone(), zp.detach().clone())
+    return baked if baked.holds(tensor) else None
+
+
+def decoded_weight_quantizer(
+    module: nn.Module, slot: QuantSlot, spec: QuantizationSpec, scale: torch.Tensor | None, zero_point: torch.Tensor | None,
+    shared: set[int],
+) -> FakeQuantizeBase | None:  # fmt: skip
+    """The quantizer the imports put in ``slot`` once its tensor holds the decoded values (``scale`` / ``zero_point``:
+    the stored qparams, None for formats without them). The values are on the grid already: a pass-through
+    ``BakedFakeQuantize`` keeps them (re-quantizing with the spec's rounding is not exact: floor can drop a value one
+    step). A tensor that is not ``bakeable`` (another module holds it and loads float values into it, or it is
+    computed at each forward) keeps a quantizer that quantizes it, as the exported model's did: frozen with the stored
+    qparams, or None (keep the prepared one) for a format without qparams."""
+    if bakeable(module, slot, shared):
+        return BakedFakeQuantize(spec, scale, zero_point)
+    return None if scale is None else FrozenScaledFakeQuantize(spec, scale, zero_point)
 
 
 def _scale_view(
@@ -250,6 +286,11 @@ def export_safetensors(
     float when it has no quantizer; static activation quantizers' scales and zero points are stored under the slot's
     name (``input_scale``, ``output_zero_point``, ``key_input_scale``); everything else as in the state_dict. The
     write is atomic (a temporary file renamed).
+
+    What is stored is what the model computes: a quantizer with fake quant switched off (``disable_fake_quant()``)
+    leaves its tensor as it is, so such a weight is stored as its codes when it lies on the quantizer's grid, else in
+    float (the single file) or refused with a ValueError naming the layer (amd-quark's directory, whose config.json
+    cannot say so); a switched-off activation quantizer is stored as unquantized (single file) or refused (directory).
     """
     if custom_mode is not None:
         if custom_mode != "quark":
@@ -291,12 +332,12 @@ def export_safetensors(
                 if not isinstance(tensor, torch.Tensor):
                     continue
                 skip.add(prefix + slot.tensor)
-                if q is not None and not bool(q.fake_quant_enabled):
-                    q = None  # the model uses the float tensor
-                stored, meta = encode_weight(tensor, q)
+                stored, meta = encode_weight(tensor, stored_quantizer(tensor, q))
                 for suffix, value in stored.items():
                     put(prefix + slot.tensor + suffix, value)
                 info[prefix + slot.tensor] = meta
+            elif q is not None and not bool(q.fake_quant_enabled):
+                info[prefix + activation_key(slot)] = {"encoding": "float"}  # the model runs it unquantized
             elif _has_qparams(q):
                 scale, zp = q.calculate_qparams()  # type: ignore[union-attr]
                 key = prefix + activation_key(slot)
@@ -574,6 +615,8 @@ def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tens
                     skip.add(key)
                     described.add(key)
                     check.weight(key, tensor, spec, info.get(key), key in params)
+            elif spec is not None and info.get(prefix + activation_key(slot)) == {"encoding": "float"}:
+                described.add(prefix + activation_key(slot))  # the exported model ran it unquantized: nothing stored
             elif spec is not None and not spec.is_dynamic and isinstance(format_of(spec.dtype), IntFormat | FloatFormat):
                 key = prefix + activation_key(slot)
                 described.add(key)
@@ -682,8 +725,11 @@ def import_model_from_safetensors(
     ``model`` whose Parameters are on meta is filled the same way. ``device`` places the result (None: where the
     model's tensors are, the CPU for a skeleton; amd-quark's default is "cuda"). Every tensor of the file is checked
     first against the stored Config and ``model``: on any mismatch a ValueError names the tensor and ``model`` is
-    left as it was. Returns the model prepared with the stored Config, weights set to their dequantized codes, every
-    static quantizer frozen with the stored qparams, in eval mode."""
+    left as it was. Returns the model prepared with the stored Config, in eval mode: weights set to their dequantized
+    codes, each with a pass-through ``BakedFakeQuantize`` holding its spec and qparams (the values are on the grid;
+    a weight another module shares, such as an lm_head tied to float input embeddings, holds those float values and
+    keeps a frozen quantizer), every static activation quantizer frozen with the stored qparams; a tensor stored as
+    the exported model ran it unquantized (fake quant switched off, not on its grid) has no quantizer."""
     from quark.torch.export.quark_format import import_quark_dir, is_quark_dir
     from quark.torch.export.skeleton import hf_skeleton
 
@@ -705,32 +751,43 @@ def import_model_from_safetensors(
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     owned = {k for key in info for k in (key, key + "_scale", key + "_zero_point")}
+    shared = shared_tensors(model)
     with torch.no_grad():
         for name, m in model.named_modules():
-            if not isinstance(m, QuantMixin):
-                continue
-            prefix = f"{name}." if name else ""
-            for slot in _slots(m):
-                q = getattr(m, slot.attr, None)
-                if slot.tensor is not None:
-                    key = prefix + slot.tensor
-                    if key not in info:
-                        continue
-                    meta = info[key]
-                    getattr(m, slot.tensor).copy_(decode_weight(tensors, key, meta))
-                    if meta["encoding"] == "float" and "dtype" not in meta:
-                        m.set_quantizer(slot, None)  # stored as the model used it: unquantized, or baked
-                    elif meta["encoding"].startswith(("int", "float8", "minifloat")):
-                        zp = tensors.get(key + "_zero_point", torch.zeros((), dtype=torch.int32))
-                        m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"].float(), zp))  # type: ignore[union-attr]
-                else:
-                    key = prefix + activation_key(slot)
-                    if key in info and q is not None:
-                        m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
+            if isinstance(m, QuantMixin):
+                _load_layer(m, f"{name}." if name else "", tensors, info, shared)
     # the float tensors last: a Parameter a quantized layer shares with a float one (an lm_head tied to the input
     # embeddings) holds the float values, as in the model exported; the layer's frozen quantizer applies its codes
     model.load_state_dict({k: v for k, v in tensors.items() if k not in owned}, strict=False)
     return _placed(ModelQuantizer.freeze(model).eval(), device)
+
+
+def _load_layer(m: QuantMixin, prefix: str, tensors: dict[str, torch.Tensor], info: dict[str, Any], shared: set[int]) -> None:
+    """One quantized layer from the single file: each stored weight decoded into its tensor with the quantizer
+    ``decoded_weight_quantizer`` gives (none where it was stored as the model used it, unquantized), each activation
+    slot frozen with its stored qparams, or emptied where the exported model ran it unquantized."""
+    for slot in _slots(m):
+        q = getattr(m, slot.attr, None)
+        key = prefix + (slot.tensor if slot.tensor is not None else activation_key(slot))
+        meta = info.get(key)
+        if meta is None:
+            continue
+        encoding = meta["encoding"]
+        if slot.tensor is not None:
+            getattr(m, slot.tensor).copy_(decode_weight(tensors, key, meta))
+        if q is None:
+            continue
+        if encoding == "float" and "dtype" not in meta:
+            m.set_quantizer(slot, None)  # stored as the model used it: unquantized
+        elif slot.tensor is None:
+            m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
+        else:
+            scaled = encoding.startswith(("int", "float8", "minifloat"))  # an MX _scale is E8M0 exponents, no qparam
+            scale = tensors[key + "_scale"].float() if scaled else None
+            zp = tensors.get(key + "_zero_point", torch.zeros((), dtype=torch.int32)) if scaled else None
+            quantizer = decoded_weight_quantizer(m, slot, q.spec, scale, zp, shared)
+            if quantizer is not None:
+                m.set_quantizer(slot, quantizer)
 
 
 def _placed(model: nn.Module, device: str | torch.device | None) -> nn.Module:

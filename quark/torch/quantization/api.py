@@ -48,8 +48,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QuantHFConv1DMixin,
     QuantLinear,
     QuantMixin,
-    QuantSlot,
-    computed_tensor,
+    bakeable,
     iter_quantizers,
     refresh_computed_tensors,
     shared_tensors,
@@ -683,7 +682,7 @@ class ModelQuantizer:
                 frozen = q.to_frozen()
                 if not q.is_dynamic:
                     frozen.enable_observer(False)  # block formats and casts: nothing left to record
-                if bake_weights and _bakeable(module, slot, shared):
+                if bake_weights and bakeable(module, slot, shared):
                     tensor = getattr(module, slot.tensor)
                     with torch.no_grad():
                         tensor.copy_(frozen(tensor))
@@ -694,14 +693,6 @@ class ModelQuantizer:
 
 # ----------------------------------------------------------------------------------------------- helpers
 _ACTIVATION_ROLES = ("input_tensors", "output_tensors")
-
-
-def _bakeable(module: QuantMixin, slot: QuantSlot, shared: set[int]) -> bool:
-    """Whether ``freeze(bake_weights=True)`` writes the quantized values of ``slot``'s tensor into it: a stored
-    tensor (not computed at each forward) that no other module holds (``shared``: ids from ``shared_tensors``)."""
-    if slot.tensor is None or computed_tensor(module, slot.tensor):
-        return False
-    return id(getattr(module, slot.tensor)) not in shared
 
 
 def uncalibrated_layers(model: nn.Module) -> set[str]:

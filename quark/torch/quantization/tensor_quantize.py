@@ -6,7 +6,8 @@
   from each block's data.
 - ``FrozenScaledFakeQuantize``: fixed qparams, no observer (what ``to_frozen()`` returns).
 - ``BakedFakeQuantize``: the quantizer of a weight that holds its quantized values already (``freeze(...,
-  bake_weights=True)``): passes it through, keeps the spec and qparams for exports and size reports.
+  bake_weights=True)``, a weight the imports decoded): passes it through, keeps the spec and qparams for exports
+  and size reports.
 - ``TQTFakeQuantize`` / ``LSQFakeQuantize``: learnable thresholds / scales for quantization-aware training.
 
 Observer and fake quantization switch on and off independently (``enable_observer`` / ``enable_fake_quant``, as in
@@ -15,6 +16,7 @@ torch.ao.quantization). ``FakeQuantizeBase.get_fake_quantize(spec)`` picks the c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -272,7 +274,7 @@ class FrozenScaledFakeQuantize(FakeQuantizeBase):
 
 class BakedFakeQuantize(FakeQuantizeBase):
     """The weight quantizer of a tensor that holds its quantized values already (``ModelQuantizer.freeze(model,
-    bake_weights=True)``): the forward returns the tensor as it is. It keeps the spec and, for a static scaled
+    bake_weights=True)``, a weight the imports set to its decoded codes): the forward returns the tensor as it is. It keeps the spec and, for a static scaled
     format, the frozen scale and zero point, so the exports store the codes and qparams the unbaked quantizer gives
     and size reports count the format's bits; codes are recovered with nearest rounding (the values lie on the
     grid, whatever rounding put them there)."""
@@ -311,6 +313,16 @@ class BakedFakeQuantize(FakeQuantizeBase):
         if "scale" not in self._buffers:
             return super().calculate_qparams()  # a block format or cast: no qparams (as before baking)
         return self.scale, self.zero_point
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` lies on this quantizer's grid: its qparams with nearest rounding give ``x`` back bit for bit,
+        so passing it through computes what quantizing it would (False for formats without qparams, whose grid
+        moves with the data)."""
+        if "scale" not in self._buffers:
+            return False
+        nearest = dataclasses.replace(self.spec, round_method=RoundType.half_even)
+        x = x.detach()
+        return torch.equal(_apply_format(x, nearest, self.scale, self.zero_point), x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, baked"

@@ -144,9 +144,9 @@ def test_floor_rounded_weights_are_stored_with_the_same_codes_baked_or_not(custo
     _assert_same_tensors(_tensors(paths["baked"]), _tensors(paths["frozen"]))
 
 
-@pytest.mark.xfail(strict=True, reason="known, not from baking: the imports re-quantize the decoded weights with the "
-                   "spec's floor rounding, which can drop a code one step")  # fmt: skip
 def test_floor_rounded_weights_reimport_to_the_frozen_models_outputs(tmp_path: Path) -> None:
+    """The imports keep decoded weights as they are (re-quantizing them with floor could drop a code one step);
+    every round method and format: test_import_exactness.py."""
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
     frozen, _ = _frozen_pair(_mlp(), FLOOR, x)
     export_safetensors(frozen, tmp_path)

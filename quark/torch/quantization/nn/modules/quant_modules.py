@@ -35,6 +35,7 @@ __all__ = [
     "QuantEmbeddingBag",
     "QUANT_MODULE_MAP",
     "QuantSlot",
+    "bakeable",
     "computed_tensor",
     "iter_quantizers",
     "refresh_computed_tensors",
@@ -236,6 +237,16 @@ def shared_tensors(model: nn.Module) -> set[int]:
         for p in module.parameters(recurse=False):
             holders.setdefault(id(p), set()).add(id(module))
     return {key for key, modules in holders.items() if len(modules) > 1}
+
+
+def bakeable(module: nn.Module, slot: QuantSlot, shared: set[int]) -> bool:
+    """Whether ``slot``'s tensor may hold its quantized values with a pass-through quantizer in the slot
+    (``freeze(bake_weights=True)``, and the imports for the weights they decode): a stored tensor (not computed at
+    each forward) that no other module holds (``shared``: ids from ``shared_tensors``; such a tensor keeps float
+    values for the other module, so its quantizer must quantize them at each forward)."""
+    if slot.tensor is None or computed_tensor(module, slot.tensor):
+        return False
+    return id(getattr(module, slot.tensor)) not in shared
 
 
 def refresh_computed_tensors(model: nn.Module) -> None:
