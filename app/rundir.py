@@ -445,6 +445,19 @@ def record(out: Path, name: str = RUN_STATE) -> list[str]:
     return list(written)
 
 
+def add_job(out: Path, job: Path) -> None:
+    """List ``job`` (a job's folder) in the ``jobs`` of the sweep that claimed ``out`` in this process: the sweep's
+    summary reads those folders only, not an earlier sweep's left beside them."""
+    entry = _claimed.get(_key(out, SWEEP_STATE))
+    if entry is None:
+        return
+    rel = os.path.relpath(Path(job).resolve(), Path(out).resolve())
+    jobs = entry["state"].setdefault("jobs", [])
+    if rel not in jobs:
+        jobs.append(Path(rel).as_posix())
+        _write_state(out, entry["state"], SWEEP_STATE)
+
+
 def write_recorded(out: Path, name: str, content: str | Callable[[str], None], state_name: str = RUN_STATE) -> bool:
     """Write ``out/name`` (atomically: ``content`` is the text, or writes the file at the path it is given), and add it
     to the files the state file records (the search's trial.json after the run; ``state_name=SWEEP_STATE``: a sweep's

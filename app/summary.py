@@ -57,9 +57,10 @@ class SweepSummary(SweepFiles):
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per ``results.json`` under ``sweep_dir`` (sorted by job folder)."""
+    """One row per ``results.json`` under ``sweep_dir`` (sorted by job folder): of the jobs of the sweep that last
+    claimed it (``sweep_state.json``), not those an earlier sweep left there."""
     rows = []
-    for path in sorted(sweep_dir.glob("**/results.json"), key=lambda p: _natural(p.relative_to(sweep_dir))):
+    for path in sorted(job_files(sweep_dir, "results.json"), key=lambda p: _natural(p.relative_to(sweep_dir))):
         r = json.loads(path.read_text())
         m, q, size = r["metric"], r["quant"], r["size"]
         rows.append({
@@ -71,6 +72,15 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             "wall_s": round(r["wall_time_s"]["total_s"], 2),
         })  # fmt: skip
     return rows
+
+
+def job_files(sweep_dir: Path, name: str) -> list[Path]:
+    """The files ``name`` under ``sweep_dir`` in the folders of its sweep's jobs (``app.sweepdir.sweep_jobs``; every
+    folder when no sweep state lists them)."""
+    from app.sweepdir import sweep_jobs
+
+    jobs = sweep_jobs(sweep_dir)
+    return [p for p in sweep_dir.glob(f"**/{name}") if jobs is None or p.parent.resolve() in jobs]
 
 
 def write_summary(rows: list[dict[str, Any]], folder: Path) -> list[Path]:

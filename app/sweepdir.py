@@ -20,7 +20,17 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from app.rundir import SWEEP_FILES, SWEEP_STATE, check_free, check_writable, claim_sweep, finish, read_state, record
+from app.rundir import (
+    SWEEP_FILES,
+    SWEEP_STATE,
+    add_job,
+    check_free,
+    check_writable,
+    claim_sweep,
+    finish,
+    read_state,
+    record,
+)  # fmt: skip
 
 
 class SweepFiles(Callback):
@@ -58,9 +68,10 @@ class SweepFiles(Callback):
         claim_sweep(out, files, overrides)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Record what the sweeper wrote before this job (multirun.yaml), so that a sweep stopped during it left
-        only recorded files."""
+        """List the job's folder in the sweep's ``jobs``, and record what the sweeper wrote before it (multirun.yaml),
+        so that a sweep stopped during the job leaves only recorded files."""
         if self._dir is not None:
+            add_job(self._dir, Path(str(config.hydra.runtime.output_dir)))
             record(self._dir, SWEEP_STATE)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
@@ -74,6 +85,16 @@ class SweepFiles(Callback):
             finish(self._dir, None, SWEEP_STATE)
         self._held.close()
         self._dir = None
+
+
+def sweep_jobs(folder: Path) -> set[Path] | None:
+    """The job folders (resolved) of the sweep that last claimed ``folder`` (its ``sweep_state.json``); None when
+    there is no such state (a sweep of an older version, a folder of results gathered by hand): every folder counts."""
+    state = read_state(folder, SWEEP_STATE)
+    jobs = state.get("jobs") if state is not None else None
+    if not isinstance(jobs, list):
+        return None
+    return {(folder / job).resolve() for job in jobs if isinstance(job, str)}
 
 
 def claimed_sweep(folder: Path) -> bool:

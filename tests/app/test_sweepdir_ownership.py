@@ -105,28 +105,33 @@ def test_linked_sweep_files_keep_their_targets(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- a second sweep
-@pytest.mark.slow  # three sweeps (~25 s on one core)
+@pytest.mark.slow  # three sweeps (~30 s on one core)
 def test_a_second_sweep_replaces_exactly_the_first_sweeps_files(float_ckpt: str, tmp_path: Path) -> None:
-    """The first sweep records its top-level files (summary, the float-test cache, Hydra's multirun.yaml) with their
-    size and sha256; a second sweep replaces exactly those and keeps the user's files beside them; a recorded file
-    the user changed since stops a third sweep, untouched."""
+    """The first sweep (two jobs) records its top-level files (summary, the float-test cache, Hydra's multirun.yaml)
+    with their size and sha256; a second sweep (one job) replaces exactly those, keeps the user's files beside them,
+    tests the float model again and summarises its own job only (the first sweep's job 1 stays, a run of its own); a
+    recorded file the user changed since stops a third sweep, untouched."""
     sweep = tmp_path / "sweep"
     args = (*SMOKE, f"ckpt_path={float_ckpt}", f"hydra.sweep.dir={sweep}")
-    proc = run_train("-m", "quant.weight_bits=4", *args, cwd=tmp_path)
+    proc = run_train("-m", "quant.weight_bits=4,8", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = _written(sweep)
     top = {"summary.csv", "summary.png", "float_test_cache.json", "multirun.yaml"}
     assert set(first) == top and all(first[name] == _identity(sweep / name) for name in top)
+    assert "float test metrics read from" in (sweep / "1" / "train.log").read_text()  # the cache was used
     (sweep / "notes.txt").write_text("mine")
     (sweep / "summary.csv.orig").write_text("my copy")
-    proc = run_train("-m", "quant.weight_bits=8", *args, cwd=tmp_path)
+    job1 = _tree(sweep / "1")
+    proc = run_train("-m", "quant.weight_bits=6", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((sweep / SWEEP_STATE).read_text())
     assert sorted(state["replaced"]["removed"]) == sorted(top) and state["replaced"]["kept"] == []
     assert state["state"] == "complete" and set(_written(sweep)) == top
     assert (sweep / "notes.txt").read_text() == "mine" and (sweep / "summary.csv.orig").read_text() == "my copy"
     rows = (sweep / "summary.csv").read_text().splitlines()
-    assert len(rows) == 2 and rows[1].split(",")[4] == "8.0"  # this sweep's job only
+    assert len(rows) == 2 and rows[1].split(",")[4] == "6.0"  # this sweep's job only
+    assert _tree(sweep / "1") == job1  # the first sweep's second job: left as it was
+    assert "float test metrics read from" not in (sweep / "0" / "train.log").read_text()  # a new cache
     with open(sweep / "summary.csv", "a") as f:
         f.write("a line of the user's\n")
     before = _tree(sweep)

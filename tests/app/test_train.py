@@ -237,8 +237,8 @@ def test_graph_presets_run(preset: str, tmp_path: Path) -> None:
 def test_float_test_cache_tests_once_per_key_and_survives_a_broken_file(tmp_path: Path) -> None:
     """The cache is a file of the sweep (recorded in sweep_state.json): read back while as recorded; one changed since
     (broken, or not numbers) is tested again and never written over."""
-    from app.rundir import SWEEP_STATE, write_recorded
     from app.run import float_test
+    from app.rundir import SWEEP_STATE, write_recorded
 
     calls: list[int] = []
 
