@@ -48,9 +48,8 @@ class SweepFiles(Callback):
         """Check, lock and claim the sweep directory; a file of the user's in the way ends the process with one
         ``error:`` line (SystemExit: Hydra turns a callback's exceptions into warnings)."""
         out = Path(str(config.hydra.sweep.dir))
-        overrides = OmegaConf.to_container(config.hydra.overrides.task) if OmegaConf.select(config, "hydra.overrides.task") is not None else None
         try:
-            self._take(out, [*self.products, *SWEEP_FILES], overrides)  # type: ignore[arg-type]
+            self._take(out, [*self.products, *SWEEP_FILES], _overrides(config))
         except ValueError as err:
             self._held.close()
             sys.exit(f"error: {err}")
@@ -85,6 +84,12 @@ class SweepFiles(Callback):
             finish(self._dir, None, SWEEP_STATE)
         self._held.close()
         self._dir = None
+
+
+def _overrides(config: DictConfig) -> list[str] | None:
+    """The sweep's command-line overrides (``hydra.overrides.task``), for its state file."""
+    task = OmegaConf.select(config, "hydra.overrides.task")
+    return [str(o) for o in task] if task is not None else None
 
 
 def sweep_jobs(folder: Path) -> set[Path] | None:

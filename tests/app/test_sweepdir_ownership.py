@@ -84,7 +84,9 @@ def test_a_users_pareto_csv_stops_the_search_untouched(tmp_path: Path) -> None:
     sweep.mkdir()
     (sweep / "pareto.csv").write_text("my front")
     before = _tree(sweep)
-    proc = run_train("hparams_search=optuna_bits", "hparams_search.n_trials=1", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = run_train(
+        "hparams_search=optuna_bits", "hparams_search.n_trials=1", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
     _refused(proc, "pareto.csv")
     assert _tree(sweep) == before
 
