@@ -4,7 +4,8 @@ front flagged) and ``pareto.png`` (metric against model size: the trials, the fr
 A Hydra callback (``hydra.callbacks.sweep_summary`` of conf/hparams_search/optuna_bits.yaml): after each job it
 writes ``trial.json`` (overrides, status, error, returned values) into the job's folder, so a trial that raised is
 recorded too; at the end of the multirun it reads those and the jobs' ``results.json``. By hand:
-``python -m app.pareto multirun/2026-11-22/10-00-00``.
+``python -m app.pareto multirun/2026-11-22/10-00-00``. pareto.csv/png are recorded in the sweep's ``sweep_state.json``
+(``app.sweepdir``): a file of the user's under their names stops the search before its first trial.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from app.summary import _natural
+from app.summary import _natural, job_files
+from app.sweepdir import SweepFiles
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,11 @@ COLUMNS = (
 )  # fmt: skip
 
 
-class ParetoFront(Callback):
-    """Hydra callback: a ``trial.json`` per job, ``pareto.csv`` and ``pareto.png`` per multirun."""
+class ParetoFront(SweepFiles):
+    """Hydra callback: a ``trial.json`` per job, ``pareto.csv`` and ``pareto.png`` per multirun (the sweep directory
+    claimed and its files recorded by ``SweepFiles``)."""
+
+    products = ("pareto.csv", "pareto.png")
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         out = Path(str(config.hydra.runtime.output_dir))
@@ -50,17 +54,18 @@ class ParetoFront(Callback):
         from app.rundir import write_recorded  # here: importing quark takes a second
 
         write_recorded(out, TRIAL_FILE, json.dumps(record, indent=2, default=str))  # complete or absent, recorded
+        super().on_job_end(config, job_return, **kwargs)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
         rows = collect(sweep_dir)
         if not rows:
             print(f"pareto: no trials under {sweep_dir}")
-            return
-        csv_path, png_path = write_pareto(rows, sweep_dir)
-        front = sum(r["pareto"] for r in rows)
-        failed = sum(r["status"] != "ok" for r in rows)
-        print(f"pareto: {csv_path} and {png_path} ({len(rows)} trials, {front} on the front, {failed} failed)")
+        elif written := write_pareto(rows, sweep_dir):
+            front = sum(r["pareto"] for r in rows)
+            failed = sum(r["status"] != "ok" for r in rows)
+            print(f"pareto: {' and '.join(map(str, written))} ({len(rows)} trials, {front} on the front, {failed} failed)")
+        super().on_multirun_end(config, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- the front
@@ -88,8 +93,9 @@ def pareto_mask(points: Sequence[Sequence[float] | None], directions: Sequence[s
 
 # ----------------------------------------------------------------------------------------------- the table
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per job folder of the sweep (one holding trial.json or results.json), in job order, the front flagged."""
-    folders = {p.parent for name in (TRIAL_FILE, "results.json") for p in sweep_dir.glob(f"**/{name}")}
+    """One row per job folder of the sweep (one holding trial.json or results.json; of the sweep that last claimed
+    ``sweep_dir``: ``app.summary.job_files``), in job order, the front flagged."""
+    folders = {p.parent for name in (TRIAL_FILE, "results.json") for p in job_files(sweep_dir, name)}
     rows = [_row(folder, sweep_dir) for folder in sorted(folders, key=lambda p: _natural(p.relative_to(sweep_dir)))]
     modes = {r["metric_mode"] for r in rows if r["metric_mode"]}
     directions = ["maximize" if modes == {"max"} else "minimize", "minimize"]
@@ -168,21 +174,24 @@ def _uniform(layers: dict[str, Any]) -> str:
     return keys.pop() if len(bits) == 1 and len(keys) == 1 else ""
 
 
-def write_pareto(rows: list[dict[str, Any]], folder: Path) -> tuple[Path, Path]:
+def write_pareto(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     """``pareto.csv`` (COLUMNS, then one column per searched parameter: a ``layer_bits`` key, or an override whose
-    value differs between trials) and ``pareto.png`` in ``folder``."""
+    value differs between trials) and ``pareto.png`` in ``folder``, each complete or absent and recorded in its
+    ``sweep_state.json``; returns the paths written (a file of the user's is not written over: an error is logged)."""
     keys = sorted({k for r in rows for k in r["params"]})
     params = [k for k in keys if "layer_bits" in k or len({r["params"].get(k) for r in rows}) > 1]
-    from quark.torch.export.files import write_atomically, write_text_atomically  # here: importing quark takes a second
+    from app.rundir import SWEEP_STATE, write_recorded  # here: importing quark takes a second
 
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=[*COLUMNS, *params], extrasaction="ignore")
     writer.writeheader()
     for row in rows:
         writer.writerow({**row, **row["params"]})
-    csv_path = write_text_atomically(folder / "pareto.csv", text.getvalue(), newline="")  # complete or absent
-    png_path = write_atomically(folder, "pareto.png", lambda tmp: plot(rows, Path(tmp)))
-    return csv_path, png_path
+    files = {
+        "pareto.csv": lambda tmp: Path(tmp).write_text(text.getvalue(), encoding="utf-8", newline=""),  # csv's \r\n
+        "pareto.png": lambda tmp: plot(rows, Path(tmp)),
+    }
+    return [folder / name for name, content in files.items() if write_recorded(folder, name, content, SWEEP_STATE)]
 
 
 # ----------------------------------------------------------------------------------------------- the plot
@@ -238,4 +247,4 @@ if __name__ == "__main__":
     found = collect(sweep)
     if not found:
         sys.exit(f"no trials under {sweep}")
-    print(*write_pareto(found, sweep))
+    print(*write_pareto(found, sweep) or ["nothing written (see the error above)"])

@@ -41,16 +41,19 @@ from app.mixed import candidate_configs, check_before_training, run_mixed, with_
 from app.rundir import (
     FLOAT_TEST_CACHE,
     LOCK,
+    SWEEP_STATE,
     check_free,
     check_writable,
     claim,
     file_logs_held,
     locked,
     planned,
+    read_recorded,
     read_state,
     record,
     recording,
     run_files,
+    write_recorded,
 )  # fmt: skip
 from callbacks import AtomicCheckpointIO, QuantCallback
 from callbacks.quant import _feedable, read_checkpoint
@@ -636,13 +639,15 @@ def _quantize(
 
 def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]]) -> dict[str, float]:
     """The float model's test metrics: ``test()``, or what ``cache`` (a JSON file) holds under ``key`` from an earlier
-    job of the same sweep, which tested the same model on the same data. New results are added atomically; an
-    unreadable cache is ignored (the test runs again)."""
+    job of the same sweep, which tested the same model on the same data. The cache is a file of the sweep, recorded in
+    its ``sweep_state.json``: read only while it is as recorded, new results added atomically and recorded; an
+    unreadable cache is ignored (the test runs again), one that is not the sweep's is neither read nor written over."""
     if cache is None:
         return test()
+    text = read_recorded(cache.parent, cache.name, SWEEP_STATE)
     try:
-        stored = json.loads(cache.read_text()) if cache.is_file() else {}
-    except (OSError, ValueError):
+        stored = json.loads(text) if text is not None else {}
+    except ValueError:
         stored = {}
     if not isinstance(stored, dict):
         stored = {}
@@ -656,7 +661,7 @@ def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]
     with _rng_kept():  # a cache hit consumes no randomness: neither does the test that fills it
         metrics = test()
     stored[key] = metrics
-    write_text_atomically(cache, json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    write_recorded(cache.parent, cache.name, json.dumps(stored, indent=1, sort_keys=True) + "\n", SWEEP_STATE)
     return metrics
 
 
@@ -679,13 +684,17 @@ def _rng_kept() -> Iterator[None]:
 
 def _float_test_cache(cfg: DictConfig) -> Path | None:
     """In a multirun whose jobs all start from one float checkpoint (``ckpt_path``: a search over quantization
-    settings), the sweep directory's float-test cache; None otherwise (each run tests its own float model)."""
+    settings), the sweep directory's float-test cache, when the sweep holds that directory (``app.sweepdir``: its end
+    callback claimed it); None otherwise (each run tests its own float model)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from app.sweepdir import claimed_sweep
+
     if not cfg.get("ckpt_path") or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
-    return Path(HydraConfig.get().sweep.dir) / FLOAT_TEST_CACHE
+    folder = Path(HydraConfig.get().sweep.dir)
+    return folder / FLOAT_TEST_CACHE if claimed_sweep(folder) else None
 
 
 def _float_test_key(cfg: DictConfig) -> str:

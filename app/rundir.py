@@ -17,7 +17,12 @@ stays. Before any of this, ``check_free`` refuses the run when a file it would w
 checkpoints/quantized.ckpt, the loggers' phase folders, export/, ...) is there and is not such a recorded file: a file
 of yours is never overwritten. All of this happens under the directory's lock (``app.run._run_dir_lock``), so never
 under a live run's feet, and only once the run's config, Trainer, data and model have passed their checks: a refused
-run leaves the directory as it was."""
+run leaves the directory as it was.
+
+A sweep's directory (``hydra.sweep.dir``) follows the same rule with its own state file, ``sweep_state.json``: the
+files at its top that the sweep writes (``SWEEP_FILES`` and its end callback's summary, see ``app.sweepdir``) are
+checked (``check_free(..., state=SWEEP_STATE)``), claimed (``claim_sweep``) and recorded by the same functions; the jobs'
+folders below it are runs of their own."""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from quark.torch.export.files import is_temporary, remove_stale_temporaries, write_text_atomically
+from quark.torch.export.files import is_temporary, remove_stale_temporaries, write_atomically, write_text_atomically
 
 try:
     import fcntl
@@ -45,8 +50,18 @@ except ImportError:  # not POSIX: a "running" state cannot be told stale
 log = logging.getLogger(__name__)
 
 RUN_STATE = "run_state.json"
+#: a sweep directory's state file: the sweep's files at the top of the directory, as ``run_state.json`` for a run
+SWEEP_STATE = "sweep_state.json"
 #: in a sweep's directory: the float model's test metrics, shared by the jobs that start from one ckpt_path
 FLOAT_TEST_CACHE = "float_test_cache.json"
+#: what a sweep writes at the top of its directory besides its end callback's products: the jobs' float-test cache,
+#: and Hydra's own files (its basic sweeper's multirun.yaml, the Optuna sweeper's optimization_results.yaml)
+SWEEP_FILES = (FLOAT_TEST_CACHE, "multirun.yaml", "optimization_results.yaml")
+#: state file -> what the directory is called in messages, and where to go instead
+_KINDS = {
+    RUN_STATE: ("run", "hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"),
+    SWEEP_STATE: ("sweep", "hydra.sweep.dir=<another dir>"),
+}
 LOCK = ".lock"
 #: the places a run of the app writes to in its directory, besides the loggers' folders (from the config) and
 #: ``.hydra/``: where ``record`` looks for its files (the Hydra log file, appended by every run, is not recorded)
@@ -60,8 +75,13 @@ PRODUCTS = (
     "trial.json",
 )
 
-#: the runs of this process that claimed a directory and have not finished: resolved directory -> its state
-_claimed: dict[Path, dict[str, Any]] = {}
+#: the runs (and sweeps) of this process that claimed a directory and have not finished: (resolved directory, state
+#: file) -> its state
+_claimed: dict[tuple[Path, str], dict[str, Any]] = {}
+
+
+def _key(out: Path, state: str) -> tuple[Path, str]:
+    return Path(out).resolve(), state
 
 
 def _now() -> str:
@@ -110,13 +130,29 @@ def planned(cfg: DictConfig, mode: str | None, mixed: bool, exporting: bool) -> 
     return files, folders + (["export"] if exporting else [])
 
 
-def check_free(out: Path, files: Sequence[str], folders: Sequence[str]) -> None:
-    """ValueError when the run would overwrite a file that no earlier run of this app recorded writing (or that
-    changed since): one of ``files``, or anything in ``folders`` (paths relative to ``out``). Touches nothing."""
+def check_free(out: Path, files: Sequence[str], folders: Sequence[str], state: str = RUN_STATE) -> None:
+    """ValueError when the run (the sweep: ``state=SWEEP_STATE``) would overwrite a file that no earlier run (sweep)
+    of this app recorded writing (or that changed since): one of ``files``, or anything in ``folders`` (paths relative
+    to ``out``). Touches nothing."""
     out = Path(out)
-    state = read_state(out)
+    taken = _taken(out, files, folders, state)
+    if taken:
+        kind, elsewhere = _KINDS[state]
+        shown = ", ".join(taken[:8]) + (f" and {len(taken) - 8} more" if len(taken) > 8 else "")
+        raise ValueError(
+            f"the {kind} directory {out} holds {shown}, which no earlier {kind} of this app recorded writing (or which "
+            f"changed since): this {kind} would write over them, so it stops here and has touched nothing. Move them "
+            f"elsewhere, or give this {kind} a directory of its own: {elsewhere}"
+        )
+
+
+def _taken(out: Path, files: Sequence[str], folders: Sequence[str], state_name: str) -> list[str]:
+    """What of ``files`` and ``folders`` (see ``check_free``) is there and not recorded by the state file (the state
+    file itself when it is unreadable or a link)."""
+    state = read_state(out, state_name)
     recorded = _recorded(state)
-    taken = [RUN_STATE] if os.path.lexists(out / RUN_STATE) and (state is None or (out / RUN_STATE).is_symlink()) else []
+    unreadable = os.path.lexists(out / state_name) and (state is None or (out / state_name).is_symlink())
+    taken = [state_name] if unreadable else []
     taken += [rel for rel in files if os.path.lexists(out / rel) and not _owned(out, rel, recorded)]
     for folder in folders:
         if os.path.lexists(out / folder) and not (out / folder).is_dir():
@@ -124,14 +160,7 @@ def check_free(out: Path, files: Sequence[str], folders: Sequence[str]) -> None:
         for rel in _files_under(out, folder):
             if not _owned(out, rel, recorded):
                 taken.append(rel)
-    if taken:
-        shown = ", ".join(taken[:8]) + (f" and {len(taken) - 8} more" if len(taken) > 8 else "")
-        raise ValueError(
-            f"the run directory {out} holds {shown}, which no earlier run of this app recorded writing (or which "
-            "changed since): this run would write over them, so it stops here and has touched nothing. Move them "
-            "elsewhere, or give this run a directory of its own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another "
-            "dir> with -m)"
-        )
+    return taken
 
 
 def _files_under(out: Path, folder: str) -> list[str]:
@@ -254,19 +283,23 @@ def remove_temporaries(out: Path, places: Sequence[Path]) -> list[Path]:
     return removed
 
 
-def read_state(out: Path) -> dict[str, Any] | None:
-    """The directory's ``run_state.json`` (None: there is none, or it is unreadable); a ``"running"`` state whose run
-    no longer holds the lock is returned as ``"stale"`` (the run was killed)."""
-    path = Path(out) / RUN_STATE
+def read_state(out: Path, name: str = RUN_STATE) -> dict[str, Any] | None:
+    """The directory's ``run_state.json`` (``name``: ``sweep_state.json``; None: there is none, or it is unreadable);
+    a ``"running"`` state whose run no longer holds the lock is returned as ``"stale"`` (the run was killed)."""
+    state = _state_on_disk(Path(out), name)
+    if state is not None and state.get("state") == "running" and _key(out, name) not in _claimed and not locked(Path(out)):
+        state["state"] = "stale"
+    return state
+
+
+def _state_on_disk(out: Path, name: str) -> dict[str, Any] | None:
+    """The state file ``out/name`` as written (None: absent, a link, unreadable or not an object)."""
+    path = out / name
     try:
         state = None if path.is_symlink() else json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(state, dict):
-        return None
-    if state.get("state") == "running" and Path(out).resolve() not in _claimed and not locked(Path(out)):
-        state["state"] = "stale"
-    return state
+    return state if isinstance(state, dict) else None
 
 
 def locked(out: Path) -> bool:
@@ -307,32 +340,52 @@ def claim(cfg: DictConfig, out: Path, inputs: Sequence[str | None] = ()) -> dict
     recorded (``inputs``, e.g. ckpt_path, are kept) and the temporaries in this run's places, then write
     ``run_state.json`` as ``"running"``. Returns the state written."""
     out = Path(out)
-    previous = read_state(out)
+    places = output_places(cfg, out)
+    return _claim(out, RUN_STATE, places, [*places, out / ".hydra"], {Path(p).resolve() for p in inputs if p})
+
+
+def claim_sweep(out: Path, files: Sequence[str], overrides: Sequence[str] | None = None) -> dict[str, Any]:
+    """Make the sweep directory ``out`` this sweep's (under its lock, before its first job): remove the files the
+    previous sweep recorded at its top and this project's temporaries there, then write ``sweep_state.json`` as
+    ``"running"`` (with the sweep's command-line ``overrides``); ``files`` (names at its top) are recorded when
+    written. Returns the state written."""
+    out = Path(out)
+    places = [out / name for name in files if _inside(out, out / name)]
+    return _claim(out, SWEEP_STATE, places, places, set(), overrides)
+
+
+def _claim(
+    out: Path, name: str, places: list[Path], scan: list[Path], keep: set[Path], overrides: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """``claim`` for the state file ``name``: ``places`` are where the run writes (its outputs, where temporaries are
+    looked for), ``scan`` where ``record`` finds what it wrote, ``keep`` the inputs never removed; ``overrides``: the
+    command line's (None: Hydra's of the running job)."""
+    previous = read_state(out, name)
     if previous is not None and previous.get("state") == "running":  # we hold the lock: that run is gone (killed)
         previous["state"] = "stale"
-    places = output_places(cfg, out)
-    keep = {Path(p).resolve() for p in inputs if p}
     removed, kept = _remove_recorded(out, previous, keep)
     remove_temporaries(out, places)
+    kind = _KINDS[name][0]
     who = "" if previous is None else (
         f" (its state: {previous.get('state')}, pid {previous.get('pid')}, started {previous.get('started')})"
     )  # fmt: skip
     if removed:
-        log.info("run directory %s: removed the files the previous run recorded%s: %s", out, who, ", ".join(removed))
+        log.info("%s directory %s: removed the files the previous %s recorded%s: %s", kind, out, kind, who, ", ".join(removed))
     if kept:
-        log.warning("run directory %s: kept files the previous run recorded%s: %s", out, who, ", ".join(kept))
+        log.warning("%s directory %s: kept files the previous %s recorded%s: %s", kind, out, kind, who, ", ".join(kept))
     state: dict[str, Any] = {
         "state": "running", "pid": os.getpid(), "host": socket.gethostname(), "started": _now(),
-        "argv": list(sys.argv), "overrides": _overrides(), "outputs": [_rel(out, p) for p in places],
+        "argv": list(sys.argv),
+        "overrides": list(overrides) if overrides is not None else _overrides(), "outputs": [_rel(out, p) for p in places],
         "written": [], "dirs": [],
     }  # fmt: skip
     if previous is not None:
         state["replaced"] = {"previous": _summary(previous), "removed": removed, "kept": kept}
-    files, dirs = _scan(out, places)
-    _claimed[out.resolve()] = {
-        "state": state, "places": places, "before": files, "dirs_before": dirs, "written": {},
+    files, dirs = _scan(out, scan)
+    _claimed[_key(out, name)] = {
+        "state": state, "name": name, "scan": scan, "before": files, "dirs_before": dirs, "written": {},
     }  # fmt: skip
-    _write_state(out, state)
+    _write_state(out, state, name)
     return state
 
 
@@ -344,11 +397,11 @@ def _summary(previous: dict[str, Any] | None) -> dict[str, Any] | None:
 
 # ----------------------------------------------------------------------------------------------- recording
 def _scan(out: Path, places: Sequence[Path]) -> tuple[dict[str, tuple[int, int, int]], set[str]]:
-    """The regular files in ``places`` and ``.hydra`` (a place that is a link to a folder is looked into, links
-    below it are not): relative path -> (size, mtime_ns, inode); and the folders there."""
+    """The regular files in ``places`` (a place that is a link to a folder is looked into, links below it are not):
+    relative path -> (size, mtime_ns, inode); and the folders there."""
     files: dict[str, tuple[int, int, int]] = {}
     dirs: set[str] = set()
-    for place in [*places, out / ".hydra"]:
+    for place in places:
         if place.is_file() and not place.is_symlink():
             files[_rel(out, place)] = _stat(place)
             continue
@@ -366,14 +419,15 @@ def _stat(path: Path) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def record(out: Path) -> list[str]:
-    """Add the files the run that claimed ``out`` has written so far (new or changed since the claim; temporaries
-    aside) to its ``run_state.json``, with their size and hash, and the folders it created for them;
-    so that a later run removes them even when this one is killed. Returns the recorded paths."""
-    entry = _claimed.get(Path(out).resolve())
+def record(out: Path, name: str = RUN_STATE) -> list[str]:
+    """Add the files the run (``name=SWEEP_STATE``: the sweep) that claimed ``out`` has written so far (new or changed
+    since the claim; temporaries aside) to its state file, with their size and hash, and the folders it created for
+    them; so that a later run removes them even when this one is killed. Returns the recorded paths."""
+    out = Path(out)
+    entry = _claimed.get(_key(out, name))
     if entry is None:
         return []
-    files, _ = _scan(out, entry["places"])
+    files, _ = _scan(out, entry["scan"])
     written: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
     for rel, stat in sorted(files.items()):
         path = out / rel
@@ -387,30 +441,55 @@ def record(out: Path) -> list[str]:
         written=[{"path": rel, **identity} for rel, (_, identity) in written.items()],
         dirs=sorted(created - entry["dirs_before"]),
     )
-    _write_state(out, entry["state"])
+    _write_state(out, entry["state"], name)
     return list(written)
 
 
-def write_recorded(out: Path, name: str, text: str) -> bool:
-    """Write ``out/name`` (atomically) after the run, and add it to the files ``run_state.json`` records (the
-    search's trial.json); False, with an error logged, when a file there is not one a run of this app recorded (a file
-    of the user's is never written over)."""
+def add_job(out: Path, job: Path) -> None:
+    """List ``job`` (a job's folder) in the ``jobs`` of the sweep that claimed ``out`` in this process: the sweep's
+    summary reads those folders only, not an earlier sweep's left beside them."""
+    entry = _claimed.get(_key(out, SWEEP_STATE))
+    if entry is None:
+        return
+    rel = os.path.relpath(Path(job).resolve(), Path(out).resolve())
+    jobs = entry["state"].setdefault("jobs", [])
+    if rel not in jobs:
+        jobs.append(Path(rel).as_posix())
+        _write_state(out, entry["state"], SWEEP_STATE)
+
+
+def write_recorded(out: Path, name: str, content: str | Callable[[str], None], state_name: str = RUN_STATE) -> bool:
+    """Write ``out/name`` (atomically: ``content`` is the text, or writes the file at the path it is given), and add it
+    to the files the state file records (the search's trial.json after the run; ``state_name=SWEEP_STATE``: a sweep's
+    summary, the float-test cache); False, with an error logged, when a file there is not one a run of this app
+    recorded (a file of the user's is never written over)."""
     out = Path(out)
-    path = out / RUN_STATE
-    try:
-        state = None if path.is_symlink() else json.loads(path.read_text())
-    except (OSError, ValueError):
-        state = None
-    state = state if isinstance(state, dict) else None
+    state = _state_on_disk(out, state_name)
     if os.path.lexists(out / name) and not _owned(out, name, _recorded(state)):
-        log.error("run directory %s: %s is not a file a run of this app recorded: not written over", out, name)
+        kind = _KINDS[state_name][0]
+        log.error("%s directory %s: %s is not a file a %s of this app recorded: not written over", kind, out, name, kind)
         return False
-    write_text_atomically(out / name, text)
+    if isinstance(content, str):
+        write_text_atomically(out / name, content)
+    else:
+        write_atomically(out, name, content)
     if state is not None:  # else: no run claimed the directory (refused on a first try): the file stays unrecorded
         written = [e for e in state.get("written") or [] if not (isinstance(e, dict) and e.get("path") == name)]
         state["written"] = [*written, {"path": name, **_identity(out / name)}]
-        _write_state(out, state)
+        _write_state(out, state, state_name)
     return True
+
+
+def read_recorded(out: Path, name: str, state_name: str = RUN_STATE) -> str | None:
+    """The text of ``out/name`` when it is a file the state file records, unchanged (what this app wrote there); None
+    when it is absent, a link, changed since, or not recorded (a file of the user's is never read as the app's)."""
+    out = Path(out)
+    if not _owned(out, name, _recorded(_state_on_disk(out, state_name))):
+        return None
+    try:
+        return (out / name).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _overrides() -> list[str] | None:
@@ -419,8 +498,8 @@ def _overrides() -> list[str] | None:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
 
 
-def _write_state(out: Path, state: dict[str, Any]) -> None:
-    write_text_atomically(out / RUN_STATE, json.dumps(state, indent=2, default=str) + "\n")
+def _write_state(out: Path, state: dict[str, Any], name: str = RUN_STATE) -> None:
+    write_text_atomically(out / name, json.dumps(state, indent=2, default=str) + "\n")
 
 
 def run_files(out: Path) -> dict[str, list[str]]:
@@ -440,26 +519,26 @@ def run_files(out: Path) -> dict[str, list[str]]:
     return found
 
 
-def finish(out: Path, error: BaseException | None) -> None:
-    """Rewrite the ``run_state.json`` of a run of this process that claimed ``out``: ``"complete"`` with its files,
-    or ``"failed"`` with the error. Nothing when this process did not claim it (a config error before the claim leaves
-    the previous run's state as it was)."""
+def finish(out: Path, error: BaseException | None, name: str = RUN_STATE) -> None:
+    """Rewrite the ``run_state.json`` (``sweep_state.json``) of a run (sweep) of this process that claimed ``out``:
+    ``"complete"`` with its files, or ``"failed"`` with the error. Nothing when this process did not claim it (a config
+    error before the claim leaves the previous run's state as it was)."""
     out = Path(out)
-    entry = _claimed.get(out.resolve())
+    entry = _claimed.get(_key(out, name))
     if entry is None:
         return
     try:
         with contextlib.suppress(OSError):  # a failed run's files are recorded too (a full disk: as far as it can)
-            record(out)
+            record(out, name)
         state = dict(entry["state"], finished=_now())
         if error is None:
-            state.update(state="complete", results="results.json", files=run_files(out))
+            state.update(state="complete", **({"results": "results.json", "files": run_files(out)} if name == RUN_STATE else {}))
         else:
             text = str(error).strip().splitlines()
             state.update(state="failed", error=f"{type(error).__name__}: {text[0] if text else ''}"[:2000])
-        _write_state(out, state)
+        _write_state(out, state, name)
     finally:
-        _claimed.pop(out.resolve(), None)
+        _claimed.pop(_key(out, name), None)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 baseline as a reference line) from the ``results.json`` of every job of a Hydra multirun.
 
 Runs as a Hydra callback (``hydra.callbacks.sweep_summary`` in conf/config.yaml) or by hand:
-``python -m app.summary multirun/2026-11-22/10-00-00``.
+``python -m app.summary multirun/2026-11-22/10-00-00``. Both files are recorded in the sweep's ``sweep_state.json``
+(``app.sweepdir``): a file of the user's under their names is never written over.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from app.sweepdir import SweepFiles
 
 COLUMNS = (
     "job", "task", "scheme", "mode", "weight_bits", "act_bits", "metric", "float", "quantized", "delta",
@@ -24,14 +26,12 @@ COLUMNS = (
 )  # fmt: skip
 
 
-class SweepSummary(Callback):
-    """Hydra callback: after a multirun, summarise the jobs' results in the sweep directory. At its start, remove an
-    earlier sweep's float-test cache there (a new sweep tests its float model again: code or data may have changed)."""
+class SweepSummary(SweepFiles):
+    """Hydra callback: after a multirun, summarise the jobs' results in the sweep directory. The directory is claimed
+    at the start (``SweepFiles``): an earlier sweep's recorded files go, its float-test cache too (a new sweep tests its
+    float model again: code or data may have changed)."""
 
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from app.rundir import FLOAT_TEST_CACHE  # here: importing quark takes a second
-
-        (Path(str(config.hydra.sweep.dir)) / FLOAT_TEST_CACHE).unlink(missing_ok=True)
+    products = ("summary.csv", "summary.png")
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """After each job of a multirun, the summary of the jobs so far: a later job that fails (a bad value in the
@@ -44,21 +44,23 @@ class SweepSummary(Callback):
             rows = collect(Path(str(hydra.sweep.dir)))
             if rows:
                 write_summary(rows, Path(str(hydra.sweep.dir)))
+        super().on_job_end(config, job_return, **kwargs)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
         rows = collect(sweep_dir)
         if not rows:
             print(f"sweep summary: no results.json under {sweep_dir}")
-            return
-        csv_path, png_path = write_summary(rows, sweep_dir)
-        print(f"sweep summary: {csv_path} and {png_path} ({len(rows)} runs)")
+        elif written := write_summary(rows, sweep_dir):
+            print(f"sweep summary: {' and '.join(map(str, written))} ({len(rows)} runs)")
+        super().on_multirun_end(config, **kwargs)
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per ``results.json`` under ``sweep_dir`` (sorted by job folder)."""
+    """One row per ``results.json`` under ``sweep_dir`` (sorted by job folder): of the jobs of the sweep that last
+    claimed it (``sweep_state.json``), not those an earlier sweep left there."""
     rows = []
-    for path in sorted(sweep_dir.glob("**/results.json"), key=lambda p: _natural(p.relative_to(sweep_dir))):
+    for path in sorted(job_files(sweep_dir, "results.json"), key=lambda p: _natural(p.relative_to(sweep_dir))):
         r = json.loads(path.read_text())
         m, q, size = r["metric"], r["quant"], r["size"]
         rows.append({
@@ -72,18 +74,30 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write_summary(rows: list[dict[str, Any]], folder: Path) -> tuple[Path, Path]:
-    """Write ``summary.csv`` and ``summary.png`` into ``folder``; returns their paths."""
-    from quark.torch.export.files import write_atomically, write_text_atomically  # here: importing quark takes a second
+def job_files(sweep_dir: Path, name: str) -> list[Path]:
+    """The files ``name`` under ``sweep_dir`` in the folders of its sweep's jobs (``app.sweepdir.sweep_jobs``; every
+    folder when no sweep state lists them)."""
+    from app.sweepdir import sweep_jobs
+
+    jobs = sweep_jobs(sweep_dir)
+    return [p for p in sweep_dir.glob(f"**/{name}") if jobs is None or p.parent.resolve() in jobs]
+
+
+def write_summary(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """Write ``summary.csv`` and ``summary.png`` into ``folder`` (each complete or absent), recorded in its
+    ``sweep_state.json``; returns the paths written (a file of the user's there is not written over: an error is
+    logged, and it is not in the list)."""
+    from app.rundir import SWEEP_STATE, write_recorded  # here: importing quark takes a second
 
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-    csv_path = write_text_atomically(folder / "summary.csv", text.getvalue(), newline="")  # complete or absent
-    png_path = folder / "summary.png"
-    write_atomically(folder, png_path.name, lambda tmp: plot(rows, Path(tmp)))
-    return csv_path, png_path
+    files = {
+        "summary.csv": lambda tmp: Path(tmp).write_text(text.getvalue(), encoding="utf-8", newline=""),  # csv's \r\n
+        "summary.png": lambda tmp: plot(rows, Path(tmp)),
+    }
+    return [folder / name for name, content in files.items() if write_recorded(folder, name, content, SWEEP_STATE)]
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -147,4 +161,4 @@ if __name__ == "__main__":
     found = collect(folder)
     if not found:
         sys.exit(f"no results.json under {folder}")
-    print(*write_summary(found, folder))
+    print(*write_summary(found, folder) or ["nothing written (see the error above)"])

@@ -235,7 +235,10 @@ def test_graph_presets_run(preset: str, tmp_path: Path) -> None:
 
 
 def test_float_test_cache_tests_once_per_key_and_survives_a_broken_file(tmp_path: Path) -> None:
+    """The cache is a file of the sweep (recorded in sweep_state.json): read back while as recorded; one changed since
+    (broken, or not numbers) is tested again and never written over."""
     from app.run import float_test
+    from app.rundir import SWEEP_STATE, write_recorded
 
     calls: list[int] = []
 
@@ -244,15 +247,21 @@ def test_float_test_cache_tests_once_per_key_and_survives_a_broken_file(tmp_path
         return {"test_acc": 0.5 + len(calls)}
 
     cache = tmp_path / "float_test_cache.json"
+    (tmp_path / SWEEP_STATE).write_text('{"state": "running", "written": []}')  # as a sweep's claim leaves it
     assert float_test(None, "k", test) == {"test_acc": 1.5}  # no cache: always tested
     assert float_test(cache, "k", test) == {"test_acc": 2.5}
     assert float_test(cache, "k", test) == {"test_acc": 2.5} and len(calls) == 2  # read back
     assert float_test(cache, "other", test) == {"test_acc": 3.5}  # another model or data: tested
-    cache.write_text("{not json")
-    assert float_test(cache, "k", test) == {"test_acc": 4.5}  # unreadable: tested again, and rewritten
-    assert json.loads(cache.read_text()) == {"k": {"test_acc": 4.5}}
-    cache.write_text('{"k": {"test_acc": "n/a"}}')
-    assert float_test(cache, "k", test) == {"test_acc": 5.5}  # not a number: tested again
+    assert json.loads(cache.read_text()) == {"k": {"test_acc": 2.5}, "other": {"test_acc": 3.5}}
+    cache.write_text('{"k": {"test_acc": 9.5}}')
+    assert float_test(cache, "k", test) == {"test_acc": 4.5}  # changed since recorded: not the sweep's, tested
+    assert cache.read_text() == '{"k": {"test_acc": 9.5}}'  # and not written over
+    cache.unlink()
+    write_recorded(tmp_path, cache.name, "{not json", SWEEP_STATE)  # a broken cache of the sweep's
+    assert float_test(cache, "k", test) == {"test_acc": 5.5}  # unreadable: tested again, and rewritten
+    assert json.loads(cache.read_text()) == {"k": {"test_acc": 5.5}}
+    write_recorded(tmp_path, cache.name, '{"k": {"test_acc": "n/a"}}', SWEEP_STATE)
+    assert float_test(cache, "k", test) == {"test_acc": 6.5}  # not a number: tested again
     state = torch.get_rng_state()
     float_test(cache, "new", lambda: {"test_acc": float(torch.rand(()))})
     assert torch.equal(torch.get_rng_state(), state)  # a test that fills the cache leaves the RNG as a hit does
@@ -276,12 +285,20 @@ def test_a_sweep_from_one_float_checkpoint_tests_the_float_model_once(tmp_path: 
 
 
 def test_a_new_sweep_in_the_same_directory_tests_the_float_model_again(tmp_path: Path) -> None:
+    """The previous sweep's recorded cache goes when a new sweep claims the directory (one of the user's stops it:
+    tests/app/test_sweepdir_ownership.py)."""
     from omegaconf import OmegaConf
 
+    from app.rundir import SWEEP_STATE, write_recorded
     from app.summary import SweepSummary
 
     sweep = tmp_path / "sweep"
     sweep.mkdir()
-    (sweep / "float_test_cache.json").write_text('{"k": {"test_acc": 0.9}}')
-    SweepSummary().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
-    assert not (sweep / "float_test_cache.json").exists()
+    (sweep / SWEEP_STATE).write_text('{"state": "complete", "written": []}')
+    write_recorded(sweep, "float_test_cache.json", '{"k": {"test_acc": 0.9}}', SWEEP_STATE)
+    callback, config = SweepSummary(), OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    callback.on_multirun_start(config)
+    try:
+        assert not (sweep / "float_test_cache.json").exists()
+    finally:
+        callback.on_multirun_end(config)
