@@ -415,6 +415,7 @@ class ModelQuantizer:
 
 # ----------------------------------------------------------------------------------------------- helpers
 def _restore(swapped: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """Put the original layers back after a failed swap, last swapped first."""
     for parent, attr, original in reversed(swapped):
         setattr(parent, attr, original)
 

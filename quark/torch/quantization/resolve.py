@@ -36,7 +36,8 @@ from quark.torch.quantization.nn.modules.quant_modules import (
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
-    "LayerPlan", "merge_levels", "config_from_stored", "excluded", "name_levels", "type_level", "resolve_layer",
+    "LayerPlan", "merge_levels", "config_from_stored", "excluded", "layer_matches", "name_levels", "type_level",
+    "explicit_levels", "resolve_layer",
     "unmatched_names", "type_names", "float_type", "layer_types", "custom_forward_layers", "owners", "check_layer",
     "activation_axes_to_check", "check_activation_shapes", "qparams_source", "format_plans", "submodule", "parent_of",
 ]  # fmt: skip
