@@ -127,6 +127,9 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
         pytest.skip("mkdocs is not installed (the 'docs' extra)")
     result = subprocess.run(
         [mkdocs, "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
