@@ -3,6 +3,7 @@ amd-quark's Hugging Face directory; ``safetensors``, this project's single file;
 amd-quark's own API (``export_safetensors``, ``import_model_from_safetensors``, ``export_onnx``)."""
 
 from quark.torch.export.front_end import (
+    QUARK_SUBDIR,
     ExportFormat,
     check_exportable,
     check_formats,
@@ -21,7 +22,7 @@ from quark.torch.export.single_file import read_single_file, write_single_file
 __all__ = [
     "export_safetensors", "import_model_from_safetensors", "export_onnx", "size_report", "export_model", "import_model",
     "EXPORT_FORMATS", "ExportFormat", "register_format", "export_formats", "get_format", "check_formats",
-    "check_exportable", "check_onnx_exportable", "check_quark_exportable", "write_single_file", "read_single_file",
+    "check_exportable", "QUARK_SUBDIR", "check_onnx_exportable", "check_quark_exportable", "write_single_file", "read_single_file",
 ]  # fmt: skip
 
 #: the built-in formats' names (``export_formats()`` also lists the ones registered later)
