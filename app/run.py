@@ -59,14 +59,7 @@ from callbacks import AtomicCheckpointIO, QuantCallback
 from callbacks.quant import as_model_input, read_checkpoint
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm import find_decoder_layers, scaling_groups
-from quark.torch.export import (
-    EXPORT_FORMATS,
-    check_onnx_exportable,
-    check_quark_exportable,
-    export_model,
-    export_safetensors,
-    size_report,
-)
+from quark.torch.export import QUARK_SUBDIR, check_exportable, export_formats, export_model, get_format
 from quark.torch.export.files import write_atomically, write_files_atomically, write_text_atomically
 from quark.torch.extras import MissingExtraError, require_extra
 from quark.torch.quantization.api import run_batch, unmatched_names
@@ -78,11 +71,7 @@ try:
 except ImportError:  # not POSIX (Windows): runs are not locked
     fcntl = None  # type: ignore[assignment]
 
-#: ``export=[...]``: the engine's formats, and ``quark`` (amd-quark's Hugging Face directory, in ``export/quark``)
-APP_EXPORT_FORMATS = (*EXPORT_FORMATS, "quark")
 _SHOWN_NAMES = 40  # layer names listed in an error message (as quant.layer_bits lists them)
-#: export format -> the module of the ``export`` extra it writes with (checked before training)
-EXPORT_MODULES = {"safetensors": "safetensors", "onnx": "onnx", "quark": "safetensors"}
 
 for _message in (
     ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
@@ -254,9 +243,9 @@ def _run_checked(cfg: DictConfig, out: Path, start: float, take: Callable[..., N
         record(out)
         if formats:
             example = qtrainer.precision_plugin.convert_input(_first_input(datamodule))  # the model's dtype
-            report["export"] = export_model(model, out / "export", [f for f in formats if f != "quark"], example)
+            report["export"] = export_model(model, out / "export", formats, example)
             if "quark" in formats:
-                report["export"]["quark"] = _export_quark(model, out / "export" / "quark", datamodule)
+                _save_tokenizer(datamodule, out / "export" / QUARK_SUBDIR)
             record(out)
     timings["total_s"] = time.perf_counter() - start
 
@@ -449,65 +438,22 @@ def _check_export(cfg: DictConfig, prepared: LightningModule | None) -> list[str
     """The ``export`` list: known formats, a quantized run, and (ONNX) Q/DQ-expressible quantizers of the
     ``prepared`` copy (None: a float run)."""
     formats = list(cfg.get("export") or [])
-    unknown = [f for f in formats if f not in APP_EXPORT_FORMATS]
+    unknown = [f for f in formats if f not in export_formats()]
     if unknown:
-        raise ValueError(f"export={unknown} is not known; allowed: {list(APP_EXPORT_FORMATS)}")
+        raise ValueError(f"export={unknown} is not known; allowed: {list(export_formats())}")
     if formats and prepared is None:
         raise ValueError("export needs a quantized run (quant.mode ptq or qat), not quant=none")
     for fmt in formats:  # a core install (no extras): stop now, not after training
-        require_extra("export", f"export=[{fmt}]", (EXPORT_MODULES[fmt],))
-    if "onnx" in formats:
-        check_onnx_exportable(prepared)
-    if "quark" in formats:
-        check_quark_exportable(prepared)  # a format amd-quark's layout cannot hold is named before training
+        require_extra("export", f"export=[{fmt}]", get_format(fmt).modules)
+    check_exportable(prepared, formats)  # e.g. a format amd-quark's layout cannot hold, named before training
     return formats
 
 
-_MISSING = object()
-
-
-def _export_root(model: LightningModule) -> tuple[torch.nn.Module, str]:
-    """The module ``export=[quark]`` writes and its name: the LightningModule's ``export_module`` (a Hugging Face
-    model, whose config.json the directory gets), else the LightningModule itself."""
-    name = getattr(model, "export_module", None) or ""
-    return (model.get_submodule(name) if name else model), name
-
-
-def _rooted(config: Config, prefix: str) -> Config:
-    """``config`` with its layer names (exclude, layer_quant_config) relative to the submodule ``prefix``: names
-    under it lose the prefix, patterns that start with a wildcard stay, names of other modules are dropped."""
-    if not prefix:
-        return config
-
-    def rel(name: str) -> str | None:
-        if name.startswith(prefix + "."):
-            return name[len(prefix) + 1 :]
-        return name if name[:1] in "*?[" else None
-
-    exclude = [r for r in (rel(n) for n in config.exclude) if r is not None]
-    layers = {r: qc for n, qc in config.layer_quant_config.items() if (r := rel(n)) is not None}
-    return dataclasses.replace(config, exclude=exclude, layer_quant_config=layers, algo_config=None, pre_quant_opt_config=None)
-
-
-def _export_quark(model: LightningModule, directory: Path, datamodule: Any) -> dict[str, Any]:
-    """amd-quark's Hugging Face directory (config.json with ``quantization_config`` + model.safetensors, and the
-    data's tokenizer when it has one) of the model's ``export_module``; reloads with ``import_model_from_safetensors``."""
-    root, prefix = _export_root(model)
-    saved = vars(root).get("quant_config", _MISSING)
-    if root is not model:
-        root.quant_config = _rooted(model.quant_config, prefix)  # the exporter reads the Config of the module it writes
-    try:
-        weights = export_safetensors(root, directory, custom_mode="quark")
-    finally:
-        if root is not model:
-            if saved is _MISSING:
-                del root.quant_config
-            else:
-                root.quant_config = saved
+def _save_tokenizer(datamodule: Any, directory: Path) -> None:
+    """The data's tokenizer (when it has one) beside amd-quark's Hugging Face directory, each file written whole."""
     tokenizer = getattr(datamodule, "tokenizer", None)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        write_files_atomically(directory, "tokenizer", lambda tmp: tokenizer.save_pretrained(tmp))  # each file whole
-    return {"path": str(directory), "weights": str(weights), "module": prefix or None, **size_report(weights, root)}
+        write_files_atomically(directory, "tokenizer", lambda tmp: tokenizer.save_pretrained(tmp))
 
 
 def _first_input(datamodule: Any) -> torch.Tensor:

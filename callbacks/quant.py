@@ -36,7 +36,7 @@ from callbacks.mixed_precision import choose as choose_mixed
 from callbacks.quantizer_lr import follow_schedule, split_quantizer_groups
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm.sensitivity import average_bits, mixed_precision_config
-from quark.torch.export import EXPORT_FORMATS, export_model
+from quark.torch.export import export_formats, export_model, get_format
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
 from quark.torch.extensions.brevitas import to_quark_config
 from quark.torch.quantization import graph
@@ -289,9 +289,10 @@ class QuantCallback(Callback):
             ``Trainer(enable_progress_bar=False)`` hides it too).
         save_quantized: PTQ: after calibration at the end of ``fit``, write ``quantized.ckpt`` (the full quantization
             state) next to the ModelCheckpoint files (or in ``default_root_dir``); its path is ``quantized_checkpoint``.
-        export: formats written at the end of ``fit`` (PTQ: after calibration; QAT: with the qparams fixed):
-            ``"safetensors"`` (real-quantized weights) and/or ``"onnx"`` (QDQ graph; example input: the first
-            calibration batch). Paths and sizes land in ``exported``.
+        export: formats written at the end of ``fit`` (PTQ: after calibration; QAT: with the qparams fixed), by
+            ``quark.torch.export.export_model``: ``"quark"`` (amd-quark's Hugging Face directory ``quark/``, of the
+            module's ``export_module`` when it names one), ``"safetensors"`` (this project's single file) and/or
+            ``"onnx"`` (QDQ graph; example input: the first calibration batch). Paths and sizes land in ``exported``.
         export_dir: where they go (default ``<default_root_dir>/export``).
         mixed_precision: PTQ: a ``MixedPrecision`` (or its dict: ``candidates``, ``target_bits``, ``method``,
             ``metric``, ``batches``). The model trains float; when it is calibrated, each layer's sensitivity to each
@@ -358,9 +359,9 @@ class QuantCallback(Callback):
         if calib_forward is not None and not callable(calib_forward):
             raise ValueError("`calib_forward` must be callable as calib_forward(module, batch)")
         self.export_formats = [export] if isinstance(export, str) else list(export)
-        unknown = [f for f in self.export_formats if f not in EXPORT_FORMATS]
+        unknown = [f for f in self.export_formats if f not in export_formats()]
         if unknown:
-            raise ValueError(f"`export={unknown}` is not known; allowed: {list(EXPORT_FORMATS)}")
+            raise ValueError(f"`export={unknown}` is not known; allowed: {list(export_formats())}")
         self.export_dir = export_dir
         self.exported: dict[str, dict[str, Any]] = {}
         self.config = _to_config(config)
@@ -781,7 +782,7 @@ class QuantCallback(Callback):
     def _export(self, trainer: Trainer, pl_module: LightningModule) -> None:
         folder = self.export_dir or os.path.join(trainer.default_root_dir, "export")
         example = None
-        if "onnx" in self.export_formats:
+        if any(get_format(f).needs_example for f in self.export_formats):
             batch = next(iter(self._calibration_data(trainer, pl_module)))
             example = batch[0] if isinstance(batch, tuple | list) else batch
             if not isinstance(example, torch.Tensor):

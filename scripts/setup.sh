@@ -2,7 +2,8 @@
 # Create the virtual environment $VENV (default .venv) if it is missing and install the project into it:
 # torch pinned to 2.13.0 (the CPU build here; any other spec may pull a multi-GB CUDA build), then this project
 # with its dev (tests, lint), export (safetensors, onnx), brevitas, hf (transformers, for Hugging Face models and
-# amd-quark's HF-style export directories) and search (Hydra's Optuna sweeper: hparams_search=optuna_bits) extras.
+# amd-quark's HF-style export directories), search (Hydra's Optuna sweeper: hparams_search=optuna_bits) and docs
+# (MkDocs, Material, mkdocstrings: the documentation site) extras.
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +13,4 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
 fi
 "$VENV/bin/pip" install --quiet torch==2.13.0
-"$VENV/bin/pip" install --quiet -e ".[dev,export,brevitas,hf,search]"
+"$VENV/bin/pip" install --quiet -e ".[dev,export,brevitas,hf,search,docs]"

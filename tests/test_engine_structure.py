@@ -15,9 +15,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("quark", "callbacks", "app", "tasks")
 
-#: private names of quark.torch.export imported within it: the export restructuring (issue 34, item 2) removes them
-EXPORT_PENDING = {("quark.torch.export.quark_format", "quark.torch.export.safetensors")}
-
 
 def _modules() -> dict[str, Path]:
     """Dotted module name -> file, for every first-party module (a package by its ``__init__``)."""
@@ -104,10 +101,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_the_engine_has_no_import_cycle() -> None:
-    """api -> graph -> api, config <-> spec_helpers, config.type <-> formats were cycles; none is left in
-    quark.torch.quantization or quark.torch.algorithm."""
-    engine = ("quark.torch.quantization", "quark.torch.algorithm")
-    cycles = [sorted(c) for c in _cycles(_graph()) if any(m.startswith(engine) for m in c)]
+    """api -> graph -> api, config <-> spec_helpers, config.type <-> formats were cycles; none is left in quark
+    or callbacks."""
+    cycles = [sorted(c) for c in _cycles(_graph()) if any(m.startswith(("quark.", "callbacks")) for m in c)]
     assert cycles == []
 
 
@@ -132,8 +128,7 @@ def test_no_private_name_is_imported_from_another_module() -> None:
         for name, path in modules.items()
         for source, imported in _imports(name, path, modules)
         if imported is not None and imported.startswith("_") and not imported.startswith("__")
-        and (name, source) not in EXPORT_PENDING
-    ]  # fmt: skip
+    ]
     assert found == []
 
 

@@ -94,7 +94,7 @@ def test_callback_exports_at_the_end_of_fit(tmp_path: Path) -> None:
 
 
 def test_unknown_export_format_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"`export=\['tflite'\]` is not known; allowed: \['safetensors', 'onnx'\]"):
+    with pytest.raises(ValueError, match=r"`export=\['tflite'\]` is not known; allowed: \['safetensors', 'onnx', 'quark'\]"):
         QuantCallback(_config(None), mode="ptq", export=["tflite"])
 
 

@@ -1,28 +1,29 @@
-"""Export of quantized models: real-quantized safetensors (and their re-import), ONNX QDQ graphs."""
+"""Export of quantized models through one front end (``export_model``, a registry of formats by name: ``quark``,
+amd-quark's Hugging Face directory; ``safetensors``, this project's single file; ``onnx``, a QDQ graph), and
+amd-quark's own API (``export_safetensors``, ``import_model_from_safetensors``, ``export_onnx``)."""
 
+from quark.torch.export.front_end import (
+    QUARK_SUBDIR,
+    ExportFormat,
+    check_exportable,
+    check_formats,
+    export_formats,
+    export_model,
+    get_format,
+    import_model,
+    register_format,
+    size_report,
+)
 from quark.torch.export.onnx import check_onnx_exportable, export_onnx
 from quark.torch.export.quark_format import check_quark_exportable
-from quark.torch.export.safetensors import export_safetensors, import_model_from_safetensors, size_report
+from quark.torch.export.safetensors import export_safetensors, import_model_from_safetensors
+from quark.torch.export.single_file import read_single_file, write_single_file
 
-__all__ = ["export_safetensors", "import_model_from_safetensors", "export_onnx", "size_report", "export_model", "EXPORT_FORMATS", "check_onnx_exportable",
-           "check_quark_exportable"]
+__all__ = [
+    "export_safetensors", "import_model_from_safetensors", "export_onnx", "size_report", "export_model", "import_model",
+    "EXPORT_FORMATS", "ExportFormat", "register_format", "export_formats", "get_format", "check_formats",
+    "check_exportable", "QUARK_SUBDIR", "check_onnx_exportable", "check_quark_exportable", "write_single_file", "read_single_file",
+]  # fmt: skip
 
-
-EXPORT_FORMATS = ("safetensors", "onnx")
-
-
-def export_model(model, output_dir, formats, example_input=None) -> dict:  # noqa: ANN001 - torch types documented
-    """Export ``model`` in each of ``formats`` (safetensors, onnx) into ``output_dir``.
-
-    Returns ``{format: {"path": ..., **size_report}}``; ONNX needs ``example_input``. Unknown formats raise before
-    anything is written."""
-    unknown = [f for f in formats if f not in EXPORT_FORMATS]
-    if unknown:
-        raise ValueError(f"export formats {unknown} are not known; allowed: {list(EXPORT_FORMATS)}")
-    if "onnx" in formats and example_input is None:
-        raise ValueError("ONNX export needs an example input")
-    out = {}
-    for fmt in formats:
-        path = export_safetensors(model, output_dir, custom_mode=None) if fmt == "safetensors" else export_onnx(model, output_dir, example_input)
-        out[fmt] = {"path": str(path), **size_report(path, model)}
-    return out
+#: the built-in formats' names (``export_formats()`` also lists the ones registered later)
+EXPORT_FORMATS = export_formats()

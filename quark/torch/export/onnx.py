@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.export.codec import stored_quantizer
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles
-from quark.torch.export.safetensors import stored_quantizer
 from quark.torch.extras import import_extra
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ZeroPointType

@@ -44,3 +44,34 @@ def unpack_sextets(packed: torch.Tensor) -> torch.Tensor:
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
     v = torch.stack([(word >> (6 * i)) & 0x3F for i in range(4)], dim=-1)
     return v.reshape(*packed.shape[:-1], -1)
+
+
+PACK_ORDER = {"reorder": (0, 2, 4, 6, 1, 3, 5, 7), "order": (0, 1, 2, 3, 4, 5, 6, 7)}
+
+
+def pack_int4(codes: torch.Tensor, pack_method: str = "reorder") -> torch.Tensor:
+    """amd-quark's 4-bit packing along the last axis: [..., n] integer codes -> [..., ceil(n/8)] int32."""
+    order = torch.tensor(PACK_ORDER[pack_method])
+    n = codes.shape[-1]
+    flat = codes.to(torch.int64) & 0xF
+    pad = (-n) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(*flat.shape[:-1], pad)], dim=-1)
+    groups = flat.reshape(*flat.shape[:-1], -1, 8)[..., order]  # nibble i holds element 8c + order[i]
+    word = (groups << (4 * torch.arange(8))).sum(dim=-1)
+    word = torch.where(word >= 2**31, word - 2**32, word)
+    return word.to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, count: int, signed: bool, pack_method: str = "reorder") -> torch.Tensor:
+    """The inverse of ``pack_int4``: [..., m] int32 -> [..., count] int32 codes (sign-extended when ``signed``)."""
+    order = torch.tensor(PACK_ORDER[pack_method])
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    nibbles = (words.unsqueeze(-1) >> (4 * torch.arange(8))) & 0xF  # [..., m, 8], position i
+    out = torch.empty_like(nibbles)
+    out[..., order] = nibbles
+    out = out.reshape(*packed.shape[:-1], -1)[..., :count]
+    if signed:
+        out = torch.where(out >= 8, out - 16, out)
+    return out.to(torch.int32)
+

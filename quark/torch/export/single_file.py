@@ -1,0 +1,185 @@
+"""This project's single-file layout, both ways: ``model.safetensors`` holding every tensor of the model as the
+engine computes it (codes, scales and zero points of every slot and format) with the quark Config and a per-tensor
+encoding table in its metadata. ``write_single_file`` / ``read_single_file``; amd-quark's names
+(``export_safetensors(custom_mode=None)``, ``import_model_from_safetensors``) reach them too."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quark.torch.export.codec import (
+    activation_key,
+    decode_weight,
+    decoded_weight_quantizer,
+    encode_weight,
+    first_of_its_storage,
+    has_qparams,
+    is_quantizer_state,
+    quant_slots,
+    quantizer_prefixes,
+    require_safetensors,
+    stored_quantizer,
+)
+from quark.torch.export.files import write_atomically
+from quark.torch.export.skeleton import materialize
+from quark.torch.export.validation import (
+    check_header,
+    check_import,
+    unreached_layers,
+)
+from quark.torch.quantization.api import ModelQuantizer
+from quark.torch.quantization.config.config import Config
+from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.nn.modules.quant_modules import (
+    shared_tensors,
+)
+from quark.torch.quantization.resolve import config_from_stored
+from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
+
+FILENAME = "model.safetensors"
+
+
+def write_single_file(model: nn.Module, output_dir: str | Path, filename: str = FILENAME) -> Path:
+    """Write the quantized ``model`` (prepared and calibrated, or frozen) as this project's single file
+    ``output_dir/filename`` (what ``export_safetensors(custom_mode=None)`` writes: see its docstring); atomic.
+    Returns the file's path."""
+    st = require_safetensors()
+    config: Config | None = getattr(model, "quant_config", None)
+    if config is None:
+        raise ValueError("export_safetensors needs a model prepared by ModelQuantizer (it has no quant_config)")
+    floated = unreached_layers(model)  # written in float, and excluded in the stored config so an import runs them so
+    if floated:
+        warnings.warn(
+            f"layer(s) that no calibration forward reached are exported in float and excluded in the stored config: "
+            f"{floated}",
+            stacklevel=3,
+        )
+        config = dataclasses.replace(config, exclude=list(config.exclude) + [n for n in floated if n not in config.exclude])
+    tensors: dict[str, torch.Tensor] = {}
+    info: dict[str, dict[str, Any]] = {}
+    skip: set[str] = set()
+
+    def put(key: str, value: torch.Tensor) -> None:
+        if key in tensors:
+            raise ValueError(f"export_safetensors: two tensors of the model would be stored as '{key}'")
+        tensors[key] = value.detach().contiguous()
+
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantMixin) or name in floated:  # a floated layer's tensors go out with the state_dict
+            continue
+        prefix = f"{name}." if name else ""
+        for slot in quant_slots(m):
+            q = getattr(m, slot.attr, None)
+            if slot.tensor is not None:
+                tensor = getattr(m, slot.tensor, None)
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                skip.add(prefix + slot.tensor)
+                stored, meta = encode_weight(tensor, stored_quantizer(tensor, q))
+                for suffix, value in stored.items():
+                    put(prefix + slot.tensor + suffix, value)
+                info[prefix + slot.tensor] = meta
+            elif q is not None and not bool(q.fake_quant_enabled):
+                info[prefix + activation_key(slot)] = {"encoding": "float"}  # the model runs it unquantized
+            elif has_qparams(q):
+                scale, zp = q.calculate_qparams()  # type: ignore[union-attr]
+                key = prefix + activation_key(slot)
+                put(key + "_scale", scale.float().clone())
+                put(key + "_zero_point", zp.clone())
+                info[key] = {"encoding": "qparams"}
+    prefixes = quantizer_prefixes(model)
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key in skip or is_quantizer_state(key, prefixes) or key in tensors:
+            continue
+        if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding) is stored once
+            put(key, value)
+    metadata = {
+        "format": "pt", "quant_method": "quark",
+        "quantization_config": json.dumps(config.to_dict()), "quark_tensors": json.dumps(info),
+    }  # fmt: skip
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    return write_atomically(output_dir, filename, lambda tmp: st.save_file(tensors, tmp, metadata=metadata))
+
+
+
+def read_single_file(model: nn.Module, path: str | Path, device: str | torch.device | None = None) -> nn.Module:
+    """Rebuild the quantized model from the single file ``path`` and a float ``model`` (or skeleton) of the same
+    architecture, checked first (``check_import``); what ``import_model_from_safetensors`` does for that layout."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (written by export_safetensors?)")
+    tensors, info, config = _read(path)
+    check_import(model, config, tensors, info, str(path))
+    materialize(model, device, set(tensors))
+    if not any(isinstance(m, QuantMixin) for m in model.modules()):
+        ModelQuantizer(config).prepare(model)
+    owned = {k for key in info for k in (key, key + "_scale", key + "_zero_point")}
+    shared = shared_tensors(model)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, QuantMixin):
+                _load_layer(m, f"{name}." if name else "", tensors, info, shared)
+    # the float tensors last: a Parameter a quantized layer shares with a float one (an lm_head tied to the input
+    # embeddings) holds the float values, as in the model exported; the layer's frozen quantizer applies its codes
+    model.load_state_dict({k: v for k, v in tensors.items() if k not in owned}, strict=False)
+    return ModelQuantizer.freeze(model).eval()
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Config]:
+    st = require_safetensors()
+    from safetensors import safe_open
+
+    check_header(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = st.load_file(str(path))
+    except Exception as err:  # a truncated or corrupt file: the reader's own errors vary
+        raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+    if metadata.get("quant_method") != "quark":
+        raise ValueError(f"{path} is not a quark export (metadata quant_method={metadata.get('quant_method')!r})")
+    try:
+        info = json.loads(metadata["quark_tensors"])
+        config = config_from_stored(json.loads(metadata["quantization_config"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: the metadata 'quark_tensors' / 'quantization_config' cannot be read: {err}") from err
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: the metadata 'quark_tensors' is not a mapping")
+    return tensors, info, config
+
+
+
+def _load_layer(m: QuantMixin, prefix: str, tensors: dict[str, torch.Tensor], info: dict[str, Any], shared: set[int]) -> None:
+    """One quantized layer from the single file: each stored weight decoded into its tensor with the quantizer
+    ``decoded_weight_quantizer`` gives (none where it was stored as the model used it, unquantized), each activation
+    slot frozen with its stored qparams, or emptied where the exported model ran it unquantized."""
+    for slot in quant_slots(m):
+        q = getattr(m, slot.attr, None)
+        key = prefix + (slot.tensor if slot.tensor is not None else activation_key(slot))
+        meta = info.get(key)
+        if meta is None:
+            continue
+        encoding = meta["encoding"]
+        if slot.tensor is not None:
+            getattr(m, slot.tensor).copy_(decode_weight(tensors, key, meta))
+        if q is None:
+            continue
+        if encoding == "float" and "dtype" not in meta:
+            m.set_quantizer(slot, None)  # stored as the model used it: unquantized
+        elif slot.tensor is None:
+            m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
+        else:
+            scaled = encoding.startswith(("int", "float8", "minifloat"))  # an MX _scale is E8M0 exponents, no qparam
+            scale = tensors[key + "_scale"].float() if scaled else None
+            zp = tensors.get(key + "_zero_point", torch.zeros((), dtype=torch.int32)) if scaled else None
+            quantizer = decoded_weight_quantizer(m, slot, q.spec, scale, zp, shared)
+            if quantizer is not None:
+                m.set_quantizer(slot, quantizer)
