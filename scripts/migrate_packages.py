@@ -13,7 +13,8 @@ nothing):
    ``::: app.run``) and the paths ``app/...`` / ``tasks/...`` become ``quark_lightning.app...`` /
    ``quark_lightning/app/...`` in *.py, conf/**/*.yaml, *.md, mkdocs.yml, *.toml, *.cfg, *.ini, *.sh, Makefile
    (``tests/app`` and ``tests.app`` are left alone: the tests keep their place);
-4. the Hydra entry moves to ``quark_lightning/train.py`` (``main()``: the command-line checks, then Hydra's main);
+4. the import blocks the renames unsorted are re-sorted (``ruff check --select I --fix``, when ruff is installed);
+5. the Hydra entry moves to ``quark_lightning/train.py`` (``main()``: the command-line checks, then Hydra's main);
    ``train.py`` becomes a thin wrapper of it; pyproject's ``packages.find`` lists ``quark_lightning*`` instead of
    ``app*`` / ``tasks*`` and ``[project.scripts]`` gets ``quark-lightning = "quark_lightning.train:main"``.
 
@@ -23,6 +24,7 @@ Then reinstall (``pip install -e .``) so the console script exists. Prints what 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -158,8 +160,10 @@ def text_files() -> list[Path]:
     return sorted(found)
 
 
-def rewrite_references(names: dict[str, set[str]]) -> None:
-    """Apply ``rewrite`` to every text file; the pyproject's package list is fixed by ``fix_pyproject``."""
+def rewrite_references(names: dict[str, set[str]]) -> list[Path]:
+    """Apply ``rewrite`` to every text file (the pyproject's package list is ``fix_pyproject``'s); returns the
+    Python files it changed."""
+    changed = []
     for path in text_files():
         if path.name == "pyproject.toml":
             continue
@@ -168,6 +172,21 @@ def rewrite_references(names: dict[str, set[str]]) -> None:
         if new != text:
             path.write_text(new)
             print(f"rewrote references in {path.relative_to(ROOT)}")
+            changed += [path] if path.suffix == ".py" else []
+    return changed
+
+
+def sort_imports(files: list[Path]) -> None:
+    """Re-sort the import blocks the renames unsorted (``quark_lightning`` sorts after ``quark``), with ruff's isort
+    rule as the project configures it; skipped, with a note, when ruff is not installed."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not files:
+        return
+    if not Path(ruff).exists():
+        print("ruff not found: run `ruff check --select I --fix .` to re-sort the imports")
+        return
+    subprocess.run([ruff, "check", "--select", "I", "--fix", "--quiet", *map(str, files)], cwd=ROOT, check=False)
+    print(f"re-sorted the imports of {len(files)} files")
 
 
 def split_train(text: str) -> tuple[str, str]:
@@ -211,8 +230,9 @@ def fix_pyproject() -> None:
 def main() -> None:
     names = modules()
     fix_file_parents(move_packages())
-    rewrite_references(names)
+    changed = rewrite_references(names)
     move_entry()
+    sort_imports([*changed, ROOT / PACKAGE / "train.py"])
     fix_pyproject()
     print("done: reinstall (pip install -e .) for the quark-lightning command")
 
