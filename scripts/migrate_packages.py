@@ -198,16 +198,18 @@ def split_train(text: str) -> tuple[str, str]:
     return docstring.group(1), body.group(1).rstrip()
 
 
-def move_entry() -> None:
-    """quark_lightning/train.py gets the Hydra main (and ``main()`` with the command-line checks); train.py wraps it."""
+def move_entry() -> list[Path]:
+    """quark_lightning/train.py gets the Hydra main (and ``main()`` with the command-line checks); train.py wraps it.
+    Returns the new module (none when it exists)."""
     entry, train = ROOT / PACKAGE / "train.py", ROOT / "train.py"
     if entry.exists():
-        return
+        return []
     docstring, body = split_train(train.read_text())
     entry.write_text(ENTRY.format(body=body))
     train.write_text(WRAPPER.format(docstring=docstring))
     git("add", str(entry.relative_to(ROOT)))
     print(f"moved the Hydra main of train.py to {entry.relative_to(ROOT)}")
+    return [entry]
 
 
 def fix_pyproject() -> None:
@@ -231,8 +233,7 @@ def main() -> None:
     names = modules()
     fix_file_parents(move_packages())
     changed = rewrite_references(names)
-    move_entry()
-    sort_imports([*changed, ROOT / PACKAGE / "train.py"])
+    sort_imports([*changed, *move_entry()])
     fix_pyproject()
     print("done: reinstall (pip install -e .) for the quark-lightning command")
 
