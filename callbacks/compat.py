@@ -2,7 +2,7 @@
 
 Each wrapper says what it wraps and the Lightning versions it was checked on; when the private API is missing it
 raises ``LightningCompatError`` naming the installed Lightning version and the feature that needs it, instead of an
-``AttributeError`` deep inside a hook. ``tests/callbacks/test_compat.py`` checks that each one still behaves as
+``AttributeError`` deep inside a hook. ``tests/callbacks/test_lightning_compat.py`` checks that each one still behaves as
 relied on, so a Lightning upgrade that breaks one fails there first, under the wrapper's name.
 """
 

@@ -2,7 +2,7 @@
 
 Each wrapper says what it wraps and the torch versions it was checked on; when the private API is missing it raises
 ``CompatError`` naming the installed torch version and the feature that needs it, instead of an ``AttributeError``
-deep inside a forward. ``tests/quark/test_compat.py`` checks that each private API still behaves as relied on, so a
+deep inside a forward. ``tests/quark/test_torch_compat.py`` checks that each private API still behaves as relied on, so a
 torch upgrade that breaks one fails there first, under the wrapper's name.
 
 Relied on without a wrapper (nn.Module's protected extension points, used by subclasses on themselves and covered by
