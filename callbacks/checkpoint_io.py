@@ -10,12 +10,12 @@ failure the temporary is removed and a previous file of that name stays intact. 
 
 from __future__ import annotations
 
+from os import PathLike
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import fsspec
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -30,7 +30,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ``.quarkl-tmp.<name>.<random>``), fsync, rename. Loading and removing are ``TorchCheckpointIO``'s."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | PathLike[str], storage_options: Any | None = None) -> None:
         local = _local_path(path)
         if local is None or storage_options is not None:  # remote, or TorchCheckpointIO's own refusal of the options
             super().save_checkpoint(checkpoint, path, storage_options)
@@ -69,7 +69,7 @@ class _Writer:
         self.file.flush()
 
 
-def _local_path(path: _PATH) -> Path | None:
+def _local_path(path: str | PathLike[str]) -> Path | None:
     """The local file a path names (``file://`` URLs included), None for other filesystems."""
     fs, url = fsspec.core.url_to_fs(str(path))
     if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):

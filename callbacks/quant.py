@@ -28,14 +28,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from callbacks.checkpoint_io import ensure_atomic_checkpoints
+from callbacks.compat import fit_dataloaders_argument, stage_dataloaders
 from callbacks.mixed_precision import MixedPrecision, write_config_yaml, write_sensitivity_csv
 from callbacks.mixed_precision import choose as choose_mixed
 from callbacks.quantizer_lr import follow_schedule, split_quantizer_groups
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm.sensitivity import average_bits, mixed_precision_config
+from quark.torch.compat import ddp_ignore_states
 from quark.torch.export import export_formats, export_model, get_format
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
 from quark.torch.extensions.brevitas import to_quark_config
@@ -140,8 +141,7 @@ def _keep_out_of_ddp_broadcast(module: nn.Module) -> None:
         if isinstance(m, FakeQuantizeBase)
         for buffer, _ in m.named_buffers()
     ]
-    ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored + [n for n in names if n not in ignored])
+    ddp_ignore_states(module, names)
 
 
 def _quantizer_keys(module: nn.Module, prefix: str = "") -> dict[str, FakeQuantizeBase]:
@@ -512,11 +512,8 @@ class QuantCallback(Callback):
     def _example_batch(self, trainer: Trainer, pl_module: LightningModule) -> Any:
         """The first batch of the running stage's dataloader (the ones given to fit/test/...), else of the
         calibration data (datamodule or module train_dataloader)."""
-        loop = {TrainerFn.FITTING: "fit_loop", TrainerFn.VALIDATING: "validate_loop", TrainerFn.TESTING: "test_loop",
-                TrainerFn.PREDICTING: "predict_loop"}.get(trainer.state.fn)  # fmt: skip
-        source = getattr(getattr(trainer, loop, None), "_data_source", None) if loop else None
-        if self.calib_dataloader is None and source is not None and source.is_defined():
-            loaders = source.dataloader()
+        loaders = stage_dataloaders(trainer, trainer.state.fn) if self.calib_dataloader is None else None
+        if loaders is not None:
             first = loaders[0] if isinstance(loaders, list | tuple) else loaders
             return next(iter(first))
         return next(iter(self._calibration_data(trainer, pl_module)))
@@ -882,10 +879,9 @@ class QuantCallback(Callback):
         if self.calib_dataloader is not None:
             return self.calib_dataloader
         datamodule = trainer.datamodule
-        given = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
-        if datamodule is None and given is not None and not given.is_module() and isinstance(given.instance, Iterable):
-            if not isinstance(given.instance, list | tuple | dict):  # a collection of loaders: which one is unclear
-                return given.instance  # the loader given as trainer.fit(model, train_dataloaders=loader)
+        given = fit_dataloaders_argument(trainer) if datamodule is None else None
+        if isinstance(given, Iterable) and not isinstance(given, list | tuple | dict):  # a collection: which one?
+            return given  # the loader given as trainer.fit(model, train_dataloaders=loader)
         source: Any = datamodule if datamodule is not None else pl_module
         what = f"{'datamodule' if datamodule is not None else 'module'} {type(source).__name__}"
         if not is_overridden("train_dataloader", source):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("quark", "callbacks", "app", "tasks")
+PACKAGES = tuple(p for p in ("quark", "callbacks", "app", "tasks", "quark_lightning") if (ROOT / p).is_dir())
 
 
 def _modules() -> dict[str, Path]:

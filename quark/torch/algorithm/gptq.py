@@ -60,7 +60,8 @@ def layer_input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"GPTQ needs numeric Conv2d padding, got padding={module.padding!r}")
         padding = module.padding
         if module.padding_mode != "zeros":  # reflect / replicate / circular: pad as the layer itself does
-            x, padding = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), 0
+            pads = tuple(p for p in reversed(module.padding) for _ in range(2))  # F.pad's order: last dimension first
+            x, padding = F.pad(x, pads, mode=module.padding_mode), 0
         cols = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
         return cols.transpose(1, 2).reshape(-1, cols.shape[1])
     raise ValueError(f"GPTQ supports Linear, transformers' Conv1D and Conv2d layers, got {type(module).__name__}")

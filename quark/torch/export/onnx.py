@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.compat import EXPORT_GUARDS_ATTR
 from quark.torch.export.codec import stored_quantizer
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import pack_nibbles
@@ -353,9 +354,9 @@ def qdq_model(model: nn.Module) -> nn.Module:
         tensor = _slot_tensor(layer, slot, functional)
         q = stored_quantizer(tensor, q) if tensor is not None else q if bool(q.fake_quant_enabled) else None  # fake quant off: float
         layer.set_quantizer(slot, None if q is None else _export_quantizer(q, where, tensor, name))
-    guarded = [m for m in export.modules() if isinstance(getattr(m, "_guards_fn", None), nn.Module)]
+    guarded = [m for m in export.modules() if isinstance(getattr(m, EXPORT_GUARDS_ATTR, None), nn.Module)]
     for module in guarded:
-        module._guards_fn = _NoGuards()
+        setattr(module, EXPORT_GUARDS_ATTR, _NoGuards())
     return export
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.compat import buffer_registry, parameter_registry
 from quark.torch.extras import import_extra
 
 __all__ = ["parameters_on_meta", "hf_skeleton", "materialize", "meta_tensors"]
@@ -24,7 +25,7 @@ def parameters_on_meta() -> Iterator[None]:
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            parameter_registry(module)[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
@@ -86,11 +87,12 @@ def materialize(model: nn.Module, device: torch.device | str | None, stored: set
     target = torch.device(device) if device is not None else torch.device("cpu")
     new: dict[int, Any] = {}
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
+        params, buffers = parameter_registry(module), buffer_registry(module)
+        for name, p in list(params.items()):
             if p is not None and p.device.type == "meta":
                 if id(p) not in new:
                     new[id(p)] = nn.Parameter(torch.empty_like(p, device=target), requires_grad=p.requires_grad)
-                module._parameters[name] = new[id(p)]
-        for name, b in list(module._buffers.items()):
+                params[name] = new[id(p)]
+        for name, b in list(buffers.items()):
             if b is not None and b.device.type == "meta":
-                module._buffers[name] = torch.empty_like(b, device=target)
+                buffers[name] = torch.empty_like(b, device=target)

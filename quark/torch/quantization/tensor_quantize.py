@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.compat import fake_quantize_learnable_backward, tensor_version
 from quark.torch.quantization.buffers import ResizableBuffersMixin
 from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
 from quark.torch.quantization.config.type import QSchemeType, RoundType, TQTThresholdInitMeth
@@ -372,7 +373,7 @@ class _TQTFunction(torch.autograd.Function):
         qmin, qmax, round_method, axis = ctx.meta
         if axis is None and round_method == RoundType.half_even:
             zero = torch.zeros_like(s)
-            grad_x, grad_s, _ = torch.ops.aten._fake_quantize_learnable_per_tensor_affine_backward(
+            grad_x, grad_s, _ = fake_quantize_learnable_backward(
                 grad.contiguous(), x.contiguous(), s, zero, qmin, qmax, 1.0
             )
         else:
@@ -496,7 +497,7 @@ class LearnableFakeQuantize(FakeQuantizeBase):
         storage); in training mode it always runs (writes through ``.data``, as a cross-rank average does, leave the
         version counter as it was)."""
         param = self._learned_param
-        state = (param._version, param.data_ptr())
+        state = (tensor_version(param), param.data_ptr())
         if state == self._checked and not self.training:
             return
         bad = self._invalid()

@@ -225,7 +225,6 @@ def fold_conv_bn(unit: QuantConvBnNd) -> QuantMixin:
     with torch.no_grad():
         w, b = unit.folded()
     conv = unit.to_float()
-    conv._parameters = dict(conv._parameters)  # type: ignore[assignment]  # new Parameters: not the unit's dict
     conv.weight = nn.Parameter(w.detach().clone(), requires_grad=unit.weight.requires_grad)  # type: ignore[union-attr]
     conv.bias = nn.Parameter(b.detach().clone(), requires_grad=unit.weight.requires_grad)  # type: ignore[union-attr]
     conv.__dict__.pop("_bn", None)

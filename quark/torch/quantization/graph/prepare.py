@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from quark.torch.compat import EXPORT_GUARDS_ATTR
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.coverage import FloatLayer
@@ -160,7 +161,7 @@ def _check_rules(gm: fx.GraphModule) -> None:
     """GraphModeError naming every op without a rule (before anything changes)."""
     missing = []
     for node in gm.graph.nodes:
-        if node.op == "call_module" and str(node.target) == "_guards_fn":
+        if node.op == "call_module" and str(node.target) == EXPORT_GUARDS_ATTR:
             continue
         if kind_of(node, gm) in (None, "module"):
             path, type_name = module_path(node)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from quark.torch.compat import inplace_overload
+
 aten = torch.ops.aten
 
 COMPUTE = {
@@ -85,14 +87,7 @@ CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.dev
 def _in_place(ops: set[Any]) -> set[Any]:
     """The in-place forms (``sigmoid_``, ``masked_fill_.Scalar``) of ``ops``, where aten has them: the same value,
     written into the input, so the same rule (capture keeps them for modules built with ``inplace=True``)."""
-    found = set()
-    for op in ops:
-        if isinstance(op, torch._ops.OpOverload):
-            packet = getattr(aten, op._schema.name.split("::")[1] + "_", None)
-            overload = getattr(packet, op._overloadname, None) if packet is not None else None
-            if overload is not None:
-                found.add(overload)
-    return found
+    return {overload for overload in map(inplace_overload, ops) if overload is not None}
 
 
 FLOAT |= _in_place(FLOAT)

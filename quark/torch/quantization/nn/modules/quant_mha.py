@@ -57,7 +57,7 @@ class QuantMultiheadAttention(QuantMixin, nn.MultiheadAttention):
             QuantSlot("input_tensors", "_key_input_quantizer"),
             QuantSlot("input_tensors", "_value_input_quantizer"),
         ]
-        if module._qkv_same_embed_dim:  # type: ignore[union-attr]
+        if module.in_proj_weight is not None:  # q, k, v packed in one Parameter (same embed dims)
             slots.append(QuantSlot("weight", "_weight_quantizer", "in_proj_weight"))
         else:
             slots += [QuantSlot("weight", f"_{p}_weight_quantizer", f"{p}_proj_weight") for p in "qkv"]
@@ -67,7 +67,7 @@ class QuantMultiheadAttention(QuantMixin, nn.MultiheadAttention):
 
     def _projection_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k and v projection weights as the products see them."""
-        if self._qkv_same_embed_dim:
+        if self.in_proj_weight is not None:  # type: ignore[union-attr]
             return self._quantize(self._weight_quantizer, self.in_proj_weight).chunk(3)  # type: ignore[union-attr]
         return tuple(  # type: ignore[return-value]
             self._quantize(getattr(self, f"_{p}_weight_quantizer"), getattr(self, f"{p}_proj_weight")) for p in "qkv"

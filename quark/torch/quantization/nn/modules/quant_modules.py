@@ -19,6 +19,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from quark.torch.compat import forward_pre_hooks, module_twin
 from quark.torch.quantization.config.config import QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.hf import transpose_weight_spec
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
@@ -123,11 +124,7 @@ class QuantMixin(nn.Module):
     def from_float(cls, module: nn.Module, qconfig: QuantizationConfig) -> QuantMixin:
         """The twin of ``module`` sharing its Parameters, buffers, children and hooks, with quantizers of ``qconfig``."""
         twin_class = _parametrized_twin_class(cls, module) if parametrize.is_parametrized(module) else cls
-        twin = twin_class.__new__(twin_class)
-        state = dict(module.__dict__)
-        for key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
-            state[key] = type(state[key])(state[key])  # own containers, same Parameter / buffer objects
-        twin.__dict__.update(state)
+        twin = module_twin(module, twin_class)
         device = next((p.device for p in module.parameters(recurse=False)), None)
         slots = cls.slots_for(module)
         for slot in DEFAULT_SLOTS:  # the standard attributes always exist (None when not quantized)
@@ -165,14 +162,8 @@ class QuantMixin(nn.Module):
     def to_float(self) -> nn.Module:
         """The float module again (same Parameters, same parametrizations), quantizers dropped."""
         float_class = getattr(self, "_parametrized_class", None) or self._float_class
-        plain = float_class.__new__(float_class)
         attrs = {s.attr for s in DEFAULT_SLOTS} | {s.attr for s in self._quant_slots}
-        state = dict(self.__dict__)
-        state["_modules"] = {k: v for k, v in self._modules.items() if k not in attrs}
-        for key in ("quant_config", "_quant_slots"):
-            state.pop(key, None)
-        plain.__dict__.update(state)
-        return plain
+        return module_twin(self, float_class, drop=[*attrs, "quant_config", "_quant_slots"])
 
     def quantizer_slots(self) -> Iterator[tuple[QuantSlot, FakeQuantizeBase]]:
         """(slot, quantizer) for every slot that holds a quantizer."""
@@ -226,7 +217,7 @@ def computed_tensor(module: nn.Module, name: str) -> bool:
     ``torch.nn.utils.weight_norm`` hook) rather than stored: writing into it changes nothing."""
     if parametrize.is_parametrized(module, name):
         return True
-    return any(isinstance(h, _TENSOR_HOOKS) and h.name == name for h in module._forward_pre_hooks.values())
+    return any(isinstance(h, _TENSOR_HOOKS) and h.name == name for h in forward_pre_hooks(module).values())
 
 
 def shared_tensors(model: nn.Module) -> set[int]:
@@ -255,7 +246,7 @@ def refresh_computed_tensors(model: nn.Module) -> None:
     the next forward rebuilds, so the model can be deep-copied (torch refuses to copy a non-leaf tensor)."""
     with torch.no_grad():
         for module in model.modules():
-            for hook in list(module._forward_pre_hooks.values()):
+            for hook in list(forward_pre_hooks(module).values()):
                 if isinstance(hook, _TENSOR_HOOKS):
                     hook(module, ())
 
@@ -268,13 +259,14 @@ def store_computed_tensors(model: nn.Module) -> None:
         if parametrize.is_parametrized(module):  # not remove_parametrizations: it edits the class the copy shares
             values = {name: getattr(module, name).detach().clone() for name in module.parametrizations}
             module.__class__ = parametrize.type_before_parametrizations(module)
-            del module._modules["parametrizations"]
+            delattr(module, "parametrizations")
             for name, value in values.items():
                 module.register_parameter(name, nn.Parameter(value))
-        for key, hook in list(module._forward_pre_hooks.items()):
+        hooks = forward_pre_hooks(module)
+        for key, hook in list(hooks.items()):
             if isinstance(hook, _TENSOR_HOOKS):
                 hook.remove(module)
-                del module._forward_pre_hooks[key]
+                del hooks[key]
 
 
 class QuantLinear(QuantMixin, nn.Linear):

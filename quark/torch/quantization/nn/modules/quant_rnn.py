@@ -16,15 +16,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import _VF, nn
+from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from quark.torch.compat import rnn_flat_weight_names, rnn_kernel
 from quark.torch.quantization.nn.modules.quant_modules import QuantMixin, QuantSlot, register_quant_module
 
 __all__ = ["QuantLSTM", "QuantGRU", "QuantRNN", "QuantLSTMCell", "QuantGRUCell", "QuantRNNCell"]
 
-_KERNELS = {"LSTM": _VF.lstm, "GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}
-_CELL_KERNELS = {"LSTMCell": _VF.lstm_cell, "GRUCell": _VF.gru_cell, "tanh": _VF.rnn_tanh_cell, "relu": _VF.rnn_relu_cell}
+#: the fused kernel (``torch._VF``, through quark.torch.compat) each float class runs
+_KERNELS = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
+_CELL_KERNELS = {"LSTMCell": "lstm_cell", "GRUCell": "gru_cell", "tanh": "rnn_tanh_cell", "relu": "rnn_relu_cell"}
 
 
 def _param_slot(name: str) -> QuantSlot:
@@ -39,14 +41,14 @@ class _QuantRNNBase(QuantMixin):
         layers = [QuantSlot("input_tensors", "_input_quantizer")]
         layers += [QuantSlot("input_tensors", f"_input_quantizer_l{k}") for k in range(1, module.num_layers)]  # type: ignore[arg-type]
         return (*layers, QuantSlot("output_tensors", "_output_quantizer"),
-                *(_param_slot(n) for n in module._flat_weights_names))  # type: ignore[union-attr]  # fmt: skip
+                *(_param_slot(n) for n in rnn_flat_weight_names(module)))  # fmt: skip
 
     def _layer_input_quantizer(self, layer: int) -> nn.Module | None:
         return getattr(self, "_input_quantizer" if layer == 0 else f"_input_quantizer_l{layer}", None)
 
     def _layer_weights(self, layer: int) -> list[torch.Tensor]:
         """Layer ``layer``'s weights (both directions, in the kernel's order), fake-quantized where configured."""
-        names = [n for n in self._flat_weights_names if n.endswith((f"_l{layer}", f"_l{layer}_reverse"))]  # type: ignore[attr-defined]
+        names = [n for n in rnn_flat_weight_names(self) if n.endswith((f"_l{layer}", f"_l{layer}_reverse"))]  # type: ignore[arg-type]
         return [self._quantize(getattr(self, f"_{n}_quantizer", None), getattr(self, n)) for n in names]  # type: ignore[misc]
 
     def _zeros(self, batch: int, size: int, like: torch.Tensor) -> torch.Tensor:
@@ -90,7 +92,7 @@ class _QuantRNNBase(QuantMixin):
     def _layers(self, x: torch.Tensor, hx: Any, batch_sizes: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
         """Run the layers one at a time (time-major ``x``), each on its quantized input and weights."""
         lstm = self.mode == "LSTM"  # type: ignore[attr-defined]
-        kernel = _KERNELS[self.mode]  # type: ignore[attr-defined]
+        kernel = rnn_kernel(_KERNELS[self.mode])  # type: ignore[attr-defined]
         dirs = 2 if self.bidirectional else 1  # type: ignore[attr-defined]
         hs, cs = [], []
         for layer in range(self.num_layers):  # type: ignore[attr-defined]
@@ -142,7 +144,7 @@ class _QuantCellBase(QuantMixin):
             hx = (hx[0].unsqueeze(0), hx[1].unsqueeze(0)) if lstm else hx.unsqueeze(0)
         weights = [self._quantize(getattr(self, f"_{n}_quantizer", None), getattr(self, n))
                    for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]  # fmt: skip
-        kernel = _CELL_KERNELS[getattr(self, "nonlinearity", type(self)._float_class.__name__)]
+        kernel = rnn_kernel(_CELL_KERNELS[getattr(self, "nonlinearity", type(self)._float_class.__name__)])
         out = kernel(self._quantize(self._input_quantizer, x), hx, *weights)
         if lstm:
             h, c = out
