@@ -40,21 +40,21 @@ from app.conf import (
     flatten_layer_names,
     spec_bits,
 )
-from callbacks.mixed_precision import _plain, write_sensitivity_csv
+from callbacks.mixed_precision import plain_data, write_sensitivity_csv
 from quark.torch import ModelQuantizer
-from quark.torch.export.files import write_atomically, write_text_atomically
-from quark.torch.quantization.api import run_batch
-from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
-from quark.torch.quantization.hf import linear_weight
-from quark.torch.quantization.sensitivity import (
+from quark.torch.algorithm.sensitivity import (
     LayerSensitivity,
-    _output,
     allocate,
     average_bits,
     hessian_sensitivity,
     measure_sensitivity,
+    model_output,
     weight_bits,
 )
+from quark.torch.export.files import write_atomically, write_text_atomically
+from quark.torch.quantization.api import run_batch
+from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
+from quark.torch.quantization.hf import linear_weight
 
 __all__ = [
     "candidate_configs", "check_before_training", "choose", "preset_dict", "write_preset", "plot_bits", "run_mixed",
@@ -156,7 +156,7 @@ def _task_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         raise ValueError("quant.sensitivity=hessian needs (input, target) batches, whose cross entropy it differentiates; use kl or mse")
     device = next(model.parameters()).device
     x, y = batch[0], batch[1].to(device)
-    logits = _output(run_batch(model, x, device=device)).float()
+    logits = model_output(run_batch(model, x, device=device)).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -229,7 +229,7 @@ def preset_dict(quant_node: dict[str, Any], config: Config, flow: QuantFlow, cho
     layers = flatten_layer_names(dict(preset.get("layer_quant_config") or {}))
     rest = {}
     if not config.inherit_roles:
-        rest = {role: spec for role, spec in _plain(config.global_quant_config.to_dict()).items() if spec is not None}
+        rest = {role: spec for role, spec in plain_data(config.global_quant_config.to_dict()).items() if spec is not None}
     for layer, name in choice.items():
         layers[layer] = {**rest, "weight": copy.deepcopy(specs[name])}
     preset["layer_quant_config"] = _nest(layers)

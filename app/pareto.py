@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from app.summary import _natural, job_files
+from app.summary import job_files, natural_key
 from app.sweepdir import SweepFiles
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job folder of the sweep (one holding trial.json or results.json; of the sweep that last claimed
     ``sweep_dir``: ``app.summary.job_files``), in job order, the front flagged."""
     folders = {p.parent for name in (TRIAL_FILE, "results.json") for p in job_files(sweep_dir, name)}
-    rows = [_row(folder, sweep_dir) for folder in sorted(folders, key=lambda p: _natural(p.relative_to(sweep_dir)))]
+    rows = [_row(folder, sweep_dir) for folder in sorted(folders, key=lambda p: natural_key(p.relative_to(sweep_dir)))]
     modes = {r["metric_mode"] for r in rows if r["metric_mode"]}
     directions = ["maximize" if modes == {"max"} else "minimize", "minimize"]
     points = [(r["value"], r["model_bits"]) if r["status"] == "ok" else None for r in rows]

@@ -56,7 +56,7 @@ from app.rundir import (
     write_recorded,
 )  # fmt: skip
 from callbacks import AtomicCheckpointIO, QuantCallback
-from callbacks.quant import _feedable, read_checkpoint
+from callbacks.quant import as_model_input, read_checkpoint
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm import find_decoder_layers, scaling_groups
 from quark.torch.export import QUARK_SUBDIR, check_exportable, export_formats, export_model, get_format
@@ -144,7 +144,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
 
         def take(plan: tuple[list[str], list[str]], inputs: list[str | None]) -> None:
             """Lock the directory, check again under the lock that no file of anybody else's is in the way, claim."""
-            lock.enter_context(_run_dir_lock(out))
+            lock.enter_context(run_dir_lock(out))
             try:
                 check_free(out, *plan)  # the directory may have changed while the checks ran
             except ValueError as err:
@@ -194,7 +194,7 @@ def _run_checked(cfg: DictConfig, out: Path, start: float, take: Callable[..., N
         else:
             layers, prepared = _check_quantizable(qconfig, model) if qconfig is not None else ({}, None)
         formats = _check_export(cfg, prepared)
-        check_activations(prepared, datamodule, _feedable)  # activation ch_axis vs one batch (a dry forward)
+        check_activations(prepared, datamodule, as_model_input)  # activation ch_axis vs one batch (a dry forward)
         if cfg.get("ckpt_path"):
             _load_float_weights(model, str(cfg.ckpt_path))
         _check_data(cfg, datamodule)  # data.batch_size=0: its loaders are built (not iterated) here
@@ -461,7 +461,7 @@ def _first_input(datamodule: Any) -> torch.Tensor:
     return batch[0] if isinstance(batch, tuple | list) else batch
 
 
-def _run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
+def run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
     """An exclusive ``flock`` on ``<out>/.lock`` for the whole run, so that two runs never mix their files in one
     directory. Taken without waiting: if another live run holds it, ConfigError. The OS drops the lock when its
     process ends, so a crashed run leaves nothing stale. The ``.lock`` file is created when absent and never written

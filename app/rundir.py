@@ -15,7 +15,7 @@ pattern, except this project's own temporaries (``.quarkl-tmp.*``, see ``quark.t
 never finished, in the run's places (never through a link). A ``ckpt_path=`` file inside the directory (the run's input)
 stays. Before any of this, ``check_free`` refuses the run when a file it would write under a fixed name (results.json,
 checkpoints/quantized.ckpt, the loggers' phase folders, export/, ...) is there and is not such a recorded file: a file
-of yours is never overwritten. All of this happens under the directory's lock (``app.run._run_dir_lock``), so never
+of yours is never overwritten. All of this happens under the directory's lock (``app.run.run_dir_lock``), so never
 under a live run's feet, and only once the run's config, Trainer, data and model have passed their checks: a refused
 run leaves the directory as it was.
 

@@ -60,7 +60,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per ``results.json`` under ``sweep_dir`` (sorted by job folder): of the jobs of the sweep that last
     claimed it (``sweep_state.json``), not those an earlier sweep left there."""
     rows = []
-    for path in sorted(job_files(sweep_dir, "results.json"), key=lambda p: _natural(p.relative_to(sweep_dir))):
+    for path in sorted(job_files(sweep_dir, "results.json"), key=lambda p: natural_key(p.relative_to(sweep_dir))):
         r = json.loads(path.read_text())
         m, q, size = r["metric"], r["quant"], r["size"]
         rows.append({
@@ -147,7 +147,7 @@ def _panel(ax: Any, task: str, metric: str, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=8, loc="best")
 
 
-def _natural(path: Path) -> tuple[tuple[int, int | str], ...]:
+def natural_key(path: Path) -> tuple[tuple[int, int | str], ...]:
     """Sort key of a job folder: Hydra numbers jobs 0, 1, ..., 10, so numeric parts compare as numbers."""
     return tuple((0, int(part)) if part.isdigit() else (1, part) for part in path.parts)
 

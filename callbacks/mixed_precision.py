@@ -16,9 +16,7 @@ from typing import Any
 import yaml
 from torch import nn
 
-from quark.torch.export.files import write_text_atomically
-from quark.torch.quantization.config.config import Config, QuantizationConfig
-from quark.torch.quantization.sensitivity import (
+from quark.torch.algorithm.sensitivity import (
     METHODS,
     LayerSensitivity,
     allocate,
@@ -26,6 +24,8 @@ from quark.torch.quantization.sensitivity import (
     measure_sensitivity,
     mixed_precision_config,
 )
+from quark.torch.export.files import write_text_atomically
+from quark.torch.quantization.config.config import Config, QuantizationConfig
 
 __all__ = ["MixedPrecision", "choose", "write_sensitivity_csv", "write_config_yaml"]
 
@@ -96,15 +96,15 @@ def write_sensitivity_csv(path: str | Path, sensitivities: Sequence[LayerSensiti
 def write_config_yaml(path: str | Path, config: Config, sensitivities: Sequence[LayerSensitivity], choice: dict[str, str]) -> Path:
     """The chosen Config as YAML (``Config.from_dict`` reads it back), headed by the average bits it reached."""
     header = f"# mixed precision: {average_bits(choice, sensitivities):.4f} weight bits per parameter on average\n"
-    return write_text_atomically(path, header + yaml.safe_dump(_plain(config.to_dict()), sort_keys=False))
+    return write_text_atomically(path, header + yaml.safe_dump(plain_data(config.to_dict()), sort_keys=False))
 
 
-def _plain(obj: Any) -> Any:
+def plain_data(obj: Any) -> Any:
     """Config.to_dict output with enums and classes as their names, so YAML holds only plain values."""
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
+        return {k: plain_data(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_plain(v) for v in obj]
+        return [plain_data(v) for v in obj]
     if isinstance(obj, str | int | float | bool) or obj is None:
         return obj
     return getattr(obj, "value", None) if hasattr(obj, "value") else getattr(obj, "__name__", str(obj))

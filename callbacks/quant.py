@@ -35,6 +35,7 @@ from callbacks.mixed_precision import MixedPrecision, write_config_yaml, write_s
 from callbacks.mixed_precision import choose as choose_mixed
 from callbacks.quantizer_lr import follow_schedule, split_quantizer_groups
 from quark.torch import ModelQuantizer
+from quark.torch.algorithm.sensitivity import average_bits, mixed_precision_config
 from quark.torch.compat import ddp_ignore_states
 from quark.torch.export import export_formats, export_model, get_format
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
@@ -53,7 +54,6 @@ from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 from quark.torch.quantization.resolve import config_from_stored
-from quark.torch.quantization.sensitivity import average_bits, mixed_precision_config
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
     LSQFakeQuantize,
@@ -216,7 +216,7 @@ def _binds(signature: inspect.Signature | None, args: tuple[Any, ...], kwargs: d
     return True
 
 
-def _feedable(module: nn.Module, batch: Any) -> Any:
+def as_model_input(module: nn.Module, batch: Any) -> Any:
     """``batch`` in a form the engine's default feed (tensor -> forward(x); (input, target...) -> forward(input);
     dict -> forward(**batch)) calls ``module.forward`` with correctly. A tuple/list whose first element alone does not
     fit the forward's signature while the whole batch does (``forward(inputs, target)`` with (inputs, target)
@@ -501,7 +501,7 @@ class QuantCallback(Callback):
                 elif self.calib_forward is not None:
                     self.calib_forward(pl_module, batch)
                 else:
-                    run_batch(pl_module, _feedable(pl_module, batch))
+                    run_batch(pl_module, as_model_input(pl_module, batch))
         finally:
             for h in hooks:
                 h.remove()
@@ -607,7 +607,7 @@ class QuantCallback(Callback):
         calib_forward = self.calib_forward
         if calib_forward is None:
             try:
-                batch = _feedable(pl_module, batch)
+                batch = as_model_input(pl_module, batch)
             except ValueError:
                 if self.mode == "ptq":
                     raise  # calibration would fail the same way, after training
@@ -834,7 +834,7 @@ class QuantCallback(Callback):
                     self.calib_forward(model, trainer.strategy.batch_to_device(_as_trained(trainer, batch)))  # type: ignore[misc]
             self.quantizer.calibrate(pl_module, forward_loop=forward_loop)
         else:  # in the module's dtype, as its training batches (precision="64-true" / "bf16-true")
-            self.quantizer.calibrate(pl_module, (_feedable(pl_module, _as_trained(trainer, batch)) for batch in batches))
+            self.quantizer.calibrate(pl_module, (as_model_input(pl_module, _as_trained(trainer, batch)) for batch in batches))
         sync_observers(pl_module)
         self.calibrated = True
         self._calibrated_for = weakref.ref(pl_module)
@@ -855,7 +855,7 @@ class QuantCallback(Callback):
         if self.calib_forward is not None:
             run = self.calib_forward
         else:
-            batches = [_feedable(pl_module, b) for b in batches]
+            batches = [as_model_input(pl_module, b) for b in batches]
             run = run_batch
         config, choice, sensitivities = choose_mixed(pl_module, self.config, search, batches, run)  # type: ignore[arg-type]
         choice = trainer.strategy.broadcast(choice, src=0)
@@ -951,7 +951,7 @@ class QuantCallback(Callback):
     def _report_feed(self, pl_module: LightningModule, batch: Any) -> Callable[[nn.Module], Any] | None:
         """The default feed of the report's batch, or None (warned once) when the module's forward cannot take it."""
         try:
-            feedable = _feedable(pl_module, batch)
+            feedable = as_model_input(pl_module, batch)
         except ValueError as err:
             if not self._warned_report_feed:
                 self._warned_report_feed = True

@@ -171,8 +171,8 @@ def test_a_crashed_run_leaves_no_stale_lock(tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
     child = (
-        "import os, signal, sys; from pathlib import Path; from app.run import _run_dir_lock\n"
-        "with _run_dir_lock(Path(sys.argv[1])):\n"
+        "import os, signal, sys; from pathlib import Path; from app.run import run_dir_lock\n"
+        "with run_dir_lock(Path(sys.argv[1])):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

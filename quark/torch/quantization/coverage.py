@@ -11,11 +11,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
-from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
+from quark.torch.quantization.config.config import Config
+from quark.torch.quantization.nn.modules.quant_modules import EXPLICIT_ONLY, QUANT_MODULE_MAP, QuantMixin
+from quark.torch.quantization.resolve import excluded, explicit_levels, float_type, owners, submodule
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
-__all__ = ["FloatLayer", "format_float_layers", "warn_float_layers", "track_forward", "unreached_layers"]
+__all__ = [
+    "FloatLayer", "format_float_layers", "warn_float_layers", "track_forward", "unreached_layers", "float_reason",
+    "float_layers", "own_parameters", "uncalibrated_layers", "report_coverage", "functional_float",
+]  # fmt: skip
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
 
@@ -137,4 +144,125 @@ def unreached_layers(model: nn.Module, reached: set[str]) -> list[str]:
             m._quant_unreached = name not in reached
             if name not in reached:
                 out.append(name)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- float reasons
+#: modules whose Parameters belong to another: a quantizer's thresholds, the originals of a parametrized tensor (the
+#: layer holding the parametrization is the one quantized or reported float)
+_NOT_LAYERS = (QuantMixin, FakeQuantizeBase, parametrize.ParametrizationList)
+
+
+def float_reason(config: Config, name: str, module: nn.Module, owner: tuple[str, nn.Module] | None) -> str:
+    """Why a module with Parameters of its own is not quantized (it resolved to no plan)."""
+    base = next((c for c in type(module).__mro__ if c in QUANT_MODULE_MAP), None)
+    if excluded(config, name):
+        return "excluded by Config.exclude"
+    if owner is not None and excluded(config, owner[0]):
+        return f"excluded with its owner '{owner[0]}'"
+    if base is not None and float_type(module) is None:
+        return f"subclass of {base.__name__} with its own forward (a quantized twin would drop it)"
+    if base in EXPLICIT_ONLY:
+        by_name, by_type = explicit_levels(config, name, module)
+        if not by_name and not by_type:
+            return "embeddings are quantized only when named in layer_type_quant_config or layer_quant_config"
+    if base is not None:
+        return "no QuantizationSpec for any of its tensors at any config level"
+    if is_norm(module):
+        return "normalization layer (kept float)"
+    params = own_parameters(module)
+    return f"no quantized twin for {type(module).__name__}: its Parameters {params} are used in its own forward"
+
+
+def float_layers(config: Config, model: nn.Module, planned: set[str]) -> list[FloatLayer]:
+    """Every module holding Parameters of its own that no plan covers, with the reason (before the swap)."""
+    owned = owners(model)
+    out = []
+    for name, module in model.named_modules():
+        if name in planned or isinstance(module, _NOT_LAYERS) or _inside_quantized(model, name):
+            continue
+        if not own_parameters(module):
+            continue
+        out.append(FloatLayer(name, type(module).__name__, float_reason(config, name, module, owned.get(name))))
+    return out
+
+
+def own_parameters(module: nn.Module) -> list[str]:
+    """The Parameters a module holds itself, its parametrized tensors (weight_norm's ``weight``) included."""
+    params = [n for n, _ in module.named_parameters(recurse=False)]
+    return params + list(module.parametrizations) if parametrize.is_parametrized(module) else params
+
+
+def _inside_quantized(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` lies inside a quantizer module or a parametrization (see ``_NOT_LAYERS``)."""
+    parts = name.split(".")
+    return any(isinstance(submodule(model, ".".join(parts[:i])), _NOT_LAYERS[1:]) for i in range(1, len(parts)))
+
+
+# ----------------------------------------------------------------------------------------------- after calibration
+_ACTIVATION_ROLES = ("input_tensors", "output_tensors")
+
+
+def uncalibrated_layers(model: nn.Module) -> set[str]:
+    """Names of the quantized layers that calibration (or QAT) never reached: none of their static activation
+    quantizers has qparams (their weight quantizers may have them: PTQ observes weights directly, QAT in the forward).
+
+    Raises a ValueError naming the layer and role for a layer that was reached (an activation quantizer has qparams)
+    but has a quantizer without them, and when no quantizer of the model has qparams (it was never calibrated)."""
+    unreached, calibrated = set(), False
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantMixin):
+            continue
+        static = []
+        for slot, q in module.quantizer_slots():
+            initialized = getattr(q, "initialized", None)
+            if q.is_dynamic or not isinstance(initialized, torch.Tensor):
+                continue
+            q.calculate_qparams()  # brings lazily computed qparams up to date (sets ``initialized``)
+            static.append((slot, bool(initialized)))
+        missing = [slot for slot, ready in static if not ready]
+        calibrated |= len(missing) < len(static)
+        if not missing:
+            continue
+        if any(ready for slot, ready in static if slot.role in _ACTIVATION_ROLES):
+            raise ValueError(
+                f"layer '{name}' ({type(module).__name__}): the {missing[0].role} quantizer has no qparams yet; "
+                "calibrate the model (or load a calibrated state_dict) first"
+            )
+        unreached.add(name)
+    if unreached and not calibrated:
+        raise ValueError(
+            f"no quantizer of the model has qparams yet (layer '{sorted(unreached)[0]}', ...); calibrate the model "
+            "(or load a calibrated state_dict) first"
+        )
+    return unreached
+
+
+def report_coverage(model: nn.Module, record: dict[str, Any]) -> None:
+    """After calibration: warn about quantized layers no forward reached (marked so size reports count them as
+    float) and about Parameters that a forward fed to a weight op with no quantizer between (kept on the model for
+    ``float_layers``)."""
+    unreached = unreached_layers(model, record["reached"])
+    if unreached:
+        warnings.warn(
+            f"quantized layer(s) that no forward reached during calibration (their quantizers saw no data, so they are "
+            f"not counted as quantized): {unreached}",
+            stacklevel=4,
+        )
+    uses: dict[str, list[str]] = {}
+    for param, op in record["functional"].items():
+        owner, _, attr = param.rpartition(".")
+        uses.setdefault(owner, []).append(f"'{attr}' ({op})")
+    model._quant_functional_uses = uses
+    tied = [f for f in functional_float(model, uses) if f.layer_type.startswith("Quant")]
+    warn_float_layers(tied, stacklevel=4)
+
+
+def functional_float(model: nn.Module, uses: dict[str, list[str]]) -> list[FloatLayer]:
+    """Float entries for the Parameters of quantized layers that a forward also used outside the layer."""
+    out = []
+    for owner, found in uses.items():
+        module = submodule(model, owner)
+        if isinstance(module, QuantMixin):
+            out.append(FloatLayer(owner, type(module).__name__, f"Parameter {', '.join(found)} also used outside the layer, float there"))
     return out

@@ -45,6 +45,8 @@ __all__ = [
     "BakedFakeQuantize",
     "TQTFakeQuantize",
     "LSQFakeQuantize",
+    "LearnableFakeQuantize",
+    "apply_format",
 ]
 
 _EPS = torch.finfo(torch.float32).eps
@@ -132,7 +134,8 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         return ", ".join(parts)
 
 
-def _apply_format(x: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor | None, zp: torch.Tensor | None) -> torch.Tensor:
+def apply_format(x: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor | None, zp: torch.Tensor | None) -> torch.Tensor:
+    """``x`` fake-quantized in the spec's format with the given qparams (the one call every quantizer makes)."""
     return fake_quantize(
         x, spec.dtype, scale, zp, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
         round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype, mx_scale_mode=spec.mx_scale_mode,
@@ -212,7 +215,7 @@ class ScaledFakeQuantize(FakeQuantizeBase):
                 "and its observer is off. Calibrate (observer on) with data that reaches this layer before quantizing; "
                 "ModelQuantizer.freeze runs the layers calibration never reached in float."
             )
-        return _apply_format(x, self.spec, self.scale, self.zero_point)
+        return apply_format(x, self.spec, self.scale, self.zero_point)
 
     def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
         if not enabled:
@@ -267,7 +270,7 @@ class FrozenScaledFakeQuantize(FakeQuantizeBase):
             return x
         if not self.fake_quant_enabled:
             return x
-        return _apply_format(x, self.spec, self.scale, self.zero_point)
+        return apply_format(x, self.spec, self.scale, self.zero_point)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.scale, self.zero_point
@@ -323,7 +326,7 @@ class BakedFakeQuantize(FakeQuantizeBase):
             return False
         nearest = dataclasses.replace(self.spec, round_method=RoundType.half_even)
         x = x.detach()
-        return torch.equal(_apply_format(x, nearest, self.scale, self.zero_point), x)
+        return torch.equal(apply_format(x, nearest, self.scale, self.zero_point), x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, baked"
@@ -341,7 +344,7 @@ class NonScaledFakeQuantize(FakeQuantizeBase):
             self.observer(x)
         if not self.fake_quant_enabled:
             return x
-        return _apply_format(x, self.spec, None, None)
+        return apply_format(x, self.spec, None, None)
 
 
 # ----------------------------------------------------------------------------------------------- TQT
@@ -385,7 +388,7 @@ class _TQTFunction(torch.autograd.Function):
         return grad_x, grad_t, None, None, None, None, None
 
 
-class _LearnableFakeQuantize(FakeQuantizeBase):
+class LearnableFakeQuantize(FakeQuantizeBase):
     """Learnable quantizers (TQT, LSQ): initialised from the first batch seen with the observer on, then learned.
 
     The learned Parameter (``_learned_name``) has one element per tensor, or one per channel along ``axis``. A
@@ -516,7 +519,7 @@ class _LearnableFakeQuantize(FakeQuantizeBase):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class TQTFakeQuantize(_LearnableFakeQuantize):
+class TQTFakeQuantize(LearnableFakeQuantize):
     """Trained Quantization Thresholds: ``log2 t`` is an ``nn.Parameter``; power-of-two scale ``2^ceil(log2 t) /
     2^(b-1)``, one per tensor (Jain et al. 2019, amd-quark's TQT) or one per channel (``qscheme=per_channel``: this
     engine's extension, each channel's threshold learned with the paper's gradient summed over that channel).
@@ -606,7 +609,7 @@ class _LSQFunction(torch.autograd.Function):
         return grad_x, grad_s, None, None, None, None, None, None
 
 
-class LSQFakeQuantize(_LearnableFakeQuantize):
+class LSQFakeQuantize(LearnableFakeQuantize):
     """Learned Step Size Quantization: the scale is an ``nn.Parameter`` (per tensor or per channel), initialised to
     ``2 * mean|x| / sqrt(qmax)`` on the first batch; gradients scaled by ``1 / sqrt(numel_per_scale * qmax)``."""
 

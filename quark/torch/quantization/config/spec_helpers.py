@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import MISSING
 from typing import Any
 
-from quark.torch.quantization.config.config import QuantizationSpec
+from quark.torch.quantization.config.spec import QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, RoundType, ScaleType, ZeroPointType
 
 #: amd-quark's names for per-tensor observers, scale types, rounding and zero points

@@ -6,8 +6,18 @@ so YAML and JSON map onto it directly; anything else raises ValueError listing w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
+
+#: the function ``Dtype.to_bitwidth`` asks: the format table (``quark.torch.quantization.formats.table``) installs it
+#: when it is imported (``import quark.torch`` does), because the formats depend on these enums and never the reverse
+_BITWIDTH_SOURCE: list[Callable[[Any], float]] = []
+
+
+def set_bitwidth_source(bits_of: Callable[[Any], float]) -> None:
+    """Install the function that gives a Dtype's storage bits per element (called once, by the format table)."""
+    _BITWIDTH_SOURCE[:] = [bits_of]
 
 
 class _LenientEnum(Enum):
@@ -131,9 +141,9 @@ class Dtype(_LenientEnum):
 
     def to_bitwidth(self) -> int:
         """Bits per element of the format (block formats: element bits plus their share of the block's scales)."""
-        from quark.torch.quantization.formats import bits_per_element
-
-        return bits_per_element(self)
+        if not _BITWIDTH_SOURCE:
+            raise RuntimeError("Dtype.to_bitwidth needs the format table: import quark.torch (or its formats) first")
+        return _BITWIDTH_SOURCE[0](self)
 
 
 class ScaleType(_LenientEnum):

@@ -35,21 +35,21 @@ from quark.torch.quantization.formats.grouping import (
     to_tiles,
 )
 from quark.torch.quantization.formats.integer import (
-    _int_forward,
     apply_scale_type,
     dequantize_int,
     fake_quantize_int,
     fake_quantize_int_grad,
+    int_forward,
     quantize_int,
     scale_dtype,
 )
 from quark.torch.quantization.formats.minifloat import (
-    _cast_forward,
-    _grid_forward,
+    cast_forward,
     decode,
     encode,
     fake_quantize_minifloat,
     fake_quantize_minifloat_grad,
+    grid_forward,
     round_to_grid,
 )
 from quark.torch.quantization.formats.table import (
@@ -148,13 +148,13 @@ def elementwise_quantizer(dtype: Dtype | str, round_method: RoundType | None = N
     fmt = format_of(Dtype(dtype))
     if isinstance(fmt, IntFormat):
         qmin, qmax, method = fmt.qmin, fmt.qmax, round_method or RoundType.half_even
-        int_core = _int_forward.__wrapped__  # the eager body of the compilable kernel (the same bits)
+        int_core = int_forward.__wrapped__  # the eager body of the compilable kernel (the same bits)
         return lambda x, s, z: int_core(x, s, z, qmin, qmax, method)
     if isinstance(fmt, FloatFormat):
         torch_dtype = TORCH_FLOAT8.get(Dtype(dtype))
         if torch_dtype is not None:  # what fake_quantize runs eagerly for fp8: bit-identical to the grid, faster
-            return lambda x, s, z: _cast_forward(x, s, fmt.max_normal, torch_dtype)
-        grid_core = _grid_forward.__wrapped__
+            return lambda x, s, z: cast_forward(x, s, fmt.max_normal, torch_dtype)
+        grid_core = grid_forward.__wrapped__
         return lambda x, s, z: grid_core(x, s, fmt)
     raise ValueError(f"dtype {Dtype(dtype).value} has no scale: elementwise_quantizer serves integer and minifloat dtypes")
 

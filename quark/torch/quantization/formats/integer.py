@@ -119,7 +119,7 @@ def _int_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, m
 
 
 @compilable
-def _int_forward(
+def int_forward(
     x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, method: RoundType
 ) -> torch.Tensor:
     """Fake-quantized ``x`` (computed in float32, returned in x's dtype), qparams broadcastable to it: one fused pass
@@ -156,11 +156,11 @@ class _IntFakeQuant(torch.autograd.Function):
     def forward(ctx, x, scale, zero_point, qmin, qmax, round_method):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:  # (a scale that requires grad gets none here: it is not learned)
             ctx.meta = "no grad"
-            return _int_forward(x, scale, zero_point, qmin, qmax, round_method)
+            return int_forward(x, scale, zero_point, qmin, qmax, round_method)
         if compiled_kernels_active(x) or torch.compiler.is_compiling():
             ctx.save_for_backward(x, scale, zero_point)
             ctx.meta = (qmin, qmax, round_method)
-            return _int_forward(x, scale, zero_point, qmin, qmax, round_method)
+            return int_forward(x, scale, zero_point, qmin, qmax, round_method)
         out, mask = _int_forward_masked(x, scale, zero_point, qmin, qmax, round_method)
         ctx.save_for_backward(mask)
         ctx.meta = None

@@ -39,11 +39,13 @@ def round_to_grid(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 @compilable
-def _grid_forward(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+def grid_forward(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """``x`` scaled onto the float format's grid, rounded there and scaled back (the compilable minifloat kernel)."""
     return round_to_grid(x / scale, fmt).mul_(scale)
 
 
-def _cast_forward(x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_dtype: torch.dtype) -> torch.Tensor:
+def cast_forward(x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` scaled, saturated and cast through ``torch_dtype`` (torch's own fp8 rounding), then scaled back."""
     # eager only: where the compiled kernels are active, fp8 takes the grid rounding (the cast does not vectorize)
     return (x / scale).clamp_(-max_normal, max_normal).to(torch_dtype).to(torch.float32).mul_(scale)
 
@@ -63,7 +65,7 @@ class _GridSTE(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(x, scale)
             ctx.max_normal = fmt.max_normal
-        return _grid_forward(x, scale, fmt)
+        return grid_forward(x, scale, fmt)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -148,7 +150,7 @@ class _CastSTE(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(x, scale)
             ctx.max_normal = fmt.max_normal
-        return _cast_forward(x, scale, fmt.max_normal, torch_dtype)
+        return cast_forward(x, scale, fmt.max_normal, torch_dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quark.torch.quantization.config.type import Dtype
+from quark.torch.quantization.config.type import Dtype, set_bitwidth_source
 
 
 @dataclass(frozen=True)
@@ -161,3 +161,6 @@ def bits_per_element(dtype: Dtype | str, mx_element_dtype: Dtype | str | None = 
     if fmt.kind == "microexponent":
         return 1 + fmt.mantissa_bits + 8 / block + 1 / 2
     return 8 + 8 / block
+
+
+set_bitwidth_source(bits_per_element)

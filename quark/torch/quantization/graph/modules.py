@@ -19,9 +19,9 @@ from quark.torch.quantization.nn.modules.quant_modules import (
 )
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
+    LearnableFakeQuantize,
     ScaledFakeQuantize,
-    _apply_format,
-    _LearnableFakeQuantize,
+    apply_format,
 )
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "QuantConvBn1d",
     "QuantConvBn2d",
     "QuantConvBn3d",
+    "QuantConvBnNd",
     "fold_conv_bn",
     "freeze_bn_stats",
 ]
@@ -94,14 +95,14 @@ class SharedFakeQuantize(FakeQuantizeBase):
         initialized = getattr(src, "initialized", None)
         if isinstance(initialized, torch.Tensor) and not bool(initialized) and not getattr(src, "_stale", False):
             return x  # the source has seen no data yet
-        if isinstance(src, _LearnableFakeQuantize):
+        if isinstance(src, LearnableFakeQuantize):
             return src._learned(x)
         if isinstance(src, ScaledFakeQuantize):
             scale, zero_point = src.calculate_qparams()
-            return _apply_format(x, src.spec, scale, zero_point)
+            return apply_format(x, src.spec, scale, zero_point)
         if hasattr(src, "scale"):  # frozen
-            return _apply_format(x, src.spec, src.scale, src.zero_point)  # type: ignore[arg-type]
-        return _apply_format(x, src.spec, None, None)
+            return apply_format(x, src.spec, src.scale, src.zero_point)  # type: ignore[arg-type]
+        return apply_format(x, src.spec, None, None)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.source.calculate_qparams()
@@ -115,7 +116,7 @@ class SharedFakeQuantize(FakeQuantizeBase):
 
 
 # ----------------------------------------------------------------------------------------------- conv + BatchNorm
-class _QuantConvBnNd(QuantMixin):
+class QuantConvBnNd(QuantMixin):
     """Conv followed by its BatchNorm as one unit (Jacob et al. 2018, Krishnamoorthi 2018, section 3.2):
 
     - training with live statistics: the weight folded with the *running* std is fake-quantized, the conv output is
@@ -136,7 +137,7 @@ class _QuantConvBnNd(QuantMixin):
         return cls._slots
 
     @classmethod
-    def from_conv_bn(cls, conv: nn.Module, bn: nn.modules.batchnorm._BatchNorm, qconfig: QuantizationConfig) -> _QuantConvBnNd:
+    def from_conv_bn(cls, conv: nn.Module, bn: nn.modules.batchnorm._BatchNorm, qconfig: QuantizationConfig) -> QuantConvBnNd:
         twin = cls.from_float(conv, qconfig)
         object.__setattr__(twin, "_bn", bn)
         twin.bn_frozen = False
@@ -200,17 +201,17 @@ def _batch_norm_train(bn: nn.modules.batchnorm._BatchNorm, y: torch.Tensor, gamm
     return F.batch_norm(y, bn.running_mean, bn.running_var, gamma, beta, True, factor, bn.eps)
 
 
-class QuantConvBn1d(_QuantConvBnNd, nn.Conv1d):
+class QuantConvBn1d(QuantConvBnNd, nn.Conv1d):
     _float_class = nn.Conv1d
     _plain = QuantConv1d
 
 
-class QuantConvBn2d(_QuantConvBnNd, nn.Conv2d):
+class QuantConvBn2d(QuantConvBnNd, nn.Conv2d):
     _float_class = nn.Conv2d
     _plain = QuantConv2d
 
 
-class QuantConvBn3d(_QuantConvBnNd, nn.Conv3d):
+class QuantConvBn3d(QuantConvBnNd, nn.Conv3d):
     _float_class = nn.Conv3d
     _plain = QuantConv3d
 
@@ -218,7 +219,7 @@ class QuantConvBn3d(_QuantConvBnNd, nn.Conv3d):
 CONV_BN = {nn.Conv1d: QuantConvBn1d, nn.Conv2d: QuantConvBn2d, nn.Conv3d: QuantConvBn3d}
 
 
-def fold_conv_bn(unit: _QuantConvBnNd) -> QuantMixin:
+def fold_conv_bn(unit: QuantConvBnNd) -> QuantMixin:
     """The plain quantized conv with the BatchNorm folded into new weight and bias Parameters (the unit's
     Parameters, shared with the float model, stay as they were), keeping the unit's quantizers and their state."""
     with torch.no_grad():
@@ -244,7 +245,7 @@ def freeze_bn_stats(model: nn.Module, frozen: bool = True) -> int:
     uses the running statistics, i.e. the folded weights that will be deployed. Returns how many units changed."""
     count = 0
     for module in model.modules():
-        if isinstance(module, _QuantConvBnNd):
+        if isinstance(module, QuantConvBnNd):
             module.bn_frozen = frozen
             count += 1
     return count

@@ -33,7 +33,7 @@ from quark.torch.quantization.config.config import CLEConfig, Config
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.graph.checks import Example, checked, example_for, float_run, quantized_error
 from quark.torch.quantization.graph.cle import Bounds, absorb_high_bias, equalize
-from quark.torch.quantization.graph.modules import QuantActivation, _QuantConvBnNd, fold_conv_bn
+from quark.torch.quantization.graph.modules import QuantActivation, QuantConvBnNd, fold_conv_bn
 from quark.torch.quantization.graph.rules import ACTIVATIONS, is_relu, is_relu6
 from quark.torch.quantization.nn.modules.quant_modules import QuantConv1d, QuantConv2d, QuantConv3d, QuantLinear
 
@@ -67,15 +67,15 @@ def fold_batch_norms(model: nn.Module, check: bool = True) -> int:
     and after on the captured example (EquivalenceError naming the layer, units put back). Returns how many."""
     count = 0
     for gm in _graphs(model):
-        units = [(name, m) for name, m in gm.named_modules() if isinstance(m, _QuantConvBnNd)]
+        units = [(name, m) for name, m in gm.named_modules() if isinstance(m, QuantConvBnNd)]
         if not units:
             continue
 
-        def apply(units: list[tuple[str, _QuantConvBnNd]] = units, gm: fx.GraphModule = gm) -> None:
+        def apply(units: list[tuple[str, QuantConvBnNd]] = units, gm: fx.GraphModule = gm) -> None:
             for name, unit in units:
                 _set(gm, name, fold_conv_bn(unit))
 
-        def undo(units: list[tuple[str, _QuantConvBnNd]] = units, gm: fx.GraphModule = gm) -> None:
+        def undo(units: list[tuple[str, QuantConvBnNd]] = units, gm: fx.GraphModule = gm) -> None:
             for name, unit in units:
                 _set(gm, name, unit)
 
@@ -103,7 +103,7 @@ def is_folded_state(model: nn.Module, state_dict: dict[str, object], prefix: str
     """Whether ``state_dict`` was saved after BatchNorm folding (PTQ) while ``model`` still has conv + BatchNorm
     units: it holds none of their BatchNorms' statistics."""
     names = {id(m): n for n, m in model.named_modules()}
-    units = [m for m in model.modules() if isinstance(m, _QuantConvBnNd)]
+    units = [m for m in model.modules() if isinstance(m, QuantConvBnNd)]
     bns = [names.get(id(u.bn)) for u in units]
     return bool(units) and all(n is not None and f"{prefix}{n}.running_mean" not in state_dict for n in bns)
 

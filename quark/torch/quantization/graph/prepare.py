@@ -15,7 +15,6 @@ module's name (``blocks.0.c1``) and class name, with ``exclude``. Then:
 from __future__ import annotations
 
 import copy
-import fnmatch
 import itertools
 import warnings
 from collections import Counter
@@ -42,7 +41,7 @@ from quark.torch.quantization.graph.rules import (
     weighted_ops_in_body,
 )
 from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, QuantMixin
-from quark.torch.quantization.resolve import merge_levels
+from quark.torch.quantization.resolve import LayerPlan, check_layer, excluded, merge_levels, name_levels, type_level
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = ["prepare_graph", "GraphUnit", "QUANTIZERS"]
@@ -85,21 +84,12 @@ class GraphUnit:
 
 
 # ----------------------------------------------------------------------------------------------- resolution
-def _excluded(config: Config, name: str) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.exclude)
-
-
 def resolve_node(config: Config, name: str, type_names: list[str], roles: tuple[str, ...], explicit_only: bool = False) -> tuple[QuantizationConfig | None, dict[str, str]]:
     """The QuantizationConfig of one op: layer name (exact, then patterns) > layer type > global, combined as in
-    eager mode (``merge_levels``); None when excluded or nothing applies."""
-    if _excluded(config, name):
+    eager mode (``merge_levels``, the levels of ``resolve``); None when excluded or nothing applies."""
+    if excluded(config, name):
         return None, {}
-    exact = [k for k in config.layer_quant_config if k == name]
-    patterns = [k for k in config.layer_quant_config if k != name and fnmatch.fnmatchcase(name, k)]
-    levels = [(f"layer '{k}'", config.layer_quant_config[k]) for k in exact + patterns]
-    type_key = next((t for t in type_names if t in config.layer_type_quant_config), None)
-    if type_key is not None:
-        levels.append((f"type '{type_key}'", config.layer_type_quant_config[type_key]))
+    levels = name_levels(config, name) + type_level(config, type_names)
     if explicit_only and not levels:
         return None, {}
     levels.append(("global", config.global_quant_config))
@@ -465,12 +455,10 @@ def _quantized_output(gm: fx.GraphModule, placer: _Placer, node: fx.Node, config
 
 def _check_unit(gm: fx.GraphModule, unit: GraphUnit) -> None:
     """The eager-mode shape checks of the weight specs (ch_axis range, group_size divisibility), per unit."""
-    from quark.torch.quantization.api import LayerPlan, _check_layer  # the one implementation of those checks
-
     if unit.twin_path is None or unit.qconfig is None:
         return
     layer = _float_module(gm, unit)
-    _check_layer(LayerPlan(unit.name, type(layer).__name__, unit.qconfig, unit.source), layer)
+    check_layer(LayerPlan(unit.name, type(layer).__name__, unit.qconfig, unit.source), layer)
 
 
 def _quantized_as_weight(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -490,7 +478,7 @@ def _graph_float_layers(
         if unit.qconfig is None or (unit.twin_path is not None and unit.qconfig.weight is None and unit.op != "matmul"):
             if unit.op == "matmul" and unit.qconfig is None and not any(isinstance(a, fx.Node) and a.op == "get_attr" for a in unit.node.args[:2]):
                 continue
-            reason = "excluded by Config.exclude" if _excluded(config, prefix + unit.name) else (
+            reason = "excluded by Config.exclude" if excluded(config, prefix + unit.name) else (
                 "embeddings are quantized only when named in layer_type_quant_config or layer_quant_config"
                 if unit.op == "embedding" else "no QuantizationSpec for its weight at any config level"
             )  # fmt: skip

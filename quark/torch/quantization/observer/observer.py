@@ -40,7 +40,7 @@ from quark.torch.quantization.formats import (
 )
 
 if TYPE_CHECKING:
-    from quark.torch.quantization.config.config import QuantizationSpec
+    from quark.torch.quantization.config.spec import QuantizationSpec
 
 __all__ = [
     "ObserverBase",
