@@ -12,7 +12,6 @@ import contextlib
 import copy
 import dataclasses
 import difflib
-import errno
 import hashlib
 import json
 import logging
@@ -23,7 +22,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from stat import S_ISREG
 from typing import Any
 
 import lightning as L
@@ -40,8 +38,8 @@ from app.layer_bits import apply_layer_bits
 from app.mixed import candidate_configs, check_before_training, run_mixed, with_candidate
 from app.rundir import (
     FLOAT_TEST_CACHE,
-    LOCK,
     SWEEP_STATE,
+    busy_error,
     check_free,
     check_writable,
     claim,
@@ -49,9 +47,9 @@ from app.rundir import (
     locked,
     planned,
     read_recorded,
-    read_state,
     record,
     recording,
+    run_dir_lock,
     run_files,
     write_recorded,
 )  # fmt: skip
@@ -140,7 +138,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     # train.log is held back until the run claims the directory; each warning once, through logging (so into train.log)
     with file_logs_held(out) as release_logs, contextlib.ExitStack() as lock, warnings_logged_once():
         if locked(out):  # at once; the lock itself is taken when every check has passed (a refused run leaves no .lock)
-            raise _busy(out)
+            raise busy_error(out)
 
         def take(plan: tuple[list[str], list[str]], inputs: list[str | None]) -> None:
             """Lock the directory, check again under the lock that no file of anybody else's is in the way, claim."""
@@ -459,60 +457,6 @@ def _save_tokenizer(datamodule: Any, directory: Path) -> None:
 def _first_input(datamodule: Any) -> torch.Tensor:
     batch = next(iter(datamodule.test_dataloader()))
     return batch[0] if isinstance(batch, tuple | list) else batch
-
-
-def run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
-    """An exclusive ``flock`` on ``<out>/.lock`` for the whole run, so that two runs never mix their files in one
-    directory. Taken without waiting: if another live run holds it, ConfigError. The OS drops the lock when its
-    process ends, so a crashed run leaves nothing stale. The ``.lock`` file is created when absent and never written
-    (nor truncated); it is opened without following a link (a link there: ConfigError)."""
-    if fcntl is None:
-        return contextlib.nullcontext()
-    return _flock(out)
-
-
-@contextlib.contextmanager
-def _flock(out: Path) -> Iterator[None]:
-    fd = _open_lock(out / LOCK)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _busy(out) from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _busy(out: Path) -> ConfigError:
-    """The refusal of a run whose directory another live run holds (named by its pid once it has claimed it)."""
-    holder = read_state(out) or {}
-    by = f" (pid {holder.get('pid')})" if holder.get("state") == "running" and holder.get("pid") else ""
-    return ConfigError(
-        f"the run directory {out} is in use by another run{by}, which holds {out / LOCK}; this run stops before "
-        "training or writing results there. Wait for that run to finish, or give this one a directory of its "
-        "own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
-    )
-
-
-def _open_lock(path: Path) -> int:
-    """The lock file, opened without following a link, created when absent, never written (read-write only because
-    an exclusive lock on NFS needs it); ConfigError when it is a link or not a regular file."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as err:
-        what = "a symbolic link" if err.errno == errno.ELOOP else f"not usable ({err.strerror})"
-        raise ConfigError(
-            f"{path}, the run directory's lock file, is {what}: the app never writes through a link there. Remove "
-            "it, or give this run another directory: hydra.run.dir=<another dir>"
-        ) from None
-    if not S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ConfigError(
-            f"{path}, the run directory's lock file, is not a regular file: remove it, or give this run another "
-            "directory: hydra.run.dir=<another dir>"
-        )
-    return fd
 
 
 def _load_checkpoint(path: str) -> Any:

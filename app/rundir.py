@@ -15,7 +15,7 @@ pattern, except this project's own temporaries (``.quarkl-tmp.*``, see ``quark.t
 never finished, in the run's places (never through a link). A ``ckpt_path=`` file inside the directory (the run's input)
 stays. Before any of this, ``check_free`` refuses the run when a file it would write under a fixed name (results.json,
 checkpoints/quantized.ckpt, the loggers' phase folders, export/, ...) is there and is not such a recorded file: a file
-of yours is never overwritten. All of this happens under the directory's lock (``app.run.run_dir_lock``), so never
+of yours is never overwritten. All of this happens under the directory's lock (``run_dir_lock`` below), so never
 under a live run's feet, and only once the run's config, Trainer, data and model have passed their checks: a refused
 run leaves the directory as it was.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import hashlib
 import json
 import logging
@@ -36,10 +37,12 @@ import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 from omegaconf import DictConfig
 
+from app.conf import ConfigError
 from quark.torch.export.files import is_temporary, remove_stale_temporaries, write_atomically, write_text_atomically
 
 try:
@@ -597,3 +600,58 @@ def file_logs_held(out: Path) -> Iterator[Callable[[], None]]:
         if held in root.handlers:  # never claimed: the records were shown on the console, the file stays as it was
             held.records.clear()
             release()
+
+
+# ----------------------------------------------------------------------------------------------- the lock
+def run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
+    """An exclusive ``flock`` on ``<out>/.lock`` for the whole run, so that two runs never mix their files in one
+    directory. Taken without waiting: if another live run holds it, ConfigError. The OS drops the lock when its
+    process ends, so a crashed run leaves nothing stale. The ``.lock`` file is created when absent and never written
+    (nor truncated); it is opened without following a link (a link there: ConfigError)."""
+    if fcntl is None:
+        return contextlib.nullcontext()
+    return _flock(out)
+
+
+@contextlib.contextmanager
+def _flock(out: Path) -> Iterator[None]:
+    fd = _open_lock(out / LOCK)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy_error(out) from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def busy_error(out: Path) -> ConfigError:
+    """The refusal of a run whose directory another live run holds (named by its pid once it has claimed it)."""
+    holder = read_state(out) or {}
+    by = f" (pid {holder.get('pid')})" if holder.get("state") == "running" and holder.get("pid") else ""
+    return ConfigError(
+        f"the run directory {out} is in use by another run{by}, which holds {out / LOCK}; this run stops before "
+        "training or writing results there. Wait for that run to finish, or give this one a directory of its "
+        "own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
+    )
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened without following a link, created when absent, never written (read-write only because
+    an exclusive lock on NFS needs it); ConfigError when it is a link or not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as err:
+        what = "a symbolic link" if err.errno == errno.ELOOP else f"not usable ({err.strerror})"
+        raise ConfigError(
+            f"{path}, the run directory's lock file, is {what}: the app never writes through a link there. Remove "
+            "it, or give this run another directory: hydra.run.dir=<another dir>"
+        ) from None
+    if not S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(
+            f"{path}, the run directory's lock file, is not a regular file: remove it, or give this run another "
+            "directory: hydra.run.dir=<another dir>"
+        )
+    return fd

@@ -30,6 +30,7 @@ from app.rundir import (
     finish,
     read_state,
     record,
+    run_dir_lock,
 )  # fmt: skip
 
 
@@ -60,7 +61,6 @@ class SweepFiles(Callback):
         the check again under it, and the claim."""
         check_free(out, files, (), SWEEP_STATE)
         check_writable(out)
-        from app.run import run_dir_lock  # here: importing the run (Lightning) takes seconds; the checks above do not
 
         self._held.enter_context(run_dir_lock(out))
         check_free(out, files, (), SWEEP_STATE)  # the directory may have changed before the lock

@@ -171,7 +171,7 @@ def test_a_crashed_run_leaves_no_stale_lock(tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
     child = (
-        "import os, signal, sys; from pathlib import Path; from app.run import run_dir_lock\n"
+        "import os, signal, sys; from pathlib import Path; from app.rundir import run_dir_lock\n"
         "with run_dir_lock(Path(sys.argv[1])):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
