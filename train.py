@@ -14,44 +14,7 @@ Writes results.json (metrics, per-layer SQNR, sizes, wall time, the resolved con
 Hydra run directory (``hydra.run.dir=...``; ``hydra.sweep.dir=...`` for -m).
 """
 
-from __future__ import annotations
-
-import sys
-
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
-from app.conf import ConfigError, check_overrides, register_role_groups
-from app.search import check_search_args, objective_values, register_search
-
-register_role_groups()
-register_search()  # hparams_search=optuna_bits: the resolver of its directions, the sampler uniform_first
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> float | list[float] | None:
-    """Run one composed config; returns the quantized (else float) headline metric, for sweepers that optimise it
-    (with hparams_search: one value per ``hparams_search.objectives``, e.g. [metric, model bits])."""
-    from app.run import run  # imported here: `python train.py --help` stays fast
-    from quark.torch.cpu_allocator import keep_freed_memory
-
-    keep_freed_memory()  # eager fake quantization allocates full-size temporaries: reuse them (glibc)
-
-    try:
-        results = run(cfg, HydraConfig.get().runtime.output_dir)
-    except ConfigError as err:  # found before any training: the message says it all, no traceback
-        if cfg.get("hparams_search"):
-            raise  # a search records the trial as failed and goes on (SystemExit would end the whole sweep)
-        sys.exit(f"error: {err}")
-    if cfg.get("hparams_search"):
-        return objective_values(results, list(cfg.hparams_search.objectives))
-    metric = results["metric"]
-    return metric["quantized"] if metric["quantized"] is not None else metric["float"]
-
+from quark_lightning.train import main
 
 if __name__ == "__main__":
-    problem = check_overrides(sys.argv[1:]) or check_search_args(sys.argv[1:])
-    if problem:
-        sys.exit(f"error: {problem}")
     main()

@@ -23,7 +23,7 @@ from torch import nn
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
-from tasks.char_lm import CharLM, PythonSourceDataModule
+from quark_lightning.tasks.char_lm import CharLM, PythonSourceDataModule
 
 
 def weight_spec(bits: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from torch import nn
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
-from tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
+from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
 
 W8A8 = {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}
 

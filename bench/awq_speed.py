@@ -4,7 +4,7 @@ Models: ``LlamaForCausalLM`` (transformers ``LlamaConfig``, no download) of hidd
 64-dimensional heads, intermediate 2.75x hidden, byte vocabulary (256). Their weights are not a bare random init: a
 few channels of every RMSNorm weight start large (4..16, about 1 in 64 channels), so the inputs of q/k/v and gate/up
 have outlier channels as real LLMs do, and the model is then trained for a short while (``--train-steps`` AdamW steps
-of 16 x 128 bytes) on the Python standard library's source (an offline corpus, ``tasks.char_lm``); the trained weights
+of 16 x 128 bytes) on the Python standard library's source (an offline corpus, ``quark_lightning.tasks.char_lm``); the trained weights
 are cached under ``--cache-dir`` (first run: about a minute per size on 2 cores).
 
 Quantization: weight-only uint4, groups of 128 along the input features, asymmetric, min-max, half-even rounding,
@@ -85,7 +85,7 @@ def trained_state(hidden: int, layers: int, steps: int, cache_dir: Path) -> dict
     path = cache_dir / f"llama_h{hidden}_l{layers}_s{steps}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
-    from tasks.char_lm import load_python_corpus
+    from quark_lightning.tasks.char_lm import load_python_corpus
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(hidden, layers)))
@@ -120,7 +120,7 @@ def make_job(hidden: int, layers: int, steps: int, samples: int, tokens: int, ev
     """Float weights, calibration and held-out token ids, written once so that every side reads the same ones."""
     import torch
 
-    from tasks.char_lm import load_python_corpus
+    from quark_lightning.tasks.char_lm import load_python_corpus
 
     corpus = load_python_corpus(train_bytes=1, val_bytes=400_000, test_bytes=400_000)
     calib = windows(corpus["val"], samples, tokens, seed=3)

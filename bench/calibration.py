@@ -20,7 +20,7 @@ from torch.ao import quantization as tq
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
-from tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
+from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
 
 OBSERVERS = {
     "min-max": ("PerTensorMinMaxObserver", tq.MinMaxObserver),

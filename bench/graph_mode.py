@@ -59,7 +59,7 @@ from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import CLEConfig, Config
 from quark.torch.quantization.config.type import QuantizationMode
 from quark.torch.quantization.nn.modules import iter_quantizers
-from tasks.fashion import load_fashion
+from quark_lightning.tasks.fashion import load_fashion
 
 SPEC_DIR = Path(__file__).resolve().parents[1] / "conf" / "quant" / "spec"
 ROWS = (

@@ -11,8 +11,8 @@ import time
 from torch.utils.data import DataLoader
 
 from quark.torch import ModelQuantizer
-from tasks.digits import accuracy, train_digits_cnn
-from tasks.recipes import RECIPES, recipe
+from quark_lightning.tasks.digits import accuracy, train_digits_cnn
+from quark_lightning.tasks.recipes import RECIPES, recipe
 
 #: accuracy points a recipe may lose against FP32 (None: reported only)
 BUDGET = {"w8a8_int8": 0.5, "w4_int4_g32": 2.0, "w8a8_fp8_e4m3": 0.5, "mxfp4": None}

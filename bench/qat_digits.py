@@ -18,8 +18,8 @@ import warnings
 import lightning as L
 
 from callbacks import QuantCallback
-from tasks.lightning_digits import DigitsClassifier, DigitsDataModule
-from tasks.recipes import recipe
+from quark_lightning.tasks.lightning_digits import DigitsClassifier, DigitsDataModule
+from quark_lightning.tasks.recipes import recipe
 
 
 def _trainer(tmp: str, epochs: int, callbacks: list) -> L.Trainer:
@@ -36,7 +36,7 @@ def run(
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     L.seed_everything(seed, verbose=False)
     if data == "fashion":
-        from tasks.fashion import FashionDataModule
+        from quark_lightning.tasks.fashion import FashionDataModule
 
         dm: L.LightningDataModule = FashionDataModule(seed=seed)
         model = DigitsClassifier(width=16)

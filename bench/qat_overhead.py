@@ -1,7 +1,7 @@
 """QAT training-step overhead: time and peak memory of a step, as ratios to FP32 and to torch.ao.
 
 A step: ``zero_grad`` -> forward -> cross-entropy -> backward -> ``optimizer.step`` (Adam by default) on one batch
-of random inputs through the ``--model``: ``cnn`` (``tasks.digits.DigitsCNN``, 1x8x8 images, batch 256), ``mlp``
+of random inputs through the ``--model``: ``cnn`` (``quark_lightning.tasks.digits.DigitsCNN``, 1x8x8 images, batch 256), ``mlp``
 (1024 -> ``--width`` -> 1024 -> 10, batch 32) or ``llama`` (a LLaMA-style decoder block, hidden 1024, 4 sequences
 of 64 tokens). The transformer-shaped models also have fp8 W8A8 and MXFP4/MXFP8 contenders (``CONTENDERS``);
 ``--widths`` sweeps the MLP's width and plots the ratios. Contenders, each on its own copy of the same initial model
@@ -75,8 +75,8 @@ from quark.torch import ModelQuantizer
 from quark.torch.cpu_allocator import keep_freed_memory
 from quark.torch.quantization.formats import Backend
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
-from tasks.digits import DigitsCNN
-from tasks.recipes import FP8_PER_TENSOR, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT, MXFP4
+from quark_lightning.tasks.digits import DigitsCNN
+from quark_lightning.tasks.recipes import FP8_PER_TENSOR, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT, MXFP4
 
 _TQT = {"method": "tqt", "threshold_init_meth": "_3SD"}
 _POF2 = {"symmetric": True, "is_dynamic": False, "round_method": "half_even", "scale_type": "pof2", "qat_spec": _TQT}

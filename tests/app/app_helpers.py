@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from app.conf import CONF_DIR, register_role_groups
+from quark_lightning.app.conf import CONF_DIR, register_role_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))

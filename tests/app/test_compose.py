@@ -9,7 +9,10 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from app.conf import (
+from quark.torch import ModelQuantizer
+from quark.torch.quantization.config.config import Config
+from quark.torch.quantization.config.type import Dtype
+from quark_lightning.app.conf import (
     QuantConfigError,
     apply_bits,
     build_quant,
@@ -18,10 +21,7 @@ from app.conf import (
     nominal_bits,
     with_bits,
 )
-from app.mixed import candidate_configs, with_candidate
-from quark.torch import ModelQuantizer
-from quark.torch.quantization.config.config import Config
-from quark.torch.quantization.config.type import Dtype
+from quark_lightning.app.mixed import candidate_configs, with_candidate
 
 SPEC_INT8 = OmegaConf.to_container(OmegaConf.load("conf/quant/spec/int8_per_channel_sym.yaml"))
 
@@ -296,8 +296,8 @@ def test_spec_files_are_valid_quantization_specs() -> None:
 # ----------------------------------------------------------------------------------------------- the LM experiment
 def test_char_lm_experiment_sets_data_model_and_metric() -> None:
     cfg = compose_cfg("experiment=char_lm")
-    assert cfg.data._target_ == "tasks.char_lm.PythonSourceDataModule"
-    assert cfg.model._target_ == "tasks.char_lm.CharLM"
+    assert cfg.data._target_ == "quark_lightning.tasks.char_lm.PythonSourceDataModule"
+    assert cfg.model._target_ == "quark_lightning.tasks.char_lm.CharLM"
     assert (cfg.metric.name, cfg.metric.mode) == ("test_ppl", "min")
     assert cfg.trainer.max_epochs == 2 and cfg.quant.name == "int8_per_channel"
 

@@ -95,7 +95,7 @@ def test_the_optional_packages_are_hidden(core_env: dict[str, str]) -> None:
 
 
 def test_train_py_runs_on_a_core_install(core_env: dict[str, str], tmp_path: Path) -> None:
-    """Before the fix: ModuleNotFoundError 'hydra_plugins' at train.py's import (app.search.sweeper_installed)."""
+    """Before the fix: ModuleNotFoundError 'hydra_plugins' at train.py's import (quark_lightning.app.search.sweeper_installed)."""
     proc = _train(core_env, tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "results.json").is_file()
@@ -146,7 +146,7 @@ def test_available_is_false_when_a_parent_package_is_missing(monkeypatch: pytest
 
 
 def test_sweeper_installed_without_hydra_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.search import check_search_args, sweeper_installed
+    from quark_lightning.app.search import check_search_args, sweeper_installed
 
     _without_hydra_plugins(monkeypatch)
     assert sweeper_installed() is False

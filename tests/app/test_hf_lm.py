@@ -14,8 +14,8 @@ import torch
 from app_helpers import compose_cfg
 from hydra.utils import instantiate
 
-from app.conf import ConfigError
-from app.run import run
+from quark_lightning.app.conf import ConfigError
+from quark_lightning.app.run import run
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -42,7 +42,7 @@ def bpe_tokenizer(vocab_size: int = 400):
     """A byte-level BPE trained in-process on a little of the corpus (no download), as a transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from tasks.char_lm import load_python_corpus
+    from quark_lightning.tasks.char_lm import load_python_corpus
 
     text = bytes(load_python_corpus(20000, 100, 100)["train"].to(torch.uint8).numpy()).decode("utf-8", "replace")
     tok = Tokenizer(models.BPE())
@@ -70,7 +70,7 @@ def perplexity(model: torch.nn.Module, datamodule) -> float:  # noqa: ANN001
 
 def data_of(results: dict, tokenizer: str | None = None):  # noqa: ANN201
     """The test split the run evaluated on (the run's data node, optionally another tokenizer directory)."""
-    from tasks.hf_lm import HFPythonSourceDataModule
+    from quark_lightning.tasks.hf_lm import HFPythonSourceDataModule
 
     node = dict(results["config"]["data"])
     node.pop("_target_")
@@ -96,10 +96,10 @@ def reload_quark_dir(results: dict) -> torch.nn.Module:
 # ----------------------------------------------------------------------------------------------- composition
 def test_experiment_composes_a_llama_with_perplexity(tmp_path: Path) -> None:
     cfg = compose_cfg("experiment=hf_lm")
-    assert cfg.model._target_ == "tasks.hf_lm.HFCausalLM" and cfg.model.pretrained is None
+    assert cfg.model._target_ == "quark_lightning.tasks.hf_lm.HFCausalLM" and cfg.model.pretrained is None
     assert cfg.model.config.model_type == "llama" and cfg.model.config.vocab_size == 258
     assert cfg.model.config.max_position_embeddings >= cfg.data.seq_len
-    assert cfg.data._target_ == "tasks.hf_lm.HFPythonSourceDataModule" and cfg.data.tokenizer is None
+    assert cfg.data._target_ == "quark_lightning.tasks.hf_lm.HFPythonSourceDataModule" and cfg.data.tokenizer is None
     assert (cfg.data.train_bytes, cfg.data.seq_len) == (1_000_000, 128)  # python_source's corpus and windows
     assert (cfg.metric.name, cfg.metric.mode, cfg.trainer.max_epochs) == ("test_ppl", "min", 2)
     assert compose_cfg("experiment=hf_lm", f"model.pretrained={tmp_path}").data.tokenizer == str(tmp_path)
@@ -121,7 +121,7 @@ def test_ptq_run_reports_perplexity_and_its_quark_export_reloads(tmp_path: Path)
     assert (m["name"], m["mode"]) == ("test_ppl", "min")
     assert 1.0 < m["float"] < 1000.0 and math.isfinite(m["quantized"]) and abs(m["delta"]) < 0.05 * m["float"]
     assert on_disk["float_metrics"]["test_ppl"] == pytest.approx(math.exp(on_disk["float_metrics"]["test_loss"]), rel=1e-5)
-    assert on_disk["task"]["model"] == "tasks.hf_lm.HFCausalLM"
+    assert on_disk["task"]["model"] == "quark_lightning.tasks.hf_lm.HFCausalLM"
     assert on_disk["layers"][DOWN_PROJ]["weight"]["dtype"] == "int8" and "net.lm_head" in on_disk["layers"]
 
     info = on_disk["export"]["quark"]
@@ -207,7 +207,7 @@ def test_pretrained_directory_without_a_config_stops_before_training(tmp_path: P
 def test_quark_export_of_a_model_without_hf_config_writes_the_whole_lightning_module(tmp_path: Path) -> None:
     """No ``export_module``: the directory holds the LightningModule (keys net.*) and reloads into a fresh one."""
     from quark.torch.export import import_model_from_safetensors
-    from tasks.lightning_digits import DigitsClassifier
+    from quark_lightning.tasks.lightning_digits import DigitsClassifier
 
     results = run(compose_cfg(*SMOKE, "export=[quark]"), tmp_path)
     info = results["export"]["quark"]

@@ -14,12 +14,12 @@ import yaml
 from app_helpers import TINY_LM, compose_cfg, run_train
 from hydra.utils import instantiate
 
-from app.conf import ConfigError, QuantConfigError, build_quant
-from app.mixed import candidate_configs, with_candidate
-from app.run import run
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.config.type import Dtype
+from quark_lightning.app.conf import ConfigError, QuantConfigError, build_quant
+from quark_lightning.app.mixed import candidate_configs, with_candidate
+from quark_lightning.app.run import run
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 CNN_LAYERS = {"net.conv1", "net.conv2", "net.fc1", "net.fc2"}

@@ -17,11 +17,11 @@ import torch
 from lightning.pytorch import Trainer
 from torch import nn
 
-from app.conf import build_quant
-from app.run import _one_log_line_per_message, fit_layer_types, format_delta, format_table
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.api import format_plans
-from tasks.digits import DigitsCNN
+from quark_lightning.app.conf import build_quant
+from quark_lightning.app.run import _one_log_line_per_message, fit_layer_types, format_delta, format_table
+from quark_lightning.tasks.digits import DigitsCNN
 from tests.app.app_helpers import ROOT, compose_cfg
 
 
@@ -170,7 +170,7 @@ def test_lightnings_litlogger_tip_is_not_printed(caplog: pytest.LogCaptureFixtur
 
 _LEAFSPEC_CHILD = """
 import warnings
-import app.run  # its warning filters, as train.py has them
+import quark_lightning.app.run  # its warning filters, as train.py has them
 message = "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and treespec.is_leaf()` instead."
 warnings.warn(message, FutureWarning, stacklevel=1)
 warnings.warn("another FutureWarning", FutureWarning, stacklevel=1)
@@ -189,7 +189,7 @@ def test_lightnings_leafspec_deprecation_is_not_shown() -> None:
 def test_a_type_the_user_names_on_the_command_line_is_kept_and_warned_about() -> None:
     """Only a preset's table is fitted: ``+quant.layer_type_quant_config={Embedding:{...}}`` on a model without
     embeddings keeps the engine's warning (tests/app/test_reliability_checks.py checks it in train.log)."""
-    from app.run import _command_line_types
+    from quark_lightning.app.run import _command_line_types
 
     _, config = build_quant(compose_cfg("quant=int4_per_group").quant)
     assert config is not None

@@ -11,8 +11,8 @@ import pytest
 from app_helpers import compose_cfg, run_train
 from lightning.pytorch import Trainer
 
-from app.conf import ConfigError
-from app.run import run
+from quark_lightning.app.conf import ConfigError
+from quark_lightning.app.run import run
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 PER_CHANNEL_ACT = ("quant/input_tensors=int8_per_channel_sym",)  # activations per channel along ch_axis

@@ -1,7 +1,7 @@
 """The files of a run: complete under their final name or absent (a full disk while quantized.ckpt is written leaves
 nothing there and no temporary), and a run directory that says whose it is (``run_state.json``: running, complete,
 failed; a killed run reads as stale), lists its files in results.json, and is cleared of another run's files and of
-the temporaries of a killed export when a run reuses it (``app.rundir``)."""
+the temporaries of a killed export when a run reuses it (``quark_lightning.app.rundir``)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import torch
 from app_helpers import ROOT, compose_cfg
 
 import callbacks.checkpoint_io as checkpoint_io
-from app import rundir
-from app.conf import ConfigError
-from app.run import _trainer, run
 from callbacks import AtomicCheckpointIO
 from quark.torch.export.files import TEMP_PREFIX, is_temporary
-from tasks.lightning_digits import DigitsClassifier
+from quark_lightning.app import rundir
+from quark_lightning.app.conf import ConfigError
+from quark_lightning.app.run import _trainer, run
+from quark_lightning.tasks.lightning_digits import DigitsClassifier
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 
@@ -67,7 +67,7 @@ def _leftovers(out: Path) -> None:
     }))  # fmt: skip
 
 
-# ----------------------------------------------------------------------------------------------- app.rundir, no training
+# ----------------------------------------------------------------------------------------------- quark_lightning.app.rundir, no training
 def test_claim_removes_what_the_other_run_recorded_and_keeps_the_rest(tmp_path: Path) -> None:
     out = tmp_path / "run"
     _leftovers(out)
@@ -188,7 +188,7 @@ from pathlib import Path
 import safetensors.torch as st
 sys.path.insert(0, sys.argv[3])
 from app_helpers import compose_cfg
-from app.run import _trainer, run
+from quark_lightning.app.run import _trainer, run
 from callbacks import AtomicCheckpointIO
 
 def half_then_pause(tensors, filename, metadata=None):

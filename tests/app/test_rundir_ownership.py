@@ -1,4 +1,4 @@
-"""A run directory never loses what the user owns (``app.rundir``): a run removes exactly the files an earlier run
+"""A run directory never loses what the user owns (``quark_lightning.app.rundir``): a run removes exactly the files an earlier run
 recorded (path, size, sha256), never by name or pattern, never through a symbolic link, never outside the directory;
 it refuses to write over a file nobody recorded; every check (data, Trainer, model) runs before the directory is
 touched, so a refused run leaves it byte for byte as it was; the lock file is never written through a link."""
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from app_helpers import compose_cfg, run_train
 
-from app import rundir
-from app.conf import ConfigError
-from app.run import run
+from quark_lightning.app import rundir
+from quark_lightning.app.conf import ConfigError
+from quark_lightning.app.run import run
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 

@@ -18,9 +18,9 @@ import torch
 from app_helpers import ROOT, compose_cfg, run_train
 from omegaconf import OmegaConf
 
-from app.conf import ConfigError
-from app.run import run
-from tasks.lightning_digits import DigitsClassifier
+from quark_lightning.app.conf import ConfigError
+from quark_lightning.app.run import run
+from quark_lightning.tasks.lightning_digits import DigitsClassifier
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 
@@ -171,7 +171,7 @@ def test_a_crashed_run_leaves_no_stale_lock(tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
     child = (
-        "import os, signal, sys; from pathlib import Path; from app.rundir import run_dir_lock\n"
+        "import os, signal, sys; from pathlib import Path; from quark_lightning.app.rundir import run_dir_lock\n"
         "with run_dir_lock(Path(sys.argv[1])):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )

@@ -15,13 +15,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from app.conf import CONF_DIR, ConfigError, QuantConfigError, build_quant
-from app.layer_bits import apply_layer_bits, assign
-from app.pareto import collect, dominates, pareto_mask, write_pareto
-from app.run import run
-from app.sampler import UniformFirstSampler
-from app.search import check_search_args, directions, objective_values, register_search
 from quark.torch import ModelQuantizer
+from quark_lightning.app.conf import CONF_DIR, ConfigError, QuantConfigError, build_quant
+from quark_lightning.app.layer_bits import apply_layer_bits, assign
+from quark_lightning.app.pareto import collect, dominates, pareto_mask, write_pareto
+from quark_lightning.app.run import run
+from quark_lightning.app.sampler import UniformFirstSampler
+from quark_lightning.app.search import check_search_args, directions, objective_values, register_search
 
 register_search()
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
@@ -54,8 +54,8 @@ def test_search_config_composes(overrides: list[str], mode: str, keys: list[str]
     assert sweeper["_target_"].endswith("OptunaSweeper") and str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     assert sweeper["n_trials"] == 7 and sweeper["direction"] == [mode, "minimize"] and sweeper["max_failure_rate"] == 1.0
     assert list(sweeper["params"]) == [f"++quant.layer_bits.{k}" for k in keys]
-    assert sweeper["sampler"]["_target_"] == "app.sampler.UniformFirstSampler" and sweeper["sampler"]["widths"] == [2, 3, 4, 8]
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "app.pareto.ParetoFront"
+    assert sweeper["sampler"]["_target_"] == "quark_lightning.app.sampler.UniformFirstSampler" and sweeper["sampler"]["widths"] == [2, 3, 4, 8]
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "quark_lightning.app.pareto.ParetoFront"
     sampler = instantiate(cfg.hydra.sweeper.sampler)
     assert isinstance(sampler, UniformFirstSampler) and isinstance(sampler.base, optuna.samplers.TPESampler)
     assert compose_cfg().quant.layer_bits == {} and "hparams_search" not in compose_cfg()  # off by default
@@ -63,7 +63,7 @@ def test_search_config_composes(overrides: list[str], mode: str, keys: list[str]
 
 def test_search_needs_the_plugin_message(monkeypatch: pytest.MonkeyPatch) -> None:
     assert check_search_args(["hparams_search=optuna_bits"]) is None  # installed (the search extra)
-    monkeypatch.setattr("app.search.sweeper_installed", lambda: False)
+    monkeypatch.setattr("quark_lightning.app.search.sweeper_installed", lambda: False)
     message = check_search_args(["quant=none", "hparams_search=optuna_bits"])
     assert message == 'hparams_search=optuna_bits needs Hydra\'s Optuna sweeper: pip install -e ".[search]" (hydra-optuna-sweeper, optuna 2.x)'
     assert check_search_args(["quant=none"]) is None

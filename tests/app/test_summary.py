@@ -6,13 +6,13 @@ import csv
 import json
 from pathlib import Path
 
-from app.summary import COLUMNS, collect, plot, write_summary
+from quark_lightning.app.summary import COLUMNS, collect, plot, write_summary
 
 
 def _result(folder: Path, scheme: str, mode: str, bits: float, quantized: float | None, fp: float = 90.0) -> None:
     folder.mkdir(parents=True)
     results = {
-        "task": {"data": "tasks.lightning_digits.DigitsDataModule", "model": "tasks.lightning_digits.DigitsClassifier"},
+        "task": {"data": "quark_lightning.tasks.lightning_digits.DigitsDataModule", "model": "quark_lightning.tasks.lightning_digits.DigitsClassifier"},
         "quant": {"name": scheme, "mode": mode, "weight_bits": bits, "act_bits": 8.0},
         "metric": {"name": "test_acc", "mode": "max", "float": fp, "quantized": quantized,
                    "delta": None if quantized is None else quantized - fp},

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from app_helpers import compose_cfg, run_train
 
-from app.run import run
+from quark_lightning.app.run import run
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 SWEEP_STATE = "sweep_state.json"  # the name is part of the contract: spelled here, not imported

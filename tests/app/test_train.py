@@ -11,9 +11,9 @@ import pytest
 import torch
 from app_helpers import DECODER_ONLY, PRESETS, TINY_LM, compose_cfg, run_train
 
-from app.conf import ConfigError
-from app.run import run
 from quark.torch.quantization.config.config import Config
+from quark_lightning.app.conf import ConfigError
+from quark_lightning.app.run import run
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 
@@ -55,7 +55,7 @@ def test_size_matches_bits_per_weight(tmp_path: Path) -> None:
     results = run(compose_cfg("quant=int8_per_tensor", *SMOKE), tmp_path)
     import torch
 
-    from tasks.lightning_digits import DigitsClassifier
+    from quark_lightning.tasks.lightning_digits import DigitsClassifier
 
     model = DigitsClassifier()
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Conv2d | torch.nn.Linear))
@@ -112,7 +112,7 @@ def test_mistakes_stop_before_any_training(overrides: tuple[str, ...], error: ty
 
 
 def test_fashion_mnist_missing_says_how_to_install(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"data \(tasks.fashion.FashionDataModule\): Fashion-MNIST: .* apt-get install -y dataset-fashion-mnist"):
+    with pytest.raises(ConfigError, match=r"data \(quark_lightning.tasks.fashion.FashionDataModule\): Fashion-MNIST: .* apt-get install -y dataset-fashion-mnist"):
         run(compose_cfg("data=fashion_mnist", f"+data.root={tmp_path}", *SMOKE), tmp_path)
 
 
@@ -199,7 +199,7 @@ def test_export_switch_writes_files_and_records_sizes(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     pytest.importorskip("onnx")
     from quark.torch.export import import_model_from_safetensors
-    from tasks.lightning_digits import DigitsClassifier
+    from quark_lightning.tasks.lightning_digits import DigitsClassifier
 
     results = run(compose_cfg(*SMOKE, "export=[safetensors,onnx]"), tmp_path)
     for fmt in ("safetensors", "onnx"):
@@ -237,8 +237,8 @@ def test_graph_presets_run(preset: str, tmp_path: Path) -> None:
 def test_float_test_cache_tests_once_per_key_and_survives_a_broken_file(tmp_path: Path) -> None:
     """The cache is a file of the sweep (recorded in sweep_state.json): read back while as recorded; one changed since
     (broken, or not numbers) is tested again and never written over."""
-    from app.run import float_test
-    from app.rundir import SWEEP_STATE, write_recorded
+    from quark_lightning.app.run import float_test
+    from quark_lightning.app.rundir import SWEEP_STATE, write_recorded
 
     calls: list[int] = []
 
@@ -289,8 +289,8 @@ def test_a_new_sweep_in_the_same_directory_tests_the_float_model_again(tmp_path:
     tests/app/test_sweepdir_ownership.py)."""
     from omegaconf import OmegaConf
 
-    from app.rundir import SWEEP_STATE, write_recorded
-    from app.summary import SweepSummary
+    from quark_lightning.app.rundir import SWEEP_STATE, write_recorded
+    from quark_lightning.app.summary import SweepSummary
 
     sweep = tmp_path / "sweep"
     sweep.mkdir()

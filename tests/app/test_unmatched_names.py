@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from app_helpers import TINY_LM, compose_cfg, run_train
 
-from app.conf import ConfigError
-from app.run import run
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Int8PerTensorSpec, QConfig, QLayerConfig
-from tasks.lightning_digits import DigitsClassifier
+from quark_lightning.app.conf import ConfigError
+from quark_lightning.app.run import run
+from quark_lightning.tasks.lightning_digits import DigitsClassifier
 
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 

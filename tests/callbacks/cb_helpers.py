@@ -20,7 +20,7 @@ from callbacks.quant import QuantCallback
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, TQTFakeQuantize
-from tasks.recipes import INT8_PER_TENSOR_ACT
+from quark_lightning.tasks.recipes import INT8_PER_TENSOR_ACT
 
 # Lightning's advice about dataloader workers, logging intervals and the like is noise here
 for message in (

@@ -27,7 +27,7 @@ from cb_helpers import BoringMLP, DataModule, QuantCallback, loader, make_data, 
 from lightning.pytorch import Callback, Trainer
 
 from quark.torch.quantization.config.config import Config
-from tasks.recipes import INT8_PER_TENSOR_ACT
+from quark_lightning.tasks.recipes import INT8_PER_TENSOR_ACT
 
 N_PER_RANK = 32
 BATCH = 8

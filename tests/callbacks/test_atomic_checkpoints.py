@@ -24,7 +24,7 @@ from callbacks import AtomicCheckpointIO
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_safetensors
 from quark.torch.export.files import TEMP_PREFIX, is_temporary, remove_stale_temporaries, write_atomically
-from tasks.recipes import recipe
+from quark_lightning.tasks.recipes import recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,7 +232,7 @@ from lightning.pytorch import LightningModule, Trainer
 from callbacks import AtomicCheckpointIO
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_safetensors
-from tasks.recipes import recipe
+from quark_lightning.tasks.recipes import recipe
 
 d = Path(sys.argv[1])
 out = {}

@@ -10,7 +10,7 @@ import torch
 from cb_helpers import BoringMLP, DataModule, make_trainer, seed
 
 from callbacks.quant import QuantCallback
-from tasks.recipes import recipe
+from quark_lightning.tasks.recipes import recipe
 
 
 def test_callback_exports_amd_quark_directory(tmp_path: Path) -> None:

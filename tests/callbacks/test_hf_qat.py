@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from callbacks.quant import load_quantized_checkpoint
 from quark.torch.quantization.coverage import track_forward
 from quark.torch.quantization.nn.modules import QuantMixin
-from tasks.recipes import FP8_PER_TENSOR, INT4_G32_WEIGHT, INT8_PER_TENSOR_ACT
+from quark_lightning.tasks.recipes import FP8_PER_TENSOR, INT4_G32_WEIGHT, INT8_PER_TENSOR_ACT
 
 transformers = pytest.importorskip("transformers")
 

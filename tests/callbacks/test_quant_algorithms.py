@@ -77,7 +77,7 @@ def test_callback_exports_at_the_end_of_fit(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     pytest.importorskip("onnx")
     from quark.torch.export import import_model_from_safetensors
-    from tasks.recipes import recipe
+    from quark_lightning.tasks.recipes import recipe
 
     seed()
     model, dm = BoringMLP(), DataModule(n=64)

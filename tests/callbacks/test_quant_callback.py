@@ -31,7 +31,7 @@ from torch import nn
 
 from quark.torch.quantization.nn.modules import QuantLinear, QuantMixin
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize, TQTFakeQuantize
-from tasks.recipes import recipe
+from quark_lightning.tasks.recipes import recipe
 
 
 def _scales(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from callbacks.quant import load_quantized_checkpoint
 from quark.torch.quantization.nn.modules import QuantLinear
 from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
-from tasks.recipes import recipe
+from quark_lightning.tasks.recipes import recipe
 
 
 def _quant_keys(model: torch.nn.Module) -> list[str]:

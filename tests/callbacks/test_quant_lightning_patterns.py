@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from callbacks.quant import QUANTIZED_CHECKPOINT_KEY, load_quantized_checkpoint
-from tasks.recipes import recipe
+from quark_lightning.tasks.recipes import recipe
 
 
 def _assert_calibrated(model: nn.Module) -> None:

@@ -13,7 +13,7 @@ from cb_helpers import BoringMLP, DataModule, QuantCallback, make_trainer, seed
 from lightning.pytorch.loggers import CSVLogger
 
 from quark.torch.quantization.nn.modules import QuantMixin
-from tasks.recipes import recipe
+from quark_lightning.tasks.recipes import recipe
 
 
 def _rows(tmp_path) -> list[dict[str, str]]:

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from quark.torch.quantization.config.config import Config
-from tasks.recipes import INT8_PER_TENSOR_ACT
+from quark_lightning.tasks.recipes import INT8_PER_TENSOR_ACT
 
 
 class StepCounter(Callback):

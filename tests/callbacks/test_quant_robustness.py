@@ -32,7 +32,7 @@ from torch import nn
 
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules import QuantLinear, QuantMixin
-from tasks.recipes import INT8_PER_TENSOR_ACT, recipe
+from quark_lightning.tasks.recipes import INT8_PER_TENSOR_ACT, recipe
 
 
 # ----------------------------------------------------------------------------------------------- keyword arguments

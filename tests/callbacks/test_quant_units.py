@@ -11,7 +11,7 @@ from cb_helpers import BoringMLP, DataModule, QuantCallback, make_trainer, minma
 
 from quark.torch.quantization.config.config import QuantizationSpec
 from quark.torch.quantization.tensor_quantize import LSQFakeQuantize, TQTFakeQuantize
-from tasks.recipes import INT8_PER_TENSOR_ACT
+from quark_lightning.tasks.recipes import INT8_PER_TENSOR_ACT
 
 
 def _learnable(kind: str):

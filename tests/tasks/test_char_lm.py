@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quark.torch.quantization.api import run_batch
-from tasks.char_lm import (
+from quark_lightning.tasks.char_lm import (
     CharLM,
     CharTransformer,
     PythonSourceDataModule,
@@ -22,7 +22,7 @@ from tasks.char_lm import (
     stdlib_root,
     warmup_cosine,
 )
-from tasks.lightning_digits import DigitsClassifier
+from quark_lightning.tasks.lightning_digits import DigitsClassifier
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),

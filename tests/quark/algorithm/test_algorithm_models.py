@@ -1,5 +1,5 @@
 """GPTQ, AWQ and SmoothQuant through ModelQuantizer.quantize_model on whole models: a tiny trained LLaMA-named LM
-(tasks.char_lm), models without a decoder stack (MLP, CNN), and a decoder whose layers take keyword arguments.
+(quark_lightning.tasks.char_lm), models without a decoder stack (MLP, CNN), and a decoder whose layers take keyword arguments.
 
 Quality is judged by output error against the float model (GPTQ vs round-to-nearest), Hessians against ones computed
 here from the layers' inputs, failures by the model being exactly as before."""
@@ -22,7 +22,7 @@ from quark.torch.algorithm.structure import derive_scaling_groups
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.nn.modules.quant_modules import QuantLinear
-from tasks.char_lm import CharTransformer, load_python_corpus
+from quark_lightning.tasks.char_lm import CharTransformer, load_python_corpus
 
 TINY = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "max_seq_len": 32}
 W3 = spec_dict(3, "per_group", 32, sym=False)  # uint3, asymmetric, groups of 32 input features

@@ -14,7 +14,7 @@ import quark.torch.algorithm.awq as awq_module
 from quark.torch.algorithm.awq import CLIP_GRID, CLIP_STEPS, N_GRID, awq_layer, rtn
 from quark.torch.algorithm.smoothquant import fold_scales
 from quark.torch.quantization.config.config import AWQConfig, QuantizationSpec
-from tasks.char_lm import DecoderLayer
+from quark_lightning.tasks.char_lm import DecoderLayer
 
 D, OUT = 32, 48
 OUTLIERS = torch.tensor([3, 11, 20])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.algorithms import W8A8, add_outlier_channels, perplexity, run_method, weight_spec
-from tasks.char_lm import CharLM, PythonSourceDataModule
+from quark_lightning.tasks.char_lm import CharLM, PythonSourceDataModule
 
 pytestmark = pytest.mark.slow
 

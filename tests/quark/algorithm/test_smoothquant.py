@@ -11,7 +11,7 @@ from torch import nn
 
 from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.quantization.config.config import SmoothQuantConfig
-from tasks.char_lm import DecoderLayer
+from quark_lightning.tasks.char_lm import DecoderLayer
 
 D = 24
 

@@ -18,8 +18,8 @@ ort = pytest.importorskip("onnxruntime")
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.export import export_onnx  # noqa: E402
 from quark.torch.quantization.nn.modules import QuantMixin  # noqa: E402
-from tasks.digits import DigitsCNN  # noqa: E402
-from tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
+from quark_lightning.tasks.digits import DigitsCNN  # noqa: E402
+from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*TracerWarning.*")
 UINT8_ACT = {**INT8_PER_TENSOR_ACT, "dtype": "uint8", "symmetric": False}
@@ -378,7 +378,7 @@ def test_a_half_precision_model_exports_a_float32_graph_onnxruntime_loads(dtype:
 
 def test_half_precision_int4_group_weights_export(tmp_path: Path) -> None:
     from quark.torch.export.onnx import qdq_model
-    from tasks.recipes import INT4_G32_WEIGHT
+    from quark_lightning.tasks.recipes import INT4_G32_WEIGHT
 
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4)).eval().to(torch.bfloat16)
     x = torch.randn(8, 64, dtype=torch.bfloat16)

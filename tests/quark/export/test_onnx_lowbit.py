@@ -22,7 +22,13 @@ from onnx import TensorProto, numpy_helper  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.export import check_onnx_exportable, export_onnx  # noqa: E402
 from quark.torch.quantization.nn.modules import QuantMixin  # noqa: E402
-from tasks.recipes import FP8_PER_TENSOR, INT4_G32_WEIGHT, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT, MXFP4  # noqa: E402
+from quark_lightning.tasks.recipes import (  # noqa: E402
+    FP8_PER_TENSOR,
+    INT4_G32_WEIGHT,
+    INT8_PER_CHANNEL_WEIGHT,
+    INT8_PER_TENSOR_ACT,
+    MXFP4,
+)
 
 warnings.filterwarnings("ignore", message=".*TracerWarning.*")
 U4_G32 = {**INT4_G32_WEIGHT, "dtype": "uint4", "symmetric": False}

@@ -18,7 +18,7 @@ ort = pytest.importorskip("onnxruntime")
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.export.onnx import _Constants, export_onnx  # noqa: E402
 from quark.torch.quantization.graph import capture  # noqa: E402
-from tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
+from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
 
 
 class _TwoConvs(nn.Module):

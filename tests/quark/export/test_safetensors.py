@@ -15,8 +15,8 @@ from safetensors import safe_open  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.export import export_safetensors, import_model_from_safetensors  # noqa: E402
 from quark.torch.export.packing import pack_nibbles, unpack_nibbles  # noqa: E402
-from tasks.digits import DigitsCNN  # noqa: E402
-from tasks.recipes import INT8_PER_TENSOR_ACT, recipe  # noqa: E402
+from quark_lightning.tasks.digits import DigitsCNN  # noqa: E402
+from quark_lightning.tasks.recipes import INT8_PER_TENSOR_ACT, recipe  # noqa: E402
 
 
 def _int(dtype: str, qscheme: str, **extra: Any) -> dict[str, Any]:

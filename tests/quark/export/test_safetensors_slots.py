@@ -19,7 +19,7 @@ from quark.torch.export.safetensors import activation_key  # noqa: E402
 from quark.torch.quantization import api  # noqa: E402
 from quark.torch.quantization.nn.modules import quant_modules  # noqa: E402
 from quark.torch.quantization.nn.modules.quant_modules import QuantMixin, QuantSlot, register_quant_module  # noqa: E402
-from tasks.recipes import INT4_G32_WEIGHT, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
+from quark_lightning.tasks.recipes import INT4_G32_WEIGHT, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
 
 
 class TwoWeights(nn.Module):

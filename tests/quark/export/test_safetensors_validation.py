@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.export import export_safetensors, import_model_from_safetensors  # noqa: E402
 from quark.torch.quantization.nn.modules import QuantMixin  # noqa: E402
-from tasks.recipes import INT4_G32_WEIGHT, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
+from quark_lightning.tasks.recipes import INT4_G32_WEIGHT, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
 
 CONFIG = {
     "global_quant_config": {"weight": INT4_G32_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT},

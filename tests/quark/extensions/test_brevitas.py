@@ -23,7 +23,7 @@ from quark.torch.extensions.brevitas import (
     to_quark_config,
 )
 from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType
-from tasks.digits import DigitsCNN
+from quark_lightning.tasks.digits import DigitsCNN
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -124,7 +124,7 @@ def test_backend_without_brevitas_says_how_to_install(monkeypatch: pytest.Monkey
 
 @pytest.fixture(scope="module")
 def trained() -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor]:
-    from tasks.digits import train_digits_cnn
+    from quark_lightning.tasks.digits import train_digits_cnn
 
     model, train, test = train_digits_cnn(epochs=2)
     x = train.tensors[0][:256]

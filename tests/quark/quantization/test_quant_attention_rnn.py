@@ -21,7 +21,7 @@ from quark.torch.quantization.nn.modules import (
     QuantMixin,
     QuantMultiheadAttention,
 )
-from tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
+from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
 
 W8A8 = {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}
 W8A8_OUT = {"global_quant_config": {**W8A8["global_quant_config"], "output_tensors": INT8_PER_TENSOR_ACT}}

@@ -32,11 +32,21 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from app.checks import check_activations, check_plain_keys, warnings_logged_once
-from app.conf import ConfigError, QuantConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
-from app.layer_bits import apply_layer_bits
-from app.mixed import candidate_configs, check_before_training, run_mixed, with_candidate
-from app.rundir import (
+from callbacks import AtomicCheckpointIO, QuantCallback
+from callbacks.quant import as_model_input, read_checkpoint
+from quark.torch import ModelQuantizer
+from quark.torch.algorithm import find_decoder_layers, scaling_groups
+from quark.torch.export import QUARK_SUBDIR, check_exportable, export_formats, export_model, get_format
+from quark.torch.export.files import write_atomically, write_files_atomically, write_text_atomically
+from quark.torch.extras import MissingExtraError, require_extra
+from quark.torch.quantization.api import run_batch, unmatched_names
+from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
+from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
+from quark_lightning.app.checks import check_activations, check_plain_keys, warnings_logged_once
+from quark_lightning.app.conf import ConfigError, QuantConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
+from quark_lightning.app.layer_bits import apply_layer_bits
+from quark_lightning.app.mixed import candidate_configs, check_before_training, run_mixed, with_candidate
+from quark_lightning.app.rundir import (
     FLOAT_TEST_CACHE,
     SWEEP_STATE,
     busy_error,
@@ -53,16 +63,6 @@ from app.rundir import (
     run_files,
     write_recorded,
 )  # fmt: skip
-from callbacks import AtomicCheckpointIO, QuantCallback
-from callbacks.quant import as_model_input, read_checkpoint
-from quark.torch import ModelQuantizer
-from quark.torch.algorithm import find_decoder_layers, scaling_groups
-from quark.torch.export import QUARK_SUBDIR, check_exportable, export_formats, export_model, get_format
-from quark.torch.export.files import write_atomically, write_files_atomically, write_text_atomically
-from quark.torch.extras import MissingExtraError, require_extra
-from quark.torch.quantization.api import run_batch, unmatched_names
-from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
-from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 
 try:
     import fcntl
@@ -127,7 +127,7 @@ class ScaleLearningRates(Callback):
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run the composed config; writes ``results.json`` (and checkpoints, logs) under ``output_dir``; returns it.
     The directory is locked from the moment every check has passed to the end of the run: a second run on it meanwhile
-    stops (ConfigError). A run refused by a check leaves the directory as it was (``app.rundir``)."""
+    stops (ConfigError). A run refused by a check leaves the directory as it was (``quark_lightning.app.rundir``)."""
     start = time.perf_counter()
     _one_log_line_per_message()
     out = Path(output_dir)
@@ -574,12 +574,12 @@ def _rng_kept() -> Iterator[None]:
 
 def _float_test_cache(cfg: DictConfig) -> Path | None:
     """In a multirun whose jobs all start from one float checkpoint (``ckpt_path``: a search over quantization
-    settings), the sweep directory's float-test cache, when the sweep holds that directory (``app.sweepdir``: its end
+    settings), the sweep directory's float-test cache, when the sweep holds that directory (``quark_lightning.app.sweepdir``: its end
     callback claimed it); None otherwise (each run tests its own float model)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from app.sweepdir import claimed_sweep
+    from quark_lightning.app.sweepdir import claimed_sweep
 
     if not cfg.get("ckpt_path") or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None

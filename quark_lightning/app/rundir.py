@@ -20,7 +20,7 @@ under a live run's feet, and only once the run's config, Trainer, data and model
 run leaves the directory as it was.
 
 A sweep's directory (``hydra.sweep.dir``) follows the same rule with its own state file, ``sweep_state.json``: the
-files at its top that the sweep writes (``SWEEP_FILES`` and its end callback's summary, see ``app.sweepdir``) are
+files at its top that the sweep writes (``SWEEP_FILES`` and its end callback's summary, see ``quark_lightning.app.sweepdir``) are
 checked (``check_free(..., state=SWEEP_STATE)``), claimed (``claim_sweep``) and recorded by the same functions; the jobs'
 folders below it are runs of their own."""
 
@@ -42,8 +42,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from app.conf import ConfigError
 from quark.torch.export.files import is_temporary, remove_stale_temporaries, write_atomically, write_text_atomically
+from quark_lightning.app.conf import ConfigError
 
 try:
     import fcntl

@@ -23,9 +23,9 @@ from typing import Any
 from omegaconf import OmegaConf
 from torch import nn
 
-from app.conf import SPEC_DIR, QuantConfigError, with_bits
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
+from quark_lightning.app.conf import SPEC_DIR, QuantConfigError, with_bits
 
 _PATTERN_CHARS = "*?["
 _SHOWN = 40  # layer names listed in an error message

@@ -26,8 +26,8 @@ from typing import Any, Literal, Union
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from app.conf import ConfigError
 from quark.torch.quantization.api import activation_axes_to_check, check_activation_shapes, run_batch
+from quark_lightning.app.conf import ConfigError
 
 SEED_RANGE = (0, 2**32 - 1)  # what numpy (and Lightning's seed_everything) accept
 INSTANTIATED = ("trainer", "data", "model")  # nodes whose keys are the arguments of their _target_

@@ -2,7 +2,7 @@
 
 The model is built from a config (``conf/model/hf_llama.yaml``: LlamaConfig fields, random weights) or loaded from a
 local directory written by ``save_pretrained`` (``pretrained=<dir>``; no hub downloads). The corpus is the one of
-``experiment=char_lm`` (``tasks.char_lm``): the text is cut into the same splits and byte budgets, then tokenized by
+``experiment=char_lm`` (``quark_lightning.tasks.char_lm``): the text is cut into the same splits and byte budgets, then tokenized by
 the directory's own tokenizer when it has one, or read as bytes (ids 0..255; the built-in config reserves 256 / 257
 for BOS / EOS). Perplexity per token of that tokenization is the headline metric; with bytes it is the same number
 ``experiment=char_lm`` reports, on the same test bytes.
@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from quark.torch.extras import import_extra
-from tasks.char_lm import SPLITS, PerplexityLM, PythonSourceDataModule, TokenWindows, load_python_corpus
+from quark_lightning.tasks.char_lm import SPLITS, PerplexityLM, PythonSourceDataModule, TokenWindows, load_python_corpus
 
 #: files of which one marks a directory that holds a tokenizer (fast, sentencepiece, or BPE vocab + merges)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
@@ -139,7 +139,7 @@ def build_causal_lm(config: dict[str, Any] | None, pretrained: str | None, attn_
 
 
 class HFCausalLM(PerplexityLM):
-    """A Hugging Face causal LM (``self.net``) trained and evaluated as ``tasks.char_lm.CharLM`` is: AdamW with
+    """A Hugging Face causal LM (``self.net``) trained and evaluated as ``quark_lightning.tasks.char_lm.CharLM`` is: AdamW with
     warmup + cosine, exact per-split perplexity. ``export=[quark]`` writes ``self.net`` (``export_module``) as a
     Hugging Face directory with a Quark ``quantization_config``."""
 

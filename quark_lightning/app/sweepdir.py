@@ -1,13 +1,13 @@
 """A sweep directory (``hydra.sweep.dir``) holds only what a sweep of this app recorded writing there.
 
-The callbacks that end a sweep (``app.summary.SweepSummary``, ``app.pareto.ParetoFront``) derive from ``SweepFiles``:
+The callbacks that end a sweep (``quark_lightning.app.summary.SweepSummary``, ``quark_lightning.app.pareto.ParetoFront``) derive from ``SweepFiles``:
 before the first job (Hydra's ``on_multirun_start``, which comes before the sweeper writes multirun.yaml) it checks
 that no file of the user's is where the sweep writes at the top of the directory (its callback's ``products`` and
-``app.rundir.SWEEP_FILES``: the float-test cache, Hydra's multirun.yaml and optimization_results.yaml), locks the
+``quark_lightning.app.rundir.SWEEP_FILES``: the float-test cache, Hydra's multirun.yaml and optimization_results.yaml), locks the
 directory and claims it (``sweep_state.json``): the previous sweep's recorded files, still as recorded, go. A file in
 the way stops the sweep with one ``error:`` line, the directory as it was. The files are recorded (path, size, sha256)
 as they are written: the summary and the cache when this app writes them, Hydra's after each job and at the end. The
-jobs' folders below are runs with their own ``run_state.json`` (``app.rundir``).
+jobs' folders below are runs with their own ``run_state.json`` (``quark_lightning.app.rundir``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from app.rundir import (
+from quark_lightning.app.rundir import (
     SWEEP_FILES,
     SWEEP_STATE,
     add_job,
@@ -37,7 +37,7 @@ from app.rundir import (
 class SweepFiles(Callback):
     """Hydra callback: the sweep directory is checked and claimed before the first job, its files recorded after each
     job, its state ``"complete"`` at the end. Subclasses name the files they write at its top in ``products`` and write
-    them with ``app.rundir.write_recorded(..., SWEEP_STATE)``."""
+    them with ``quark_lightning.app.rundir.write_recorded(..., SWEEP_STATE)``."""
 
     products: tuple[str, ...] = ()
 

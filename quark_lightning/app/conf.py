@@ -25,7 +25,7 @@ from quark.torch.quantization.config.config import (
 from quark.torch.quantization.config.type import Dtype, QuantizationMode
 from quark.torch.quantization.formats import BLOCK_FORMATS, FLOAT_FORMATS, bits_per_element
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SPEC_DIR = CONF_DIR / "quant" / "spec"
 ROLES: tuple[str, ...] = QuantizationConfig.ROLES
 WEIGHT_ROLES = ("weight",)
@@ -71,8 +71,8 @@ class QuantFlow:
     qat_lr_scale: float = 0.25
     freeze_bn_epoch: int | None = None
     quantizer_lr: float | None = None
-    layer_bits: dict[str, int | str] | None = None  # per layer (group): weight width or spec name; app/layer_bits.py
-    candidates: list[str] | None = None  # mixed precision: spec presets a layer's weight may take (app/mixed.py)
+    layer_bits: dict[str, int | str] | None = None  # per layer (group): weight width or spec name; quark_lightning/app/layer_bits.py
+    candidates: list[str] | None = None  # mixed precision: spec presets a layer's weight may take (quark_lightning/app/mixed.py)
     target_bits: float | None = None  # mixed precision: average weight bits per parameter, scales counted
     sensitivity: str = "kl"  # mixed precision: kl | mse | hessian
     sensitivity_batches: int = 8

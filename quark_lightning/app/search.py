@@ -1,5 +1,5 @@
 """The search side of ``hparams_search=optuna_bits``: the objectives a job returns to Hydra's Optuna sweeper, their
-directions, and the sampler option ``uniform_first`` (app/sampler.py: the first trials are uniform-width runs).
+directions, and the sampler option ``uniform_first`` (quark_lightning/app/sampler.py: the first trials are uniform-width runs).
 
 Needs the ``search`` extra (``pip install -e ".[search]"``: hydra-optuna-sweeper, which pins optuna 2.x). Without it
 (a core install: no ``hydra_plugins`` package at all) the app runs as before; ``hparams_search=...`` then stops at once
@@ -78,7 +78,7 @@ def register_search() -> None:
 
     @dataclass
     class UniformFirstSamplerConfig(SamplerConfig):
-        _target_: str = "app.sampler.UniformFirstSampler"
+        _target_: str = "quark_lightning.app.sampler.UniformFirstSampler"
         widths: list[Any] = field(default_factory=lambda: [2, 3, 4, 8])
         base: Any = None  # the sampler of the other trials (a _target_ node); None: TPE (multi-objective) with seed
         seed: Any = None

@@ -2,8 +2,8 @@
 baseline as a reference line) from the ``results.json`` of every job of a Hydra multirun.
 
 Runs as a Hydra callback (``hydra.callbacks.sweep_summary`` in conf/config.yaml) or by hand:
-``python -m app.summary multirun/2026-11-22/10-00-00``. Both files are recorded in the sweep's ``sweep_state.json``
-(``app.sweepdir``): a file of the user's under their names is never written over.
+``python -m quark_lightning.app.summary multirun/2026-11-22/10-00-00``. Both files are recorded in the sweep's ``sweep_state.json``
+(``quark_lightning.app.sweepdir``): a file of the user's under their names is never written over.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from app.sweepdir import SweepFiles
+from quark_lightning.app.sweepdir import SweepFiles
 
 COLUMNS = (
     "job", "task", "scheme", "mode", "weight_bits", "act_bits", "metric", "float", "quantized", "delta",
@@ -75,9 +75,9 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def job_files(sweep_dir: Path, name: str) -> list[Path]:
-    """The files ``name`` under ``sweep_dir`` in the folders of its sweep's jobs (``app.sweepdir.sweep_jobs``; every
+    """The files ``name`` under ``sweep_dir`` in the folders of its sweep's jobs (``quark_lightning.app.sweepdir.sweep_jobs``; every
     folder when no sweep state lists them)."""
-    from app.sweepdir import sweep_jobs
+    from quark_lightning.app.sweepdir import sweep_jobs
 
     jobs = sweep_jobs(sweep_dir)
     return [p for p in sweep_dir.glob(f"**/{name}") if jobs is None or p.parent.resolve() in jobs]
@@ -87,7 +87,7 @@ def write_summary(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     """Write ``summary.csv`` and ``summary.png`` into ``folder`` (each complete or absent), recorded in its
     ``sweep_state.json``; returns the paths written (a file of the user's there is not written over: an error is
     logged, and it is not in the list)."""
-    from app.rundir import SWEEP_STATE, write_recorded  # here: importing quark takes a second
+    from quark_lightning.app.rundir import SWEEP_STATE, write_recorded  # here: importing quark takes a second
 
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")

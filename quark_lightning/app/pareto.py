@@ -4,8 +4,8 @@ front flagged) and ``pareto.png`` (metric against model size: the trials, the fr
 A Hydra callback (``hydra.callbacks.sweep_summary`` of conf/hparams_search/optuna_bits.yaml): after each job it
 writes ``trial.json`` (overrides, status, error, returned values) into the job's folder, so a trial that raised is
 recorded too; at the end of the multirun it reads those and the jobs' ``results.json``. By hand:
-``python -m app.pareto multirun/2026-11-22/10-00-00``. pareto.csv/png are recorded in the sweep's ``sweep_state.json``
-(``app.sweepdir``): a file of the user's under their names stops the search before its first trial.
+``python -m quark_lightning.app.pareto multirun/2026-11-22/10-00-00``. pareto.csv/png are recorded in the sweep's ``sweep_state.json``
+(``quark_lightning.app.sweepdir``): a file of the user's under their names stops the search before its first trial.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from app.summary import job_files, natural_key
-from app.sweepdir import SweepFiles
+from quark_lightning.app.summary import job_files, natural_key
+from quark_lightning.app.sweepdir import SweepFiles
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ParetoFront(SweepFiles):
         else:
             record["error"] = f"{type(value).__name__}: {value}"
             log.error("trial %s failed: %s", record["job"], record["error"], exc_info=value if isinstance(value, BaseException) else None)
-        from app.rundir import write_recorded  # here: importing quark takes a second
+        from quark_lightning.app.rundir import write_recorded  # here: importing quark takes a second
 
         write_recorded(out, TRIAL_FILE, json.dumps(record, indent=2, default=str))  # complete or absent, recorded
         super().on_job_end(config, job_return, **kwargs)
@@ -94,7 +94,7 @@ def pareto_mask(points: Sequence[Sequence[float] | None], directions: Sequence[s
 # ----------------------------------------------------------------------------------------------- the table
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job folder of the sweep (one holding trial.json or results.json; of the sweep that last claimed
-    ``sweep_dir``: ``app.summary.job_files``), in job order, the front flagged."""
+    ``sweep_dir``: ``quark_lightning.app.summary.job_files``), in job order, the front flagged."""
     folders = {p.parent for name in (TRIAL_FILE, "results.json") for p in job_files(sweep_dir, name)}
     rows = [_row(folder, sweep_dir) for folder in sorted(folders, key=lambda p: natural_key(p.relative_to(sweep_dir)))]
     modes = {r["metric_mode"] for r in rows if r["metric_mode"]}
@@ -180,7 +180,7 @@ def write_pareto(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     ``sweep_state.json``; returns the paths written (a file of the user's is not written over: an error is logged)."""
     keys = sorted({k for r in rows for k in r["params"]})
     params = [k for k in keys if "layer_bits" in k or len({r["params"].get(k) for r in rows}) > 1]
-    from app.rundir import SWEEP_STATE, write_recorded  # here: importing quark takes a second
+    from quark_lightning.app.rundir import SWEEP_STATE, write_recorded  # here: importing quark takes a second
 
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=[*COLUMNS, *params], extrasaction="ignore")

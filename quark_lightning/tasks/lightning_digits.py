@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
-from tasks.digits import DigitsCNN, load_digits_tensors
+from quark_lightning.tasks.digits import DigitsCNN, load_digits_tensors
 
 
 class DigitsDataModule(L.LightningDataModule):

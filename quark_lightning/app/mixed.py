@@ -31,15 +31,6 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from app.conf import (
-    MIXED_KEYS,
-    QCONFIG_KEYS,
-    QuantFlow,
-    build_quant,
-    candidate_specs,
-    flatten_layer_names,
-    spec_bits,
-)
 from callbacks.mixed_precision import plain_data, write_sensitivity_csv
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm.sensitivity import (
@@ -55,6 +46,15 @@ from quark.torch.export.files import write_atomically, write_text_atomically
 from quark.torch.quantization.api import run_batch
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.hf import linear_weight
+from quark_lightning.app.conf import (
+    MIXED_KEYS,
+    QCONFIG_KEYS,
+    QuantFlow,
+    build_quant,
+    candidate_specs,
+    flatten_layer_names,
+    spec_bits,
+)
 
 __all__ = [
     "candidate_configs", "check_before_training", "choose", "preset_dict", "write_preset", "plot_bits", "run_mixed",
