@@ -118,6 +118,7 @@ def test_float_run_restores_flags_and_modes() -> None:
     x = torch.randn(5, 4)
     out = float_run(model, ((x,), {}))
     with torch.no_grad():
-        reference = model[2](model[1](torch.nn.functional.linear(x, model[0].weight, model[0].bias)))
+        hidden = torch.relu(torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+        reference = torch.nn.functional.linear(hidden, model[2].weight, model[2].bias)
     torch.testing.assert_close(out, reference)  # float: no quantizer applied
     assert _flags(model) == before and model.training and not model[1].training
