@@ -54,6 +54,7 @@ from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
 from quark.torch.quantization.resolve import config_from_stored
+from quark.torch.quantization.state import paused_quantizers, preserve_modes
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
     LSQFakeQuantize,
@@ -110,21 +111,9 @@ def _layers_of(module: nn.Module, quantizers: list[FakeQuantizeBase]) -> list[st
     )
 
 
-def _pause_quantizers(module: nn.Module) -> list[tuple[FakeQuantizeBase, bool, bool]]:
-    """Observers off; quantizers without qparams yet off (they run in float). Returns the flags to restore."""
-    paused = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in iter_quantizers(module)]
-    for q, _, _ in paused:
-        if not q.is_dynamic:
-            q.disable_observer()
-        if not _ready(q):
-            q.disable_fake_quant()
-    return paused
-
-
-def _restore_quantizers(paused: list[tuple[FakeQuantizeBase, bool, bool]]) -> None:
-    for q, observe, fake_quant in paused:
-        q.enable_observer(observe)
-        q.enable_fake_quant(fake_quant)
+def _pause_quantizers(module: nn.Module) -> contextlib.AbstractContextManager[list[FakeQuantizeBase]]:
+    """Observers off; quantizers without qparams yet off (they run in float); all flags restored after."""
+    return paused_quantizers(module, fake_quant=lambda q: not _ready(q))
 
 
 def _keep_out_of_ddp_broadcast(module: nn.Module) -> None:
@@ -394,7 +383,7 @@ class QuantCallback(Callback):
         self.quantized_checkpoint: str | None = None
         self.calibrated = False
         self.fp32_metric: float | None = None
-        self._paused: list[tuple[FakeQuantizeBase, bool, bool]] = []
+        self._paused = contextlib.ExitStack()  # the quantizer pause of a running evaluation (_pause / _resume)
         self._observing = mode == "qat"
         self._learnable_synced = False
         self._pending: list[FakeQuantizeBase] = []  # QAT: quantizers still observing after the warm-up (unreached)
@@ -489,10 +478,8 @@ class QuantCallback(Callback):
             return lambda module, args, kwargs: calls.setdefault(name, []).append((args, kwargs))
 
         hooks = [child.register_forward_pre_hook(record(name), with_kwargs=True) for name, child in pl_module.named_children()]
-        modes = [(m, m.training) for m in pl_module.modules()]
-        pl_module.eval()
         try:
-            with torch.no_grad():
+            with preserve_modes(pl_module, mode=False), torch.no_grad():
                 if example is not None:
                     if isinstance(example, dict):
                         pl_module(**example)
@@ -505,8 +492,6 @@ class QuantCallback(Callback):
         finally:
             for h in hooks:
                 h.remove()
-            for m, training in modes:
-                m.training = training
         return calls
 
     def _example_batch(self, trainer: Trainer, pl_module: LightningModule) -> Any:
@@ -749,11 +734,11 @@ class QuantCallback(Callback):
 
     def _pause(self, pl_module: LightningModule) -> None:
         """Observers off (evaluation never changes a statistic); quantizers without qparams yet run in float."""
-        self._paused = _pause_quantizers(pl_module)
+        self._resume()  # a pause still open (an evaluation that raised) is closed first: flags as they were
+        self._paused.enter_context(_pause_quantizers(pl_module))
 
     def _resume(self) -> None:
-        _restore_quantizers(self._paused)
-        self._paused = []
+        self._paused.close()
 
     # ------------------------------------------------------------------------------------------- PTQ
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -784,11 +769,8 @@ class QuantCallback(Callback):
             example = batch[0] if isinstance(batch, tuple | list) else batch
             if not isinstance(example, torch.Tensor):
                 raise ValueError("ONNX export needs tensor batches (or (input, target) tuples) for its example input")
-        paused = _pause_quantizers(pl_module)  # exporting never changes a statistic
-        try:
+        with _pause_quantizers(pl_module):  # exporting never changes a statistic
             self.exported = export_model(pl_module, folder, self.export_formats, example)
-        finally:
-            _restore_quantizers(paused)
         written = ", ".join(f"{fmt}: {info['path']}" for fmt, info in self.exported.items())
         rank_zero_info(f"QuantCallback: exported {written}")
 
@@ -926,25 +908,17 @@ class QuantCallback(Callback):
         """Per-layer SQNR of weights (and of activations on one batch) and the model size, to every logger."""
         if not self.log_sqnr or not trainer.loggers:
             return
-        paused = _pause_quantizers(pl_module)  # no statistic changes; quantizers without qparams yet are skipped
-        try:
+        with _pause_quantizers(pl_module):  # no statistic changes; quantizers without qparams yet are skipped
             metrics = {f"quant/sqnr_weight/{k}": v for k, v in weight_sqnr(pl_module).items()}
             if batch is not None:
-                modes = [(m, m.training) for m in pl_module.modules()]  # per module: a frozen BatchNorm stays in eval
-                pl_module.eval()
-                try:
+                with preserve_modes(pl_module, mode=False):  # per module: a frozen BatchNorm stays in eval
                     batch = trainer.strategy.batch_to_device(_as_trained(trainer, batch))
                     run = (lambda m: self.calib_forward(m, batch)) if self.calib_forward else self._report_feed(pl_module, batch)
                     if run is not None:
                         with no_kv_cache(pl_module):  # a measurement, not generation: as calibration's forwards
                             metrics.update({f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()})
-                finally:
-                    for m, training in modes:
-                        m.training = training
             # while paused: a quantizer no forward has reached yet (no qparams) is off, so its layer counts as float
             quantized_bits, float_bits = model_size_bits(pl_module)
-        finally:
-            _restore_quantizers(paused)
         metrics.update({"quant/model_size_bits": float(quantized_bits), "quant/fp32_size_bits": float(float_bits)})
         self._log(trainer, metrics)
 

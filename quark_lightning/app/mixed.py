@@ -46,6 +46,7 @@ from quark.torch.export.files import write_atomically, write_text_atomically
 from quark.torch.quantization.api import run_batch
 from quark.torch.quantization.config.config import Config, QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.hf import linear_weight
+from quark.torch.quantization.state import preserve_modes
 from quark_lightning.app.conf import (
     MIXED_KEYS,
     QCONFIG_KEYS,
@@ -180,18 +181,18 @@ def choose(model: nn.Module, datamodule: Any, flow: QuantFlow, config: Config, d
         batches = [convert(b) for b in batches]
     home = next(model.parameters()).device
     device = device or home
-    was_training = model.training
-    model.eval().to(device)
+    model.to(device)
     try:
-        if flow.sensitivity == "hessian":
-            sensitivities = hessian_sensitivity(model, candidates, batches, _task_loss, base_config=config)
-        else:
-            sensitivities = measure_sensitivity(
-                model, candidates, batches, method=flow.sensitivity, base_config=config,
-                run=lambda m, b: run_batch(m, b, device=device),
-            )  # fmt: skip
+        with preserve_modes(model, mode=False):  # per module: a frozen BatchNorm stays in eval
+            if flow.sensitivity == "hessian":
+                sensitivities = hessian_sensitivity(model, candidates, batches, _task_loss, base_config=config)
+            else:
+                sensitivities = measure_sensitivity(
+                    model, candidates, batches, method=flow.sensitivity, base_config=config,
+                    run=lambda m, b: run_batch(m, b, device=device),
+                )  # fmt: skip
     finally:
-        model.train(was_training).to(home)
+        model.to(home)
     choice = allocate(sensitivities, float(flow.target_bits))
     return choice, sensitivities
 

@@ -42,6 +42,7 @@ from quark.torch.extras import MissingExtraError, require_extra
 from quark.torch.quantization.api import run_batch, unmatched_names
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
 from quark.torch.quantization.report import activation_sqnr, model_size_bits, weight_sqnr
+from quark.torch.quantization.state import preserve_modes
 from quark_lightning.app.checks import check_activations, check_plain_keys, warnings_logged_once
 from quark_lightning.app.conf import ConfigError, QuantConfigError, QuantFlow, build_quant, nominal_bits, spec_bits
 from quark_lightning.app.layer_bits import apply_layer_bits
@@ -610,12 +611,8 @@ def _report(model: LightningModule, datamodule: Any, trainer: Trainer) -> dict[s
     """Per-layer SQNR (dB) of weights and of activations on the first test batch (cast as the ``trainer``'s
     precision casts batches: trainer.precision=64-true / bf16-true), and the model size."""
     batch = trainer.precision_plugin.convert_input(next(iter(datamodule.test_dataloader())))
-    was_training = model.training
-    model.eval()
-    try:
+    with preserve_modes(model, mode=False):  # per module: a frozen BatchNorm stays in eval
         act = activation_sqnr(model, lambda m: run_batch(m, batch, device=model.device))
-    finally:
-        model.train(was_training)
     quantized_bits, float_bits = model_size_bits(model)
     return {
         "sqnr_db": {"weight": weight_sqnr(model), "activation": act},

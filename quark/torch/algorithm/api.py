@@ -41,7 +41,8 @@ from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.equivalence import restored_on_error
 from quark.torch.quantization.hf import is_hf_conv1d, is_linear, linear_weight, no_kv_cache, transpose_weight_spec
-from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
+from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.state import paused_quantizers
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
 logger = logging.getLogger(__name__)
@@ -129,24 +130,14 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
         check_gptq_spec(spec, f"layer '{name}'")
         if m.weight.ndim > 2 and spec.qscheme == QSchemeType.per_group and spec.ch_axis != 1:
             raise ValueError(f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}")
-    flags = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in iter_quantizers(model)]
-    for q, _, _ in flags:  # float activations, no statistics: the weights themselves become GPTQ's values
-        if not q.is_dynamic:
-            q.enable_observer(False)
-        q.disable_fake_quant()
     losses: dict[str, float] = {}
-    try:
-        found = find_decoder_layers(model, algo.model_decoder_layers)
-        with no_kv_cache(model):
-            if found is None:
-                _gptq_layerwise(model, targets, algo, batches, run, losses)
-            else:
-                _gptq_decoder(model, found, targets, algo, batches, run, losses)
-    finally:
-        for q, observe, fake_quant in flags:
-            if not isinstance(q, ScaledFakeQuantize) or observe:
-                q.enable_observer(observe)
-            q.enable_fake_quant(fake_quant)
+    found = find_decoder_layers(model, algo.model_decoder_layers)
+    # float activations, no statistics: the weights themselves become GPTQ's values (their flags restored after)
+    with paused_quantizers(model, fake_quant=True), no_kv_cache(model):
+        if found is None:
+            _gptq_layerwise(model, targets, algo, batches, run, losses)
+        else:
+            _gptq_decoder(model, found, targets, algo, batches, run, losses)
     return losses
 
 

@@ -14,6 +14,7 @@ or tensor (``weight_bits``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -38,6 +39,8 @@ from quark.torch.quantization.formats.table import IntFormat
 from quark.torch.quantization.hf import linear_weight, no_kv_cache
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.resolve import parent_of
+from quark.torch.quantization.state import paused_quantizers, preserve_modes
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
     "LayerSensitivity", "weight_bits", "measure_sensitivity", "hessian_trace", "hessian_sensitivity", "allocate",
@@ -162,22 +165,17 @@ def measure_sensitivity(
     base = base_config or Config(global_quant_config=QuantizationConfig())
     configs = {name: _with_global(base, qc) for name, qc in candidates.items()}
     names = _weight_layers(model, next(iter(configs.values())), layers)
-    was_training = model.training
-    model.eval()
-    try:
-        with no_kv_cache(model):
-            reference = metric(model) if metric is not None else [model_output(run(model, b)).detach() for b in batches]
-            table = {n: LayerSensitivity(n, _weight_numel(model.get_submodule(n))) for n in names}
-            for cname, config in configs.items():
-                with _quantized_in_place(model, config, batches) as quantized:
-                    for n in names:
-                        module = quantized.get_submodule(n)
-                        table[n].bits[cname] = weight_bits(config_weight(module), linear_weight(module).shape)
-                        with _only(quantized, n):
-                            table[n].loss[cname] = _loss(quantized, batches, reference, metric, higher_is_better, method, run)
-                logger.info("sensitivity: candidate %s measured on %d layer(s)", cname, len(names))
-    finally:
-        model.train(was_training)
+    with preserve_modes(model, mode=False), no_kv_cache(model):
+        reference = metric(model) if metric is not None else [model_output(run(model, b)).detach() for b in batches]
+        table = {n: LayerSensitivity(n, _weight_numel(model.get_submodule(n))) for n in names}
+        for cname, config in configs.items():
+            with _quantized_in_place(model, config, batches) as quantized:
+                for n in names:
+                    module = quantized.get_submodule(n)
+                    table[n].bits[cname] = weight_bits(config_weight(module), linear_weight(module).shape)
+                    with _only(quantized, n):
+                        table[n].loss[cname] = _loss(quantized, batches, reference, metric, higher_is_better, method, run)
+            logger.info("sensitivity: candidate %s measured on %d layer(s)", cname, len(names))
     return list(table.values())
 
 
@@ -223,21 +221,10 @@ def _weight_numel(module: nn.Module) -> int:
     return int(weight.numel()) if isinstance(weight, torch.Tensor) else 0
 
 
-class _only:
+def _only(model: nn.Module, name: str) -> contextlib.AbstractContextManager[list[FakeQuantizeBase]]:
     """Fake quantization on for one layer's quantizers only, inside the block (flags restored after)."""
-
-    def __init__(self, model: nn.Module, name: str) -> None:
-        self.keep = {id(q) for _, q in iter_quantizers(model.get_submodule(name))}
-        self.quantizers = [q for _, q in iter_quantizers(model)]
-
-    def __enter__(self) -> None:
-        self.flags = [bool(q.fake_quant_enabled) for q in self.quantizers]
-        for q in self.quantizers:
-            q.enable_fake_quant(id(q) in self.keep and bool(q.fake_quant_enabled))
-
-    def __exit__(self, *exc: object) -> None:
-        for q, flag in zip(self.quantizers, self.flags, strict=True):
-            q.enable_fake_quant(flag)
+    keep = {id(q) for _, q in iter_quantizers(model.get_submodule(name))}
+    return paused_quantizers(model, observers=False, fake_quant=lambda q: id(q) not in keep)
 
 
 def _loss(model: nn.Module, batches: Sequence[Any], reference: Any, metric: Callable[[nn.Module], float] | None,
@@ -267,13 +254,11 @@ def hessian_trace(
     flags = [w.requires_grad for w in leaves]
     generator = torch.Generator().manual_seed(seed)
     traces = [0.0] * len(layers)
-    was_training = model.training
-    model.eval()
     try:
         for w in leaves:
             w.requires_grad_(True)
         # the math attention kernel: the fused CPU/CUDA ones have no double backward (Hessian-vector products)
-        with torch.enable_grad(), no_kv_cache(model), sdpa_kernel(SDPBackend.MATH):
+        with preserve_modes(model, mode=False), torch.enable_grad(), no_kv_cache(model), sdpa_kernel(SDPBackend.MATH):
             for batch in batches:
                 loss = loss_fn(model, batch)
                 grads = torch.autograd.grad(loss, leaves, create_graph=True)
@@ -285,7 +270,6 @@ def hessian_trace(
     finally:
         for w, flag in zip(leaves, flags, strict=True):
             w.requires_grad_(flag)
-        model.train(was_training)
     return {n: t / len(batches) / w.numel() for n, t, w in zip(layers, traces, weights, strict=True)}
 
 

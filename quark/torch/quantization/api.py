@@ -65,6 +65,7 @@ from quark.torch.quantization.resolve import (
     type_names,
     unmatched_names,
 )
+from quark.torch.quantization.state import preserve_modes
 from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuantizeBase
 
 logger = logging.getLogger(__name__)
@@ -266,8 +267,17 @@ class ModelQuantizer:
         self, model: nn.Module, quantizers: list[FakeQuantizeBase], data_needed: bool, batches: list[Any] | None,
         dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None,
     ) -> None:  # fmt: skip
-        modes = [(m, m.training) for m in model.modules()]  # per module: a frozen BatchNorm stays in eval
-        model.eval()
+        with preserve_modes(model, mode=False):  # per module: a frozen BatchNorm stays in eval
+            self._observe(model, quantizers, data_needed, batches, dataloader, max_batches, forward_loop)
+            if batches is not None:  # GPTQ: on the calibrated model, it sets the weights and their qparams
+                _ALGORITHMS[0].after_calibration(model, self.config, batches, model_device(model))
+
+    def _observe(
+        self, model: nn.Module, quantizers: list[FakeQuantizeBase], data_needed: bool, batches: list[Any] | None,
+        dataloader: Iterable[Any] | None, max_batches: int | None, forward_loop: Callable[[nn.Module], Any] | None,
+    ) -> None:  # fmt: skip
+        """The calibration forwards (observers on, fake quant off), then every quantizer quantizing (and static
+        ones no longer observing), also on error."""
         try:
             if batches is not None:  # SmoothQuant / AWQ rescale the float weights: before any statistic is taken
                 for q in quantizers:
@@ -289,15 +299,6 @@ class ModelQuantizer:
             for q in quantizers:
                 q.enable_observer(q.is_dynamic)  # dynamic quantizers keep observing every call
                 q.enable_fake_quant()
-            for m, training in modes:
-                m.training = training
-        if batches is not None:  # GPTQ: on the calibrated model, it sets the weights and their qparams
-            model.eval()
-            try:
-                _ALGORITHMS[0].after_calibration(model, self.config, batches, model_device(model))
-            finally:
-                for m, training in modes:
-                    m.training = training
 
     def _algorithm_batches(
         self, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 
 from quark.torch.quantization.formats import bits_per_element
 from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
+from quark.torch.quantization.state import paused_quantizers
 from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuantizeBase
 
 __all__ = ["sqnr_db", "weight_sqnr", "activation_sqnr", "model_size_bits", "observers_paused"]
@@ -27,19 +28,10 @@ def sqnr_db(signal: torch.Tensor, quantized: torch.Tensor) -> float:
     return 10.0 * math.log10(power / noise) if power > 0 else -math.inf
 
 
-@contextmanager
-def observers_paused(model: nn.Module) -> Iterator[None]:
-    """Observers off inside the block (statistics untouched), each quantizer's flag restored after."""
-    quantizers = [m for m in model.modules() if isinstance(m, FakeQuantizeBase)]
-    flags = [bool(q.observer_enabled) for q in quantizers]
-    for q in quantizers:
-        if not q.is_dynamic:
-            q.disable_observer()
-    try:
-        yield
-    finally:
-        for q, flag in zip(quantizers, flags, strict=True):
-            q.enable_observer(flag)
+def observers_paused(model: nn.Module) -> contextlib.AbstractContextManager[list[FakeQuantizeBase]]:
+    """Observers off inside the block (statistics untouched), each quantizer's flags restored after: kept for code
+    written against it, ``paused_quantizers(model)`` (quark.torch.quantization.state) is the one implementation."""
+    return paused_quantizers(model)
 
 
 @torch.no_grad()
@@ -49,7 +41,7 @@ def weight_sqnr(model: nn.Module) -> dict[str, float]:
     (``freeze(bake_weights=True)``: their float values are gone) and layers calibration found no forward reaching
     (they never run quantized; ``model_size_bits`` counts them as float too)."""
     out = {}
-    with observers_paused(model):
+    with paused_quantizers(model):
         for name, m in model.named_modules():
             if not isinstance(m, QuantMixin) or getattr(m, "_quant_unreached", False):
                 continue
@@ -74,7 +66,7 @@ def activation_sqnr(model: nn.Module, run: Callable[[nn.Module], Any]) -> dict[s
         if isinstance(m, QuantMixin) and m._input_quantizer is not None and bool(m._input_quantizer.fake_quant_enabled):
             handles.append(m.register_forward_pre_hook(lambda mod, args, n=name: hook(n, mod, args)))
     try:
-        with observers_paused(model):
+        with paused_quantizers(model):
             run(model)
     finally:
         for h in handles:

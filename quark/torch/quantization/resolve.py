@@ -33,6 +33,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     iter_quantizers,
     twin_of_foreign_class,
 )
+from quark.torch.quantization.state import paused_quantizers, preserve_modes
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
@@ -268,7 +269,6 @@ def check_activation_shapes(model: nn.Module, feed: Callable[[nn.Module], Any]) 
     if not activation_axes_to_check(model):
         return False
     quantizers = list(iter_quantizers(model))
-    flags = [(q, bool(q.observer_enabled), bool(q.fake_quant_enabled)) for _, q in quantizers]
 
     def check(role: str) -> Callable[..., None]:
         def hook(q: FakeQuantizeBase, args: tuple[Any, ...]) -> None:
@@ -279,22 +279,12 @@ def check_activation_shapes(model: nn.Module, feed: Callable[[nn.Module], Any]) 
         return hook
 
     hooks = [q.register_forward_pre_hook(check(role)) for role, q in quantizers if role in ("input_tensors", "output_tensors")]
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        for q, _, _ in flags:
-            FakeQuantizeBase.enable_observer(q, False)  # the base switch: no qparams are computed from old statistics
-            q.disable_fake_quant()
-        model.eval()
-        with torch.no_grad(), no_kv_cache(model):
+    try:  # a float run: no qparams are computed from old statistics
+        with paused_quantizers(model, fake_quant=True), preserve_modes(model, mode=False), torch.no_grad(), no_kv_cache(model):
             feed(model)
     finally:
         for h in hooks:
             h.remove()
-        for q, observe, fake_quant in flags:
-            FakeQuantizeBase.enable_observer(q, observe)
-            q.enable_fake_quant(fake_quant)
-        for m, training in modes:
-            m.training = training
     return True
 
 

@@ -22,6 +22,7 @@ from torch import fx, nn
 from quark.torch.quantization.equivalence import EquivalenceError, check_equivalent, relative_error, tolerance
 from quark.torch.quantization.graph.capture import example_inputs, module_path
 from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
+from quark.torch.quantization.state import paused_quantizers, preserve_modes
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = ["checked", "example_for", "float_run", "quantized_error", "Example"]
@@ -55,22 +56,8 @@ def example_for(gm: nn.Module) -> Example | None:
 def _float_function(gm: nn.Module) -> Iterator[None]:
     """Inside the block ``gm`` computes its float function: eval mode, no grad, every quantizer neither observing nor
     fake-quantizing (their flags set directly, so no qparams are fixed on the way); all of it restored after."""
-    quantizers = [m for m in gm.modules() if isinstance(m, FakeQuantizeBase)]
-    flags = [(q.observer_enabled.clone(), q.fake_quant_enabled.clone()) for q in quantizers]
-    modes = [(m, m.training) for m in gm.modules()]
-    for q in quantizers:
-        q.observer_enabled.fill_(0)
-        q.fake_quant_enabled.fill_(0)
-    gm.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for q, (observe, fake_quant) in zip(quantizers, flags, strict=True):
-            q.observer_enabled.copy_(observe)
-            q.fake_quant_enabled.copy_(fake_quant)
-        for m, training in modes:
-            m.training = training
+    with paused_quantizers(gm, fake_quant=True), preserve_modes(gm, mode=False), torch.no_grad():
+        yield
 
 
 def float_run(gm: nn.Module, example: Example, hooks: dict[nn.Module, Callable[..., Any]] | None = None) -> Any:

@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 
 from quark.torch.quantization.hf import no_kv_cache
+from quark.torch.quantization.state import preserve_modes
 
 __all__ = ["LOSS_KEYWORDS", "GraphLoss", "attach_loss", "carry_hf_attributes", "drop_unset_loss_keywords"]
 
@@ -88,18 +89,13 @@ def _same_loss(model: nn.Module, kwargs: dict[str, Any], loss_function: Any, voc
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor):
         return False
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), no_kv_cache(model):
-            out = model(**{**kwargs, "labels": ids})
-            expected = getattr(out, "loss", None)
-            if not isinstance(expected, torch.Tensor):
-                return False
-            loss = loss_function(logits=out.logits, labels=ids, vocab_size=vocab_size)
-            return bool(torch.allclose(loss, expected, rtol=1e-6, atol=0))
-    finally:
-        model.train(training)
+    with preserve_modes(model, mode=False), torch.no_grad(), no_kv_cache(model):
+        out = model(**{**kwargs, "labels": ids})
+        expected = getattr(out, "loss", None)
+        if not isinstance(expected, torch.Tensor):
+            return False
+        loss = loss_function(logits=out.logits, labels=ids, vocab_size=vocab_size)
+        return bool(torch.allclose(loss, expected, rtol=1e-6, atol=0))
 
 
 def attach_loss(gm: fx.GraphModule, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,72 @@
+"""Model state saved and restored around a measurement: the training flag of every submodule (``preserve_modes``)
+and the observer / fake-quant switches of every quantizer (``paused_quantizers``). One place for both, so every
+code path that evaluates, checks or exports in the middle of training puts back exactly what it found (a BatchNorm
+frozen by ``freeze_bn_stats`` stays in eval; a quantizer switched off by the user stays off), also on error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+
+__all__ = ["preserve_modes", "paused_quantizers"]
+
+
+@contextmanager
+def preserve_modes(module: nn.Module, mode: bool | None = None) -> Iterator[nn.Module]:
+    """Each submodule's own ``training`` flag restored after the block, also on error; ``mode``: switch the module to
+    ``train(mode)`` inside it (None: leave the modes as they are). Per submodule, not ``module.train(was_training)``,
+    which would put a frozen BatchNorm (graph-mode QAT's ``freeze_bn_stats``) back in training."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        if mode is not None:
+            module.train(mode)
+        yield module
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextmanager
+def paused_quantizers(
+    module: nn.Module, *, observers: bool = True, fake_quant: bool | Callable[[FakeQuantizeBase], bool] = False
+) -> Iterator[list[FakeQuantizeBase]]:
+    """Quantizer switches changed inside the block, both flags of every quantizer under ``module`` written back as
+    they were after it (also on error; nothing is computed on the way back). Yields the quantizers.
+
+    - ``observers``: the observers of static quantizers are off (statistics untouched), each through its own
+      ``enable_observer(False)``, so a quantizer with statistics fixes its qparams from them (the quantized forwards
+      in the block use those); dynamic quantizers compute their qparams on every call and keep their switch.
+    - ``fake_quant``: a predicate, asked after the observers are switched: the quantizers it picks run in float (e.g.
+      the ones without qparams yet). ``True``: a float run, every quantizer's both flags cleared directly (dynamic
+      ones too, ``observers`` aside), so no qparams are computed from old statistics.
+    """
+    quantizers = [m for m in module.modules() if isinstance(m, FakeQuantizeBase)]
+    saved = [(q.observer_enabled.clone(), q.fake_quant_enabled.clone()) for q in quantizers]
+    try:
+        _switch(quantizers, observers, fake_quant)
+        yield quantizers
+    finally:
+        for q, (observe, quantize) in zip(quantizers, saved, strict=True):
+            q.observer_enabled.copy_(observe)
+            q.fake_quant_enabled.copy_(quantize)
+
+
+def _switch(quantizers: list[FakeQuantizeBase], observers: bool, fake_quant: bool | Callable[[FakeQuantizeBase], bool]) -> None:
+    """Apply ``paused_quantizers``' switches (see there)."""
+    if fake_quant is True:
+        for q in quantizers:
+            q.observer_enabled.fill_(0)
+            q.fake_quant_enabled.fill_(0)
+        return
+    if observers:
+        for q in quantizers:
+            if not q.is_dynamic:
+                q.enable_observer(False)
+    if callable(fake_quant):
+        for q in quantizers:
+            if fake_quant(q):
+                q.fake_quant_enabled.fill_(0)
