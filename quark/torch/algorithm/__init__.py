@@ -9,10 +9,10 @@ from __future__ import annotations
 from quark.torch.algorithm.api import (
     apply_gptq,
     apply_pre_quant_and_awq,
-    awq,
     check_embedding_layers,
-    gptq,
-    smoothquant,
+    run_awq,
+    run_gptq,
+    run_smoothquant,
 )
 from quark.torch.algorithm.gptq import HessianAccumulator, gptq_quantize
 from quark.torch.algorithm.structure import (
@@ -33,6 +33,6 @@ __all__ = [
 ]  # fmt: skip
 
 
-for _type, _stage, _handler in ((SmoothQuantConfig, "before_calibration", smoothquant),
-                                (AWQConfig, "before_calibration", awq), (GPTQConfig, "after_calibration", gptq)):  # fmt: skip
+for _type, _stage, _handler in ((SmoothQuantConfig, "before_calibration", run_smoothquant),
+                                (AWQConfig, "before_calibration", run_awq), (GPTQConfig, "after_calibration", run_gptq)):  # fmt: skip
     register_algorithm(_type, stage=_stage, handler=_handler, check=check_embedding_layers)

@@ -78,7 +78,7 @@ def weight_specs(model: nn.Module) -> dict[str, QuantizationSpec]:
     }  # fmt: skip
 
 
-def smoothquant(model: nn.Module, algo: SmoothQuantConfig, context: AlgorithmContext | None) -> None:
+def run_smoothquant(model: nn.Module, algo: SmoothQuantConfig, context: AlgorithmContext | None) -> None:
     """SmoothQuant's handler: smooth each decoder layer of the float ``model``."""
     assert context is not None
     with no_kv_cache(model):
@@ -86,7 +86,7 @@ def smoothquant(model: nn.Module, algo: SmoothQuantConfig, context: AlgorithmCon
                            lambda prefix, layer, inputs: smooth_layer(layer, inputs, algo, prefix))  # fmt: skip
 
 
-def awq(model: nn.Module, algo: AWQConfig, context: AlgorithmContext | None) -> None:
+def run_awq(model: nn.Module, algo: AWQConfig, context: AlgorithmContext | None) -> None:
     """AWQ's handler: search and apply the scales of each decoder layer of the float ``model``."""
     assert context is not None
     spec_of = context.weight_spec_of or weight_specs(model).get
@@ -95,7 +95,7 @@ def awq(model: nn.Module, algo: AWQConfig, context: AlgorithmContext | None) -> 
                            lambda prefix, layer, inputs: awq_layer(layer, inputs, algo, prefix, spec_of))  # fmt: skip
 
 
-def gptq(model: nn.Module, algo: GPTQConfig, context: AlgorithmContext | None) -> None:
+def run_gptq(model: nn.Module, algo: GPTQConfig, context: AlgorithmContext | None) -> None:
     """GPTQ's handler: on the prepared, calibrated ``model``."""
     assert context is not None
     apply_gptq(model, algo, context.batches, context.run)

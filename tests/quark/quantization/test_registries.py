@@ -69,9 +69,9 @@ def test_an_unregistered_class_is_not_an_observer() -> None:
 @pytest.mark.parametrize(
     ("config", "stage", "handler"),
     [
-        (SmoothQuantConfig(), "before_calibration", "smoothquant"),
-        (AWQConfig(), "before_calibration", "awq"),
-        (GPTQConfig(), "after_calibration", "gptq"),
+        (SmoothQuantConfig(), "before_calibration", "run_smoothquant"),
+        (AWQConfig(), "before_calibration", "run_awq"),
+        (GPTQConfig(), "after_calibration", "run_gptq"),
         (CLEConfig(), "graph", "_equalize"),
     ],
 )
