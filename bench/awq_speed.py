@@ -153,15 +153,18 @@ def quantize(side: str, job: dict[str, Any]) -> tuple[Any, float, float]:
         return wrapper
 
     if side in ("ours", "rtn"):
-        import quark.torch.algorithm as algorithm
-        from quark.torch.quantization.config.config import Config
+        import quark.torch.algorithm  # noqa: F401 - registers the handlers
+        from quark.torch.quantization.config.config import AWQConfig, Config
 
         weight = {"dtype": "uint4", "qscheme": "per_group", "ch_axis": 1, "group_size": GROUP, "symmetric": False,
                   "observer_cls": "PerGroupMinMaxObserver", "scale_type": "float", "round_method": "half_even",
                   "is_dynamic": False}  # fmt: skip
         algo = {"algo_config": {"name": "awq", "scaling_layers": LLAMA_SCALING_LAYERS, "model_decoder_layers": "model.layers"}}
         config = Config.from_dict({"global_quant_config": {"weight": weight}, "exclude": ["lm_head"], **(algo if side == "ours" else {})})
-        real, algorithm.apply_pre_quant_and_awq = algorithm.apply_pre_quant_and_awq, timing(algorithm.apply_pre_quant_and_awq)
+        from quark.torch.quantization.algo_registry import algorithm_entry, register_algorithm
+
+        real = algorithm_entry(AWQConfig(), need_handler=True).handler  # the engine runs AWQ through the registry
+        register_algorithm(AWQConfig, stage="before_calibration", handler=timing(real))
     else:
         from quark.torch.quantization.config.algo_configs import AWQ_MAP
 
@@ -183,7 +186,7 @@ def quantize(side: str, job: dict[str, Any]) -> tuple[Any, float, float]:
         if side == "amd":
             api.apply_advanced_quant_algo = real
         else:
-            algorithm.apply_pre_quant_and_awq = real
+            register_algorithm(AWQConfig, stage="before_calibration", handler=real)
     total = time.perf_counter() - start
     return model, sum(timed), total
 

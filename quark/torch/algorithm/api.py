@@ -37,6 +37,7 @@ from quark.torch.algorithm.gptq import (
 )
 from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.algorithm.structure import MODEL_FAMILIES, find_decoder_layers
+from quark.torch.quantization.algo_registry import AlgorithmContext, check_algorithms, run_stage
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig, QuantizationSpec, SmoothQuantConfig
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.equivalence import restored_on_error
@@ -62,21 +63,43 @@ def check_embedding_layers(model: nn.Module, algo: Any) -> None:
 
 def apply_pre_quant_and_awq(model: nn.Module, config: Config, batches: list[Any], run: RunFn, weight_spec_of: Callable[[str], QuantizationSpec | None]) -> None:
     """SmoothQuant(s) of ``pre_quant_opt_config``, then ``algo_config``'s SmoothQuant(s) and AWQ(s) in its order
-    (amd-quark 0.13 places SmoothQuantConfig there), on the float ``model`` (weights change in place)."""
-    for algo in config.pre_quant_opt_configs + config.algo_configs:
-        check_embedding_layers(model, algo)
+    (amd-quark 0.13 places SmoothQuantConfig there), on the float ``model`` (weights change in place): the
+    ``before_calibration`` stage of the algorithm registry."""
+    algos = config.pre_quant_opt_configs + config.algo_configs
+    check_algorithms(model, algos)
+    run_stage("before_calibration", model, algos, AlgorithmContext(batches, run, weight_spec_of))
+
+
+def weight_specs(model: nn.Module) -> dict[str, QuantizationSpec]:
+    """The weight spec of each weight-quantized layer, as for the weight seen [out, in] (a Conv1D's quantizer holds
+    the transposed spec)."""
+    return {
+        n: transpose_weight_spec(m._weight_quantizer.spec) if is_hf_conv1d(m) else m._weight_quantizer.spec
+        for n, m in model.named_modules() if isinstance(m, QuantMixin) and m._weight_quantizer is not None
+    }  # fmt: skip
+
+
+def run_smoothquant(model: nn.Module, algo: SmoothQuantConfig, context: AlgorithmContext | None) -> None:
+    """SmoothQuant's handler: smooth each decoder layer of the float ``model``."""
+    assert context is not None
     with no_kv_cache(model):
-        _pre_quant_and_awq(model, config, batches, run, weight_spec_of)
+        _per_decoder_layer(model, algo.model_decoder_layers, context.batches, context.run, "SmoothQuant",
+                           lambda prefix, layer, inputs: smooth_layer(layer, inputs, algo, prefix))  # fmt: skip
 
 
-def _pre_quant_and_awq(model: nn.Module, config: Config, batches: list[Any], run: RunFn, weight_spec_of: Callable[[str], QuantizationSpec | None]) -> None:
-    for algo in config.pre_quant_opt_configs + config.algo_configs:
-        if isinstance(algo, SmoothQuantConfig):
-            _per_decoder_layer(model, algo.model_decoder_layers, batches, run, "SmoothQuant",
-                               lambda prefix, layer, inputs, a=algo: smooth_layer(layer, inputs, a, prefix))  # fmt: skip
-        elif isinstance(algo, AWQConfig):
-            _per_decoder_layer(model, algo.model_decoder_layers, batches, run, "AWQ",
-                               lambda prefix, layer, inputs, a=algo: awq_layer(layer, inputs, a, prefix, weight_spec_of))  # fmt: skip
+def run_awq(model: nn.Module, algo: AWQConfig, context: AlgorithmContext | None) -> None:
+    """AWQ's handler: search and apply the scales of each decoder layer of the float ``model``."""
+    assert context is not None
+    spec_of = context.weight_spec_of or weight_specs(model).get
+    with no_kv_cache(model):
+        _per_decoder_layer(model, algo.model_decoder_layers, context.batches, context.run, "AWQ",
+                           lambda prefix, layer, inputs: awq_layer(layer, inputs, algo, prefix, spec_of))  # fmt: skip
+
+
+def run_gptq(model: nn.Module, algo: GPTQConfig, context: AlgorithmContext | None) -> None:
+    """GPTQ's handler: on the prepared, calibrated ``model``."""
+    assert context is not None
+    apply_gptq(model, algo, context.batches, context.run)
 
 
 def _per_decoder_layer(model: nn.Module, path: str | None, batches: list[Any], run: RunFn, what: str,

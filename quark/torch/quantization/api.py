@@ -11,12 +11,19 @@ import itertools
 import logging
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from quark.torch.quantization import graph
+from quark.torch.quantization.algo_registry import (
+    AlgorithmContext,
+    algorithm_entry,
+    algorithm_stage,
+    check_algorithms,
+    run_stage,
+)
 from quark.torch.quantization.batches import (
     check_calibration_data,
     feed_calibration,
@@ -26,7 +33,7 @@ from quark.torch.quantization.batches import (
     run_batch,
     to_device,
 )
-from quark.torch.quantization.config.config import CLEConfig, Config, QuantizationConfig
+from quark.torch.quantization.config.config import Config, QuantizationConfig
 from quark.torch.quantization.config.type import QuantizationMode
 from quark.torch.quantization.coverage import (
     FloatLayer,
@@ -72,29 +79,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ModelQuantizer", "LayerPlan", "activation_axes_to_check", "check_activation_shapes", "unmatched_names",
-    "run_batch", "format_plans", "qparams_source", "uncalibrated_layers", "register_algorithms", "AlgorithmRunner",
+    "run_batch", "format_plans", "qparams_source", "uncalibrated_layers",
 ]  # fmt: skip
 
 ROLES = QuantizationConfig.ROLES
 SUPPORTED_TYPE_NAMES = sorted(c.__name__ for c in QUANT_MODULE_MAP)
-
-
-# ----------------------------------------------------------------------------------------------- algorithms
-class AlgorithmRunner(Protocol):
-    """What ``quark.torch.algorithm`` provides (it registers itself on import: the algorithms depend on this module,
-    never the reverse)."""
-
-    def before_calibration(self, model: nn.Module, config: Config, batches: list[Any], device: torch.device | None) -> None: ...
-
-    def after_calibration(self, model: nn.Module, config: Config, batches: list[Any], device: torch.device | None) -> None: ...
-
-
-_ALGORITHMS: list[AlgorithmRunner] = []
-
-
-def register_algorithms(runner: AlgorithmRunner) -> None:
-    """Install the runner of ``algo_config`` / ``pre_quant_opt_config`` (called by ``quark.torch.algorithm``)."""
-    _ALGORITHMS[:] = [runner]
 
 
 class ModelQuantizer:
@@ -270,7 +259,7 @@ class ModelQuantizer:
         with preserve_modes(model, mode=False):  # per module: a frozen BatchNorm stays in eval
             self._observe(model, quantizers, data_needed, batches, dataloader, max_batches, forward_loop)
             if batches is not None:  # GPTQ: on the calibrated model, it sets the weights and their qparams
-                _ALGORITHMS[0].after_calibration(model, self.config, batches, model_device(model))
+                run_stage("after_calibration", model, self._algorithms(), self._algorithm_context(model, batches))
 
     def _observe(
         self, model: nn.Module, quantizers: list[FakeQuantizeBase], data_needed: bool, batches: list[Any] | None,
@@ -283,7 +272,8 @@ class ModelQuantizer:
                 for q in quantizers:
                     q.enable_observer(False)
                     q.disable_fake_quant()
-                _ALGORITHMS[0].before_calibration(model, self.config, batches, model_device(model))
+                check_algorithms(model, self._algorithms())
+                run_stage("before_calibration", model, self._algorithms(), self._algorithm_context(model, batches))
                 dataloader, max_batches = batches, None
             for q in quantizers:
                 q.enable_observer()
@@ -300,16 +290,26 @@ class ModelQuantizer:
                 q.enable_observer(q.is_dynamic)  # dynamic quantizers keep observing every call
                 q.enable_fake_quant()
 
+    def _algorithms(self) -> list[Any]:
+        """The Config's algorithm configs in the order they run: ``pre_quant_opt_config``, then ``algo_config``."""
+        return self.config.pre_quant_opt_configs + self.config.algo_configs
+
+    @staticmethod
+    def _algorithm_context(model: nn.Module, batches: list[Any]) -> AlgorithmContext:
+        """The batches the algorithms pass over and how one runs on ``model``'s device."""
+        device = model_device(model)
+        return AlgorithmContext(batches, lambda m, b: run_batch(m, b, device))
+
     def _algorithm_batches(
         self, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
     ) -> list[Any] | None:
         """The calibration batches as a list when the Config has algorithms (they pass over them several times)."""
-        algos = self.config.algo_configs + [a for a in self.config.pre_quant_opt_configs if not isinstance(a, CLEConfig)]
+        algos = [a for a in self.config.algo_configs + self.config.pre_quant_opt_configs if algorithm_stage(a) != "graph"]
         if not algos:
             return None
         names = [a.name for a in algos]  # type: ignore[attr-defined]
-        if not _ALGORITHMS:
-            raise RuntimeError(f"{names} need quark.torch.algorithm: `import quark.torch` registers it")
+        for algo in algos:  # their handlers are registered (ValueError otherwise)
+            algorithm_entry(algo, need_handler=True)
         if dataloader is None:
             raise ValueError(f"{names} need calibration batches: pass a dataloader (a forward_loop cannot be replayed per layer)")
         batches = list(itertools.islice(dataloader, max_batches))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from quark.torch.quantization.algo_registry import algorithm_stage, register_algorithm, registered_algorithms
 from quark.torch.quantization.config import spec_helpers
 from quark.torch.quantization.config.spec import (
     ConfigBase,
@@ -238,9 +239,14 @@ class CLEConfig(PreQuantOptConfig):
             raise ValueError(f"{own}.high_bias_absorption={self.high_bias_absorption!r} must be true or false")
 
 
-_ALGOS: dict[str, type[AlgoConfig]] = {
-    "gptq": GPTQConfig, "awq": AWQConfig, "smoothquant": SmoothQuantConfig, "cle": CLEConfig,
-}  # fmt: skip
+for _type, _stage in ((GPTQConfig, "after_calibration"), (AWQConfig, "before_calibration"),
+                     (SmoothQuantConfig, "before_calibration"), (CLEConfig, "graph")):  # fmt: skip
+    register_algorithm(_type, stage=_stage)  # the handlers come with their modules
+
+
+def _algos_by_name() -> dict[str, type[AlgoConfig]]:
+    """The registered algorithm config types by their ``name`` (what a dict's ``name`` selects)."""
+    return {t.name: t for t in registered_algorithms() if issubclass(t, AlgoConfig)}  # type: ignore[attr-defined]
 
 
 def _algo(owner: str, value: Any, base: type[AlgoConfig]) -> Any:
@@ -249,12 +255,13 @@ def _algo(owner: str, value: Any, base: type[AlgoConfig]) -> Any:
         return value
     if isinstance(value, list | tuple):
         return [_algo(f"{owner}[{i}]", v, base) for i, v in enumerate(value)]
-    allowed = [n for n, c in _ALGOS.items() if issubclass(c, base)]
+    algos = _algos_by_name()
+    allowed = [n for n, c in algos.items() if issubclass(c, base)]
     if isinstance(value, dict):
         name = str(value.get("name", "")).lower()
         if name not in allowed:
             raise ValueError(f"{owner}.name={value.get('name')!r} is not known; allowed: {allowed}")
-        return _ALGOS[name].from_dict(value)
+        return algos[name].from_dict(value)
     raise ValueError(f"{owner}={value!r} must be one of {allowed} (a config object or a dict with 'name')")
 
 
@@ -296,15 +303,21 @@ class Config(ConfigBase):
         self.algo_config = _algo("Config.algo_config", self.algo_config, AlgoConfig)
         self.pre_quant_opt_config = _algo("Config.pre_quant_opt_config", self.pre_quant_opt_config, PreQuantOptConfig)
         self.quant_mode = coerce_enum("Config", "quant_mode", QuantizationMode, self.quant_mode, optional=False)  # type: ignore[assignment]
-        if any(isinstance(a, CLEConfig) for a in self.algo_configs):
-            raise ValueError("Config.algo_config holds a CLEConfig, which runs from pre_quant_opt_config only: move it there")
-        graph_only = [a.name for a in self.pre_quant_opt_configs if isinstance(a, CLEConfig)]  # type: ignore[attr-defined]
+        self._check_stages()
+
+    def _check_stages(self) -> None:
+        """Graph-stage algorithms (CLE) run from pre_quant_opt_config in fx_graph_mode, the others in eager_mode."""
+        stages = {id(a): algorithm_stage(a) for a in self.algo_configs + self.pre_quant_opt_configs}
+        in_algo = [type(a).__name__ for a in self.algo_configs if stages[id(a)] == "graph"]
+        if in_algo:
+            raise ValueError(f"Config.algo_config holds a {in_algo[0]}, which runs from pre_quant_opt_config only: move it there")
+        graph_only = [a.name for a in self.pre_quant_opt_configs if stages[id(a)] == "graph"]  # type: ignore[attr-defined]
         if graph_only and self.quant_mode != QuantizationMode.fx_graph_mode:
             raise ValueError(
                 f"Config.pre_quant_opt_config {graph_only} needs quant_mode=fx_graph_mode (it equalizes the "
                 "BatchNorm-folded layer chains of the captured graph)"
             )
-        eager_only = [a.name for a in self.algo_configs + [p for p in self.pre_quant_opt_configs if not isinstance(p, CLEConfig)]]  # type: ignore[attr-defined]
+        eager_only = [a.name for a in self.algo_configs + self.pre_quant_opt_configs if stages[id(a)] != "graph"]  # type: ignore[attr-defined]
         if self.quant_mode == QuantizationMode.fx_graph_mode and eager_only:
             names = eager_only
             raise ValueError(f"Config algorithm(s) {names} run in eager_mode only; fx_graph_mode has pre_quant_opt_config=[CLEConfig()]")

@@ -33,13 +33,12 @@ from quark.torch.quantization.formats import (
     format_of,
 )
 from quark.torch.quantization.observer.observer import (
-    OBSERVER_CLASSES,
-    OBSERVER_MAP,
     ObserverBase,
     PerBlockBFPObserver,
     PerBlockMXObserver,
     PlaceholderObserver,
 )
+from quark.torch.quantization.observer.registry import OBSERVER_MAP, observer_class, observer_names
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +250,7 @@ class QuantizationSpec(ConfigBase):
         self.symmetric = _opt_type(own, "symmetric", self.symmetric, bool, "True, False or None")
         self.ch_axis = _opt_type(own, "ch_axis", self.ch_axis, int, "an int (the channel axis) or None")
         self.group_size = _opt_type(own, "group_size", self.group_size, int, "a positive int or None")
-        self.observer_cls = _observer_class(self.observer_cls)
+        self.observer_cls = observer_class(self.observer_cls)
         self.qat_spec = QATSpec.coerce(own, self.qat_spec)
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"QuantizationSpec.group_size={self.group_size} must be a positive int")
@@ -432,18 +431,5 @@ def _name(value: Any) -> str:
     return value.__name__ if isinstance(value, type) else getattr(value, "name", str(value))
 
 
-def _observer_class(value: Any) -> type[ObserverBase] | None:
-    """``observer_cls`` from a class or its name."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value not in OBSERVER_MAP:
-            raise ValueError(f"QuantizationSpec.observer_cls={value!r} is not an observer; allowed: {sorted(OBSERVER_MAP)}")
-        return OBSERVER_MAP[value]
-    if not (isinstance(value, type) and value in OBSERVER_CLASSES):
-        raise ValueError(f"QuantizationSpec.observer_cls={value!r} is not an observer; allowed: {sorted(OBSERVER_MAP)}")
-    return value
-
-
 def _observer_names(dtype: Dtype, qscheme: QSchemeType | None) -> list[str]:
-    return sorted(n for n, c in OBSERVER_MAP.items() if c.serves(dtype, qscheme))
+    return [n for n in observer_names() if OBSERVER_MAP[n].serves(dtype, qscheme)]

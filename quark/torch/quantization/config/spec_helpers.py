@@ -18,15 +18,10 @@ from typing import Any
 
 from quark.torch.quantization.config.spec import QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, RoundType, ScaleType, ZeroPointType
+from quark.torch.quantization.observer.registry import observer_methods
 
-#: amd-quark's names for per-tensor observers, scale types, rounding and zero points
-OBSERVER_METHODS = {
-    "min_max": "PerTensorMinMaxObserver",
-    "histogram": "PerTensorHistogramObserver",
-    "histogrampro": "PerTensorHistogramObserverPro",
-    "MSE": "PerTensorMSEObserver",
-    "percentile": "PerTensorPercentileObserver",
-}
+#: amd-quark's names for per-tensor observers (from the observer registry), scale types, rounding and zero points
+OBSERVER_METHODS = observer_methods()
 SCALE_TYPES = {
     "float32": ScaleType.float32,
     "float16": ScaleType.float16,
@@ -68,7 +63,7 @@ class DataTypeSpec:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if f.name == "observer_method":
-                kw["observer_cls"] = _lookup(own, f.name, OBSERVER_METHODS, value)
+                kw["observer_cls"] = _lookup(own, f.name, observer_methods(), value)
             elif f.name == "scale_type":
                 kw["scale_type"] = _lookup(own, f.name, SCALE_TYPES, value)
             elif f.name == "round_method":

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from quark.torch.quantization.algo_registry import AlgorithmContext, register_algorithm, run_stage
 from quark.torch.quantization.config.config import CLEConfig, Config
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.graph.checks import Example, checked, example_for, float_run, quantized_error
@@ -93,10 +94,13 @@ def fold_and_equalize(model: nn.Module, config: Config, structure_only: bool = F
     fold_batch_norms(model, check=not structure_only)
     if structure_only:
         return
-    for cle in config.pre_quant_opt_configs:
-        if isinstance(cle, CLEConfig):
-            for gm in _graphs(model):
-                equalize_graph(gm, cle)
+    run_stage("graph", model, config.pre_quant_opt_configs, None)
+
+
+def _equalize(model: nn.Module, cle: CLEConfig, context: AlgorithmContext | None = None) -> None:
+    """CLE's handler: equalize every captured graph inside ``model``."""
+    for gm in _graphs(model):
+        equalize_graph(gm, cle)
 
 
 def is_folded_state(model: nn.Module, state_dict: dict[str, object], prefix: str = "") -> bool:
@@ -373,3 +377,6 @@ def equalize_graph(gm: fx.GraphModule, cle: CLEConfig, check: bool = True) -> di
             return info
     logger.info("CLE: %d of %d pair(s) equalized in %d pass(es)", len(plan.pairs), len(pairs), passes)
     return info
+
+
+register_algorithm(CLEConfig, stage="graph", handler=_equalize)

@@ -22,10 +22,14 @@ from quark.torch.quantization.observer.observer import (
     TQTObserver,
     UniformScalingObserver,
 )
+from quark.torch.quantization.observer.registry import observer_class, observer_names, register_observer
 
 __all__ = [
     "OBSERVER_CLASSES",
     "OBSERVER_MAP",
+    "observer_class",
+    "observer_names",
+    "register_observer",
     "ObserverBase",
     "PlaceholderObserver",
     "UniformScalingObserver",

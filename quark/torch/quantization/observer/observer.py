@@ -38,6 +38,7 @@ from quark.torch.quantization.formats import (
     to_blocks,
     to_tiles,
 )
+from quark.torch.quantization.observer.registry import OBSERVER_MAP, register_observer
 
 if TYPE_CHECKING:
     from quark.torch.quantization.config.spec import QuantizationSpec
@@ -198,6 +199,12 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
     qschemes: frozenset[QSchemeType] = frozenset()
     #: the layer and role observed (set with its quantizer's ``where`` by ModelQuantizer.prepare; "" standalone)
     where: str = ""
+
+    def __init_subclass__(cls, method: str | None = None, **kwargs: Any) -> None:
+        """Register every public subclass by class name (``method``: amd-quark's ``observer_method`` name for it)."""
+        super().__init_subclass__(**kwargs)
+        if not cls.__name__.startswith("_"):
+            register_observer(cls, method)
 
     def __init__(self, qspec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__()
@@ -395,7 +402,7 @@ class UniformScalingObserver(ObserverBase):
         return f"dtype={self.dtype.name}, symmetric={self.symmetric}, dynamic={self.is_dynamic}"
 
 
-class PerTensorMinMaxObserver(UniformScalingObserver):
+class PerTensorMinMaxObserver(UniformScalingObserver, method="min_max"):
     """Running minimum and maximum of the whole tensor."""
 
     qschemes = frozenset({QSchemeType.per_tensor})
@@ -586,7 +593,7 @@ class PerBlockBFPObserver(PerBlockMXObserver):
 
 
 # ----------------------------------------------------------------------------------------------- histogram family
-class PerTensorHistogramObserver(UniformScalingObserver):
+class PerTensorHistogramObserver(UniformScalingObserver, method="histogram"):
     """Running histogram of the tensor (positive and negative magnitudes, exact zeros counted apart).
 
     Bins are uniform over [0, R]; when data exceed R, R doubles as often as needed and adjacent bins merge, so
@@ -705,7 +712,7 @@ def _quantile(hist: torch.Tensor, edges: torch.Tensor, q: float) -> torch.Tensor
     return edges[i] + (edges[i + 1] - edges[i]) * min(max(frac, 0.0), 1.0)
 
 
-class PerTensorPercentileObserver(PerTensorHistogramObserver):
+class PerTensorPercentileObserver(PerTensorHistogramObserver, method="percentile"):
     """Range from a percentile of the observed values (symmetric: of |x|; asymmetric: both tails).
 
     The default percentile, 99.99, clips the rarest values: one value in 100,000 far outside the rest does not set
@@ -758,7 +765,7 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver):
         return _quantile(hist, edges, tail).float(), _quantile(hist, edges, 1 - tail).float()
 
 
-class PerTensorMSEObserver(PerTensorHistogramObserver):
+class PerTensorMSEObserver(PerTensorHistogramObserver, method="MSE"):
     """Range that minimises the quantization MSE of the observed histogram.
 
     Quark searches only the top three of 2048 bins (min-max in practice); this one searches the whole range coarse
@@ -835,7 +842,7 @@ class PerTensorMSEObserver(PerTensorHistogramObserver):
         return int(idx[int(torch.argmin(mse))])
 
 
-class PerTensorHistogramObserverPro(UniformScalingObserver):
+class PerTensorHistogramObserverPro(UniformScalingObserver, method="histogrampro"):
     """A wrap of pytorch version observer: HistogramObserver (integer dtypes of at most 8 bits)."""
 
     qschemes = frozenset({QSchemeType.per_tensor})
@@ -1077,27 +1084,6 @@ class LSQObserver(UniformScalingObserver):
         return x_orig
 
 
-OBSERVER_CLASSES: frozenset[type[ObserverBase]] = frozenset(
-    {
-        ObserverBase,
-        PlaceholderObserver,
-        UniformScalingObserver,
-        PerTensorMinMaxObserver,
-        PerChannelMinMaxObserver,
-        PerBlockMXObserver,
-        PerBlockBFPObserver,
-        PerGroupMinMaxObserver,
-        PerBlock2DMinMaxObserver,
-        PerTensorHistogramObserver,
-        PerTensorHistogramObserverPro,
-        PerTensorPercentileObserver,
-        PerTensorMSEObserver,
-        PerTensorPowOf2MinMaxObserver,
-        PerTensorPowOf2MinMSEObserver,
-        PerChannelPowOf2MinMaxObserver,
-        TQTObserver,
-        LSQObserver,
-    }
-)
-OBSERVER_MAP: dict[str, type[ObserverBase]] = {c.__name__: c for c in OBSERVER_CLASSES}
-
+register_observer(ObserverBase)  # the base too, as amd-quark's ``observer_cls`` type
+#: the observers this module defines (``OBSERVER_MAP`` also holds those registered later)
+OBSERVER_CLASSES: frozenset[type[ObserverBase]] = frozenset(OBSERVER_MAP.values())
