@@ -28,18 +28,39 @@ from quark_lightning.tasks.char_lm import CharLM, PythonSourceDataModule
 
 def weight_spec(bits: int) -> dict[str, Any]:
     return {
-        "dtype": f"uint{bits}", "qscheme": "per_group", "ch_axis": 1, "group_size": 32,
-        "observer_cls": "PerGroupMinMaxObserver", "symmetric": False, "scale_type": "float",
-        "round_method": "half_even", "is_dynamic": False,
-    }  # fmt: skip
+        "dtype": f"uint{bits}",
+        "qscheme": "per_group",
+        "ch_axis": 1,
+        "group_size": 32,
+        "observer_cls": "PerGroupMinMaxObserver",
+        "symmetric": False,
+        "scale_type": "float",
+        "round_method": "half_even",
+        "is_dynamic": False,
+    }
 
 
 W8A8 = {
-    "weight": {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver",
-               "symmetric": True, "scale_type": "float", "round_method": "half_even", "is_dynamic": False},
-    "input_tensors": {"dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver",
-                      "symmetric": True, "scale_type": "float", "round_method": "half_even", "is_dynamic": False},
-}  # fmt: skip
+    "weight": {
+        "dtype": "int8",
+        "qscheme": "per_channel",
+        "ch_axis": 0,
+        "observer_cls": "PerChannelMinMaxObserver",
+        "symmetric": True,
+        "scale_type": "float",
+        "round_method": "half_even",
+        "is_dynamic": False,
+    },
+    "input_tensors": {
+        "dtype": "int8",
+        "qscheme": "per_tensor",
+        "observer_cls": "PerTensorMinMaxObserver",
+        "symmetric": True,
+        "scale_type": "float",
+        "round_method": "half_even",
+        "is_dynamic": False,
+    },
+}
 
 
 class PeakRSS:
@@ -89,8 +110,10 @@ def add_outlier_channels(model: CharLM, channels: int = 4, factor: float = 30.0)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in model.net.model.layers:
-            for norm, linears in ((layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                                  (layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])):  # fmt: skip
+            for norm, linears in (
+                (layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                (layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj]),
+            ):
                 idx = torch.randperm(norm.weight.numel(), generator=generator)[:channels]
                 norm.weight[idx] *= factor
                 for lin in linears:
@@ -121,13 +144,22 @@ def main() -> None:
         model.load_state_dict(torch.load(args.ckpt, map_location="cpu", weights_only=True)["state_dict"])
     else:
         model = CharLM()
-        L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False, gradient_clip_val=1.0).fit(model, datamodule=dm)  # fmt: skip
+        L.Trainer(
+            max_epochs=2,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            gradient_clip_val=1.0,
+        ).fit(model, datamodule=dm)
     model.eval()
     calib = [b for _, b in zip(range(args.calib_batches), dm.train_dataloader(), strict=False)]
     test = dm.test_dataloader()
     fp32 = perplexity(model, test)
-    print(f"FP32 perplexity {fp32:.3f}; calibration: {len(calib)} batches of {calib[0][0].shape[0]}x{calib[0][0].shape[1]} bytes\n")
+    print(
+        f"FP32 perplexity {fp32:.3f}; calibration: {len(calib)} batches of {calib[0][0].shape[0]}x{calib[0][0].shape[1]} bytes\n"
+    )
     print("| bits | method | perplexity | gap to FP32 closed vs RTN | time s | peak MB |")
     print("|---|---|---|---|---|---|")
     for bits in (4, 3):
@@ -141,12 +173,16 @@ def main() -> None:
             closed = "" if method == "RTN" else f"{(rtn - ppl) / (rtn - fp32):.0%}"
             print(f"| {bits} | {method} | {ppl:.3f} | {closed} | {seconds:.1f} | {mb:.0f} |")
     outliers = add_outlier_channels(model)
-    print(f"\nW8A8 (int8 per-channel weights, int8 per-tensor static activations); outlier model FP32 {perplexity(outliers, test):.3f}")
+    print(
+        f"\nW8A8 (int8 per-channel weights, int8 per-tensor static activations); outlier model FP32 {perplexity(outliers, test):.3f}"
+    )
     print("| model | naive W8A8 | SmoothQuant W8A8 (alpha 0.5) |")
     print("|---|---|---|")
     for name, m in (("LM", model), ("LM with outlier channels", outliers)):
         naive = run_method(m, {"global_quant_config": W8A8}, calib, test)[0]
-        smooth = run_method(m, {"global_quant_config": W8A8, "pre_quant_opt_config": {"name": "smoothquant", "alpha": 0.5}}, calib, test)[0]
+        smooth = run_method(
+            m, {"global_quant_config": W8A8, "pre_quant_opt_config": {"name": "smoothquant", "alpha": 0.5}}, calib, test
+        )[0]
         print(f"| {name} | {naive:.3f} | {smooth:.3f} |")
 
 

@@ -98,15 +98,17 @@ def bench(kind: str, d_model: int, seq: int, batch: int, rounds: int, steps: int
     float_model, quant_model = _models(kind, d_model)
     _quantize(quant_model, x)
     fns = {
-        "float train": _train_step(float_model, x), "W8A8 train": _train_step(quant_model, x),
-        "float eval": _eval_step(float_model, x), "W8A8 eval": _eval_step(quant_model, x),
-    }  # fmt: skip
+        "float train": _train_step(float_model, x),
+        "W8A8 train": _train_step(quant_model, x),
+        "float eval": _eval_step(float_model, x),
+        "W8A8 eval": _eval_step(quant_model, x),
+    }
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {n: [] for n in fns}
     names = list(fns)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             for _ in range(steps):
                 fns[name]()
@@ -122,7 +124,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; d_model {args.d_model}, seq {args.seq}, batch {args.batch}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; d_model {args.d_model}, seq {args.seq}, batch {args.batch}"
+    )
     print("| model | contender | ms | x float |")
     print("|---|---|---|---|")
     for kind in ("transformer", "lstm"):

@@ -48,22 +48,37 @@ GROUP = 128
 VOCAB = 256
 #: amd-quark 0.13's AWQ_MAP["llama"].scaling_layers (checked against it on the amd-quark side)
 LLAMA_SCALING_LAYERS = [
-    {"prev_op": "input_layernorm", "layers": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-     "inp": "self_attn.q_proj", "module2inspect": "self_attn"},
+    {
+        "prev_op": "input_layernorm",
+        "layers": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        "inp": "self_attn.q_proj",
+        "module2inspect": "self_attn",
+    },
     {"prev_op": "self_attn.v_proj", "layers": ["self_attn.o_proj"], "inp": "self_attn.o_proj"},
-    {"prev_op": "post_attention_layernorm", "layers": ["mlp.gate_proj", "mlp.up_proj"], "inp": "mlp.gate_proj",
-     "module2inspect": "mlp"},
+    {
+        "prev_op": "post_attention_layernorm",
+        "layers": ["mlp.gate_proj", "mlp.up_proj"],
+        "inp": "mlp.gate_proj",
+        "module2inspect": "mlp",
+    },
     {"prev_op": "mlp.up_proj", "layers": ["mlp.down_proj"], "inp": "mlp.down_proj"},
-]  # fmt: skip
+]
 
 
 def llama_config(hidden: int, layers: int) -> dict[str, Any]:
     """transformers.LlamaConfig fields: 64-dimensional heads, intermediate 2.75x hidden (a multiple of the group
     size), byte vocabulary."""
     intermediate = round(2.75 * hidden / GROUP) * GROUP
-    return {"vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-            "num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 64, "max_position_embeddings": 512,
-            "tie_word_embeddings": False}  # fmt: skip
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // 64,
+        "num_key_value_heads": hidden // 64,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- the float models
@@ -109,14 +124,20 @@ def trained_state(hidden: int, layers: int, steps: int, cache_dir: Path) -> dict
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if step % 20 == 0 or step == steps - 1:
-                print(f"  train hidden {hidden}: step {step + 1}/{steps} loss {loss.item():.3f}", file=sys.stderr, flush=True)
+                print(
+                    f"  train hidden {hidden}: step {step + 1}/{steps} loss {loss.item():.3f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cache_dir.mkdir(parents=True, exist_ok=True)
     torch.save(state, path)
     return state
 
 
-def make_job(hidden: int, layers: int, steps: int, samples: int, tokens: int, evals: int, cache_dir: Path, path: Path) -> None:
+def make_job(
+    hidden: int, layers: int, steps: int, samples: int, tokens: int, evals: int, cache_dir: Path, path: Path
+) -> None:
     """Float weights, calibration and held-out token ids, written once so that every side reads the same ones."""
     import torch
 
@@ -126,7 +147,9 @@ def make_job(hidden: int, layers: int, steps: int, samples: int, tokens: int, ev
     calib = windows(corpus["val"], samples, tokens, seed=3)
     held = windows(corpus["test"], evals, tokens, seed=4)
     state = trained_state(hidden, layers, steps, cache_dir)
-    torch.save({"config": llama_config(hidden, layers), "state": state, "calib": [c[None] for c in calib], "eval": held}, path)
+    torch.save(
+        {"config": llama_config(hidden, layers), "state": state, "calib": [c[None] for c in calib], "eval": held}, path
+    )
 
 
 # ----------------------------------------------------------------------------------------------- one side, one process
@@ -156,11 +179,27 @@ def quantize(side: str, job: dict[str, Any]) -> tuple[Any, float, float]:
         import quark.torch.algorithm  # noqa: F401 - registers the handlers
         from quark.torch.quantization.config.config import AWQConfig, Config
 
-        weight = {"dtype": "uint4", "qscheme": "per_group", "ch_axis": 1, "group_size": GROUP, "symmetric": False,
-                  "observer_cls": "PerGroupMinMaxObserver", "scale_type": "float", "round_method": "half_even",
-                  "is_dynamic": False}  # fmt: skip
-        algo = {"algo_config": {"name": "awq", "scaling_layers": LLAMA_SCALING_LAYERS, "model_decoder_layers": "model.layers"}}
-        config = Config.from_dict({"global_quant_config": {"weight": weight}, "exclude": ["lm_head"], **(algo if side == "ours" else {})})
+        weight = {
+            "dtype": "uint4",
+            "qscheme": "per_group",
+            "ch_axis": 1,
+            "group_size": GROUP,
+            "symmetric": False,
+            "observer_cls": "PerGroupMinMaxObserver",
+            "scale_type": "float",
+            "round_method": "half_even",
+            "is_dynamic": False,
+        }
+        algo = {
+            "algo_config": {
+                "name": "awq",
+                "scaling_layers": LLAMA_SCALING_LAYERS,
+                "model_decoder_layers": "model.layers",
+            }
+        }
+        config = Config.from_dict(
+            {"global_quant_config": {"weight": weight}, "exclude": ["lm_head"], **(algo if side == "ours" else {})}
+        )
         from quark.torch.quantization.algo_registry import algorithm_entry, register_algorithm
 
         real = algorithm_entry(AWQConfig(), need_handler=True).handler  # the engine runs AWQ through the registry
@@ -172,9 +211,12 @@ def quantize(side: str, job: dict[str, Any]) -> tuple[Any, float, float]:
         from quark.torch.quantization.config.config import AWQConfig, QConfig, QLayerConfig, Uint4PerGroupSpec
 
         if AWQ_MAP["llama"].scaling_layers != LLAMA_SCALING_LAYERS:
-            raise SystemExit(f"amd-quark's llama scaling layers differ from this bench's: {AWQ_MAP['llama'].scaling_layers}")
-        weight = Uint4PerGroupSpec(ch_axis=1, group_size=GROUP, symmetric=False, scale_type="float",
-                                   round_method="half_even").to_quantization_spec()  # fmt: skip
+            raise SystemExit(
+                f"amd-quark's llama scaling layers differ from this bench's: {AWQ_MAP['llama'].scaling_layers}"
+            )
+        weight = Uint4PerGroupSpec(
+            ch_axis=1, group_size=GROUP, symmetric=False, scale_type="float", round_method="half_even"
+        ).to_quantization_spec()
         algo = AWQConfig(scaling_layers=LLAMA_SCALING_LAYERS, model_decoder_layers="model.layers")
         config = QConfig(global_quant_config=QLayerConfig(weight=weight), exclude=["lm_head"], algo_config=[algo])
         real, api.apply_advanced_quant_algo = api.apply_advanced_quant_algo, timing(api.apply_advanced_quant_algo)
@@ -200,8 +242,11 @@ def quality(model: Any, job: dict[str, Any], reference: dict[str, Any]) -> dict[
         calib = torch.cat([model(input_ids=ids).logits for ids in job["calib"]])
     ids = job["eval"]
     nll = torch.nn.functional.cross_entropy(held[:, :-1].reshape(-1, held.shape[-1]).float(), ids[:, 1:].reshape(-1))
-    return {"mse": float(((held - reference["eval"]) ** 2).mean()), "ppl": float(nll.exp()),
-            "calib_mse": float(((calib - reference["calib"]) ** 2).mean())}  # fmt: skip
+    return {
+        "mse": float(((held - reference["eval"]) ** 2).mean()),
+        "ppl": float(nll.exp()),
+        "calib_mse": float(((calib - reference["calib"]) ** 2).mean()),
+    }
 
 
 def float_logits(job: dict[str, Any]) -> dict[str, Any]:
@@ -211,10 +256,15 @@ def float_logits(job: dict[str, Any]) -> dict[str, Any]:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**job["config"])).eval()
     model.load_state_dict(job["state"])
     with torch.no_grad():
-        return {"eval": model(input_ids=job["eval"]).logits, "calib": torch.cat([model(input_ids=i).logits for i in job["calib"]])}
+        return {
+            "eval": model(input_ids=job["eval"]).logits,
+            "calib": torch.cat([model(input_ids=i).logits for i in job["calib"]]),
+        }
 
 
-def worker(side: str, job_path: Path, out_path: Path, warmup_path: Path | None, threads: int | None, measure: bool) -> None:
+def worker(
+    side: str, job_path: Path, out_path: Path, warmup_path: Path | None, threads: int | None, measure: bool
+) -> None:
     """One quantization (after an untimed warm-up) with ``side``'s quark; its times, and its quality if asked."""
     import_quark(side, threads)
     import torch
@@ -230,21 +280,31 @@ def worker(side: str, job_path: Path, out_path: Path, warmup_path: Path | None, 
         if side == "ours":  # the float model's own perplexity, once
             ids = job["eval"]
             logits = reference["eval"]
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+            )
             result["float_ppl"] = float(nll.exp())
     torch.save(result, out_path)
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def run_side(python: str, side: str, job: Path, out: Path, warmup: Path | None, threads: int | None, measure: bool) -> dict[str, Any]:
+def run_side(
+    python: str, side: str, job: Path, out: Path, warmup: Path | None, threads: int | None, measure: bool
+) -> dict[str, Any]:
     import torch
 
     command = [python, str(Path(__file__).resolve()), "--worker", side, str(job), str(out)]
     command += ["--warmup-job", str(warmup)] if warmup else []
     command += ["--threads", str(threads)] if threads else []
     command += ["--measure"] if measure else []
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)} if side != "amd" else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(REPO_ROOT) if side != "amd" else "/")
+    env = (
+        {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        if side != "amd"
+        else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    )
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=str(REPO_ROOT) if side != "amd" else "/"
+    )
     if done.returncode:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return torch.load(out, weights_only=True)
@@ -279,8 +339,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         warmup = Path(tmp) / "warmup.pt"
         make_job(min(args.hidden), args.layers, 0, 2, args.tokens, 1, Path(tmp), warmup)
-        print("| hidden | params | AWQ s ours | amd-quark | ratio | quantize_model s ours | amd-quark | held-out logits MSE "
-              "float / RTN / ours / amd-quark | perplexity float / RTN / ours / amd-quark | calib MSE RTN / ours / amd-quark |")  # fmt: skip
+        print(
+            "| hidden | params | AWQ s ours | amd-quark | ratio | quantize_model s ours | amd-quark | held-out logits MSE "
+            "float / RTN / ours / amd-quark | perplexity float / RTN / ours / amd-quark | calib MSE RTN / ours / amd-quark |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for hidden in args.hidden:
             job = Path(tmp) / f"job{hidden}.pt"
@@ -290,25 +352,47 @@ def main() -> None:
             for r in range(args.repeats):  # interleaved: ours, amd, amd, ours, ...
                 for side in ("ours", "amd") if r % 2 == 0 else ("amd", "ours"):
                     python = sys.executable if side == "ours" else args.amd_python
-                    runs[side].append(run_side(python, side, job, Path(tmp) / f"{side}.pt", warmup, args.threads, r == 0))
+                    runs[side].append(
+                        run_side(python, side, job, Path(tmp) / f"{side}.pt", warmup, args.threads, r == 0)
+                    )
             ours, amd = runs["ours"][0], runs["amd"][0]
             med = {s: {k: statistics.median(x[k] for x in runs[s]) for k in ("awq_s", "total_s")} for s in runs}
             params = sum(t.numel() for t in torch.load(job, weights_only=True)["state"].values())
             ratio = med["ours"]["awq_s"] / med["amd"]["awq_s"]
-            row = {"hidden": hidden, "params_m": params / 1e6, "ours_awq_s": med["ours"]["awq_s"], "amd_awq_s": med["amd"]["awq_s"],
-                   "ratio": ratio, "ours_total_s": med["ours"]["total_s"], "amd_total_s": med["amd"]["total_s"],
-                   "mse_rtn": rtn["mse"], "mse_ours": ours["mse"], "mse_amd": amd["mse"], "ppl_float": ours["float_ppl"],
-                   "ppl_rtn": rtn["ppl"], "ppl_ours": ours["ppl"], "ppl_amd": amd["ppl"], "calib_rtn": rtn["calib_mse"],
-                   "calib_ours": ours["calib_mse"], "calib_amd": amd["calib_mse"],
-                   "ours_awq_runs": [x["awq_s"] for x in runs["ours"]], "amd_awq_runs": [x["awq_s"] for x in runs["amd"]]}  # fmt: skip
+            row = {
+                "hidden": hidden,
+                "params_m": params / 1e6,
+                "ours_awq_s": med["ours"]["awq_s"],
+                "amd_awq_s": med["amd"]["awq_s"],
+                "ratio": ratio,
+                "ours_total_s": med["ours"]["total_s"],
+                "amd_total_s": med["amd"]["total_s"],
+                "mse_rtn": rtn["mse"],
+                "mse_ours": ours["mse"],
+                "mse_amd": amd["mse"],
+                "ppl_float": ours["float_ppl"],
+                "ppl_rtn": rtn["ppl"],
+                "ppl_ours": ours["ppl"],
+                "ppl_amd": amd["ppl"],
+                "calib_rtn": rtn["calib_mse"],
+                "calib_ours": ours["calib_mse"],
+                "calib_amd": amd["calib_mse"],
+                "ours_awq_runs": [x["awq_s"] for x in runs["ours"]],
+                "amd_awq_runs": [x["awq_s"] for x in runs["amd"]],
+            }
             rows.append(row)
-            print(f"| {hidden} | {params / 1e6:.1f}M | {row['ours_awq_s']:.2f} | {row['amd_awq_s']:.2f} | {ratio:.2f} | "
-                  f"{row['ours_total_s']:.2f} | {row['amd_total_s']:.2f} | 0 / {rtn['mse']:.3e} / {ours['mse']:.3e} / "
-                  f"{amd['mse']:.3e} | {ours['float_ppl']:.3f} / {rtn['ppl']:.3f} / {ours['ppl']:.3f} / {amd['ppl']:.3f} | "
-                  f"{rtn['calib_mse']:.3e} / {ours['calib_mse']:.3e} / {amd['calib_mse']:.3e} |", flush=True)  # fmt: skip
-        print(f"\n{args.layers} decoder layers, {args.train_steps} training steps; {args.samples} x {args.tokens} calibration "
-              f"tokens, {args.eval} x {args.tokens} held-out; {ours['threads']} torch threads per side; median of "
-              f"{args.repeats} interleaved runs after a warm-up; python {sys.version.split()[0]}, torch {torch.__version__}")  # fmt: skip
+            print(
+                f"| {hidden} | {params / 1e6:.1f}M | {row['ours_awq_s']:.2f} | {row['amd_awq_s']:.2f} | {ratio:.2f} | "
+                f"{row['ours_total_s']:.2f} | {row['amd_total_s']:.2f} | 0 / {rtn['mse']:.3e} / {ours['mse']:.3e} / "
+                f"{amd['mse']:.3e} | {ours['float_ppl']:.3f} / {rtn['ppl']:.3f} / {ours['ppl']:.3f} / {amd['ppl']:.3f} | "
+                f"{rtn['calib_mse']:.3e} / {ours['calib_mse']:.3e} / {amd['calib_mse']:.3e} |",
+                flush=True,
+            )
+        print(
+            f"\n{args.layers} decoder layers, {args.train_steps} training steps; {args.samples} x {args.tokens} calibration "
+            f"tokens, {args.eval} x {args.tokens} held-out; {ours['threads']} torch threads per side; median of "
+            f"{args.repeats} interleaved runs after a warm-up; python {sys.version.split()[0]}, torch {torch.__version__}"
+        )
     print(json.dumps(rows))
 
 

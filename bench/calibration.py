@@ -92,7 +92,9 @@ def run(n_batches: int = 16, batch: int = 256, width: int = 1024, repeats: int =
 def main() -> None:
     res = run()
     plain = res["plain no_grad forward"]
-    print(f"# calibration of a 4x1024 MLP on 16 batches of 256, median of 9 interleaved rounds, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"# calibration of a 4x1024 MLP on 16 batches of 256, median of 9 interleaved rounds, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print("| observer | ours ms | x plain | torch.ao ms | ours / torch.ao | goal |")
     print("|---|---|---|---|---|---|")
     print(f"| (plain no_grad forward) | {plain:.0f} | 1.00 | | | |")
@@ -100,8 +102,10 @@ def main() -> None:
         ours, theirs = res[f"ours: {name}"], res[f"torch.ao: {name}"]
         limit = 1.3 if name == "min-max" else 3.0
         met = ours / plain <= limit and ours <= theirs
-        print(f"| {name} | {ours:.0f} | {ours / plain:.2f} | {theirs:.0f} | {ours / theirs:.2f} | "
-              f"<= {limit}x plain and <= torch.ao: {'met' if met else 'MISSED'} |")  # fmt: skip
+        print(
+            f"| {name} | {ours:.0f} | {ours / plain:.2f} | {theirs:.0f} | {ours / theirs:.2f} | "
+            f"<= {limit}x plain and <= torch.ao: {'met' if met else 'MISSED'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -63,14 +63,26 @@ def _cases(x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
         "peer: copy": lambda t: out.copy_(t),  # read + write of the tensor: the memory-bound limit
         "peer: clone": lambda t: t.clone(),
         # torch's kernels take float32 only: a half-precision tensor is cast there and back, as a user would
-        "peer: torch int8 per-tensor": lambda t: torch.fake_quantize_per_tensor_affine(t.float(), s_t, z_t, -128, 127).to(t.dtype),
-        "peer: torch int8 per-channel": lambda t: torch.fake_quantize_per_channel_affine(t.float(), s_c, z_c, 0, -128, 127).to(t.dtype),
+        "peer: torch int8 per-tensor": lambda t: torch.fake_quantize_per_tensor_affine(
+            t.float(), s_t, z_t, -128, 127
+        ).to(t.dtype),
+        "peer: torch int8 per-channel": lambda t: torch.fake_quantize_per_channel_affine(
+            t.float(), s_c, z_c, 0, -128, 127
+        ).to(t.dtype),
         "peer: fp8 e4m3 cast round trip": lambda t: t.to(torch.float8_e4m3fn).to(t.dtype),
         "int8 per-tensor": lambda t: fake_quantize_int(t, s_t, z_t, -128, 127),
-        "int8 per-channel": lambda t: fake_quantize_int(t, s_c, z_c, -128, 127, qscheme=QSchemeType.per_channel, axis=0),
-        "int8 per-tensor, round half away": lambda t: fake_quantize_int(t, s_t, z_t, -128, 127, round_method=RoundType.round),
-        "int4 per-group g32": lambda t: fake_quantize_int(t, s_g, z_g, -8, 7, qscheme=QSchemeType.per_group, axis=1, group_size=32),
-        "fp8_e4m3 per-tensor": lambda t: fake_quantize_minifloat(t, FLOAT_FORMATS[Dtype.fp8_e4m3], s_f8, torch_dtype=torch.float8_e4m3fn),
+        "int8 per-channel": lambda t: fake_quantize_int(
+            t, s_c, z_c, -128, 127, qscheme=QSchemeType.per_channel, axis=0
+        ),
+        "int8 per-tensor, round half away": lambda t: fake_quantize_int(
+            t, s_t, z_t, -128, 127, round_method=RoundType.round
+        ),
+        "int4 per-group g32": lambda t: fake_quantize_int(
+            t, s_g, z_g, -8, 7, qscheme=QSchemeType.per_group, axis=1, group_size=32
+        ),
+        "fp8_e4m3 per-tensor": lambda t: fake_quantize_minifloat(
+            t, FLOAT_FORMATS[Dtype.fp8_e4m3], s_f8, torch_dtype=torch.float8_e4m3fn
+        ),
         "fp8_e5m2 per-tensor": minifloat(Dtype.fp8_e5m2),
         "fp6_e3m2 per-tensor": minifloat(Dtype.fp6_e3m2),
         "fp6_e2m3 per-tensor": minifloat(Dtype.fp6_e2m3),
@@ -86,7 +98,9 @@ def _cases(x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
     }
 
 
-def run(size: int = 4096, repeats: int = 7, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, tuple[float, float, float]]:
+def run(
+    size: int = 4096, repeats: int = 7, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> dict[str, tuple[float, float, float]]:
     """{name: (forward ms, forward+backward ms, forward / copy)}: medians over ``repeats`` rounds, each of which
     times every case once after two warm-up calls per case (the first compile the kernels); the copy ratio is the
     median of per-round ratios, so a slow stretch of a shared machine hits both sides of it alike."""
@@ -140,7 +154,9 @@ def _report(results: dict[str, tuple[float, float, float]], size: int, dtype: to
         "fp8_e4m3 per-tensor": "peer: fp8 e4m3 cast round trip",
         "fp8_e5m2 per-tensor": "peer: fp8 e4m3 cast round trip",
     }
-    print(f"# fake quantization of a {size}x{size} {str(dtype).removeprefix('torch.')} tensor, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"# fake quantization of a {size}x{size} {str(dtype).removeprefix('torch.')} tensor, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(f"| {'format':34s} | fwd ms | fwd+bwd ms | fwd / copy | fwd / peer | peer | goal (fwd / copy) |")
     print("|" + "---|" * 7)
     for name, (fwd, both, to_copy) in results.items():
@@ -154,14 +170,17 @@ def _report(results: dict[str, tuple[float, float, float]], size: int, dtype: to
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--system-allocator", action="store_true",
+        "--system-allocator",
+        action="store_true",
         help="leave glibc's allocator as it is (default: keep_freed_memory(), as train.py does)",
     )
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
-        "--backend", choices=("auto", "compile", "eager"), default="auto",
+        "--backend",
+        choices=("auto", "compile", "eager"),
+        default="auto",
         help="auto: the default a user gets (compiled kernels where they work); compile: always; eager: never",
     )
     args = parser.parse_args()

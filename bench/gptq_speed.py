@@ -31,8 +31,15 @@ from typing import Any
 
 from quark_side import REPO_ROOT, import_quark  # bench/: the folder of this script, first on sys.path
 
-MODULES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
+MODULES = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
 GPTQ = {"damp_percent": 0.01, "desc_act": True, "static_groups": True, "block_size": 128}
 GROUP = 128
 
@@ -41,9 +48,16 @@ def llama_config(hidden: int) -> dict[str, Any]:
     """The model's transformers.LlamaConfig fields: 64-dimensional heads, intermediate 2.75x hidden (a multiple of
     the group size), 2 layers, vocabulary 1000."""
     intermediate = round(2.75 * hidden / GROUP) * GROUP
-    return {"vocab_size": 1000, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": 2,
-            "num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 64, "max_position_embeddings": 256,
-            "tie_word_embeddings": False}  # fmt: skip
+    return {
+        "vocab_size": 1000,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": 2,
+        "num_attention_heads": hidden // 64,
+        "num_key_value_heads": hidden // 64,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
 
 
 def make_job(hidden: int, samples: int, tokens: int, path: Path) -> None:
@@ -73,16 +87,26 @@ def quantize(side: str, job: dict[str, Any]) -> tuple[Any, float]:
     if side == "ours":
         from quark.torch.quantization.config.config import Config
 
-        weight = {"dtype": "uint4", "qscheme": "per_group", "ch_axis": 1, "group_size": GROUP, "symmetric": False,
-                  "observer_cls": "PerGroupMinMaxObserver", "scale_type": "float", "round_method": "half_even",
-                  "is_dynamic": False}  # fmt: skip
-        config = Config.from_dict({"global_quant_config": {"weight": weight}, "exclude": ["lm_head"],
-                                   "algo_config": {"name": "gptq", **GPTQ}})  # fmt: skip
+        weight = {
+            "dtype": "uint4",
+            "qscheme": "per_group",
+            "ch_axis": 1,
+            "group_size": GROUP,
+            "symmetric": False,
+            "observer_cls": "PerGroupMinMaxObserver",
+            "scale_type": "float",
+            "round_method": "half_even",
+            "is_dynamic": False,
+        }
+        config = Config.from_dict(
+            {"global_quant_config": {"weight": weight}, "exclude": ["lm_head"], "algo_config": {"name": "gptq", **GPTQ}}
+        )
     else:
         from quark.torch.quantization.config.config import GPTQConfig, QConfig, QLayerConfig, Uint4PerGroupSpec
 
-        weight = Uint4PerGroupSpec(ch_axis=1, group_size=GROUP, symmetric=False, scale_type="float",
-                                   round_method="half_even").to_quantization_spec()  # fmt: skip
+        weight = Uint4PerGroupSpec(
+            ch_axis=1, group_size=GROUP, symmetric=False, scale_type="float", round_method="half_even"
+        ).to_quantization_spec()
         algo = GPTQConfig(**GPTQ, inside_layer_modules=MODULES, model_decoder_layers="model.layers")
         config = QConfig(global_quant_config=QLayerConfig(weight=weight), exclude=["lm_head"], algo_config=[algo])
     start = time.perf_counter()
@@ -91,7 +115,9 @@ def quantize(side: str, job: dict[str, Any]) -> tuple[Any, float]:
     return model, time.perf_counter() - start
 
 
-def worker(side: str, job_path: Path, out_path: Path, warmup_path: Path | None, threads: int | None, repeats: int) -> None:
+def worker(
+    side: str, job_path: Path, out_path: Path, warmup_path: Path | None, threads: int | None, repeats: int
+) -> None:
     """Quantize the job's model ``repeats`` times with ``side``'s quark (a fresh float model each time); write the
     times, the logits error and the decoder weights of the last one."""
     import_quark(side, threads)
@@ -112,20 +138,40 @@ def worker(side: str, job_path: Path, out_path: Path, warmup_path: Path | None, 
         expected = reference(input_ids=job["eval"]).logits
         logits = model(input_ids=job["eval"]).logits
     error = float(((logits - expected) ** 2).mean() / (expected**2).mean())
-    weights = {n: m.weight.detach().clone() for n, m in model.named_modules()
-               if n.startswith("model.layers.") and isinstance(m, torch.nn.Linear)}  # fmt: skip
-    torch.save({"seconds": min(times), "times": times, "logits_error": error, "weights": weights, "threads": torch.get_num_threads()}, out_path)
+    weights = {
+        n: m.weight.detach().clone()
+        for n, m in model.named_modules()
+        if n.startswith("model.layers.") and isinstance(m, torch.nn.Linear)
+    }
+    torch.save(
+        {
+            "seconds": min(times),
+            "times": times,
+            "logits_error": error,
+            "weights": weights,
+            "threads": torch.get_num_threads(),
+        },
+        out_path,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def run_side(python: str, side: str, job: Path, out: Path, warmup: Path | None, threads: int | None, repeats: int) -> dict[str, Any]:
+def run_side(
+    python: str, side: str, job: Path, out: Path, warmup: Path | None, threads: int | None, repeats: int
+) -> dict[str, Any]:
     import torch
 
     command = [python, str(Path(__file__).resolve()), "--worker", side, str(job), str(out), "--repeats", str(repeats)]
     command += ["--warmup-job", str(warmup)] if warmup else []
     command += ["--threads", str(threads)] if threads else []
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)} if side == "ours" else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(REPO_ROOT) if side == "ours" else "/")
+    env = (
+        {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        if side == "ours"
+        else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    )
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=str(REPO_ROOT) if side == "ours" else "/"
+    )
     if done.returncode:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return torch.load(out, weights_only=True)
@@ -137,7 +183,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed quantizations per side and size; the fastest counts")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed quantizations per side and size; the fastest counts"
+    )
     parser.add_argument("--amd-python", default=os.environ.get("AMD_QUARK_PYTHON", "/tmp/aqref/venv/bin/python"))
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "JOB", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--warmup-job", type=Path, help=argparse.SUPPRESS)
@@ -166,10 +214,15 @@ def main() -> None:
             params = sum(t.numel() for t in torch.load(job, weights_only=True)["state"].values())
             ratio = ours["seconds"] / amd["seconds"]
             rows.append((hidden, ours["seconds"], amd["seconds"], ratio))
-            print(f"| {hidden} | {params / 1e6:.1f}M | {ours['seconds']:.2f} | {amd['seconds']:.2f} | {ratio:.2f} | "
-                  f"{ours['logits_error']:.3e} | {amd['logits_error']:.3e} | {same / total:.2%} |", flush=True)  # fmt: skip
-        print(f"\n{args.samples} x {args.tokens} calibration tokens; {ours['threads']} torch threads per side; fastest of "
-              f"{args.repeats} after a warm-up; python {sys.version.split()[0]}, torch {torch.__version__}")  # fmt: skip
+            print(
+                f"| {hidden} | {params / 1e6:.1f}M | {ours['seconds']:.2f} | {amd['seconds']:.2f} | {ratio:.2f} | "
+                f"{ours['logits_error']:.3e} | {amd['logits_error']:.3e} | {same / total:.2%} |",
+                flush=True,
+            )
+        print(
+            f"\n{args.samples} x {args.tokens} calibration tokens; {ours['threads']} torch threads per side; fastest of "
+            f"{args.repeats} after a warm-up; python {sys.version.split()[0]}, torch {torch.__version__}"
+        )
     print(json.dumps([dict(zip(("hidden", "ours_s", "amd_s", "ratio"), r, strict=True)) for r in rows]))
 
 

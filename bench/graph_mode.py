@@ -63,9 +63,16 @@ from quark_lightning.tasks.fashion import load_fashion
 
 SPEC_DIR = Path(__file__).resolve().parents[1] / "conf" / "quant" / "spec"
 ROWS = (
-    "float", "eager W8A8 PTQ", "graph W8A8 PTQ", "graph W8A8 PTQ + CLE", "graph W8A8 TQT QAT", "graph W4A8 TQT QAT",
-    "PT2E W8A8 PTQ", "PT2E W8A8 QAT", "PT2E W4A8 QAT",
-)  # fmt: skip
+    "float",
+    "eager W8A8 PTQ",
+    "graph W8A8 PTQ",
+    "graph W8A8 PTQ + CLE",
+    "graph W8A8 TQT QAT",
+    "graph W4A8 TQT QAT",
+    "PT2E W8A8 PTQ",
+    "PT2E W8A8 QAT",
+    "PT2E W4A8 QAT",
+)
 QAT_ROWS = ("graph W8A8 TQT QAT", "graph W4A8 TQT QAT", "PT2E W8A8 QAT", "PT2E W4A8 QAT")
 Result = float | str  # accuracy in percent (a QAT row: the mean over seeds), or "n/a (reason)"
 EvalFn = Callable[[int], Result]  # a row, given the seed of its (QAT) run
@@ -95,9 +102,15 @@ def batches(data: Data, batch_size: int, seed: int) -> Iterator[tuple[torch.Tens
 
 
 def fit(
-    model: nn.Module, data: Data, epochs: int, lr: float, batch_size: int, seed: int,
-    before_epoch: Callable[[int], None] | None = None, quantizer_lr: float | None = None,
-) -> None:  # fmt: skip
+    model: nn.Module,
+    data: Data,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    before_epoch: Callable[[int], None] | None = None,
+    quantizer_lr: float | None = None,
+) -> None:
     """Adam with a cosine schedule over all steps; ``model`` is expected in training mode. ``before_epoch(e)`` runs
     before each epoch (QAT: freeze BatchNorm statistics for the last one). The optimizer is built here, after any
     quantizer preparation, so learnable thresholds (TQT) are trained too; at ``quantizer_lr`` when given (their
@@ -363,7 +376,9 @@ def check_targets(results: dict[str, dict[str, Result]], spreads: dict[str, dict
     for net, r in results.items():
         sd = spreads[net]
 
-        best = max(("graph W8A8 PTQ", "graph W8A8 PTQ + CLE"), key=lambda k: r.get(k) if isinstance(r.get(k), float) else -1.0)
+        best = max(
+            ("graph W8A8 PTQ", "graph W8A8 PTQ + CLE"), key=lambda k: r.get(k) if isinstance(r.get(k), float) else -1.0
+        )
         checks = [
             ("graph W8A8 PTQ within 0.5 points of float", "graph W8A8 PTQ", "float", 0.5),
             (f"graph PTQ (best of +/- CLE: {best}) >= PT2E PTQ", best, "PT2E W8A8 PTQ", 0.0),
@@ -389,7 +404,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--qat-lr", type=float, default=5e-4, help="QAT fine-tuning: Adam, cosine to 0")
     p.add_argument("--qat-seeds", type=int, default=3, help="runs of each QAT row (seeds seed+1, seed+2, ...)")
     p.add_argument(
-        "--quantizer-lr", type=float, default=OmegaConf.load(SPEC_DIR.parent / "w4a8_tqt_graph.yaml").get("quantizer_lr"),
+        "--quantizer-lr",
+        type=float,
+        default=OmegaConf.load(SPEC_DIR.parent / "w4a8_tqt_graph.yaml").get("quantizer_lr"),
         help="our QAT rows: learning rate of the TQT thresholds in a group of their own (default: the w4a8_tqt_graph "
         "preset's quantizer_lr, which is unset: the weights' group and rate)",
     )

@@ -55,10 +55,12 @@ class InvertedResidual(nn.Module):
         super().__init__()
         hidden = c_in * expand
         self.body = nn.Sequential(
-            *conv_bn(c_in, hidden, 1), nn.ReLU6(),
-            *conv_bn(hidden, hidden, 3, stride, groups=hidden), nn.ReLU6(),
+            *conv_bn(c_in, hidden, 1),
+            nn.ReLU6(),
+            *conv_bn(hidden, hidden, 3, stride, groups=hidden),
+            nn.ReLU6(),
             *conv_bn(hidden, c_out, 1),
-        )  # fmt: skip
+        )
         self.residual = stride == 1 and c_in == c_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """PTQ quality on the digits CNN: accuracy of each recipe against FP32 (train once, quantize copies).
 
-    python bench/ptq_digits.py
+python bench/ptq_digits.py
 """
 
 from __future__ import annotations

@@ -24,9 +24,16 @@ from quark_lightning.tasks.recipes import recipe
 
 def _trainer(tmp: str, epochs: int, callbacks: list) -> L.Trainer:
     return L.Trainer(
-        max_epochs=epochs, callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp, accelerator="cpu", num_sanity_val_steps=0,
-    )  # fmt: skip
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp,
+        accelerator="cpu",
+        num_sanity_val_steps=0,
+    )
 
 
 def run(

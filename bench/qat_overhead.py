@@ -107,9 +107,13 @@ CONFIGS = {OURS_ON: W8A8, OURS_OFF: W8A8, OURS_TQT: W4A8_TQT, FP8_ON: FP8_W8A8, 
 OBSERVERS_OFF = (OURS_OFF, FP8_OFF, AO_OFF)
 #: our contender -> (its time goal over FP32, the torch.ao contender whose ratio it must not exceed, or None)
 GOALS = {
-    OURS_ON: (1.5, AO_ON), OURS_OFF: (1.5, AO_OFF), OURS_TQT: (1.5, AO_ON),
-    FP8_ON: (1.5, None), FP8_OFF: (1.5, None), MX: (2.0, None),
-}  # fmt: skip
+    OURS_ON: (1.5, AO_ON),
+    OURS_OFF: (1.5, AO_OFF),
+    OURS_TQT: (1.5, AO_ON),
+    FP8_ON: (1.5, None),
+    FP8_OFF: (1.5, None),
+    MX: (2.0, None),
+}
 MEMORY_GOAL = 1.3
 DEFAULT_BATCH = {"cnn": 256, "mlp": 32, "llama": 4}
 
@@ -166,6 +170,8 @@ def make_batch(kind: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random inputs of the model's shape (images, feature vectors, or 64 tokens of 1024-wide embeddings) and labels."""
     shape = {"cnn": (batch, 1, 8, 8), "mlp": (batch, 1024), "llama": (batch, 64, 1024)}[kind]
     return torch.rand(*shape), torch.randint(0, 10, (batch,))
+
+
 _MARK = "QAT-OVERHEAD-MEMORY "
 
 
@@ -202,8 +208,13 @@ def _quantized_model(name: str, base: nn.Module) -> nn.Module:
 
 
 def build(
-    name: str, batch: int = 256, optimizer: str = "adam", observe_steps: int = 3, seed: int = 0,
-    kind: str = "cnn", width: int = 4096,
+    name: str,
+    batch: int = 256,
+    optimizer: str = "adam",
+    observe_steps: int = 3,
+    seed: int = 0,
+    kind: str = "cnn",
+    width: int = 4096,
 ) -> tuple[Callable[[], None], torch.optim.Optimizer]:
     """The training step of one contender (and its optimizer), ready to run.
 
@@ -332,7 +343,16 @@ def memory_child(name: str, setup: Setup, steps: int) -> dict[str, float]:
 
 
 def _setup_args(setup: Setup) -> list[str]:
-    return ["--model", setup.kind, "--batch", str(setup.batch), "--optimizer", setup.optimizer, "--width", str(setup.width)]
+    return [
+        "--model",
+        setup.kind,
+        "--batch",
+        str(setup.batch),
+        "--optimizer",
+        setup.optimizer,
+        "--width",
+        str(setup.width),
+    ]
 
 
 def run_memory(
@@ -398,7 +418,9 @@ def _goal(name: str, rel: dict[str, tuple[float, float, float]], mem_ratio: floa
     return text
 
 
-def _report(times: dict[str, list[float]], memory: dict[str, dict[str, float]] | None, args: argparse.Namespace, setup: Setup) -> None:
+def _report(
+    times: dict[str, list[float]], memory: dict[str, dict[str, float]] | None, args: argparse.Namespace, setup: Setup
+) -> None:
     rel = ratios(times)
     print(
         f"# QAT step on {setup.describe()}; time: {args.rounds} interleaved rounds of {args.steps} steps, x FP32 = "
@@ -441,8 +463,10 @@ def sweep(widths: Sequence[int], args: argparse.Namespace, plot: str | None) -> 
         rel = ratios(run(setup, args.rounds, args.steps, args.warmup, names=(FP32, *SWEEP)))
         table[width] = {name: rel[name][1] for name in SWEEP}
         print(f"# width {width}: " + ", ".join(f"{n} {v:.2f}x" for n, v in table[width].items()), flush=True)
-    print(f"\n# QAT step time over FP32, MLP 1024 -> width -> 1024 -> 10, batch {args.batch or DEFAULT_BATCH['mlp']}, "
-          f"{args.optimizer}, observers on, format kernels: {_backend_name()}")  # fmt: skip
+    print(
+        f"\n# QAT step time over FP32, MLP 1024 -> width -> 1024 -> 10, batch {args.batch or DEFAULT_BATCH['mlp']}, "
+        f"{args.optimizer}, observers on, format kernels: {_backend_name()}"
+    )
     print("| width | " + " | ".join(SWEEP) + " |")
     print("|---|" + "---|" * len(SWEEP))
     for width, row in table.items():
@@ -461,7 +485,9 @@ def sweep(widths: Sequence[int], args: argparse.Namespace, plot: str | None) -> 
         ax.set_xticks(list(table), [str(w) for w in table])
         ax.set_xlabel("MLP hidden width (1024 -> width -> 1024)")
         ax.set_ylabel("QAT step time / FP32 step time")
-        ax.set_title(f"QAT overhead vs width, batch {args.batch or DEFAULT_BATCH['mlp']}, {torch.get_num_threads()} CPU threads")
+        ax.set_title(
+            f"QAT overhead vs width, batch {args.batch or DEFAULT_BATCH['mlp']}, {torch.get_num_threads()} CPU threads"
+        )
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(plot, dpi=110)
@@ -471,7 +497,8 @@ def sweep(widths: Sequence[int], args: argparse.Namespace, plot: str | None) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--system-allocator", action="store_true",
+        "--system-allocator",
+        action="store_true",
         help="leave glibc's allocator as it is (default: keep_freed_memory(), as train.py does)",
     )
     parser.add_argument("--model", choices=("cnn", "mlp", "llama"), default="cnn")
@@ -503,8 +530,12 @@ def main() -> None:
         sweep([int(w) for w in args.widths.split(",")], args, args.plot)
     else:
         # big models: one memory process at a time (8 side by side would not fit the cores or the compile workers)
-        memory = None if args.no_memory else run_memory(
-            setup, args.memory_steps, args.memory_repeats, args.system_allocator, parallel=args.model == "cnn"
+        memory = (
+            None
+            if args.no_memory
+            else run_memory(
+                setup, args.memory_steps, args.memory_repeats, args.system_allocator, parallel=args.model == "cnn"
+            )
         )
         times = run(setup, args.rounds, args.steps, args.warmup)
         _report(times, memory, args, setup)

@@ -30,7 +30,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ``.quarkl-tmp.<name>.<random>``), fsync, rename. Loading and removing are ``TorchCheckpointIO``'s."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | PathLike[str], storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | PathLike[str], storage_options: Any | None = None
+    ) -> None:
         local = _local_path(path)
         if local is None or storage_options is not None:  # remote, or TorchCheckpointIO's own refusal of the options
             super().save_checkpoint(checkpoint, path, storage_options)

@@ -55,14 +55,18 @@ class MixedPrecision:
 
     def __post_init__(self) -> None:
         if not isinstance(self.candidates, dict) or not self.candidates:
-            raise ValueError("mixed_precision.candidates must be a non-empty dict: name -> QuantizationConfig (or its dict)")
+            raise ValueError(
+                "mixed_precision.candidates must be a non-empty dict: name -> QuantizationConfig (or its dict)"
+            )
         self.resolved = {
             name: qc if isinstance(qc, QuantizationConfig) else QuantizationConfig.from_dict(dict(qc))
             for name, qc in self.candidates.items()
-        }  # fmt: skip
+        }
         bits = self.target_bits
         if isinstance(bits, bool) or not isinstance(bits, int | float) or not 0 < bits < math.inf:
-            raise ValueError(f"mixed_precision.target_bits={bits!r} must be a finite number > 0 (average weight bits per parameter)")
+            raise ValueError(
+                f"mixed_precision.target_bits={bits!r} must be a finite number > 0 (average weight bits per parameter)"
+            )
         if self.method not in METHODS:
             raise ValueError(f"mixed_precision.method={self.method!r}; allowed: {list(METHODS)}")
         if isinstance(self.batches, bool) or not isinstance(self.batches, int) or self.batches < 1:
@@ -71,13 +75,20 @@ class MixedPrecision:
             raise ValueError("mixed_precision.metric must be callable as metric(module) -> float")
 
 
-def choose(model: nn.Module, base: Config, search: MixedPrecision, batches: Sequence[Any],
-           run: Callable[[nn.Module, Any], Any]) -> tuple[Config, dict[str, str], list[LayerSensitivity]]:  # fmt: skip
+def choose(
+    model: nn.Module, base: Config, search: MixedPrecision, batches: Sequence[Any], run: Callable[[nn.Module, Any], Any]
+) -> tuple[Config, dict[str, str], list[LayerSensitivity]]:
     """(the mixed Config, the candidate per layer, the measured sensitivities) for the float ``model``."""
     sensitivities = measure_sensitivity(
-        model, search.resolved, batches, metric=search.metric, higher_is_better=search.higher_is_better,
-        method=search.method, base_config=base, run=run,
-    )  # fmt: skip
+        model,
+        search.resolved,
+        batches,
+        metric=search.metric,
+        higher_is_better=search.higher_is_better,
+        method=search.method,
+        base_config=base,
+        run=run,
+    )
     choice = allocate(sensitivities, float(search.target_bits))
     return mixed_precision_config(base, choice, search.resolved), choice, sensitivities
 
@@ -89,11 +100,15 @@ def write_sensitivity_csv(path: str | Path, sensitivities: Sequence[LayerSensiti
     writer.writerow(["layer", "params", "candidate", "bits", "loss", "chosen"])
     for s in sensitivities:
         for c in s.loss:
-            writer.writerow([s.layer, s.numel, c, f"{s.bits[c]:.6g}", f"{s.loss[c]:.9g}", int(choice.get(s.layer) == c)])
+            writer.writerow(
+                [s.layer, s.numel, c, f"{s.bits[c]:.6g}", f"{s.loss[c]:.9g}", int(choice.get(s.layer) == c)]
+            )
     return write_text_atomically(path, text.getvalue(), newline="")  # complete or absent, as every file written here
 
 
-def write_config_yaml(path: str | Path, config: Config, sensitivities: Sequence[LayerSensitivity], choice: dict[str, str]) -> Path:
+def write_config_yaml(
+    path: str | Path, config: Config, sensitivities: Sequence[LayerSensitivity], choice: dict[str, str]
+) -> Path:
     """The chosen Config as YAML (``Config.from_dict`` reads it back), headed by the average bits it reached."""
     header = f"# mixed precision: {average_bits(choice, sensitivities):.4f} weight bits per parameter on average\n"
     return write_text_atomically(path, header + yaml.safe_dump(plain_data(config.to_dict()), sort_keys=False))

@@ -107,7 +107,9 @@ def _layers_of(module: nn.Module, quantizers: list[FakeQuantizeBase]) -> list[st
     """Names of the layers that hold ``quantizers``, sorted."""
     ids = {id(q) for q in quantizers}
     return sorted(
-        name for name, m in module.named_modules() if isinstance(m, QuantMixin) and any(id(q) in ids for _, q in m.quantizers())
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, QuantMixin) and any(id(q) in ids for _, q in m.quantizers())
     )
 
 
@@ -144,9 +146,15 @@ def _quantizer_keys(module: nn.Module, prefix: str = "") -> dict[str, FakeQuanti
 
 
 def _fill_float_checkpoint(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
-) -> None:  # fmt: skip
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
     """Load pre-hook of a model prepared by QuantCallback: drops the quantized-checkpoint marker, and a state_dict of
     the float model (no quantizer key at all) gets the quantizers' current state, so that the float weights load
     strictly and the quantizers start fresh (the callback then calibrates, or runs its QAT observers)."""
@@ -338,10 +346,16 @@ class QuantCallback(Callback):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
                 raise ValueError(f"`{name}={value!r}` must be None or an int >= {minimum}")
         if quantizer_lr is not None:
-            if isinstance(quantizer_lr, bool) or not isinstance(quantizer_lr, int | float) or not 0 < quantizer_lr < math.inf:
+            if (
+                isinstance(quantizer_lr, bool)
+                or not isinstance(quantizer_lr, int | float)
+                or not 0 < quantizer_lr < math.inf
+            ):
                 raise ValueError(f"`quantizer_lr={quantizer_lr!r}` must be None or a finite float > 0")
             if mode != "qat":
-                raise ValueError(f"`quantizer_lr` trains TQT thresholds / LSQ scales: it needs mode='qat', got mode={mode!r}")
+                raise ValueError(
+                    f"`quantizer_lr` trains TQT thresholds / LSQ scales: it needs mode='qat', got mode={mode!r}"
+                )
         self.quantizer_lr = None if quantizer_lr is None else float(quantizer_lr)
         self._lr_splits: list[Any] = []
         self._restored_lr0: list[float | None] = []
@@ -364,9 +378,13 @@ class QuantCallback(Callback):
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             mixed_precision = MixedPrecision(**dict(mixed_precision))
         if mixed_precision is not None and mode != "ptq":
-            raise ValueError(f"`mixed_precision` chooses formats from calibration data after training: use mode='ptq', got mode={mode!r}")
+            raise ValueError(
+                f"`mixed_precision` chooses formats from calibration data after training: use mode='ptq', got mode={mode!r}"
+            )
         if mixed_precision is not None and self.quantizer.graph_mode:
-            raise ValueError("`mixed_precision` works on the module's own layers (quant_mode=eager_mode), not graph mode")
+            raise ValueError(
+                "`mixed_precision` works on the module's own layers (quant_mode=eager_mode), not graph mode"
+            )
         self.mixed_precision = mixed_precision
         self.mixed_choice: dict[str, str] | None = None
         self.mode = mode
@@ -399,7 +417,9 @@ class QuantCallback(Callback):
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Swap the configured layers (once: a second fit or test reuses them)."""
-        ensure_atomic_checkpoints(trainer, "QuantCallback")  # quantized.ckpt is complete or absent (not a user's plugin)
+        ensure_atomic_checkpoints(
+            trainer, "QuantCallback"
+        )  # quantized.ckpt is complete or absent (not a user's plugin)
         self._datamodule_fit_ready = stage == TrainerFn.FITTING  # Lightning just ran datamodule.setup(stage)
         if stage == TrainerFn.FITTING and (self._counting_for is None or self._counting_for() is not trainer):
             self._batches_seen = 0  # a new trainer counts from its first batch (a checkpoint restores the count)
@@ -465,10 +485,14 @@ class QuantCallback(Callback):
         pl_module.quant_config = self.config  # the exporters read the Config of the module they write, as in eager mode
         _keep_out_of_ddp_broadcast(pl_module)
         if not self._table_logged:
-            rank_zero_info(f"QuantCallback ({self.mode}, graph mode: {prepared}): quantizing {len(plans)} op(s)\n{format_plans(plans)}")
+            rank_zero_info(
+                f"QuantCallback ({self.mode}, graph mode: {prepared}): quantizing {len(plans)} op(s)\n{format_plans(plans)}"
+            )
             self._table_logged = True
 
-    def _record_child_calls(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    def _record_child_calls(
+        self, trainer: Trainer, pl_module: LightningModule
+    ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
         """The arguments each direct child receives in one forward of ``pl_module`` (eval, no_grad)."""
         example = getattr(pl_module, "example_input_array", None)
         batch = None if example is not None else self._example_batch(trainer, pl_module)
@@ -477,7 +501,10 @@ class QuantCallback(Callback):
         def record(name: str) -> Callable[..., None]:
             return lambda module, args, kwargs: calls.setdefault(name, []).append((args, kwargs))
 
-        hooks = [child.register_forward_pre_hook(record(name), with_kwargs=True) for name, child in pl_module.named_children()]
+        hooks = [
+            child.register_forward_pre_hook(record(name), with_kwargs=True)
+            for name, child in pl_module.named_children()
+        ]
         try:
             with preserve_modes(pl_module, mode=False), torch.no_grad():
                 if example is not None:
@@ -562,12 +589,16 @@ class QuantCallback(Callback):
             return None
         with contextlib.suppress(TypeError):  # no len(): the peek tells
             if len(data) == 0:  # type: ignore[arg-type]
-                raise ValueError("QuantCallback: calib_dataloader is empty (len 0); calibration needs at least one batch")
+                raise ValueError(
+                    "QuantCallback: calib_dataloader is empty (len 0); calibration needs at least one batch"
+                )
         iterator = iter(data)
         try:
             first = next(iterator)
         except StopIteration:
-            raise ValueError("QuantCallback: calib_dataloader yielded no batch; calibration needs at least one") from None
+            raise ValueError(
+                "QuantCallback: calib_dataloader yielded no batch; calibration needs at least one"
+            ) from None
         if iterator is data:  # a one-shot iterator: the batch peeked at is still calibrated on
             self.calib_dataloader = itertools.chain([first], iterator)
         bad = _non_finite(first)
@@ -616,7 +647,9 @@ class QuantCallback(Callback):
                 if isinstance(m, _BN_TYPES) and m.training:
                     m.eval()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.mode != "qat":
             return
         self._batches_seen += 1
@@ -683,7 +716,9 @@ class QuantCallback(Callback):
         for q in done:
             q.disable_observer()
         self._pending = [q for q, r in zip(self._pending, reached, strict=True) if not r]
-        rank_zero_info(f"QuantCallback: observers fixed after batch {self._batches_seen} for {sorted({q.where for q in done})}")
+        rank_zero_info(
+            f"QuantCallback: observers fixed after batch {self._batches_seen} for {sorted({q.where for q in done})}"
+        )
 
     # ------------------------------------------------------------------------------------------- evaluation stages
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -776,7 +811,11 @@ class QuantCallback(Callback):
 
     def _model_calibrated(self, pl_module: LightningModule) -> bool:
         quantizers = [q for _, q in iter_quantizers(pl_module)]
-        return bool(quantizers) and all(_ready(q) for q in quantizers) and all(bool(q.fake_quant_enabled) for q in quantizers)
+        return (
+            bool(quantizers)
+            and all(_ready(q) for q in quantizers)
+            and all(bool(q.fake_quant_enabled) for q in quantizers)
+        )
 
     def _needs_calibration(self, pl_module: LightningModule) -> bool:
         """PTQ before evaluation: not when this callback calibrated (or restored the calibration of) this very module
@@ -811,12 +850,16 @@ class QuantCallback(Callback):
                 observer.reset_state()
         forward_loop = None
         if self.calib_forward is not None:
+
             def forward_loop(model: nn.Module, batches: Iterable[Any] = batches) -> None:  # noqa: E306
                 for batch in batches:
                     self.calib_forward(model, trainer.strategy.batch_to_device(_as_trained(trainer, batch)))  # type: ignore[misc]
+
             self.quantizer.calibrate(pl_module, forward_loop=forward_loop)
         else:  # in the module's dtype, as its training batches (precision="64-true" / "bf16-true")
-            self.quantizer.calibrate(pl_module, (as_model_input(pl_module, _as_trained(trainer, batch)) for batch in batches))
+            self.quantizer.calibrate(
+                pl_module, (as_model_input(pl_module, _as_trained(trainer, batch)) for batch in batches)
+            )
         sync_observers(pl_module)
         self.calibrated = True
         self._calibrated_for = weakref.ref(pl_module)
@@ -831,7 +874,9 @@ class QuantCallback(Callback):
         search = self.mixed_precision
         assert search is not None
         data = self._calibration_data(trainer, pl_module)
-        batches = [trainer.strategy.batch_to_device(_as_trained(trainer, b)) for b in itertools.islice(data, search.batches)]
+        batches = [
+            trainer.strategy.batch_to_device(_as_trained(trainer, b)) for b in itertools.islice(data, search.batches)
+        ]
         if not batches:
             raise ValueError("QuantCallback(mixed_precision=...): the calibration data yielded no batch")
         if self.calib_forward is not None:
@@ -847,7 +892,9 @@ class QuantCallback(Callback):
         self.quantizer.prepare(pl_module)
         _keep_out_of_ddp_broadcast(pl_module)
         bits = average_bits(choice, sensitivities)
-        rank_zero_info(f"QuantCallback: mixed precision at {bits:.3f} weight bits per parameter, scales counted\n{format_plans(plans)}")
+        rank_zero_info(
+            f"QuantCallback: mixed precision at {bits:.3f} weight bits per parameter, scales counted\n{format_plans(plans)}"
+        )
         if trainer.is_global_zero:
             folder = Path(trainer.log_dir or trainer.default_root_dir)
             write_sensitivity_csv(folder / "sensitivity.csv", sensitivities, choice)
@@ -901,7 +948,9 @@ class QuantCallback(Callback):
         if self.monitor is None or self.fp32_metric is None or self.monitor not in trainer.callback_metrics:
             return
         quantized = float(trainer.callback_metrics[self.monitor])
-        self._log(trainer, {f"quant/{self.monitor}_fp32": self.fp32_metric, f"quant/{self.monitor}_quantized": quantized})
+        self._log(
+            trainer, {f"quant/{self.monitor}_fp32": self.fp32_metric, f"quant/{self.monitor}_quantized": quantized}
+        )
 
     @torch.no_grad()
     def _log_report(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
@@ -913,10 +962,16 @@ class QuantCallback(Callback):
             if batch is not None:
                 with preserve_modes(pl_module, mode=False):  # per module: a frozen BatchNorm stays in eval
                     batch = trainer.strategy.batch_to_device(_as_trained(trainer, batch))
-                    run = (lambda m: self.calib_forward(m, batch)) if self.calib_forward else self._report_feed(pl_module, batch)
+                    run = (
+                        (lambda m: self.calib_forward(m, batch))
+                        if self.calib_forward
+                        else self._report_feed(pl_module, batch)
+                    )
                     if run is not None:
                         with no_kv_cache(pl_module):  # a measurement, not generation: as calibration's forwards
-                            metrics.update({f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()})
+                            metrics.update(
+                                {f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()}
+                            )
             # while paused: a quantizer no forward has reached yet (no qparams) is off, so its layer counts as float
             quantized_bits, float_bits = model_size_bits(pl_module)
         metrics.update({"quant/model_size_bits": float(quantized_bits), "quant/fp32_size_bits": float(float_bits)})
@@ -936,14 +991,20 @@ class QuantCallback(Callback):
     # ------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         return {
-            "mode": self.mode, "config": self.config.to_dict(), "calibrated": self.calibrated,
-            "fp32_metric": self.fp32_metric, "batches_seen": self._batches_seen, "graph_inputs": self._graph_inputs,
+            "mode": self.mode,
+            "config": self.config.to_dict(),
+            "calibrated": self.calibrated,
+            "fp32_metric": self.fp32_metric,
+            "batches_seen": self._batches_seen,
+            "graph_inputs": self._graph_inputs,
             "quantizer_lr0": [split.source_lr0 for split in self._lr_splits],
-        }  # fmt: skip
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("mode") != self.mode:
-            rank_zero_warn(f"QuantCallback: the checkpoint was written in mode={state_dict.get('mode')!r}, resuming in {self.mode!r}")
+            rank_zero_warn(
+                f"QuantCallback: the checkpoint was written in mode={state_dict.get('mode')!r}, resuming in {self.mode!r}"
+            )
         self.calibrated = bool(state_dict.get("calibrated", False))
         self.fp32_metric = state_dict.get("fp32_metric")
         if "batches_seen" in state_dict:
@@ -966,7 +1027,9 @@ class QuantCallback(Callback):
         elif isinstance(state, dict) and state.get("calibrated"):
             self._calibrated_for = weakref.ref(pl_module)  # the qparams of that calibration were restored
 
-    def _check_float_optimizer_state(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def _check_float_optimizer_state(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         """QAT from a float checkpoint with learnable quantizers: the float optimizer state has no entry for their
         thresholds, so an optimizer over ``self.parameters()`` cannot take it; say so before torch's size mismatch."""
         if self.mode != "qat" or trainer.state.fn != TrainerFn.FITTING or not checkpoint.get("optimizer_states"):
@@ -1029,7 +1092,18 @@ def _checkpoint_safe_globals() -> list[Any]:
         from omegaconf.nodes import AnyNode
     except ImportError:  # pragma: no cover - omegaconf is a dependency
         return []
-    return [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any, dict, list, int, collections.defaultdict]
+    return [
+        DictConfig,
+        ListConfig,
+        ContainerMetadata,
+        Metadata,
+        AnyNode,
+        typing.Any,
+        dict,
+        list,
+        int,
+        collections.defaultdict,
+    ]
 
 
 _IF_TRUSTED = (
@@ -1055,7 +1129,9 @@ def _unpickler_detail(message: str) -> str:
     return "refused by torch.load(weights_only=True)"
 
 
-def read_checkpoint(path: str, map_location: Any = "cpu", name: str | None = None, if_trusted: str = _IF_TRUSTED) -> Any:
+def read_checkpoint(
+    path: str, map_location: Any = "cpu", name: str | None = None, if_trusted: str = _IF_TRUSTED
+) -> Any:
     """``torch.load(path, weights_only=True)`` of a user's file (plus the omegaconf containers Lightning stores as
     hyper-parameters): no code in it runs. A file it refuses, or cannot read, is a ValueError naming it (``name``,
     default the path) and what it tried to create, with ``if_trusted`` (how to write a loadable file); no message
@@ -1068,7 +1144,9 @@ def read_checkpoint(path: str, map_location: Any = "cpu", name: str | None = Non
     except pickle.UnpicklingError as err:
         refused = _refused_object(str(err))
         if refused is None:
-            raise ValueError(f"{name} is not a checkpoint torch.load can read ({_unpickler_detail(str(err))})") from None
+            raise ValueError(
+                f"{name} is not a checkpoint torch.load can read ({_unpickler_detail(str(err))})"
+            ) from None
         raise ValueError(
             f"{name} was refused: it holds objects other than tensors and plain containers (it tried to load "
             f"{refused}); unpickling those can run code, so the file is read with torch.load(weights_only=True) only "
@@ -1101,7 +1179,9 @@ def _example_value(spec: Any, where: str, device: torch.device) -> Any:
         spec = {"shape": spec[0], "dtype": spec[1]}
     if not isinstance(spec, dict) or not ({"shape", "value"} & set(spec)):
         kind = spec.get("unsupported") if isinstance(spec, dict) else type(spec).__name__
-        raise ValueError(f"{where}: the recorded argument is a {kind}, which cannot be recreated to recapture the graph")
+        raise ValueError(
+            f"{where}: the recorded argument is a {kind}, which cannot be recreated to recapture the graph"
+        )
     if "value" in spec:
         return spec["value"]
     dtype = getattr(torch, spec["dtype"])
@@ -1113,7 +1193,9 @@ def _prepare_graphs_like(model: nn.Module, quantizer: ModelQuantizer, inputs: di
     """Graph mode: capture the children the callback captured, called as they were (positional and keyword
     arguments), on tensors of the recorded shapes and dtypes."""
     if not inputs:
-        raise ValueError(f"{path} is a graph-mode checkpoint without the captured children's input shapes (written by an older version?)")
+        raise ValueError(
+            f"{path} is a graph-mode checkpoint without the captured children's input shapes (written by an older version?)"
+        )
     for name, spec in inputs.items():
         child = getattr(model, name)
         device = next((p.device for p in child.parameters()), torch.device("cpu"))
@@ -1137,7 +1219,9 @@ class _FoldForCheckpoint:
             graph.fold_and_equalize(module, self.config, structure_only=True)
 
 
-def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_location: Any = "cpu", freeze: bool = True) -> nn.Module:
+def load_quantized_checkpoint(
+    model: nn.Module, checkpoint_path: str, map_location: Any = "cpu", freeze: bool = True
+) -> nn.Module:
     """Load a checkpoint written with QuantCallback into a fresh (float) ``model`` for inference, without a Trainer.
 
     The file is read with ``torch.load(weights_only=True)`` (a file holding other objects is refused with a
@@ -1149,7 +1233,9 @@ def load_quantized_checkpoint(model: nn.Module, checkpoint_path: str, map_locati
         raise ValueError(f"{checkpoint_path} is not a Lightning checkpoint (no state_dict)")
     states = [v for k, v in (checkpoint.get("callbacks") or {}).items() if str(k).startswith("QuantCallback")]
     if not states:
-        raise ValueError(f"{checkpoint_path} holds no QuantCallback state; was it written by a Trainer with QuantCallback?")
+        raise ValueError(
+            f"{checkpoint_path} holds no QuantCallback state; was it written by a Trainer with QuantCallback?"
+        )
     quantizer = ModelQuantizer(config_from_stored(states[0]["config"]))
     state = {k: v for k, v in checkpoint["state_dict"].items() if k != QUANTIZED_CHECKPOINT_KEY}
     if not any(isinstance(m, QuantMixin) for m in model.modules()):

@@ -42,7 +42,10 @@ def _extend_scheduler(scheduler: Any, groups_before: int, source: int) -> None:
 
 
 def split_quantizer_groups(
-    optimizers: Sequence[torch.optim.Optimizer], params: Iterable[nn.Parameter], lr: float, schedulers: Sequence[Any] = ()
+    optimizers: Sequence[torch.optim.Optimizer],
+    params: Iterable[nn.Parameter],
+    lr: float,
+    schedulers: Sequence[Any] = (),
 ) -> list[_Split]:
     """Move ``params`` out of their groups into one new group per optimizer holding any of them, at ``lr``, with
     ``weight_decay=0`` and the other options (betas, eps, momentum...) of the first group they came from. Groups

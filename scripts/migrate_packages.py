@@ -77,13 +77,13 @@ if __name__ == "__main__":
     main()
 '''
 
-WRAPPER = '''{docstring}
+WRAPPER = """{docstring}
 
 from quark_lightning.train import main
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def git(*args: str) -> None:
@@ -144,7 +144,9 @@ def rewrite(text: str, names: dict[str, set[str]]) -> str:
     for pkg, mods in names.items():
         alternatives = "|".join(sorted(mods, key=len, reverse=True))
         text = re.sub(rf"(?<![\w./-]){pkg}\.({alternatives})\b", rf"{PACKAGE}.{pkg}.\1", text)
-        text = re.sub(rf"^(\s*)(from|import) {pkg}(\s+import\b|\s*$|\s*#)", rf"\1\2 {PACKAGE}.{pkg}\3", text, flags=re.M)
+        text = re.sub(
+            rf"^(\s*)(from|import) {pkg}(\s+import\b|\s*$|\s*#)", rf"\1\2 {PACKAGE}.{pkg}\3", text, flags=re.M
+        )
         text = re.sub(rf"(?<![\w./-]){pkg}/", f"{PACKAGE}/{pkg}/", text)
     return text
 
@@ -216,7 +218,7 @@ def fix_pyproject() -> None:
     """packages.find: quark_lightning* instead of app* / tasks*; the console script quark-lightning."""
     path = ROOT / "pyproject.toml"
     text = path.read_text()
-    new = re.sub(r'include = \[[^\]]*\]', 'include = ["quark*", "callbacks*", "quark_lightning*"]', text, count=1)
+    new = re.sub(r"include = \[[^\]]*\]", 'include = ["quark*", "callbacks*", "quark_lightning*"]', text, count=1)
     if "[project.scripts]" not in new:
         new = new.replace(
             "\n[project.optional-dependencies]",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the checks CI runs: the documentation site built with warnings as errors
-# (mkdocs build --strict, into a temporary folder), ruff, the layer contracts (lint-imports, configured in
+# (mkdocs build --strict, into a temporary folder), ruff (lint, and the formatter in check mode), the layer contracts (lint-imports, configured in
 # pyproject.toml), then the fast test suite (pytest -m "not slow").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +10,6 @@ SITE="$(mktemp -d)"
 trap 'rm -rf "$SITE"' EXIT
 NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$SITE"
 "$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
 "$VENV/bin/lint-imports"
 "$VENV/bin/python" -m pytest -m "not slow" -q "$@"

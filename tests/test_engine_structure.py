@@ -143,12 +143,16 @@ def test_names_imported_from_api_stay_importable_there() -> None:
     """The split moved resolution, coverage and batch feeding out of api.py; what users import from it stays."""
     api = importlib.import_module("quark.torch.quantization.api")
     homes = {
-        "LayerPlan": "resolve", "unmatched_names": "resolve", "format_plans": "resolve", "qparams_source": "resolve",
-        "activation_axes_to_check": "resolve", "check_activation_shapes": "resolve", "run_batch": "batches",
+        "LayerPlan": "resolve",
+        "unmatched_names": "resolve",
+        "format_plans": "resolve",
+        "qparams_source": "resolve",
+        "activation_axes_to_check": "resolve",
+        "check_activation_shapes": "resolve",
+        "run_batch": "batches",
         "uncalibrated_layers": "coverage",
-    }  # fmt: skip
+    }
     for name, home in homes.items():
         module = importlib.import_module(f"quark.torch.quantization.{home}")
         assert getattr(api, name) is getattr(module, name), name
     assert api.ModelQuantizer.__module__ == "quark.torch.quantization.api"
-

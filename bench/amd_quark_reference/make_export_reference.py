@@ -55,9 +55,15 @@ OUT = HERE / "exports"
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -70,8 +76,10 @@ def schemes() -> dict[str, QLayerConfig | dict]:
     uint4_g32 = Uint4PerGroupSpec(ch_axis=1, group_size=32).to_quantization_spec()
 
     def mx(helper: type) -> QLayerConfig:  # 0.13's import refuses dynamic weights: static weights, dynamic inputs
-        return QLayerConfig(weight=helper(ch_axis=-1, is_dynamic=False).to_quantization_spec(),
-                            input_tensors=helper(ch_axis=-1).to_quantization_spec())  # fmt: skip
+        return QLayerConfig(
+            weight=helper(ch_axis=-1, is_dynamic=False).to_quantization_spec(),
+            input_tensors=helper(ch_axis=-1).to_quantization_spec(),
+        )
 
     return {
         "w8a8_int8": QLayerConfig(weight=int8_w, input_tensors=int8_a),
@@ -81,16 +89,26 @@ def schemes() -> dict[str, QLayerConfig | dict]:
         "w_mxfp6e3m2_a_mxfp6e3m2": mx(OCP_MXFP6E3M2Spec),
         "w_mxfp6e2m3_a_mxfp6e2m3": mx(OCP_MXFP6E2M3Spec),
         "w_mxfp8e4m3_a_mxfp8e4m3": mx(OCP_MXFP8E4M3Spec),
-        "w8a8_int8_dynamic": QLayerConfig(weight=int8_w, input_tensors=Int8PerTensorSpec(symmetric=True, is_dynamic=True).to_quantization_spec()),
-        "w8a8_uint8_asym": QLayerConfig(weight=Uint8PerChannelSpec(ch_axis=0, symmetric=False).to_quantization_spec(),
-                                        input_tensors=Uint8PerTensorSpec(symmetric=False).to_quantization_spec()),
+        "w8a8_int8_dynamic": QLayerConfig(
+            weight=int8_w, input_tensors=Int8PerTensorSpec(symmetric=True, is_dynamic=True).to_quantization_spec()
+        ),
+        "w8a8_uint8_asym": QLayerConfig(
+            weight=Uint8PerChannelSpec(ch_axis=0, symmetric=False).to_quantization_spec(),
+            input_tensors=Uint8PerTensorSpec(symmetric=False).to_quantization_spec(),
+        ),
         "w_int4_per_channel": QLayerConfig(weight=Int4PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec()),
-        "w_int8_g32": QLayerConfig(weight=Int8PerGroupSpec(ch_axis=1, group_size=32, symmetric=True).to_quantization_spec()),
-        "w_fp8_per_channel_a_fp8": QLayerConfig(weight=FP8E4M3PerChannelSpec(ch_axis=0).to_quantization_spec(), input_tensors=fp8),
+        "w_int8_g32": QLayerConfig(
+            weight=Int8PerGroupSpec(ch_axis=1, group_size=32, symmetric=True).to_quantization_spec()
+        ),
+        "w_fp8_per_channel_a_fp8": QLayerConfig(
+            weight=FP8E4M3PerChannelSpec(ch_axis=0).to_quantization_spec(), input_tensors=fp8
+        ),
         # a layer_quant_config entry replaces the whole config: down_proj gets uint4 weights and no input quantizer
-        "w8a8_int8_down_proj_w_uint4": {"global_quant_config": QLayerConfig(weight=int8_w, input_tensors=int8_a),
-                                        "layer_quant_config": {"*down_proj": QLayerConfig(weight=uint4_g32)}},
-    }  # fmt: skip
+        "w8a8_int8_down_proj_w_uint4": {
+            "global_quant_config": QLayerConfig(weight=int8_w, input_tensors=int8_a),
+            "layer_quant_config": {"*down_proj": QLayerConfig(weight=uint4_g32)},
+        },
+    }
 
 
 def main(names: list[str]) -> None:
@@ -119,11 +137,17 @@ def main(names: list[str]) -> None:
         with torch.no_grad():
             logits_reimported = reimported(input_ids=eval_ids).logits
         torch.save(
-            {"calib": calib, "eval_ids": eval_ids, "logits_quantized": logits_quantized,
-             "logits_reimported": logits_reimported, "amd_quark": "0.13",
-             "torch": str(torch.__version__), "transformers": str(transformers.__version__)},
+            {
+                "calib": calib,
+                "eval_ids": eval_ids,
+                "logits_quantized": logits_quantized,
+                "logits_reimported": logits_reimported,
+                "amd_quark": "0.13",
+                "torch": str(torch.__version__),
+                "transformers": str(transformers.__version__),
+            },
             target / "reference.pt",
-        )  # fmt: skip
+        )
         files = sorted(p.name for p in target.iterdir())
         diff = float((logits_quantized - logits_reimported).abs().max())
         print(f"{name}: {files}; re-import max |logits diff| {diff:.3g}")

@@ -45,18 +45,26 @@ def main() -> None:
     for obs in (PerTensorPowOf2MinMaxObserver, PerTensorPowOf2MinMSEObserver, PerChannelPowOf2MinMaxObserver):
         for dtype, symmetric, shift in ((Dtype.int8, True, 0.0), (Dtype.uint8, False, 0.4), (Dtype.int8, False, -0.3)):
             per_channel = obs is PerChannelPowOf2MinMaxObserver
-            spec = QTensorConfig(dtype=dtype, observer_cls=obs, symmetric=symmetric, scale_type=ScaleType.float,
-                                 round_method=RoundType.half_even, is_dynamic=False,
-                                 qscheme=QSchemeType.per_channel if per_channel else QSchemeType.per_tensor,
-                                 ch_axis=0 if per_channel else None)  # fmt: skip
+            spec = QTensorConfig(
+                dtype=dtype,
+                observer_cls=obs,
+                symmetric=symmetric,
+                scale_type=ScaleType.float,
+                round_method=RoundType.half_even,
+                is_dynamic=False,
+                qscheme=QSchemeType.per_channel if per_channel else QSchemeType.per_tensor,
+                ch_axis=0 if per_channel else None,
+            )
             observer = obs(spec)
             xs = batches((6, 40) if per_channel else (64, 33), shift)
             for x in xs:  # as amd-quark's StaticScaledFakeQuantize: qparams recomputed after every observed tensor
                 observer(x)
                 scale, zp = observer._calculate_qparams()
             cases[f"{obs.__name__}-{dtype.name}-{'sym' if symmetric else 'asym'}"] = {
-                "inputs": xs, "scale": scale.detach().float().reshape(-1), "zero_point": zp.detach().to(torch.int32).reshape(-1),
-            }  # fmt: skip
+                "inputs": xs,
+                "scale": scale.detach().float().reshape(-1),
+                "zero_point": zp.detach().to(torch.int32).reshape(-1),
+            }
     torch.save(cases, HERE / "reference_pow2_observers.pt")
     for name, case in cases.items():
         print(name, case["scale"][:3].tolist(), case["zero_point"][:3].tolist())

@@ -80,7 +80,9 @@ def rnn_kernel(name: str) -> Callable[..., Any]:
 def rnn_flat_weight_names(module: nn.Module) -> list[str]:
     """``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``'s ``_flat_weights_names``: its weight and bias names in the fused
     kernel's order (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``, ...). Checked on torch 2.11, 2.13."""
-    return list(_private(module, "_flat_weights_names", f"quantizing {type(module).__name__}", "RNNBase._flat_weights_names"))
+    return list(
+        _private(module, "_flat_weights_names", f"quantizing {type(module).__name__}", "RNNBase._flat_weights_names")
+    )
 
 
 def module_twin(module: nn.Module, cls: type[M], drop: Iterable[str] = ()) -> M:
@@ -128,7 +130,12 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 
 def fake_quantize_learnable_backward(
-    grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    qmin: int,
+    qmax: int,
     grad_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_scale, grad_zero_point) of per-tensor learnable fake quantization (LSQ's straight-through
@@ -164,7 +171,9 @@ def inplace_overload(op: Any) -> Any | None:
     """The in-place form of the aten ``OpOverload`` ``op`` (``aten.sigmoid.default`` -> ``aten.sigmoid_.default``),
     None when aten has none or ``op`` is not an OpOverload; reads ``torch._ops.OpOverload`` and its ``_schema`` /
     ``_overloadname``. Checked on torch 2.11, 2.13."""
-    overload_class = _private(_private(torch, "_ops", "graph mode rules", "torch._ops"), "OpOverload", "graph mode rules")
+    overload_class = _private(
+        _private(torch, "_ops", "graph mode rules", "torch._ops"), "OpOverload", "graph mode rules"
+    )
     if not isinstance(op, overload_class):
         return None
     schema = _private(op, "_schema", "graph mode rules", "OpOverload._schema")

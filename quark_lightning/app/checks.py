@@ -50,7 +50,9 @@ def check_plain_keys(cfg: DictConfig) -> None:
         raise ConfigError(f"ckpt_path={ckpt!r} must be null or the path of a checkpoint file")
     export = data.get("export")
     if export is not None and not (isinstance(export, list) and all(isinstance(f, str) for f in export)):
-        raise ConfigError(f"export={export!r} must be a list of format names, e.g. export=[onnx] or export=[safetensors,quark]")
+        raise ConfigError(
+            f"export={export!r} must be a list of format names, e.g. export=[onnx] or export=[safetensors,quark]"
+        )
     metric = data.get("metric")
     if isinstance(metric, dict) and not isinstance(metric.get("name"), str):
         raise ConfigError(f"metric.name={metric.get('name')!r} must be the name of a logged metric (a string)")
@@ -163,7 +165,9 @@ def check_activations(prepared: nn.Module | None, datamodule: Any, feedable: Cal
     try:
         batch = next(iter(datamodule.train_dataloader()))
     except StopIteration:
-        raise ValueError("the train dataloader yielded no batch (calibration and the activation checks need one)") from None
+        raise ValueError(
+            "the train dataloader yielded no batch (calibration and the activation checks need one)"
+        ) from None
     return check_activation_shapes(prepared, lambda m: run_batch(m, feedable(m, batch)))
 
 
@@ -176,7 +180,14 @@ def warnings_logged_once(logger_name: str = "py.warnings") -> Iterator[None]:
     log = logging.getLogger(logger_name)
     seen: set[str] = set()
 
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: str | None = None) -> None:
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
         text = f"{category.__name__}: {message}"
         if text not in seen:
             seen.add(text)

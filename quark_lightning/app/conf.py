@@ -71,12 +71,18 @@ class QuantFlow:
     qat_lr_scale: float = 0.25
     freeze_bn_epoch: int | None = None
     quantizer_lr: float | None = None
-    layer_bits: dict[str, int | str] | None = None  # per layer (group): weight width or spec name; quark_lightning/app/layer_bits.py
-    candidates: list[str] | None = None  # mixed precision: spec presets a layer's weight may take (quark_lightning/app/mixed.py)
+    layer_bits: dict[str, int | str] | None = (
+        None  # per layer (group): weight width or spec name; quark_lightning/app/layer_bits.py
+    )
+    candidates: list[str] | None = (
+        None  # mixed precision: spec presets a layer's weight may take (quark_lightning/app/mixed.py)
+    )
     target_bits: float | None = None  # mixed precision: average weight bits per parameter, scales counted
     sensitivity: str = "kl"  # mixed precision: kl | mse | hessian
     sensitivity_batches: int = 8
-    sensitivity_csv: str | None = None  # mixed precision: allocate from an earlier run's sensitivity.csv, no measurement
+    sensitivity_csv: str | None = (
+        None  # mixed precision: allocate from an earlier run's sensitivity.csv, no measurement
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,14 +94,18 @@ class QuantFlow:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16):
                 raise QuantConfigError(f"quant.{key}={value!r} must be null or an int in 2..16")
         for key, minimum, optional in (
-            ("calib_batches", 1, True), ("observer_steps", 1, False), ("qat_epochs", 1, False),
+            ("calib_batches", 1, True),
+            ("observer_steps", 1, False),
+            ("qat_epochs", 1, False),
             ("freeze_bn_epoch", 0, True),
-        ):  # fmt: skip
+        ):
             value = getattr(self, key)
             if value is None and optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise QuantConfigError(f"quant.{key}={value!r} must be {'null or ' if optional else ''}an int >= {minimum}")
+                raise QuantConfigError(
+                    f"quant.{key}={value!r} must be {'null or ' if optional else ''}an int >= {minimum}"
+                )
         scale = self.qat_lr_scale
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < float("inf"):
             raise QuantConfigError(f"quant.qat_lr_scale={scale!r} must be a finite number > 0")
@@ -123,7 +133,9 @@ def candidate_specs(names: Iterable[str], spec_dir: Path = SPEC_DIR) -> dict[str
         if name not in allowed:
             close = difflib.get_close_matches(str(name), allowed, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
-            raise QuantConfigError(f"quant.candidates: {name!r} is not a spec preset of conf/quant/spec; allowed: {allowed}{hint}")
+            raise QuantConfigError(
+                f"quant.candidates: {name!r} is not a spec preset of conf/quant/spec; allowed: {allowed}{hint}"
+            )
         spec = OmegaConf.to_container(OmegaConf.load(spec_dir / f"{name}.yaml"), resolve=True)
         assert isinstance(spec, dict)
         out[name] = spec
@@ -135,18 +147,28 @@ def _check_mixed(flow: QuantFlow) -> None:
     candidates spec presets, the budget a finite number no smaller than the fewest element bits of a candidate."""
     candidates, bits = flow.candidates, flow.target_bits
     if flow.sensitivity not in SENSITIVITY_METHODS:
-        raise QuantConfigError(f"quant.sensitivity={flow.sensitivity!r} is not allowed; allowed: {list(SENSITIVITY_METHODS)}")
+        raise QuantConfigError(
+            f"quant.sensitivity={flow.sensitivity!r} is not allowed; allowed: {list(SENSITIVITY_METHODS)}"
+        )
     batches = flow.sensitivity_batches
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         raise QuantConfigError(f"quant.sensitivity_batches={batches!r} must be an int >= 1")
     if flow.sensitivity_csv is not None and not isinstance(flow.sensitivity_csv, str):
-        raise QuantConfigError(f"quant.sensitivity_csv={flow.sensitivity_csv!r} must be null or the path of a sensitivity.csv")
+        raise QuantConfigError(
+            f"quant.sensitivity_csv={flow.sensitivity_csv!r} must be null or the path of a sensitivity.csv"
+        )
     if candidates is None and bits is None:
         if flow.sensitivity_csv is not None:
-            raise QuantConfigError("quant.sensitivity_csv is set but quant.target_bits / quant.candidates are null (use quant=mixed_auto)")
+            raise QuantConfigError(
+                "quant.sensitivity_csv is set but quant.target_bits / quant.candidates are null (use quant=mixed_auto)"
+            )
         return
-    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int | float) or not 0 < bits < float("inf")):
-        raise QuantConfigError(f"quant.target_bits={bits!r} must be a finite number > 0 (average weight bits per parameter)")
+    if bits is not None and (
+        isinstance(bits, bool) or not isinstance(bits, int | float) or not 0 < bits < float("inf")
+    ):
+        raise QuantConfigError(
+            f"quant.target_bits={bits!r} must be a finite number > 0 (average weight bits per parameter)"
+        )
     if candidates is None or bits is None:
         given, missing = ("target_bits", "candidates") if candidates is None else ("candidates", "target_bits")
         raise QuantConfigError(
@@ -154,11 +176,15 @@ def _check_mixed(flow: QuantFlow) -> None:
             "(quant=mixed_auto sets them; e.g. quant.target_bits=3 quant.candidates=[int2_per_channel_sym,int4_per_channel_sym])"
         )
     if not isinstance(candidates, list | tuple) or not candidates or not all(isinstance(c, str) for c in candidates):
-        raise QuantConfigError(f"quant.candidates={candidates!r} must be a non-empty list of spec presets of conf/quant/spec: {spec_names()}")
+        raise QuantConfigError(
+            f"quant.candidates={candidates!r} must be a non-empty list of spec presets of conf/quant/spec: {spec_names()}"
+        )
     if len(set(candidates)) != len(candidates):
         raise QuantConfigError(f"quant.candidates={list(candidates)} names a spec twice")
     if flow.mode != "ptq":
-        raise QuantConfigError(f"quant.target_bits (mixed precision) chooses formats after training: it needs quant.mode=ptq, not {flow.mode!r}")
+        raise QuantConfigError(
+            f"quant.target_bits (mixed precision) chooses formats after training: it needs quant.mode=ptq, not {flow.mode!r}"
+        )
     if flow.weight_bits is not None:
         raise QuantConfigError(
             f"quant.weight_bits={flow.weight_bits} sets one width for every weight, while quant.target_bits chooses one per "
@@ -186,7 +212,9 @@ def _check_layer_bits(layer_bits: Any) -> None:
     if layer_bits is None:
         return
     if not isinstance(layer_bits, dict):
-        raise QuantConfigError(f"quant.layer_bits={layer_bits!r} must be a mapping of layer (group) names to bit widths")
+        raise QuantConfigError(
+            f"quant.layer_bits={layer_bits!r} must be a mapping of layer (group) names to bit widths"
+        )
     specs = sorted(p.stem for p in SPEC_DIR.glob("*.yaml"))
     for key, value in layer_bits.items():
         width = isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 16
@@ -273,7 +301,9 @@ def _check_mixed_config(config: Config, data: dict[str, Any]) -> None:
     if data.get("brevitas") is not None:
         raise QuantConfigError("quant.brevitas and quant.target_bits (mixed precision) are both set; use one")
     if config.quant_mode == QuantizationMode.fx_graph_mode:
-        raise QuantConfigError("quant.target_bits (mixed precision) works on the module's own layers: quant.quant_mode must be eager_mode")
+        raise QuantConfigError(
+            "quant.target_bits (mixed precision) works on the module's own layers: quant.quant_mode must be eager_mode"
+        )
     for key in ("algo_config", "pre_quant_opt_config"):
         if data.get(key) is not None:
             raise QuantConfigError(
@@ -289,7 +319,9 @@ def _from_brevitas(brevitas: dict[str, Any], config_dict: dict[str, Any]) -> dic
 
     roles = [r for r, v in (config_dict.get("global_quant_config") or {}).items() if v is not None]
     if roles or config_dict.get("layer_type_quant_config") or config_dict.get("layer_quant_config"):
-        raise QuantConfigError(f"quant.brevitas and quant.global_quant_config ({roles}) / layer configs are both set; use one")
+        raise QuantConfigError(
+            f"quant.brevitas and quant.global_quant_config ({roles}) / layer configs are both set; use one"
+        )
     try:
         return to_quark_config(BrevitasConfig.from_dict(brevitas)).to_dict()
     except (ValueError, TypeError) as err:

@@ -63,7 +63,9 @@ def assign(layer_bits: dict[str, Any], names: list[str]) -> dict[str, tuple[str,
             out[name] = (keys[0], layer_bits[keys[0]])
         else:
             settings = ", ".join(f"quant.layer_bits.{k}={layer_bits[k]!r}" for k in keys)
-            raise QuantConfigError(f"{settings} all set layer {name} and none is narrower; name that layer (group) more specifically")
+            raise QuantConfigError(
+                f"{settings} all set layer {name} and none is narrower; name that layer (group) more specifically"
+            )
     return out
 
 
@@ -82,7 +84,9 @@ def apply_layer_bits(config: Config, model: nn.Module, layer_bits: dict[str, Any
         if isinstance(value, str):
             spec = OmegaConf.to_container(OmegaConf.load(SPEC_DIR / f"{value}.yaml"))
         elif qconfig.get("weight") is None:
-            raise QuantConfigError(f"{where}: the preset leaves this layer's weight float; give a spec name (e.g. int8_per_channel_sym)")
+            raise QuantConfigError(
+                f"{where}: the preset leaves this layer's weight float; give a spec name (e.g. int8_per_channel_sym)"
+            )
         else:
             spec = with_bits(qconfig["weight"], value, where)
         entries[name] = {**qconfig, "weight": spec}

@@ -58,9 +58,16 @@ from quark_lightning.app.conf import (
 )
 
 __all__ = [
-    "candidate_configs", "check_before_training", "choose", "preset_dict", "write_preset", "plot_bits", "run_mixed",
-    "read_sensitivity_csv", "PRESET_NAME",
-]  # fmt: skip
+    "candidate_configs",
+    "check_before_training",
+    "choose",
+    "preset_dict",
+    "write_preset",
+    "plot_bits",
+    "run_mixed",
+    "read_sensitivity_csv",
+    "PRESET_NAME",
+]
 
 log = logging.getLogger(__name__)
 PRESET_NAME = "mixed_precision"  # the name the written preset reports (rename it with the file)
@@ -79,7 +86,7 @@ def candidate_configs(config: Config, flow: QuantFlow) -> dict[str, Quantization
     return {
         name: dataclasses.replace(config.global_quant_config, weight=QuantizationSpec.from_dict(spec))
         for name, spec in specs.items()
-    }  # fmt: skip
+    }
 
 
 def with_candidate(config: Config, qconfig: QuantizationConfig) -> Config:
@@ -87,7 +94,9 @@ def with_candidate(config: Config, qconfig: QuantizationConfig) -> Config:
     return dataclasses.replace(copy.deepcopy(config), global_quant_config=qconfig)
 
 
-def weight_shapes(model: nn.Module, config: Config, candidates: dict[str, QuantizationConfig]) -> dict[str, tuple[int, ...]]:
+def weight_shapes(
+    model: nn.Module, config: Config, candidates: dict[str, QuantizationConfig]
+) -> dict[str, tuple[int, ...]]:
     """The layers whose weight the candidates quantize (model order) and their weights' [out, in...] shapes."""
     first = with_candidate(config, next(iter(candidates.values())))
     plans = [p for p in ModelQuantizer(first).resolve(model, warn=False) if p.qconfig.weight is not None]
@@ -104,21 +113,27 @@ def check_before_training(model: nn.Module, config: Config, flow: QuantFlow) -> 
     uniform = {
         name: sum(math.prod(s) * weight_bits(qc.weight, s) for s in shapes.values()) / total
         for name, qc in candidates.items()
-    }  # fmt: skip
-    cheapest = sum(math.prod(s) * min(weight_bits(qc.weight, s) for qc in candidates.values()) for s in shapes.values()) / total
+    }
+    cheapest = (
+        sum(math.prod(s) * min(weight_bits(qc.weight, s) for qc in candidates.values()) for s in shapes.values())
+        / total
+    )
     target = float(flow.target_bits or 0.0)
     if target < cheapest - 1e-9:
         raise ValueError(
             f"quant.target_bits={target:g} is below what the cheapest candidates store on {type(model).__name__}: "
             f"{cheapest:.4f} weight bits per parameter, scales counted (each candidate everywhere: "
-            + ", ".join(f"{n} {b:.4f}" for n, b in uniform.items()) + f"); allowed: >= {cheapest:.4f}"
+            + ", ".join(f"{n} {b:.4f}" for n, b in uniform.items())
+            + f"); allowed: >= {cheapest:.4f}"
         )
     if flow.sensitivity_csv is not None:
         read_sensitivity_csv(flow.sensitivity_csv, shapes, candidates)
     return uniform
 
 
-def read_sensitivity_csv(path: str | Path, shapes: dict[str, tuple[int, ...]], candidates: dict[str, QuantizationConfig]) -> list[LayerSensitivity]:
+def read_sensitivity_csv(
+    path: str | Path, shapes: dict[str, tuple[int, ...]], candidates: dict[str, QuantizationConfig]
+) -> list[LayerSensitivity]:
     """The losses of an earlier run's ``sensitivity.csv`` for these layers and candidates (bits recomputed from the
     specs); ValueError naming ``quant.sensitivity_csv`` when the file lacks a layer or a candidate, or holds other
     layers (another model)."""
@@ -141,7 +156,9 @@ def read_sensitivity_csv(path: str | Path, shapes: dict[str, tuple[int, ...]], c
     for layer, shape in shapes.items():
         absent = [c for c in candidates if c not in losses[layer]]
         if absent:
-            raise ValueError(f"{where} has no loss of candidates {absent} for layer '{layer}' (it measured {sorted(losses[layer])})")
+            raise ValueError(
+                f"{where} has no loss of candidates {absent} for layer '{layer}' (it measured {sorted(losses[layer])})"
+            )
         entry = LayerSensitivity(layer, math.prod(shape))
         for name, qc in candidates.items():
             entry.loss[name] = losses[layer][name]
@@ -154,15 +171,23 @@ def read_sensitivity_csv(path: str | Path, shapes: dict[str, tuple[int, ...]], c
 def _task_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """Cross entropy of the model's logits against the batch's targets: the loss whose Hessian HAWQ traces."""
     if not isinstance(batch, list | tuple) or len(batch) < 2:
-        raise ValueError("quant.sensitivity=hessian needs (input, target) batches, whose cross entropy it differentiates; use kl or mse")
+        raise ValueError(
+            "quant.sensitivity=hessian needs (input, target) batches, whose cross entropy it differentiates; use kl or mse"
+        )
     device = next(model.parameters()).device
     x, y = batch[0], batch[1].to(device)
     logits = model_output(run_batch(model, x, device=device)).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def choose(model: nn.Module, datamodule: Any, flow: QuantFlow, config: Config, device: torch.device | None = None,
-           convert: Callable[[Any], Any] | None = None) -> tuple[dict[str, str], list[LayerSensitivity]]:  # fmt: skip
+def choose(
+    model: nn.Module,
+    datamodule: Any,
+    flow: QuantFlow,
+    config: Config,
+    device: torch.device | None = None,
+    convert: Callable[[Any], Any] | None = None,
+) -> tuple[dict[str, str], list[LayerSensitivity]]:
     """(candidate per layer, the sensitivities) of the float ``model``, measured on the first
     ``quant.sensitivity_batches`` batches of the train loader (the calibration data), on ``device`` (the Trainer's;
     the model goes back where it was after)."""
@@ -188,9 +213,13 @@ def choose(model: nn.Module, datamodule: Any, flow: QuantFlow, config: Config, d
                 sensitivities = hessian_sensitivity(model, candidates, batches, _task_loss, base_config=config)
             else:
                 sensitivities = measure_sensitivity(
-                    model, candidates, batches, method=flow.sensitivity, base_config=config,
+                    model,
+                    candidates,
+                    batches,
+                    method=flow.sensitivity,
+                    base_config=config,
                     run=lambda m, b: run_batch(m, b, device=device),
-                )  # fmt: skip
+                )
     finally:
         model.to(home)
     choice = allocate(sensitivities, float(flow.target_bits))
@@ -230,7 +259,9 @@ def preset_dict(quant_node: dict[str, Any], config: Config, flow: QuantFlow, cho
     layers = flatten_layer_names(dict(preset.get("layer_quant_config") or {}))
     rest = {}
     if not config.inherit_roles:
-        rest = {role: spec for role, spec in plain_data(config.global_quant_config.to_dict()).items() if spec is not None}
+        rest = {
+            role: spec for role, spec in plain_data(config.global_quant_config.to_dict()).items() if spec is not None
+        }
     for layer, name in choice.items():
         layers[layer] = {**rest, "weight": copy.deepcopy(specs[name])}
     preset["layer_quant_config"] = _nest(layers)
@@ -252,11 +283,18 @@ def preset_config(preset: dict[str, Any]) -> Config:
 
 
 # ----------------------------------------------------------------------------------------------- report
-def report(flow: QuantFlow, choice: dict[str, str], sensitivities: Sequence[LayerSensitivity],
-           uniform: dict[str, float], files: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+def report(
+    flow: QuantFlow,
+    choice: dict[str, str],
+    sensitivities: Sequence[LayerSensitivity],
+    uniform: dict[str, float],
+    files: dict[str, str],
+) -> dict[str, Any]:
     """The ``mixed_precision`` block of results.json."""
     assert flow.candidates is not None
-    elements = {name: spec_bits(QuantizationSpec.from_dict(spec)) for name, spec in candidate_specs(flow.candidates).items()}
+    elements = {
+        name: spec_bits(QuantizationSpec.from_dict(spec)) for name, spec in candidate_specs(flow.candidates).items()
+    }
     table = {s.layer: s for s in sensitivities}
     total = sum(table[n].numel for n in choice) or 1
     return {
@@ -274,14 +312,21 @@ def report(flow: QuantFlow, choice: dict[str, str], sensitivities: Sequence[Laye
         },
         "predicted_loss": sum(table[n].loss[c] for n, c in choice.items()),
         "uniform": {
-            c: {"avg_bits": uniform.get(c), "predicted_loss": sum(s.loss[c] for s in sensitivities)} for c in flow.candidates
+            c: {"avg_bits": uniform.get(c), "predicted_loss": sum(s.loss[c] for s in sensitivities)}
+            for c in flow.candidates
         },
         "files": files,
-    }  # fmt: skip
+    }
 
 
-def plot_bits(path: str | Path, sensitivities: Sequence[LayerSensitivity], choice: dict[str, str], target_bits: float,
-              candidates: Sequence[str], title: str = "") -> Path:  # fmt: skip
+def plot_bits(
+    path: str | Path,
+    sensitivities: Sequence[LayerSensitivity],
+    choice: dict[str, str],
+    target_bits: float,
+    candidates: Sequence[str],
+    title: str = "",
+) -> Path:
     """``mixed_bits.png``: the chosen bits per parameter of each layer (bars coloured by candidate), then one hatched
     bar for the average of all layers, under the budget drawn as a line (so the two never hide each other, however
     close), above each candidate's measured loss per layer (log scale; the chosen one circled). The legend sits
@@ -303,7 +348,9 @@ def plot_bits(path: str | Path, sensitivities: Sequence[LayerSensitivity], choic
     top.bar(x, bits, color=[colours[choice[s.layer]] for s in layers])
     avg = average_bits(choice, layers)
     top.bar([mean_x], [avg], color="lightgrey", edgecolor="black", hatch="//", label=f"average of all layers {avg:.3f}")
-    top.annotate(f"{avg:.3f}", (mean_x, avg), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
+    top.annotate(
+        f"{avg:.3f}", (mean_x, avg), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8
+    )
     top.axhline(target_bits, color="crimson", linestyle="--", label=f"target {target_bits:g}")
     for c in candidates:
         top.bar([0], [0], color=colours[c], label=c)  # legend entries
@@ -336,8 +383,15 @@ def _measured(flow: QuantFlow) -> str:
     return f"sensitivity {flow.sensitivity} on {flow.sensitivity_batches} batches"
 
 
-def write_outputs(out: Path, quant_node: dict[str, Any], config: Config, flow: QuantFlow, choice: dict[str, str],
-                  sensitivities: Sequence[LayerSensitivity], run_name: str) -> tuple[Config, dict[str, str]]:  # fmt: skip
+def write_outputs(
+    out: Path,
+    quant_node: dict[str, Any],
+    config: Config,
+    flow: QuantFlow,
+    choice: dict[str, str],
+    sensitivities: Sequence[LayerSensitivity],
+    run_name: str,
+) -> tuple[Config, dict[str, str]]:
     """sensitivity.csv, mixed_bits.png and mixed_precision.yaml in ``out``; returns the Config of the written preset
     (what the run quantizes with) and the files' paths."""
     assert flow.candidates is not None and flow.target_bits is not None
@@ -361,14 +415,27 @@ def write_outputs(out: Path, quant_node: dict[str, Any], config: Config, flow: Q
         if s.layer in choice:
             c = choice[s.layer]
             log.info("mixed precision: %-40s %-24s %6.3f bits  loss %.3g", s.layer, c, s.bits[c], s.loss[c])
-    log.info("mixed precision: %.4f weight bits per parameter with scales (target %g, scales counted); preset %s",
-             avg, flow.target_bits, preset_path)  # the results table also gives the bits per element, without scales
+    log.info(
+        "mixed precision: %.4f weight bits per parameter with scales (target %g, scales counted); preset %s",
+        avg,
+        flow.target_bits,
+        preset_path,
+    )  # the results table also gives the bits per element, without scales
     return preset_config(preset), files
 
 
-def run_mixed(quant_node: dict[str, Any], flow: QuantFlow, config: Config, model: nn.Module, datamodule: Any, out: Path,
-              uniform: dict[str, float], run_name: str, device: torch.device | None = None,
-              convert: Callable[[Any], Any] | None = None) -> tuple[Config, dict[str, Any]]:  # fmt: skip
+def run_mixed(
+    quant_node: dict[str, Any],
+    flow: QuantFlow,
+    config: Config,
+    model: nn.Module,
+    datamodule: Any,
+    out: Path,
+    uniform: dict[str, float],
+    run_name: str,
+    device: torch.device | None = None,
+    convert: Callable[[Any], Any] | None = None,
+) -> tuple[Config, dict[str, Any]]:
     """Measure (on ``device``), allocate, write the files: (the Config to quantize with, the results.json block)."""
     choice, sensitivities = choose(model, datamodule, flow, config, device, convert)
     mixed_config, files = write_outputs(out, quant_node, config, flow, choice, sensitivities, run_name)

@@ -30,9 +30,21 @@ log = logging.getLogger(__name__)
 
 TRIAL_FILE = "trial.json"
 COLUMNS = (
-    "trial", "status", "pareto", "uniform", "metric", "value", "float", "model_bits", "model_kib", "bits_per_param",
-    "compression", "weight_formats", "error", "job",
-)  # fmt: skip
+    "trial",
+    "status",
+    "pareto",
+    "uniform",
+    "metric",
+    "value",
+    "float",
+    "model_bits",
+    "model_kib",
+    "bits_per_param",
+    "compression",
+    "weight_formats",
+    "error",
+    "job",
+)
 
 
 class ParetoFront(SweepFiles):
@@ -45,12 +57,21 @@ class ParetoFront(SweepFiles):
         out = Path(str(config.hydra.runtime.output_dir))
         status = getattr(job_return.status, "name", str(job_return.status))
         value = job_return._return_value  # return_value would raise the job's exception
-        record: dict[str, Any] = {"job": int(config.hydra.job.num), "overrides": list(job_return.overrides or []), "status": status}
+        record: dict[str, Any] = {
+            "job": int(config.hydra.job.num),
+            "overrides": list(job_return.overrides or []),
+            "status": status,
+        }
         if status == "COMPLETED":
             record["values"] = list(value) if isinstance(value, list | tuple) else value
         else:
             record["error"] = f"{type(value).__name__}: {value}"
-            log.error("trial %s failed: %s", record["job"], record["error"], exc_info=value if isinstance(value, BaseException) else None)
+            log.error(
+                "trial %s failed: %s",
+                record["job"],
+                record["error"],
+                exc_info=value if isinstance(value, BaseException) else None,
+            )
         from quark_lightning.app.rundir import write_recorded  # here: importing quark takes a second
 
         write_recorded(out, TRIAL_FILE, json.dumps(record, indent=2, default=str))  # complete or absent, recorded
@@ -64,7 +85,9 @@ class ParetoFront(SweepFiles):
         elif written := write_pareto(rows, sweep_dir):
             front = sum(r["pareto"] for r in rows)
             failed = sum(r["status"] != "ok" for r in rows)
-            print(f"pareto: {' and '.join(map(str, written))} ({len(rows)} trials, {front} on the front, {failed} failed)")
+            print(
+                f"pareto: {' and '.join(map(str, written))} ({len(rows)} trials, {front} on the front, {failed} failed)"
+            )
         super().on_multirun_end(config, **kwargs)
 
 
@@ -115,11 +138,17 @@ def _row(folder: Path, sweep_dir: Path) -> dict[str, Any]:
         value = m["quantized"] if m["quantized"] is not None else m["float"]
         n_params = size["fp32_bits"] / 32
         row.update(
-            metric=m["name"], metric_mode=m["mode"], value=value, float=m["float"], model_bits=size["quantized_bits"],
-            model_kib=round(size["quantized_bits"] / 8 / 1024, 3), bits_per_param=round(size["quantized_bits"] / n_params, 4),
+            metric=m["name"],
+            metric_mode=m["mode"],
+            value=value,
+            float=m["float"],
+            model_bits=size["quantized_bits"],
+            model_kib=round(size["quantized_bits"] / 8 / 1024, 3),
+            bits_per_param=round(size["quantized_bits"] / n_params, 4),
             compression=round(size["compression"], 3) if size.get("compression") else None,
-            weight_formats=_formats(results.get("layers") or {}), uniform=_uniform(results.get("layers") or {}),
-        )  # fmt: skip
+            weight_formats=_formats(results.get("layers") or {}),
+            uniform=_uniform(results.get("layers") or {}),
+        )
     status = trial.get("status", "COMPLETED" if results is not None else "UNKNOWN")
     if status == "COMPLETED" and results is not None and value_ok(row["value"]):
         row["status"] = "ok"
@@ -206,7 +235,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ok = [r for r in rows if r["status"] == "ok"]
     fig, ax = plt.subplots(figsize=(7.2, 4.8))
     if ok:
-        ax.scatter([r["bits_per_param"] for r in ok], [r["value"] for r in ok], s=22, color="tab:blue", alpha=0.55, label=f"trials ({len(ok)})")
+        ax.scatter(
+            [r["bits_per_param"] for r in ok],
+            [r["value"] for r in ok],
+            s=22,
+            color="tab:blue",
+            alpha=0.55,
+            label=f"trials ({len(ok)})",
+        )
         front = sorted((r for r in ok if r["pareto"]), key=lambda r: (r["bits_per_param"], r["value"]))
         xs, ys = [r["bits_per_param"] for r in front], [r["value"] for r in front]
         ax.step(xs, ys, where="post", color="tab:red", linewidth=1.6)
@@ -218,9 +254,23 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             ax.annotate(",".join(trials), xy, textcoords="offset points", xytext=(4, 4), fontsize=7, color="tab:red")
         uniform = sorted((r for r in ok if r["uniform"]), key=lambda r: r["bits_per_param"])
         if uniform:
-            ax.plot([r["bits_per_param"] for r in uniform], [r["value"] for r in uniform], "s--", color="0.15", markersize=6, linewidth=1.1, label="uniform widths")
+            ax.plot(
+                [r["bits_per_param"] for r in uniform],
+                [r["value"] for r in uniform],
+                "s--",
+                color="0.15",
+                markersize=6,
+                linewidth=1.1,
+                label="uniform widths",
+            )
             for r in uniform:
-                ax.annotate(r["uniform"], (r["bits_per_param"], r["value"]), textcoords="offset points", xytext=(4, -11), fontsize=7)
+                ax.annotate(
+                    r["uniform"],
+                    (r["bits_per_param"], r["value"]),
+                    textcoords="offset points",
+                    xytext=(4, -11),
+                    fontsize=7,
+                )
         floats = [r["float"] for r in ok if r["float"] is not None]
         if floats:
             baseline = sum(floats) / len(floats)

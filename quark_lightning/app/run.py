@@ -63,7 +63,7 @@ from quark_lightning.app.rundir import (
     run_dir_lock,
     run_files,
     write_recorded,
-)  # fmt: skip
+)
 
 try:
     import fcntl
@@ -73,7 +73,9 @@ except ImportError:  # not POSIX (Windows): runs are not locked
 _SHOWN_NAMES = 40  # layer names listed in an error message (as quant.layer_bits lists them)
 
 for _message in (
-    ".*does not have many workers.*", ".*number of training batches.*", ".*GPU available but not used.*",
+    ".*does not have many workers.*",
+    ".*number of training batches.*",
+    ".*GPU available but not used.*",
     ".*Checkpoint directory .* exists and is not empty.*",  # fp32 then ptq/qat checkpoints share the run folder
     # Lightning's own pytree helper on torch >= 2.10 (lightning/pytorch/utilities/_pytree.py), nothing a user can act on
     r"`isinstance\(treespec, LeafSpec\)` is deprecated.*",
@@ -198,7 +200,9 @@ def _run_checked(cfg: DictConfig, out: Path, start: float, take: Callable[..., N
             _load_float_weights(model, str(cfg.ckpt_path))
         _check_data(cfg, datamodule)  # data.batch_size=0: its loaders are built (not iterated) here
         quantizing = qconfig is not None
-        plan = planned(cfg, flow.mode if quantizing else None, quantizing and flow.target_bits is not None, bool(formats))
+        plan = planned(
+            cfg, flow.mode if quantizing else None, quantizing and flow.target_bits is not None, bool(formats)
+        )
         check_free(out, *plan)  # a file of the user's where this run writes: named, the run stops
     except (ValueError, FileNotFoundError, MissingExtraError) as err:  # before any Trainer: the config cannot run
         raise ConfigError(str(err)) from err
@@ -226,7 +230,15 @@ def _run_checked(cfg: DictConfig, out: Path, start: float, take: Callable[..., N
             quant_node = OmegaConf.to_container(cfg.quant, resolve=True)
             device = trainer.strategy.root_device  # where the float model was tested
             qconfig, mixed = run_mixed(
-                quant_node, flow, qconfig, model, datamodule, out, uniform, flow.name, device,  # type: ignore[arg-type]
+                quant_node,
+                flow,
+                qconfig,
+                model,
+                datamodule,
+                out,
+                uniform,
+                flow.name,
+                device,  # type: ignore[arg-type]
                 convert=trainer.precision_plugin.convert_input,  # batches as training saw them (64-true, bf16-true)
             )
             timings["sensitivity_s"] = time.perf_counter() - t0
@@ -248,7 +260,9 @@ def _run_checked(cfg: DictConfig, out: Path, start: float, take: Callable[..., N
             record(out)
     timings["total_s"] = time.perf_counter() - start
 
-    results = _results(cfg, flow, qconfig, metric, higher_is_better, float_metrics, quant_metrics, report, float_bits, timings)
+    results = _results(
+        cfg, flow, qconfig, metric, higher_is_better, float_metrics, quant_metrics, report, float_bits, timings
+    )
     results["layers"] = layers
     if mixed is not None:  # the weights' width is the choice's average (element bits; scales in mixed_precision)
         results["quant"]["weight_bits"] = mixed["avg_element_bits"]
@@ -268,7 +282,9 @@ def _checked_trainer(cfg: DictConfig, out: Path) -> Trainer:
     try:
         return _trainer(cfg, out, "fp32", checkpoint_name="float-epoch{epoch}")
     except InstantiationException as err:
-        raise ConfigError(f"the Trainer (or a logger) could not be built from the config: {err.__cause__ or err}") from err
+        raise ConfigError(
+            f"the Trainer (or a logger) could not be built from the config: {err.__cause__ or err}"
+        ) from err
 
 
 def _check_data(cfg: DictConfig, datamodule: Any) -> None:
@@ -310,7 +326,9 @@ def fit_layer_types(config: Config, model: torch.nn.Module, keep: Iterable[str] 
     absent = [] if quantizer.graph_mode else [t for t in quantizer.absent_layer_types(model) if t not in kept_by_user]
     if not absent:
         return config
-    logging.getLogger(__name__).debug("quant.layer_type_quant_config: %s not in %s, left out", absent, type(model).__name__)
+    logging.getLogger(__name__).debug(
+        "quant.layer_type_quant_config: %s not in %s, left out", absent, type(model).__name__
+    )
     kept = {k: v for k, v in config.layer_type_quant_config.items() if k not in absent}
     return dataclasses.replace(config, layer_type_quant_config=kept)
 
@@ -347,11 +365,13 @@ def _check_names(config: Config, model: LightningModule) -> None:
     names = [n for n, _ in model.named_modules() if n]
     problems = [
         f"quant.{field_name}: {key!r} {_closest(key, names)}"
-        for field_name, keys in unmatched_names(config, names).items() for key in keys
-    ]  # fmt: skip
+        for field_name, keys in unmatched_names(config, names).items()
+        for key in keys
+    ]
     if problems:
         raise QuantConfigError(
-            "; ".join(problems) + f" (an entry is an fnmatch pattern of a module's full name in {type(model).__name__}, "
+            "; ".join(problems)
+            + f" (an entry is an fnmatch pattern of a module's full name in {type(model).__name__}, "
             "e.g. net.fc1 or '*fc1')"
         )
 
@@ -393,9 +413,10 @@ def _graph_layers(config: Config, model: LightningModule) -> dict[str, dict[str,
     quantizer = ModelQuantizer(config)
     plans = [
         dataclasses.replace(plan, name=f"{name}.{plan.name}")
-        for name, child in model.named_children() if hasattr(child, "_graph_units")
+        for name, child in model.named_children()
+        if hasattr(child, "_graph_units")
         for plan in quantizer.resolve(child)
-    ]  # fmt: skip
+    ]
     return _layer_table(plans)
 
 
@@ -408,15 +429,20 @@ def _layer_table(plans: list[Any]) -> dict[str, dict[str, Any]]:
             spec = getattr(plan.qconfig, role)
             if spec is not None:
                 entry[role] = {
-                    "dtype": spec.dtype.name, "qscheme": spec.qscheme.name if spec.qscheme else None,
-                    "ch_axis": spec.ch_axis, "group_size": spec.group_size, "bits": spec_bits(spec),
+                    "dtype": spec.dtype.name,
+                    "qscheme": spec.qscheme.name if spec.qscheme else None,
+                    "ch_axis": spec.ch_axis,
+                    "group_size": spec.group_size,
+                    "bits": spec_bits(spec),
                     "from": plan.source.get(role),
-                }  # fmt: skip
+                }
         layers[plan.name] = entry
     return layers
 
 
-def _check_mixed(cfg: DictConfig, flow: QuantFlow, config: Config, model: LightningModule) -> tuple[dict[str, Any], Any, dict[str, float]]:
+def _check_mixed(
+    cfg: DictConfig, flow: QuantFlow, config: Config, model: LightningModule
+) -> tuple[dict[str, Any], Any, dict[str, float]]:
     """Mixed precision, before training: each candidate as the global weight spec fits every layer (and the export
     formats), and the budget can be met. Returns the layers and prepared copy of the first candidate, and each
     candidate's average bits when used everywhere."""
@@ -463,11 +489,12 @@ def _first_input(datamodule: Any) -> torch.Tensor:
 def _load_checkpoint(path: str) -> Any:
     """The user's ``ckpt_path`` file, read without running code in it (``read_checkpoint``)."""
     return read_checkpoint(
-        path, name=f"ckpt_path={path!r}",
+        path,
+        name=f"ckpt_path={path!r}",
         if_trusted="Pass a Lightning checkpoint of this model (the app's float-epochN.ckpt), or weights saved as plain "
         "tensors by the code that trained them: torch.save({'state_dict': model.state_dict()}, 'weights.ckpt'), "
         "then ckpt_path=weights.ckpt",
-    )  # fmt: skip
+    )
 
 
 def _load_float_weights(model: LightningModule, path: str) -> None:
@@ -481,7 +508,9 @@ def _load_float_weights(model: LightningModule, path: str) -> None:
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise ValueError(f"ckpt_path={path!r} does not fit {type(model).__name__} (a float checkpoint of this model?): {err}") from None
+        raise ValueError(
+            f"ckpt_path={path!r} does not fit {type(model).__name__} (a float checkpoint of this model?): {err}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
@@ -497,11 +526,20 @@ def _loggers(cfg: DictConfig, out: Path, phase: str) -> list[Any]:
     return loggers
 
 
-def _trainer(cfg: DictConfig, out: Path, phase: str, checkpoint_name: str, callbacks: list[Callback] | None = None, **overrides: Any) -> Trainer:
+def _trainer(
+    cfg: DictConfig,
+    out: Path,
+    phase: str,
+    checkpoint_name: str,
+    callbacks: list[Callback] | None = None,
+    **overrides: Any,
+) -> Trainer:
     callbacks = list(callbacks or [])
     if cfg.trainer.get("enable_checkpointing", True) is not False:
         # no "=" in file names: they are passed back as ckpt_path=... overrides, where "=" would need quoting
-        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), filename=checkpoint_name, auto_insert_metric_name=False))
+        callbacks.append(
+            ModelCheckpoint(dirpath=str(out / "checkpoints"), filename=checkpoint_name, auto_insert_metric_name=False)
+        )
     kwargs: dict[str, Any] = {"callbacks": callbacks, "logger": _loggers(cfg, out, phase) or False, **overrides}
     if cfg.trainer.get("default_root_dir") is None:
         kwargs["default_root_dir"] = str(out)
@@ -518,11 +556,19 @@ def _quantize(
         callback = QuantCallback(config, mode="ptq", calib_batches=flow.calib_batches, save_quantized=False)
         return _trainer(cfg, out, "ptq", "ptq-epoch{epoch}", [callback]), model  # its test calibrates first
     callback = QuantCallback(
-        config, mode="qat", observer_steps=flow.observer_steps, freeze_bn_epoch=flow.freeze_bn_epoch,
+        config,
+        mode="qat",
+        observer_steps=flow.observer_steps,
+        freeze_bn_epoch=flow.freeze_bn_epoch,
         quantizer_lr=flow.quantizer_lr,
-    )  # fmt: skip
+    )
     trainer = _trainer(
-        cfg, out, "qat", "qat-epoch{epoch}", [callback, ScaleLearningRates(flow.qat_lr_scale)], max_epochs=flow.qat_epochs
+        cfg,
+        out,
+        "qat",
+        "qat-epoch{epoch}",
+        [callback, ScaleLearningRates(flow.qat_lr_scale)],
+        max_epochs=flow.qat_epochs,
     )
     trainer.fit(model, datamodule=datamodule)
     return trainer, model
@@ -547,7 +593,9 @@ def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]
     except (TypeError, ValueError):  # not numbers: tested again
         cached = None
     if cached is not None:
-        logging.getLogger(__name__).info("float test metrics read from %s (an earlier job of this sweep tested this float model)", cache)
+        logging.getLogger(__name__).info(
+            "float test metrics read from %s (an earlier job of this sweep tested this float model)", cache
+        )
         return cached
     with _rng_kept():  # a cache hit consumes no randomness: neither does the test that fills it
         metrics = test()
@@ -595,7 +643,10 @@ def _float_test_key(cfg: DictConfig) -> str:
     stat = path.stat() if path.is_file() else None
     parts = {
         "ckpt": [str(path.resolve()), stat.st_size if stat else None, stat.st_mtime_ns if stat else None],
-        **{k: OmegaConf.to_container(cfg[k], resolve=True) if k in cfg else None for k in ("data", "model", "trainer", "metric")},
+        **{
+            k: OmegaConf.to_container(cfg[k], resolve=True) if k in cfg else None
+            for k in ("data", "model", "trainer", "metric")
+        },
         "seed": cfg.get("seed"),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
@@ -617,11 +668,13 @@ def _report(model: LightningModule, datamodule: Any, trainer: Trainer) -> dict[s
     return {
         "sqnr_db": {"weight": weight_sqnr(model), "activation": act},
         "size": {
-            "fp32_bits": float_bits, "quantized_bits": quantized_bits,
-            "fp32_bytes": math.ceil(float_bits / 8), "quantized_bytes": math.ceil(quantized_bits / 8),
+            "fp32_bits": float_bits,
+            "quantized_bits": quantized_bits,
+            "fp32_bytes": math.ceil(float_bits / 8),
+            "quantized_bytes": math.ceil(quantized_bits / 8),
             "compression": float_bits / quantized_bits if quantized_bits else None,
         },
-    }  # fmt: skip
+    }
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -641,18 +694,30 @@ def _results(
         raise ValueError(f"metric.name={metric!r} was not logged by the test step; logged: {sorted(float_metrics)}")
     float_value = float_metrics[metric]
     quant_value = quant_metrics.get(metric) if quant_metrics else None
-    size = report.get("size") or {"fp32_bits": float_bits, "quantized_bits": float_bits, "fp32_bytes": math.ceil(float_bits / 8),
-                                  "quantized_bytes": math.ceil(float_bits / 8), "compression": 1.0}  # fmt: skip
+    size = report.get("size") or {
+        "fp32_bits": float_bits,
+        "quantized_bits": float_bits,
+        "fp32_bytes": math.ceil(float_bits / 8),
+        "quantized_bytes": math.ceil(float_bits / 8),
+        "compression": 1.0,
+    }
     return {
         "task": {"data": cfg.data.get("_target_"), "model": cfg.model.get("_target_")},
         "quant": {
-            "name": flow.name, "mode": flow.mode,
-            "weight_bits": nominal_bits(config, "weight"), "act_bits": nominal_bits(config, "input_tensors"),
-            "weight_bits_knob": flow.weight_bits, "act_bits_knob": flow.act_bits,
+            "name": flow.name,
+            "mode": flow.mode,
+            "weight_bits": nominal_bits(config, "weight"),
+            "act_bits": nominal_bits(config, "input_tensors"),
+            "weight_bits_knob": flow.weight_bits,
+            "act_bits_knob": flow.act_bits,
         },
-        "metric": {"name": metric, "mode": "max" if higher_is_better else "min",
-                   "float": float_value, "quantized": quant_value,
-                   "delta": None if quant_value is None else quant_value - float_value},
+        "metric": {
+            "name": metric,
+            "mode": "max" if higher_is_better else "min",
+            "float": float_value,
+            "quantized": quant_value,
+            "delta": None if quant_value is None else quant_value - float_value,
+        },
         "float_metrics": float_metrics,
         "quantized_metrics": quant_metrics,
         "size": size,
@@ -661,7 +726,7 @@ def _results(
         "wall_time_s": timings,
         "quark_config": config.to_dict() if config is not None else None,
         "config": OmegaConf.to_container(cfg, resolve=True),
-    }  # fmt: skip
+    }
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

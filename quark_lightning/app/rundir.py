@@ -281,8 +281,12 @@ def remove_temporaries(out: Path, places: Sequence[Path]) -> list[Path]:
     reachable = [p for p in places if _inside(out, p) and _reach(out, _rel(out, p))[0] is not None]
     removed = remove_stale_temporaries([out, out / ".hydra"], reachable)
     if removed:
-        log.info("run directory %s: removed %d temporary file(s) of writes that never finished: %s",
-                 out, len(removed), ", ".join(_rel(out, p) for p in removed))  # fmt: skip
+        log.info(
+            "run directory %s: removed %d temporary file(s) of writes that never finished: %s",
+            out,
+            len(removed),
+            ", ".join(_rel(out, p) for p in removed),
+        )
     return removed
 
 
@@ -290,7 +294,12 @@ def read_state(out: Path, name: str = RUN_STATE) -> dict[str, Any] | None:
     """The directory's ``run_state.json`` (``name``: ``sweep_state.json``; None: there is none, or it is unreadable);
     a ``"running"`` state whose run no longer holds the lock is returned as ``"stale"`` (the run was killed)."""
     state = _state_on_disk(Path(out), name)
-    if state is not None and state.get("state") == "running" and _key(out, name) not in _claimed and not locked(Path(out)):
+    if (
+        state is not None
+        and state.get("state") == "running"
+        and _key(out, name) not in _claimed
+        and not locked(Path(out))
+    ):
         state["state"] = "stale"
     return state
 
@@ -369,25 +378,44 @@ def _claim(
     removed, kept = _remove_recorded(out, previous, keep)
     remove_temporaries(out, places)
     kind = _KINDS[name][0]
-    who = "" if previous is None else (
-        f" (its state: {previous.get('state')}, pid {previous.get('pid')}, started {previous.get('started')})"
-    )  # fmt: skip
+    who = (
+        ""
+        if previous is None
+        else (f" (its state: {previous.get('state')}, pid {previous.get('pid')}, started {previous.get('started')})")
+    )
     if removed:
-        log.info("%s directory %s: removed the files the previous %s recorded%s: %s", kind, out, kind, who, ", ".join(removed))
+        log.info(
+            "%s directory %s: removed the files the previous %s recorded%s: %s",
+            kind,
+            out,
+            kind,
+            who,
+            ", ".join(removed),
+        )
     if kept:
         log.warning("%s directory %s: kept files the previous %s recorded%s: %s", kind, out, kind, who, ", ".join(kept))
     state: dict[str, Any] = {
-        "state": "running", "pid": os.getpid(), "host": socket.gethostname(), "started": _now(),
+        "state": "running",
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": _now(),
         "argv": list(sys.argv),
-        "overrides": list(overrides) if overrides is not None else _overrides(), "outputs": [_rel(out, p) for p in places],
-        "written": [], "dirs": [],
-    }  # fmt: skip
+        "overrides": list(overrides) if overrides is not None else _overrides(),
+        "outputs": [_rel(out, p) for p in places],
+        "written": [],
+        "dirs": [],
+    }
     if previous is not None:
         state["replaced"] = {"previous": _summary(previous), "removed": removed, "kept": kept}
     files, dirs = _scan(out, scan)
     _claimed[_key(out, name)] = {
-        "state": state, "name": name, "scan": scan, "before": files, "dirs_before": dirs, "written": {},
-    }  # fmt: skip
+        "state": state,
+        "name": name,
+        "scan": scan,
+        "before": files,
+        "dirs_before": dirs,
+        "written": {},
+    }
     _write_state(out, state, name)
     return state
 
@@ -470,7 +498,9 @@ def write_recorded(out: Path, name: str, content: str | Callable[[str], None], s
     state = _state_on_disk(out, state_name)
     if os.path.lexists(out / name) and not _owned(out, name, _recorded(state)):
         kind = _KINDS[state_name][0]
-        log.error("%s directory %s: %s is not a file a %s of this app recorded: not written over", kind, out, name, kind)
+        log.error(
+            "%s directory %s: %s is not a file a %s of this app recorded: not written over", kind, out, name, kind
+        )
         return False
     if isinstance(content, str):
         write_text_atomically(out / name, content)
@@ -535,7 +565,9 @@ def finish(out: Path, error: BaseException | None, name: str = RUN_STATE) -> Non
             record(out, name)
         state = dict(entry["state"], finished=_now())
         if error is None:
-            state.update(state="complete", **({"results": "results.json", "files": run_files(out)} if name == RUN_STATE else {}))
+            state.update(
+                state="complete", **({"results": "results.json", "files": run_files(out)} if name == RUN_STATE else {})
+            )
         else:
             text = str(error).strip().splitlines()
             state.update(state="failed", error=f"{type(error).__name__}: {text[0] if text else ''}"[:2000])

@@ -23,7 +23,12 @@ class UniformFirstSampler(BaseSampler):
     """
 
     def __init__(
-        self, widths: Sequence[Any] = (2, 3, 4, 8), base: Any = None, seed: int | None = None, distinct: bool = True, retries: int = 50
+        self,
+        widths: Sequence[Any] = (2, 3, 4, 8),
+        base: Any = None,
+        seed: int | None = None,
+        distinct: bool = True,
+        retries: int = 50,
     ) -> None:
         self.widths = list(widths or [])
         self.base = base if base is not None else TPESampler(seed=seed)
@@ -37,19 +42,28 @@ class UniformFirstSampler(BaseSampler):
     def infer_relative_search_space(self, study: Any, trial: Any) -> dict[str, Any]:
         space = dict(self.base.infer_relative_search_space(study, trial))
         if self.distinct:  # the layer_bits parameters every finished trial has: drawn together in sample_relative
-            space.update({k: d for k, d in intersection_search_space(study).items() if "layer_bits" in k and k not in space})
+            space.update(
+                {k: d for k, d in intersection_search_space(study).items() if "layer_bits" in k and k not in space}
+            )
         return space
 
     def sample_relative(self, study: Any, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
         own = self.base.infer_relative_search_space(study, trial)  # the base sees only its own space (TPE asserts)
-        sampled = self.base.sample_relative(study, trial, {k: d for k, d in search_space.items() if k in own})  # always: its bookkeeping
+        sampled = self.base.sample_relative(
+            study, trial, {k: d for k, d in search_space.items() if k in own}
+        )  # always: its bookkeeping
         if self._width(trial) is not None:
             return {k: v for k, v in sampled.items() if "layer_bits" not in k}
         names = sorted(k for k in search_space if "layer_bits" in k)
         if not self.distinct or not names:
             return sampled
-        seen = {tuple(t.params.get(k) for k in names) for t in study.get_trials(deepcopy=False) if t.number != trial.number}
-        draw = {k: sampled[k] if k in sampled else self.base.sample_independent(study, trial, k, search_space[k]) for k in names}
+        seen = {
+            tuple(t.params.get(k) for k in names) for t in study.get_trials(deepcopy=False) if t.number != trial.number
+        }
+        draw = {
+            k: sampled[k] if k in sampled else self.base.sample_independent(study, trial, k, search_space[k])
+            for k in names
+        }
         values = {k: _values(search_space[k]) for k in names}
         mutable = [k for k in names if values[k] and len(values[k]) > 1]
         for attempt in range(self.retries):

@@ -70,7 +70,9 @@ def register_search() -> None:
     """The resolver ``optuna_directions`` and (with the plugin installed) the sampler option
     ``hydra/sweeper/sampler=uniform_first``; call before Hydra composes (train.py does, at import)."""
     if not OmegaConf.has_resolver("optuna_directions"):
-        OmegaConf.register_new_resolver("optuna_directions", lambda objectives, mode: directions(list(objectives), str(mode)))
+        OmegaConf.register_new_resolver(
+            "optuna_directions", lambda objectives, mode: directions(list(objectives), str(mode))
+        )
     if not sweeper_installed():
         return
     from hydra.core.config_store import ConfigStore
@@ -84,4 +86,6 @@ def register_search() -> None:
         seed: Any = None
         distinct: bool = True  # redraw a configuration an earlier trial already ran
 
-    ConfigStore.instance().store(group="hydra/sweeper/sampler", name="uniform_first", node=UniformFirstSamplerConfig, provider="quark-lightning")
+    ConfigStore.instance().store(
+        group="hydra/sweeper/sampler", name="uniform_first", node=UniformFirstSamplerConfig, provider="quark-lightning"
+    )

@@ -21,9 +21,20 @@ from omegaconf import DictConfig
 from quark_lightning.app.sweepdir import SweepFiles
 
 COLUMNS = (
-    "job", "task", "scheme", "mode", "weight_bits", "act_bits", "metric", "float", "quantized", "delta",
-    "quantized_bytes", "fp32_bytes", "wall_s",
-)  # fmt: skip
+    "job",
+    "task",
+    "scheme",
+    "mode",
+    "weight_bits",
+    "act_bits",
+    "metric",
+    "float",
+    "quantized",
+    "delta",
+    "quantized_bytes",
+    "fp32_bytes",
+    "wall_s",
+)
 
 
 class SweepSummary(SweepFiles):
@@ -63,14 +74,24 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for path in sorted(job_files(sweep_dir, "results.json"), key=lambda p: natural_key(p.relative_to(sweep_dir))):
         r = json.loads(path.read_text())
         m, q, size = r["metric"], r["quant"], r["size"]
-        rows.append({
-            "job": str(path.parent.relative_to(sweep_dir)),
-            "task": f"{_short(r['task']['model'])} on {_short(r['task']['data'])}",
-            "scheme": q["name"], "mode": q["mode"], "weight_bits": q["weight_bits"], "act_bits": q["act_bits"],
-            "metric": m["name"], "metric_mode": m["mode"], "float": m["float"], "quantized": m["quantized"],
-            "delta": m["delta"], "quantized_bytes": size["quantized_bytes"], "fp32_bytes": size["fp32_bytes"],
-            "wall_s": round(r["wall_time_s"]["total_s"], 2),
-        })  # fmt: skip
+        rows.append(
+            {
+                "job": str(path.parent.relative_to(sweep_dir)),
+                "task": f"{_short(r['task']['model'])} on {_short(r['task']['data'])}",
+                "scheme": q["name"],
+                "mode": q["mode"],
+                "weight_bits": q["weight_bits"],
+                "act_bits": q["act_bits"],
+                "metric": m["name"],
+                "metric_mode": m["mode"],
+                "float": m["float"],
+                "quantized": m["quantized"],
+                "delta": m["delta"],
+                "quantized_bytes": size["quantized_bytes"],
+                "fp32_bytes": size["fp32_bytes"],
+                "wall_s": round(r["wall_time_s"]["total_s"], 2),
+            }
+        )
     return rows
 
 

@@ -31,7 +31,7 @@ from quark_lightning.app.rundir import (
     read_state,
     record,
     run_dir_lock,
-)  # fmt: skip
+)
 
 
 class SweepFiles(Callback):

@@ -42,7 +42,9 @@ class DigitsCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def train_digits_cnn(epochs: int = 12, seed: int = 0, batch_size: int = 64) -> tuple[DigitsCNN, TensorDataset, TensorDataset]:
+def train_digits_cnn(
+    epochs: int = 12, seed: int = 0, batch_size: int = 64
+) -> tuple[DigitsCNN, TensorDataset, TensorDataset]:
     """Train the CNN with Adam from a fixed seed; returns (model in eval mode, train set, test set)."""
     torch.manual_seed(seed)
     train, test = load_digits_tensors(seed=seed)

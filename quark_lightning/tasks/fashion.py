@@ -39,7 +39,9 @@ def load_fashion(split: str, root: Path = FASHION_DIR) -> TensorDataset:
 class FashionDataModule(L.LightningDataModule):
     """Train on ``train_size`` training images (seeded subset), validate on 5,000 others, test on the 10,000."""
 
-    def __init__(self, batch_size: int = 128, train_size: int = 20000, seed: int = 0, root: str | Path = FASHION_DIR) -> None:
+    def __init__(
+        self, batch_size: int = 128, train_size: int = 20000, seed: int = 0, root: str | Path = FASHION_DIR
+    ) -> None:
         super().__init__()
         self.batch_size, self.train_size, self.seed, self.root = batch_size, train_size, seed, Path(root)
         check_fashion(self.root)  # at construction: a missing dataset stops the run before any Trainer exists
@@ -52,7 +54,9 @@ class FashionDataModule(L.LightningDataModule):
         self.test_set = load_fashion("t10k", self.root)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(self.seed)
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=500)

@@ -21,7 +21,14 @@ from quark.torch.extras import import_extra
 from quark_lightning.tasks.char_lm import SPLITS, PerplexityLM, PythonSourceDataModule, TokenWindows, load_python_corpus
 
 #: files of which one marks a directory that holds a tokenizer (fast, sentencepiece, or BPE vocab + merges)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+)
 BYTE_VOCAB = 256
 
 
@@ -36,7 +43,9 @@ def _plain(value: Any) -> Any:
 def _local_dir(path: str | Path, what: str) -> Path:
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise FileNotFoundError(f"{what} {str(path)!r} is not a directory (a local save_pretrained directory; nothing is downloaded)")
+        raise FileNotFoundError(
+            f"{what} {str(path)!r} is not a directory (a local save_pretrained directory; nothing is downloaded)"
+        )
     return root
 
 
@@ -58,7 +67,9 @@ def load_tokenizer(path: str | Path | None) -> Any | None:
     try:
         return transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"data.tokenizer={str(path)!r} has tokenizer files that AutoTokenizer cannot load: {err}") from err
+        raise ValueError(
+            f"data.tokenizer={str(path)!r} has tokenizer files that AutoTokenizer cannot load: {err}"
+        ) from err
 
 
 def _encode(tokenizer: Any, data: bytes) -> torch.Tensor:
@@ -113,7 +124,9 @@ class HFPythonSourceDataModule(PythonSourceDataModule):
 
 
 # -------------------------------------------------------------------------------------------------------------- model
-def build_causal_lm(config: dict[str, Any] | None, pretrained: str | None, attn_implementation: str | None = "sdpa") -> torch.nn.Module:
+def build_causal_lm(
+    config: dict[str, Any] | None, pretrained: str | None, attn_implementation: str | None = "sdpa"
+) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained(pretrained)`` (a local directory, float32) or, when ``pretrained`` is
     None, ``from_config`` of ``config`` (its ``model_type`` picks the architecture; random weights)."""
     transformers = _transformers()
@@ -121,8 +134,12 @@ def build_causal_lm(config: dict[str, Any] | None, pretrained: str | None, attn_
     if pretrained is not None:
         root = _local_dir(pretrained, "model.pretrained")
         if not (root / "config.json").is_file():
-            raise FileNotFoundError(f"model.pretrained={str(pretrained)!r} has no config.json (written by save_pretrained?)")
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, local_files_only=True, **kwargs)
+            raise FileNotFoundError(
+                f"model.pretrained={str(pretrained)!r} has no config.json (written by save_pretrained?)"
+            )
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(root), dtype=torch.float32, local_files_only=True, **kwargs
+        )
     else:
         fields = dict(config or {})
         model_type = fields.pop("model_type", None)

@@ -25,7 +25,9 @@ class DigitsDataModule(L.LightningDataModule):
         self.val_set, self.train_set = Subset(train, order[:n_val]), Subset(train, order[n_val:])
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(self.seed)
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256)

@@ -15,12 +15,35 @@ from quark_lightning.app.conf import CONF_DIR, register_role_groups
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
 REQUIRED_PRESETS = (
-    "none", "int8_per_tensor", "int8_per_channel", "int4_per_group", "w4a8_tqt", "fp8_e4m3", "mxfp8", "mxfp4",
-    "mx6", "mx9", "bfp16", "bf16", "w4_rtn", "w4_gptq", "w4_awq", "w3_rtn", "w3_gptq", "w3_awq", "w8a8",
+    "none",
+    "int8_per_tensor",
+    "int8_per_channel",
+    "int4_per_group",
+    "w4a8_tqt",
+    "fp8_e4m3",
+    "mxfp8",
+    "mxfp4",
+    "mx6",
+    "mx9",
+    "bfp16",
+    "bf16",
+    "w4_rtn",
+    "w4_gptq",
+    "w4_awq",
+    "w3_rtn",
+    "w3_gptq",
+    "w3_awq",
+    "w8a8",
     "w8a8_smoothquant",
-)  # fmt: skip
+)
 DECODER_ONLY = ("w4_awq", "w3_awq", "w8a8_smoothquant")  # AWQ / SmoothQuant fold scales inside decoder layers
-TINY_LM = ("experiment=char_lm", "data.train_bytes=20000", "data.val_bytes=4000", "data.test_bytes=4000", "model.n_layers=1")
+TINY_LM = (
+    "experiment=char_lm",
+    "data.train_bytes=20000",
+    "data.val_bytes=4000",
+    "data.test_bytes=4000",
+    "model.n_layers=1",
+)
 
 register_role_groups()
 
@@ -35,5 +58,10 @@ def run_train(*args: str, cwd: Path, timeout: int = 300) -> subprocess.Completed
     """``python train.py <args>`` in a subprocess (the real entry point, with its command-line checks)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
     return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

@@ -61,7 +61,9 @@ def test_every_preset_composes_and_instantiates(preset: str) -> None:
         from quark.torch.quantization.graph import capture
 
         data.setup("fit")
-        graph = ModelQuantizer(config).prepare(capture(model.net, (next(iter(data.train_dataloader()))[0],)), name_prefix="net.")
+        graph = ModelQuantizer(config).prepare(
+            capture(model.net, (next(iter(data.train_dataloader()))[0],)), name_prefix="net."
+        )
         assert {p.name for p in ModelQuantizer(config).resolve(graph)} == {"conv1", "conv2", "fc1", "fc2"}
         return
     plans = ModelQuantizer(config).resolve(model)
@@ -83,7 +85,9 @@ def test_w4a8_tqt_is_qat_with_learned_pof2_thresholds() -> None:
     weight = config.global_quant_config.weight
     assert flow.mode == "qat" and weight.dtype is Dtype.int4 and weight.scale_type.name == "pof2"
     assert weight.qat_spec.threshold_init_meth.name == "_3SD"
-    flow, config = build_quant(compose_cfg("quant=w4a8_tqt", "quant.global_quant_config.weight.qat_spec.threshold_init_meth=_LL_J").quant)
+    flow, config = build_quant(
+        compose_cfg("quant=w4a8_tqt", "quant.global_quant_config.weight.qat_spec.threshold_init_meth=_LL_J").quant
+    )
     assert config.global_quant_config.weight.qat_spec.threshold_init_meth.name == "_LL_J"
 
 
@@ -100,8 +104,12 @@ def test_quantizer_lr_reaches_the_flow_and_bad_values_are_refused() -> None:
 # ----------------------------------------------------------------------------------------------- swapping roles
 def test_swap_one_role_from_the_command_line() -> None:
     base = build_quant(compose_cfg("quant=int8_per_channel").quant)[1]
-    swapped = build_quant(compose_cfg("quant=int8_per_channel", "quant/weight=int4_g32", "quant/input_tensors=fp8_e4m3").quant)[1]
-    assert swapped.global_quant_config.weight.dtype is Dtype.int4 and swapped.global_quant_config.weight.group_size == 32
+    swapped = build_quant(
+        compose_cfg("quant=int8_per_channel", "quant/weight=int4_g32", "quant/input_tensors=fp8_e4m3").quant
+    )[1]
+    assert (
+        swapped.global_quant_config.weight.dtype is Dtype.int4 and swapped.global_quant_config.weight.group_size == 32
+    )
     assert swapped.global_quant_config.input_tensors.dtype is Dtype.fp8_e4m3
     assert base.global_quant_config.weight.dtype is Dtype.int8  # the preset file is untouched
 
@@ -147,8 +155,11 @@ def test_mixed_precision_preset_keeps_edges_int8() -> None:
     model = instantiate(compose_cfg().model)
     plans = _plans(build_quant(compose_cfg("quant=w4_edges8").quant)[1], model)
     assert {name: p["weight"][0] for name, p in plans.items()} == {
-        "net.conv1": "int8", "net.conv2": "int4", "net.fc1": "int4", "net.fc2": "int8"
-    }  # fmt: skip
+        "net.conv1": "int8",
+        "net.conv2": "int4",
+        "net.fc1": "int4",
+        "net.fc2": "int8",
+    }
 
 
 def test_exclude_from_command_line() -> None:
@@ -159,13 +170,14 @@ def test_exclude_from_command_line() -> None:
 
 def test_flatten_layer_names() -> None:
     spec = {"dtype": "int8"}
-    assert flatten_layer_names({"net": {"fc2": {"weight": spec}, "conv1": {"bias": None}}, "*.fc1": {"weight": spec}}) == {
-        "net.fc2": {"weight": spec}, "net.conv1": {"bias": None}, "*.fc1": {"weight": spec}
-    }  # fmt: skip
+    assert flatten_layer_names(
+        {"net": {"fc2": {"weight": spec}, "conv1": {"bias": None}}, "*.fc1": {"weight": spec}}
+    ) == {"net.fc2": {"weight": spec}, "net.conv1": {"bias": None}, "*.fc1": {"weight": spec}}
     # a layer with its own config and a child's
     assert flatten_layer_names({"block": {"weight": spec, "inner": {"weight": spec}}}) == {
-        "block": {"weight": spec}, "block.inner": {"weight": spec}
-    }  # fmt: skip
+        "block": {"weight": spec},
+        "block.inner": {"weight": spec},
+    }
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -177,7 +189,9 @@ def test_unknown_key_appended_is_named_with_allowed_fields() -> None:
 
 def test_bad_value_is_named_with_allowed_values() -> None:
     cfg = compose_cfg("quant.global_quant_config.weight.dtype=int33")
-    with pytest.raises(QuantConfigError, match=r"weight: QuantizationSpec.dtype='int33' is not a valid Dtype; allowed: \['int2'"):
+    with pytest.raises(
+        QuantConfigError, match=r"weight: QuantizationSpec.dtype='int33' is not a valid Dtype; allowed: \['int2'"
+    ):
         build_quant(cfg.quant)
     with pytest.raises(QuantConfigError, match=r"observer_cls='MinMax' is not an observer; allowed"):
         build_quant(compose_cfg("quant.global_quant_config.input_tensors.observer_cls=MinMax").quant)
@@ -193,7 +207,10 @@ def test_bad_value_is_named_with_allowed_values() -> None:
         ("quant.qat_lr_scale=inf", r"quant.qat_lr_scale=inf must be a finite number > 0"),
         ("quant.qat_lr_scale=nan", r"quant.qat_lr_scale=nan must be a finite number > 0"),
         ("quant.quantizer_lr=inf", r"quant.quantizer_lr=inf must be null or a finite number > 0"),
-        ("+quant.epochs=3", r"unknown key quant.epochs; allowed: \[.*'qat_epochs'.*\]; did you mean quant.qat_epochs\?"),
+        (
+            "+quant.epochs=3",
+            r"unknown key quant.epochs; allowed: \[.*'qat_epochs'.*\]; did you mean quant.qat_epochs\?",
+        ),
     ],
 )
 def test_flow_errors(override: str, message: str) -> None:
@@ -209,7 +226,10 @@ def test_quantizing_mode_with_nothing_to_quantize_is_refused() -> None:
 @pytest.mark.parametrize(
     ("arg", "expected"),
     [
-        ("quant.global_quant_config.weight.dtyp=int4", "unknown key quant.global_quant_config.weight.dtyp (QuantizationSpec)"),
+        (
+            "quant.global_quant_config.weight.dtyp=int4",
+            "unknown key quant.global_quant_config.weight.dtyp (QuantizationSpec)",
+        ),
         ("quant.global_quant_config.wieght.dtype=int4", "did you mean quant.global_quant_config.weight?"),
         ("quant.weight_bit=4", "did you mean quant.weight_bits?"),
         ("quant.layer_quant_config.net.fc2.weight.grp=32", "unknown key quant.layer_quant_config.net.fc2.weight.grp"),
@@ -224,11 +244,17 @@ def test_command_line_keys_are_checked_against_the_dataclasses(arg: str, expecte
 @pytest.mark.parametrize(
     "arg",
     [
-        "quant.global_quant_config.weight.dtype=int4", "quant.weight_bits=2,3,4", "quant/weight=int4_g32",
-        "+quant/spec@quant.layer_quant_config.net.fc2.weight=int4_g32", "quant.layer_quant_config.net.fc2.weight.dtype=int4",
-        "quant.exclude=[net.fc2]", "trainer.max_epochs=1", "~quant/bias", "hydra.run.dir=/tmp/x",
+        "quant.global_quant_config.weight.dtype=int4",
+        "quant.weight_bits=2,3,4",
+        "quant/weight=int4_g32",
+        "+quant/spec@quant.layer_quant_config.net.fc2.weight=int4_g32",
+        "quant.layer_quant_config.net.fc2.weight.dtype=int4",
+        "quant.exclude=[net.fc2]",
+        "trainer.max_epochs=1",
+        "~quant/bias",
+        "hydra.run.dir=/tmp/x",
     ],
-)  # fmt: skip
+)
 def test_valid_command_line_keys_pass(arg: str) -> None:
     assert check_overrides([arg]) is None
 
@@ -237,13 +263,19 @@ def test_valid_command_line_keys_pass(arg: str) -> None:
 @pytest.mark.parametrize(
     ("dtype", "element", "bits", "expected"),
     [
-        ("int8", None, 4, ("int4", None)), ("int8", None, 2, ("int2", None)), ("uint8", None, 3, ("uint3", None)),
-        ("int4", None, 16, ("int16", None)), ("fp8_e4m3", None, 6, ("fp6_e2m3", None)),
-        ("fp8_e5m2", None, 6, ("fp6_e3m2", None)), ("fp8_e4m3", None, 4, ("fp4", None)),
-        ("fp4", None, 8, ("fp8_e4m3", None)), ("mx", "fp8_e4m3", 4, ("mx", "fp4")), ("mx", "fp4", 6, ("mx", "fp6_e2m3")),
+        ("int8", None, 4, ("int4", None)),
+        ("int8", None, 2, ("int2", None)),
+        ("uint8", None, 3, ("uint3", None)),
+        ("int4", None, 16, ("int16", None)),
+        ("fp8_e4m3", None, 6, ("fp6_e2m3", None)),
+        ("fp8_e5m2", None, 6, ("fp6_e3m2", None)),
+        ("fp8_e4m3", None, 4, ("fp4", None)),
+        ("fp4", None, 8, ("fp8_e4m3", None)),
+        ("mx", "fp8_e4m3", 4, ("mx", "fp4")),
+        ("mx", "fp4", 6, ("mx", "fp6_e2m3")),
         ("mx", "int8", 8, ("mx", "int8")),
     ],
-)  # fmt: skip
+)
 def test_with_bits_maps_into_the_dtype_family(dtype: str, element: str | None, bits: int, expected: tuple) -> None:
     spec = {"dtype": dtype, "mx_element_dtype": element}
     out = with_bits(spec, bits, "here")
@@ -254,10 +286,12 @@ def test_with_bits_maps_into_the_dtype_family(dtype: str, element: str | None, b
 @pytest.mark.parametrize(
     ("dtype", "element", "bits", "message"),
     [
-        ("fp8_e4m3", None, 3, r"allowed widths: \[4, 6, 8\]"), ("mx6", None, 4, "fixed width"),
-        ("bfloat16", None, 8, "fixed width"), ("mx", "int8", 4, "allowed: 8"),
+        ("fp8_e4m3", None, 3, r"allowed widths: \[4, 6, 8\]"),
+        ("mx6", None, 4, "fixed width"),
+        ("bfloat16", None, 8, "fixed width"),
+        ("mx", "int8", 4, "allowed: 8"),
     ],
-)  # fmt: skip
+)
 def test_with_bits_refuses_widths_without_a_format(dtype: str, element: str | None, bits: int, message: str) -> None:
     with pytest.raises(QuantConfigError, match=f"here: .*{message}"):
         with_bits({"dtype": dtype, "mx_element_dtype": element}, bits, "here")
@@ -268,7 +302,10 @@ def test_weight_bits_knob_applies_to_global_and_layer_types_not_named_layers() -
     flow, config = build_quant(cfg.quant)
     assert flow.weight_bits == 2 and config.global_quant_config.weight.dtype is Dtype.int2
     assert config.global_quant_config.input_tensors.dtype is Dtype.int6
-    assert {k: qc.weight.dtype for k, qc in config.layer_quant_config.items()} == {"net.conv1": Dtype.int8, "net.fc2": Dtype.int8}
+    assert {k: qc.weight.dtype for k, qc in config.layer_quant_config.items()} == {
+        "net.conv1": Dtype.int8,
+        "net.fc2": Dtype.int8,
+    }
     config = build_quant(compose_cfg("quant=int4_per_group", "quant.weight_bits=3").quant)[1]
     assert config.global_quant_config.weight.dtype is Dtype.int3
     assert config.layer_type_quant_config["Conv2d"].weight.dtype is Dtype.int3
@@ -276,7 +313,9 @@ def test_weight_bits_knob_applies_to_global_and_layer_types_not_named_layers() -
 
 
 def test_apply_bits_names_the_level_of_a_bad_width() -> None:
-    with pytest.raises(QuantConfigError, match=r"quant.weight_bits=4 on quant.global_quant_config.weight: dtype mx6 has a fixed width"):
+    with pytest.raises(
+        QuantConfigError, match=r"quant.weight_bits=4 on quant.global_quant_config.weight: dtype mx6 has a fixed width"
+    ):
         apply_bits({"global_quant_config": {"weight": {"dtype": "mx6"}}}, 4, None)
     with pytest.raises(QuantConfigError, match="quant.weight_bits=4"):
         build_quant(compose_cfg("quant=mx6", "quant.weight_bits=4").quant)
@@ -302,7 +341,9 @@ def test_char_lm_experiment_sets_data_model_and_metric() -> None:
     assert cfg.trainer.max_epochs == 2 and cfg.quant.name == "int8_per_channel"
 
 
-@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in ("none", "w4_edges8") and not p.endswith("_graph")])  # graph: conv nets (test_graph_mode)
+@pytest.mark.parametrize(
+    "preset", [p for p in PRESETS if p not in ("none", "w4_edges8") and not p.endswith("_graph")]
+)  # graph: conv nets (test_graph_mode)
 def test_every_preset_fits_the_lm(preset: str) -> None:
     cfg = compose_cfg("experiment=char_lm", f"quant={preset}", "model.n_layers=1")
     flow, config = build_quant(cfg.quant)
@@ -319,8 +360,16 @@ def test_every_preset_fits_the_lm(preset: str) -> None:
 def test_brevitas_preset_converts_to_the_engine_config() -> None:
     flow, config = build_quant(compose_cfg("quant=brevitas_int8").quant)
     weight, act = config.global_quant_config.weight, config.global_quant_config.input_tensors
-    assert (weight.dtype, weight.qscheme.name, weight.ch_axis, act.dtype, act.qscheme.name) == (Dtype.int8, "per_channel", 0, Dtype.int8, "per_tensor")
-    config = build_quant(compose_cfg("quant=brevitas_int8", "quant.brevitas.global_quant_config.weight.bit_width=3").quant)[1]
+    assert (weight.dtype, weight.qscheme.name, weight.ch_axis, act.dtype, act.qscheme.name) == (
+        Dtype.int8,
+        "per_channel",
+        0,
+        Dtype.int8,
+        "per_tensor",
+    )
+    config = build_quant(
+        compose_cfg("quant=brevitas_int8", "quant.brevitas.global_quant_config.weight.bit_width=3").quant
+    )[1]
     assert config.global_quant_config.weight.dtype is Dtype.int3
     with pytest.raises(QuantConfigError, match=r"quant.brevitas: QuantizationSpec.bit_width=1 is out of range"):
         build_quant(compose_cfg("quant=brevitas_int8", "quant.brevitas.global_quant_config.weight.bit_width=1").quant)

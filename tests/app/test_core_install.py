@@ -90,7 +90,9 @@ def _train(env: dict[str, str], run_dir: Path, *args: str) -> subprocess.Complet
 
 def test_the_optional_packages_are_hidden(core_env: dict[str, str]) -> None:
     """The premise of the tests below: in the child, none of the extras' packages imports or is listed."""
-    proc = subprocess.run([sys.executable, "-c", _PROBE, *HIDDEN], env=core_env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *HIDDEN], env=core_env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "hidden", proc.stdout + proc.stderr
 
 
@@ -156,11 +158,16 @@ def test_sweeper_installed_without_hydra_plugins(monkeypatch: pytest.MonkeyPatch
 
 def test_require_and_import_extra_name_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "onnx", None)
-    with pytest.raises(MissingExtraError, match=r'^export=\[onnx\] needs the \'export\' extra \(onnx is not installed\): pip install -e "\.\[export\]"$'):
+    with pytest.raises(
+        MissingExtraError,
+        match=r'^export=\[onnx\] needs the \'export\' extra \(onnx is not installed\): pip install -e "\.\[export\]"$',
+    ):
         require_extra("export", "export=[onnx]", ("onnx",))
     with pytest.raises(MissingExtraError, match=r'ONNX export needs .*pip install -e "\.\[export\]"'):
         import_extra("onnx", "export", "ONNX export")
     assert isinstance(MissingExtraError("x"), ImportError)  # what a library user of the engine catches
-    assert {install_line(e) for e in EXTRAS} == {f'pip install -e ".[{e}]"' for e in ("export", "hf", "brevitas", "search")}
+    assert {install_line(e) for e in EXTRAS} == {
+        f'pip install -e ".[{e}]"' for e in ("export", "hf", "brevitas", "search")
+    }
     with pytest.raises(ValueError, match="allowed"):
         install_line("exports")

@@ -23,17 +23,27 @@ pytest.importorskip("safetensors")
 SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
 DATA = ("data.train_bytes=20000", "data.val_bytes=4000", "data.test_bytes=4000")
 TINY_HF = (
-    "experiment=hf_lm", *DATA, "model.config.num_hidden_layers=1", "model.config.hidden_size=64",
-    "model.config.intermediate_size=128", *SMOKE,
-)  # fmt: skip
+    "experiment=hf_lm",
+    *DATA,
+    "model.config.num_hidden_layers=1",
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    *SMOKE,
+)
 DOWN_PROJ = "net.model.layers.0.mlp.down_proj"
 
 
 def tiny_llama(vocab_size: int, tie: bool = False, seed: int = 0) -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config)
 
@@ -49,9 +59,11 @@ def bpe_tokenizer(vocab_size: int = 400):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
-    )  # fmt: skip
+    )
     tok.train_from_iterator(text.splitlines(), trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
@@ -63,7 +75,9 @@ def perplexity(model: torch.nn.Module, datamodule) -> float:  # noqa: ANN001
     total, count = 0.0, 0
     for x, y in datamodule.test_dataloader():
         logits = model(input_ids=x).logits.float()
-        total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
+        total += float(
+            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+        )
         count += y.numel()
     return math.exp(total / count)
 
@@ -120,7 +134,9 @@ def test_ptq_run_reports_perplexity_and_its_quark_export_reloads(tmp_path: Path)
     m = on_disk["metric"]
     assert (m["name"], m["mode"]) == ("test_ppl", "min")
     assert 1.0 < m["float"] < 1000.0 and math.isfinite(m["quantized"]) and abs(m["delta"]) < 0.05 * m["float"]
-    assert on_disk["float_metrics"]["test_ppl"] == pytest.approx(math.exp(on_disk["float_metrics"]["test_loss"]), rel=1e-5)
+    assert on_disk["float_metrics"]["test_ppl"] == pytest.approx(
+        math.exp(on_disk["float_metrics"]["test_loss"]), rel=1e-5
+    )
     assert on_disk["task"]["model"] == "quark_lightning.tasks.hf_lm.HFCausalLM"
     assert on_disk["layers"][DOWN_PROJ]["weight"]["dtype"] == "int8" and "net.lm_head" in on_disk["layers"]
 
@@ -135,8 +151,12 @@ def test_ptq_run_reports_perplexity_and_its_quark_export_reloads(tmp_path: Path)
 def test_pretrained_directory_without_tokenizer_reads_bytes(tmp_path: Path) -> None:
     tiny_llama(vocab_size=258).save_pretrained(tmp_path / "llama")
     # lr 0: the run's float model is the saved one, so its perplexity is the directory's own
-    results = run(compose_cfg("experiment=hf_lm", *DATA, *SMOKE, f"model.pretrained={tmp_path / 'llama'}", "model.lr=0",
-                              "quant=w4_rtn"), tmp_path / "run")  # fmt: skip
+    results = run(
+        compose_cfg(
+            "experiment=hf_lm", *DATA, *SMOKE, f"model.pretrained={tmp_path / 'llama'}", "model.lr=0", "quant=w4_rtn"
+        ),
+        tmp_path / "run",
+    )
     assert results["config"]["data"]["tokenizer"] == str(tmp_path / "llama")
     datamodule = data_of(results)
     assert datamodule.tokenizer is None and datamodule.vocab_size == 256
@@ -150,8 +170,18 @@ def test_pretrained_directory_with_tokenizer_uses_it_and_exports_it(tmp_path: Pa
     tokenizer = bpe_tokenizer()
     tokenizer.save_pretrained(directory)
     tiny_llama(vocab_size=len(tokenizer), tie=True).save_pretrained(directory)  # tied embeddings, as small LMs have
-    results = run(compose_cfg("experiment=hf_lm", *DATA, *SMOKE, f"model.pretrained={directory}", "model.lr=0",
-                              "quant=int8_per_channel", "export=[quark]"), tmp_path / "run")  # fmt: skip
+    results = run(
+        compose_cfg(
+            "experiment=hf_lm",
+            *DATA,
+            *SMOKE,
+            f"model.pretrained={directory}",
+            "model.lr=0",
+            "quant=int8_per_channel",
+            "export=[quark]",
+        ),
+        tmp_path / "run",
+    )
     datamodule = data_of(results)
     assert datamodule.vocab_size == len(tokenizer) == 400
     test_ids = datamodule.corpus["test"]
@@ -164,7 +194,9 @@ def test_pretrained_directory_with_tokenizer_uses_it_and_exports_it(tmp_path: Pa
     reloaded_tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     assert reloaded_tokenizer("def f(x):\n")["input_ids"] == tokenizer("def f(x):\n")["input_ids"]
     reloaded = reload_quark_dir(results)
-    assert perplexity(reloaded, data_of(results, tokenizer=str(exported))) == pytest.approx(results["metric"]["quantized"], rel=1e-4)
+    assert perplexity(reloaded, data_of(results, tokenizer=str(exported))) == pytest.approx(
+        results["metric"]["quantized"], rel=1e-4
+    )
 
 
 def test_gptq_on_the_hf_llama_exports_packed_uint4(tmp_path: Path) -> None:
@@ -185,10 +217,19 @@ def test_gptq_on_the_hf_llama_exports_packed_uint4(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (("model.config.vocab_size=200",), r"the data's vocabulary \(byte-level tokens: 256 ids\) exceeds the model's vocab_size 200"),
+        (
+            ("model.config.vocab_size=200",),
+            r"the data's vocabulary \(byte-level tokens: 256 ids\) exceeds the model's vocab_size 200",
+        ),
         (("data.seq_len=256",), r"data.seq_len=256 exceeds the model's max_position_embeddings=128"),
-        (("model.pretrained=/no/such/dir",), r"data.tokenizer \(experiment=hf_lm: model.pretrained's\) '/no/such/dir' is not a directory"),
-        (("quant=int8_per_channel", "export=[tflite]"), r"export=\['tflite'\] is not known; allowed: \['safetensors', 'onnx', 'quark'\]"),
+        (
+            ("model.pretrained=/no/such/dir",),
+            r"data.tokenizer \(experiment=hf_lm: model.pretrained's\) '/no/such/dir' is not a directory",
+        ),
+        (
+            ("quant=int8_per_channel", "export=[tflite]"),
+            r"export=\['tflite'\] is not known; allowed: \['safetensors', 'onnx', 'quark'\]",
+        ),
         (("quant=bfp16", "export=[quark]"), r"bfp16 per_group weights have no amd-quark style layout"),
     ],
 )
@@ -220,16 +261,40 @@ def test_quark_export_of_a_model_without_hf_config_writes_the_whole_lightning_mo
 
 # ----------------------------------------------------------------------------------------------- every preset
 PRESETS = [
-    "bf16", "bfp16", "brevitas_int8", "fp8_e4m3", "int4_per_group", "int8_graph", "int8_per_tensor", "mx6", "mx9",
-    "mxfp4", "mxfp4_even", "mxfp8", "w3_awq", "w3_gptq", "w3_rtn", "w4_awq", "w4_rtn", "w4a8_tqt",
-    "w4a8_tqt_graph", "w8a8", "w8a8_smoothquant",
-]  # fmt: skip
+    "bf16",
+    "bfp16",
+    "brevitas_int8",
+    "fp8_e4m3",
+    "int4_per_group",
+    "int8_graph",
+    "int8_per_tensor",
+    "mx6",
+    "mx9",
+    "mxfp4",
+    "mxfp4_even",
+    "mxfp8",
+    "w3_awq",
+    "w3_gptq",
+    "w3_rtn",
+    "w4_awq",
+    "w4_rtn",
+    "w4a8_tqt",
+    "w4a8_tqt_graph",
+    "w8a8",
+    "w8a8_smoothquant",
+]
 
 
 def test_the_list_is_every_preset() -> None:
     presets = {p.stem for p in (Path(__file__).parents[2] / "conf" / "quant").glob("*.yaml")}
     # w4_edges8 names the digits CNN's layers (net.conv1, net.fc2): on an LM the app stops (test_unmatched_names.py)
-    assert set(PRESETS) == presets - {"none", "mixed_auto", "int8_per_channel", "w4_gptq", "w4_edges8"}  # those two: tests above
+    assert set(PRESETS) == presets - {
+        "none",
+        "mixed_auto",
+        "int8_per_channel",
+        "w4_gptq",
+        "w4_edges8",
+    }  # those two: tests above
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -59,22 +59,39 @@ def test_target_bits_on_another_preset_keeps_its_activations() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (("quant.candidates=[int4_per_chanel_sym]",),
-         r"quant.candidates: 'int4_per_chanel_sym' is not a spec preset of conf/quant/spec; allowed: \[.*'int8_per_channel_sym'.*\]; did you mean int4_per_channel_sym\?"),
+        (
+            ("quant.candidates=[int4_per_chanel_sym]",),
+            r"quant.candidates: 'int4_per_chanel_sym' is not a spec preset of conf/quant/spec; allowed: \[.*'int8_per_channel_sym'.*\]; did you mean int4_per_channel_sym\?",
+        ),
         (("quant.target_bits=nan",), r"quant.target_bits=nan must be a finite number > 0"),
         (("quant.target_bits=inf",), r"quant.target_bits=inf must be a finite number > 0"),
         (("quant.target_bits=0",), r"quant.target_bits=0 must be a finite number > 0"),
         (("quant.target_bits=-2",), r"quant.target_bits=-2 must be a finite number > 0"),
         (("quant.target_bits=true",), r"quant.target_bits=True must be a finite number > 0"),
-        (("quant.target_bits=1.5",), r"quant.target_bits=1.5 is below the fewest bits a candidate stores: int2_per_channel_sym, 2 bits"),
-        (("quant.target_bits=3", "quant.candidates=[int4_g32,int8_per_channel_sym]"), r"quant.target_bits=3 is below .* int4_g32, 4 bits"),
+        (
+            ("quant.target_bits=1.5",),
+            r"quant.target_bits=1.5 is below the fewest bits a candidate stores: int2_per_channel_sym, 2 bits",
+        ),
+        (
+            ("quant.target_bits=3", "quant.candidates=[int4_g32,int8_per_channel_sym]"),
+            r"quant.target_bits=3 is below .* int4_g32, 4 bits",
+        ),
         (("quant.candidates=[]",), r"quant.candidates=\[\] must be a non-empty list of spec presets"),
-        (("quant.candidates=null",), r"quant.target_bits is set but quant.candidates is null: mixed precision needs both"),
+        (
+            ("quant.candidates=null",),
+            r"quant.target_bits is set but quant.candidates is null: mixed precision needs both",
+        ),
         (("quant.candidates=[int4_per_channel_sym,int4_per_channel_sym]",), r"names a spec twice"),
-        (("quant.sensitivity=fisher",), r"quant.sensitivity='fisher' is not allowed; allowed: \['kl', 'mse', 'hessian'\]"),
+        (
+            ("quant.sensitivity=fisher",),
+            r"quant.sensitivity='fisher' is not allowed; allowed: \['kl', 'mse', 'hessian'\]",
+        ),
         (("quant.sensitivity_batches=0",), r"quant.sensitivity_batches=0 must be an int >= 1"),
         (("quant.mode=qat",), r"it needs quant.mode=ptq, not 'qat'"),
-        (("quant.weight_bits=3",), r"quant.weight_bits=3 sets one width for every weight.*leave quant.weight_bits null"),
+        (
+            ("quant.weight_bits=3",),
+            r"quant.weight_bits=3 sets one width for every weight.*leave quant.weight_bits null",
+        ),
     ],
 )
 def test_mistakes_are_named(overrides: tuple[str, ...], message: str) -> None:
@@ -86,9 +103,15 @@ def test_mistakes_are_named(overrides: tuple[str, ...], message: str) -> None:
     ("overrides", "message"),
     [
         (("quant=int8_per_channel", "quant.target_bits=3"), r"quant.target_bits is set but quant.candidates is null"),
-        (("quant=w4_gptq", "quant.target_bits=4", TWO), r"quant.algo_config and quant.target_bits \(mixed precision\) are both set"),
+        (
+            ("quant=w4_gptq", "quant.target_bits=4", TWO),
+            r"quant.algo_config and quant.target_bits \(mixed precision\) are both set",
+        ),
         (("quant=int8_graph", "quant.target_bits=4", TWO), r"quant.quant_mode must be eager_mode"),
-        (("quant=int8_per_channel", "quant.sensitivity_csv=x.csv"), r"quant.sensitivity_csv is set but quant.target_bits"),
+        (
+            ("quant=int8_per_channel", "quant.sensitivity_csv=x.csv"),
+            r"quant.sensitivity_csv is set but quant.target_bits",
+        ),
     ],
 )
 def test_mixed_keys_on_other_presets(overrides: tuple[str, ...], message: str) -> None:
@@ -103,10 +126,19 @@ def test_mixed_keys_on_other_presets(overrides: tuple[str, ...], message: str) -
         (("quant.candidates=[int4_per_chanel_sym]",), r"quant.candidates: 'int4_per_chanel_sym' is not a spec preset"),
         (("quant.target_bits=nan",), r"quant.target_bits=nan must be a finite number > 0"),
         # above int2's 2 element bits, below what int2 per channel stores on the CNN with its scales
-        (("quant.target_bits=2.02",), r"quant.target_bits=2.02 is below what the cheapest candidates store on DigitsClassifier: 2.0496 .*allowed: >= 2.0496"),
+        (
+            ("quant.target_bits=2.02",),
+            r"quant.target_bits=2.02 is below what the cheapest candidates store on DigitsClassifier: 2.0496 .*allowed: >= 2.0496",
+        ),
         # groups of 32 inputs do not fit the first conv (9 inputs per channel)
-        (("quant.candidates=[int4_g32,int8_per_channel_sym]",), r"quant.candidates: int4_g32: layer 'net.conv1' \(Conv2d, weight of shape \(32, 1, 3, 3\)\)"),
-        (("quant.sensitivity_csv=/nonexistent/sensitivity.csv",), r"quant.sensitivity_csv='/nonexistent/sensitivity.csv': No such file"),
+        (
+            ("quant.candidates=[int4_g32,int8_per_channel_sym]",),
+            r"quant.candidates: int4_g32: layer 'net.conv1' \(Conv2d, weight of shape \(32, 1, 3, 3\)\)",
+        ),
+        (
+            ("quant.sensitivity_csv=/nonexistent/sensitivity.csv",),
+            r"quant.sensitivity_csv='/nonexistent/sensitivity.csv': No such file",
+        ),
     ],
 )
 def test_mistakes_stop_before_training(overrides: tuple[str, ...], message: str, tmp_path: Path) -> None:
@@ -116,16 +148,23 @@ def test_mistakes_stop_before_training(overrides: tuple[str, ...], message: str,
 
 
 def test_train_py_names_a_bad_candidate_and_what_is_allowed(tmp_path: Path) -> None:
-    proc = run_train("quant=mixed_auto", "quant.candidates=[int4_per_chanel_sym]", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    proc = run_train(
+        "quant=mixed_auto", "quant.candidates=[int4_per_chanel_sym]", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path
+    )
     assert proc.returncode != 0
-    assert "error: quant.candidates: 'int4_per_chanel_sym' is not a spec preset of conf/quant/spec; allowed: [" in proc.stderr
+    assert (
+        "error: quant.candidates: 'int4_per_chanel_sym' is not a spec preset of conf/quant/spec; allowed: ["
+        in proc.stderr
+    )
     assert "did you mean int4_per_channel_sym?" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 # ----------------------------------------------------------------------------------------------- end to end
 def _weights(results: dict) -> dict[str, tuple]:
-    return {n: (e["weight"]["dtype"], e["weight"]["qscheme"], e["weight"]["from"]) for n, e in results["layers"].items()}
+    return {
+        n: (e["weight"]["dtype"], e["weight"]["qscheme"], e["weight"]["from"]) for n, e in results["layers"].items()
+    }
 
 
 def test_mixed_auto_run_writes_its_files_and_the_preset_reproduces_it(tmp_path: Path) -> None:
@@ -154,14 +193,19 @@ def test_mixed_auto_run_writes_its_files_and_the_preset_reproduces_it(tmp_path: 
     preset = yaml.safe_load(text)
     assert preset["name"] == "mixed_precision" and "target_bits" not in preset and "candidates" not in preset
     assert preset["layer_quant_config"]["net"]["fc1"]["weight"]["dtype"] == mixed["choice"]["net.fc1"].split("_")[0]
-    assert Config.from_dict(first["quark_config"]) == build_quant(preset)[1]  # the run quantized with the preset's Config
+    assert (
+        Config.from_dict(first["quark_config"]) == build_quant(preset)[1]
+    )  # the run quantized with the preset's Config
 
     # reuse 1: the preset as conf/quant/<name>.yaml of an added config dir (what `--config-dir presets` does)
     presets = tmp_path / "presets" / "quant"
     presets.mkdir(parents=True)
     shutil.copy(out / "mixed_precision.yaml", presets / "mix3.yaml")
     ckpt = first["checkpoints"]["float"]
-    again = run(compose_cfg(f"hydra.searchpath=[file://{tmp_path / 'presets'}]", "quant=mix3", f"ckpt_path={ckpt}", *SMOKE), tmp_path / "reuse")
+    again = run(
+        compose_cfg(f"hydra.searchpath=[file://{tmp_path / 'presets'}]", "quant=mix3", f"ckpt_path={ckpt}", *SMOKE),
+        tmp_path / "reuse",
+    )
     assert _weights(again) == _weights(first)
     assert again["metric"]["float"] == first["metric"]["float"]
     assert again["metric"]["quantized"] == first["metric"]["quantized"]
@@ -169,8 +213,16 @@ def test_mixed_auto_run_writes_its_files_and_the_preset_reproduces_it(tmp_path: 
     assert not (tmp_path / "reuse" / "sensitivity.csv").exists()
 
     # reuse 2: allocate again from the measured sensitivity.csv (no measurement): the same choice
-    csv_run = run(compose_cfg("quant=mixed_auto", "quant.target_bits=3", f"quant.sensitivity_csv={out / 'sensitivity.csv'}",
-                              f"ckpt_path={ckpt}", *SMOKE), tmp_path / "csv")  # fmt: skip
+    csv_run = run(
+        compose_cfg(
+            "quant=mixed_auto",
+            "quant.target_bits=3",
+            f"quant.sensitivity_csv={out / 'sensitivity.csv'}",
+            f"ckpt_path={ckpt}",
+            *SMOKE,
+        ),
+        tmp_path / "csv",
+    )
     assert csv_run["mixed_precision"]["choice"] == mixed["choice"]
     assert csv_run["metric"]["quantized"] == first["metric"]["quantized"]
 
@@ -178,15 +230,28 @@ def test_mixed_auto_run_writes_its_files_and_the_preset_reproduces_it(tmp_path: 
 @pytest.mark.slow
 def test_train_py_reuses_the_preset_with_config_dir(tmp_path: Path) -> None:
     """The documented command lines: a mixed_auto run, then `--config-dir <dir> quant=<name>` on its float checkpoint."""
-    proc = run_train("quant=mixed_auto", "quant.target_bits=3.5", "quant.sensitivity_batches=1", *SMOKE,
-                     f"hydra.run.dir={tmp_path / 'mixed'}", cwd=tmp_path)  # fmt: skip
+    proc = run_train(
+        "quant=mixed_auto",
+        "quant.target_bits=3.5",
+        "quant.sensitivity_batches=1",
+        *SMOKE,
+        f"hydra.run.dir={tmp_path / 'mixed'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads((tmp_path / "mixed" / "results.json").read_text())
     assert "mixed_auto (ptq, weights" in proc.stdout
     (tmp_path / "presets" / "quant").mkdir(parents=True)
     shutil.copy(tmp_path / "mixed" / "mixed_precision.yaml", tmp_path / "presets" / "quant" / "mine.yaml")
-    proc = run_train("--config-dir", str(tmp_path / "presets"), "quant=mine", f"ckpt_path={first['checkpoints']['float']}", *SMOKE,
-                     f"hydra.run.dir={tmp_path / 'reuse'}", cwd=tmp_path)  # fmt: skip
+    proc = run_train(
+        "--config-dir",
+        str(tmp_path / "presets"),
+        "quant=mine",
+        f"ckpt_path={first['checkpoints']['float']}",
+        *SMOKE,
+        f"hydra.run.dir={tmp_path / 'reuse'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads((tmp_path / "reuse" / "results.json").read_text())
     assert _weights(again) == _weights(first) and again["metric"]["quantized"] == first["metric"]["quantized"]
@@ -194,8 +259,19 @@ def test_train_py_reuses_the_preset_with_config_dir(tmp_path: Path) -> None:
 
 def test_hessian_sensitivity_on_the_lm(tmp_path: Path) -> None:
     """HAWQ's trace x weight error on the byte LM (decoder Linears and the head), budget met, int8 activations kept."""
-    results = run(compose_cfg(*TINY_LM, "quant=int8_per_channel", "quant.target_bits=5", TWO, "quant.sensitivity=hessian",
-                              "quant.sensitivity_batches=1", "data.batch_size=4", *SMOKE), tmp_path)  # fmt: skip
+    results = run(
+        compose_cfg(
+            *TINY_LM,
+            "quant=int8_per_channel",
+            "quant.target_bits=5",
+            TWO,
+            "quant.sensitivity=hessian",
+            "quant.sensitivity_batches=1",
+            "data.batch_size=4",
+            *SMOKE,
+        ),
+        tmp_path,
+    )
     mixed = results["mixed_precision"]
     assert len(mixed["choice"]) == 8 and mixed["avg_bits"] <= 5.0 and mixed["sensitivity"] == "hessian"
     assert all(e["input_tensors"]["dtype"] == "int8" for e in results["layers"].values())
@@ -206,6 +282,14 @@ def test_hessian_sensitivity_on_the_lm(tmp_path: Path) -> None:
 @pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
 def test_mixed_auto_measures_in_the_models_dtype(precision: str, tmp_path: Path) -> None:
     """trainer.precision=64-true / bf16-true convert the model: the sensitivity batches follow its dtype."""
-    results = run(compose_cfg("quant=mixed_auto", "quant.target_bits=3", "quant.sensitivity_batches=2", *SMOKE,
-                              f"trainer.precision={precision}"), tmp_path)  # fmt: skip
+    results = run(
+        compose_cfg(
+            "quant=mixed_auto",
+            "quant.target_bits=3",
+            "quant.sensitivity_batches=2",
+            *SMOKE,
+            f"trainer.precision={precision}",
+        ),
+        tmp_path,
+    )
     assert results["mixed_precision"]["avg_bits"] <= 3

@@ -122,10 +122,24 @@ class _Functional(nn.Module):
         return self.head(torch.relu(nn.functional.linear(x, self.w)) + x)
 
 
-_INT8_ACT = {"dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "symmetric": True,
-             "scale_type": "float", "round_method": "half_even", "is_dynamic": False}  # fmt: skip
+_INT8_ACT = {
+    "dtype": "int8",
+    "qscheme": "per_tensor",
+    "observer_cls": "PerTensorMinMaxObserver",
+    "symmetric": True,
+    "scale_type": "float",
+    "round_method": "half_even",
+    "is_dynamic": False,
+}
 _INT8_W = {**_INT8_ACT, "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver"}
-_INT4_G8 = {**_INT8_ACT, "dtype": "int4", "qscheme": "per_group", "ch_axis": 1, "group_size": 8, "observer_cls": "PerGroupMinMaxObserver"}
+_INT4_G8 = {
+    **_INT8_ACT,
+    "dtype": "int4",
+    "qscheme": "per_group",
+    "ch_axis": 1,
+    "group_size": 8,
+    "observer_cls": "PerGroupMinMaxObserver",
+}
 _FP8 = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "is_dynamic": False}
 
 
@@ -147,14 +161,21 @@ def test_onnx_export_emits_no_tracer_warning(case: str, tmp_path: Path) -> None:
         "int8_per_tensor_act": (mlp, {"weight": _INT8_W, "input_tensors": _INT8_ACT}),
         "int4_per_group_weight": (mlp, {"weight": _INT4_G8, "input_tensors": _INT8_ACT}),
         "fp8": (mlp, {"weight": _FP8, "input_tensors": _FP8}),
-        "graph_functional_int4": (capture(_Functional().eval(), (x,)), {"weight": {**_INT8_W, "dtype": "int4"}, "input_tensors": _INT8_ACT}),
+        "graph_functional_int4": (
+            capture(_Functional().eval(), (x,)),
+            {"weight": {**_INT8_W, "dtype": "int4"}, "input_tensors": _INT8_ACT},
+        ),
     }[case]
     full = {"global_quant_config": config, **({"quant_mode": "fx_graph_mode"} if case.startswith("graph") else {})}
     model = ModelQuantizer(full).quantize_model(model, [x])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         export_onnx(model, tmp_path, x)
-    noise = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, torch.jit.TracerWarning | FutureWarning)]
+    noise = [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if issubclass(w.category, torch.jit.TracerWarning | FutureWarning)
+    ]
     assert not noise, noise
 
 

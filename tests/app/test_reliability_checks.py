@@ -35,7 +35,10 @@ def no_fit(monkeypatch: pytest.MonkeyPatch) -> None:
 # ----------------------------------------------------------------------------------------------- channel axes
 def test_activation_ch_axis_out_of_range_stops_before_training(no_fit: None, tmp_path: Path) -> None:
     cfg = compose_cfg(*SMOKE, *PER_CHANNEL_ACT, "quant.global_quant_config.input_tensors.ch_axis=5")
-    with pytest.raises(ConfigError, match=r"layer 'net.conv1' \(Conv2d, input_tensors\): ch_axis=5 \(per_channel\) is out of range for the activation of shape \(64, 1, 8, 8\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"layer 'net.conv1' \(Conv2d, input_tensors\): ch_axis=5 \(per_channel\) is out of range for the activation of shape \(64, 1, 8, 8\)",
+    ):
         run(cfg, tmp_path)
     assert not (tmp_path / "results.json").exists()
 
@@ -60,19 +63,30 @@ def test_true_precision_ptq_calibrates_and_tests(precision: str, tmp_path: Path)
     [
         ("seed=abc", r"seed='abc' must be an int in 0\.\.4294967295"),
         ("seed=-1", r"seed=-1 must be an int"),
-        ("trainer.max_epochs=abc", r"trainer\.max_epochs='abc' must be an int or null \(Trainer argument 'max_epochs'\)"),
+        (
+            "trainer.max_epochs=abc",
+            r"trainer\.max_epochs='abc' must be an int or null \(Trainer argument 'max_epochs'\)",
+        ),
         ("trainer.precision=fp64", r"trainer\.precision='fp64' must be one of \[.*'64-true'.*\]"),
         ("+trainer.max_epoch=3", r"unknown key trainer\.max_epoch: .* did you mean trainer\.max_epochs\?"),
         ("data.batch_size=abc", r"data\.batch_size='abc' must be an int \(DigitsDataModule argument 'batch_size'\)"),
         ("export=onnx", r"export='onnx' must be a list of format names"),
     ],
 )
-def test_plain_key_of_the_wrong_type_is_a_config_error(override: str, message: str, no_fit: None, tmp_path: Path) -> None:
+def test_plain_key_of_the_wrong_type_is_a_config_error(
+    override: str, message: str, no_fit: None, tmp_path: Path
+) -> None:
     with pytest.raises(ConfigError, match=message):
         run(compose_cfg(*SMOKE, override), tmp_path)
 
 
-@pytest.mark.parametrize(("override", "message"), [("seed=abc", "error: seed='abc' must be an int"), ("trainer.max_epochs=abc", "error: trainer.max_epochs='abc' must be an int or null")])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("seed=abc", "error: seed='abc' must be an int"),
+        ("trainer.max_epochs=abc", "error: trainer.max_epochs='abc' must be an int or null"),
+    ],
+)
 def test_train_py_prints_the_key_without_a_traceback(override: str, message: str, tmp_path: Path) -> None:
     proc = run_train(override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode != 0

@@ -47,8 +47,17 @@ def _float_checkpoint(path: Path) -> Path:
     return path
 
 
-_LEFT = ("results.json", "checkpoints/quantized.ckpt", "checkpoints/float-epoch3.ckpt", "export/model.safetensors",
-         "export/config.json", "logs/ptq/metrics.csv", "logs/fp32/metrics.csv", "sensitivity.csv", "extra/recorded.bin")  # fmt: skip
+_LEFT = (
+    "results.json",
+    "checkpoints/quantized.ckpt",
+    "checkpoints/float-epoch3.ckpt",
+    "export/model.safetensors",
+    "export/config.json",
+    "logs/ptq/metrics.csv",
+    "logs/fp32/metrics.csv",
+    "sensitivity.csv",
+    "extra/recorded.bin",
+)
 
 
 def _leftovers(out: Path) -> None:
@@ -58,13 +67,25 @@ def _leftovers(out: Path) -> None:
     for rel in _LEFT:
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_text(f"the other run's {rel}")
-        written.append({"path": rel, "size": (out / rel).stat().st_size,
-                        "sha256": hashlib.sha256((out / rel).read_bytes()).hexdigest()})  # fmt: skip
+        written.append(
+            {
+                "path": rel,
+                "size": (out / rel).stat().st_size,
+                "sha256": hashlib.sha256((out / rel).read_bytes()).hexdigest(),
+            }
+        )
     (out / "notes.txt").write_text("mine")
-    (out / rundir.RUN_STATE).write_text(json.dumps({
-        "state": "complete", "pid": 1, "started": "yesterday", "written": written,
-        "dirs": ["checkpoints", "export", "logs", "logs/ptq", "logs/fp32", "extra"],
-    }))  # fmt: skip
+    (out / rundir.RUN_STATE).write_text(
+        json.dumps(
+            {
+                "state": "complete",
+                "pid": 1,
+                "started": "yesterday",
+                "written": written,
+                "dirs": ["checkpoints", "export", "logs", "logs/ptq", "logs/fp32", "extra"],
+            }
+        )
+    )
 
 
 # ----------------------------------------------------------------------------------------------- quark_lightning.app.rundir, no training
@@ -75,8 +96,10 @@ def test_claim_removes_what_the_other_run_recorded_and_keeps_the_rest(tmp_path: 
     state = rundir.claim(compose_cfg(*SMOKE), out, inputs=[str(ckpt)])
     try:
         assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
-            "checkpoints/float-epoch0.ckpt", "notes.txt", "run_state.json",
-        ]  # fmt: skip
+            "checkpoints/float-epoch0.ckpt",
+            "notes.txt",
+            "run_state.json",
+        ]
         assert state["state"] == "running" and state["pid"] == os.getpid() and _state(out)["state"] == "running"
         assert state["replaced"]["previous"]["state"] == "complete" and state["replaced"]["kept"] == []
         assert set(state["replaced"]["removed"]) == {*_LEFT, "export/", "logs/", "logs/ptq/", "logs/fp32/", "extra/"}
@@ -94,8 +117,9 @@ def test_a_linked_checkpoint_folder_is_left_alone(tmp_path: Path) -> None:
     (elsewhere / "quantized.ckpt").write_text("the other run's")
     out.mkdir()
     (out / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
-    written = [{"path": "checkpoints/quantized.ckpt", "size": 15,
-                "sha256": hashlib.sha256(b"the other run's").hexdigest()}]  # fmt: skip
+    written = [
+        {"path": "checkpoints/quantized.ckpt", "size": 15, "sha256": hashlib.sha256(b"the other run's").hexdigest()}
+    ]
     (out / rundir.RUN_STATE).write_text(json.dumps({"state": "complete", "written": written}))
     try:
         state = rundir.claim(compose_cfg(*SMOKE), out)
@@ -116,7 +140,10 @@ def test_a_killed_run_reads_as_stale_and_temporaries_go(tmp_path: Path) -> None:
     (out / "export" / "quark").mkdir(parents=True)
     (out / rundir.RUN_STATE).write_text(json.dumps({"state": "running", "pid": 999999}))
     (out / rundir.LOCK).write_text("999999\n")  # the OS released its lock when it died
-    stale = [out / "export" / "quark" / f"{TEMP_PREFIX}model.safetensors.k3j4h5g6", out / f"{TEMP_PREFIX}results.json.abcdefgh"]
+    stale = [
+        out / "export" / "quark" / f"{TEMP_PREFIX}model.safetensors.k3j4h5g6",
+        out / f"{TEMP_PREFIX}results.json.abcdefgh",
+    ]
     for path in stale:
         path.write_bytes(b"half")
     (out / "results.json.tmp").write_bytes(b"not named like ours: kept")
@@ -147,8 +174,17 @@ def test_a_rerun_into_a_used_directory_holds_only_its_own_files(tmp_path: Path) 
     assert files["logs"] == ["logs/fp32/hparams.yaml", "logs/fp32/metrics.csv"]
     assert files["other"] == [".hydra/config.yaml"]
     on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert on_disk == sorted([*files["logs"], *files["other"], "checkpoints/float-epoch0.ckpt", "notes.txt",
-                              "results.json", "run_state.json", ".lock"])  # fmt: skip
+    assert on_disk == sorted(
+        [
+            *files["logs"],
+            *files["other"],
+            "checkpoints/float-epoch0.ckpt",
+            "notes.txt",
+            "results.json",
+            "run_state.json",
+            ".lock",
+        ]
+    )
     state = _state(out)
     assert (
         state["state"] == "complete" and state["results"] == "results.json" and state["files"]["logs"] == files["logs"]
@@ -206,8 +242,13 @@ run(compose_cfg("trainer=smoke", "trainer.accelerator=cpu", "export=[safetensors
 def test_kill_9_during_export_then_a_rerun_leaves_no_temporary(tmp_path: Path) -> None:
     out, flag = tmp_path / "run", tmp_path / "exporting"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-c", _PAUSED_EXPORT, str(out), str(flag), str(ROOT / "tests" / "app")],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_EXPORT, str(out), str(flag), str(ROOT / "tests" / "app")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not flag.exists():

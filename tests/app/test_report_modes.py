@@ -26,10 +26,17 @@ class _Net(pl.LightningModule):
 
 def test_report_keeps_a_frozen_batchnorm_in_eval() -> None:
     torch.manual_seed(0)
-    spec = QuantizationSpec.from_dict({
-        "dtype": "int8", "qscheme": "per_tensor", "symmetric": True, "is_dynamic": False,
-        "observer_cls": "PerTensorMinMaxObserver", "round_method": "half_even", "scale_type": "float",
-    })  # fmt: skip
+    spec = QuantizationSpec.from_dict(
+        {
+            "dtype": "int8",
+            "qscheme": "per_tensor",
+            "symmetric": True,
+            "is_dynamic": False,
+            "observer_cls": "PerTensorMinMaxObserver",
+            "round_method": "half_even",
+            "scale_type": "float",
+        }
+    )
     config = Config(global_quant_config=QuantizationConfig(weight=spec, input_tensors=spec))
     model = ModelQuantizer(config).quantize_model(_Net(), [torch.randn(16, 4)])
     model.train()

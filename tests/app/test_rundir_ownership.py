@@ -75,13 +75,24 @@ def test_user_files_survive_runs_into_their_folder(logs: str, tmp_path: Path) ->
     """Files named like the app's products (and like other tools' temporaries) in a folder that never held a run:
     two runs into it keep every one of them byte for byte."""
     out = tmp_path / "mine"
-    _write(out, {
-        "checkpoints/best.ckpt": "my checkpoint", "checkpoints/float-epoch0.ckpt": "mine, named like the app's",
-        "export/model.onnx": "my export", f"{logs}/old/metrics.csv": "my metrics", f"{logs}/index.md": "my notes",
-        "trial.json": "{}", "sensitivity.csv": "my sensitivities", "mixed_bits.png": "my plot", "notes.txt": "mine",
-        ".x.abcdefgh.tmp": "an editor's", ".notes.abcdefgh.tmp": "another tool's", "results.json.tmp": "mine too",
-        ".results.json.abcdefgh.tmp": "named like the app's old temporaries",
-    })  # fmt: skip
+    _write(
+        out,
+        {
+            "checkpoints/best.ckpt": "my checkpoint",
+            "checkpoints/float-epoch0.ckpt": "mine, named like the app's",
+            "export/model.onnx": "my export",
+            f"{logs}/old/metrics.csv": "my metrics",
+            f"{logs}/index.md": "my notes",
+            "trial.json": "{}",
+            "sensitivity.csv": "my sensitivities",
+            "mixed_bits.png": "my plot",
+            "notes.txt": "mine",
+            ".x.abcdefgh.tmp": "an editor's",
+            ".notes.abcdefgh.tmp": "another tool's",
+            "results.json.tmp": "mine too",
+            ".results.json.abcdefgh.tmp": "named like the app's old temporaries",
+        },
+    )
     mine = _tree(out)
     for _ in range(2):
         results = run(compose_cfg(*SMOKE, f"logger.csv.name={logs}"), out)
@@ -109,19 +120,29 @@ def test_run_dir_dot_in_a_git_repository_keeps_tracked_files(tmp_path: Path) -> 
     """``hydra.run.dir=.`` in a repository whose tracked files are named like the app's products: the run completes
     and git sees no tracked file deleted or changed."""
     repo = tmp_path / "repo"
-    _write(repo, {
-        "README.md": "# mine", "src/main.py": "print('mine')\n", "checkpoints/keep.ckpt": "tracked",
-        "export/README.md": "tracked", "logs/notes.md": "tracked", "sensitivity.csv": "a,b\n", "trial.json": "{}",
-        "mixed_bits.png": "tracked", ".cache.abcdefgh.tmp": "tracked",
-    })  # fmt: skip
+    _write(
+        repo,
+        {
+            "README.md": "# mine",
+            "src/main.py": "print('mine')\n",
+            "checkpoints/keep.ckpt": "tracked",
+            "export/README.md": "tracked",
+            "logs/notes.md": "tracked",
+            "sensitivity.csv": "a,b\n",
+            "trial.json": "{}",
+            "mixed_bits.png": "tracked",
+            ".cache.abcdefgh.tmp": "tracked",
+        },
+    )
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "mine"]):
         subprocess.run([*git, *args], cwd=repo, check=True, capture_output=True)
     proc = run_train(*SMOKE, "hydra.run.dir=.", cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (repo / "results.json").is_file() and (repo / "checkpoints" / "quantized.ckpt").is_file()
-    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+    changed = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
     assert changed == ""
 
 
@@ -135,14 +156,20 @@ def test_linked_checkpoints_and_logs_keep_their_targets(tmp_path: Path) -> None:
     (out / "checkpoints").symlink_to(elsewhere / "ckpts", target_is_directory=True)
     (out / "logs").symlink_to(elsewhere / "logs", target_is_directory=True)
     written = [{"path": rel, **_identity(out / rel)} for rel in ("checkpoints/a.ckpt", "logs/old.csv")]
-    (out / rundir.RUN_STATE).write_text(json.dumps({"state": "complete", "pid": 1, "written": written,
-                                                    "outputs": ["checkpoints", "logs"], "dirs": ["logs"]}))  # fmt: skip
+    (out / rundir.RUN_STATE).write_text(
+        json.dumps(
+            {"state": "complete", "pid": 1, "written": written, "outputs": ["checkpoints", "logs"], "dirs": ["logs"]}
+        )
+    )
     before = _tree(elsewhere)
     run(compose_cfg(*SMOKE), out)
     first = _tree(elsewhere)
     assert {rel: first.get(rel) for rel in before} == before
     kept = _state(out)["replaced"]["kept"]
-    assert "checkpoints/a.ckpt (checkpoints is a symbolic link)" in kept and "logs/old.csv (logs is a symbolic link)" in kept
+    assert (
+        "checkpoints/a.ckpt (checkpoints is a symbolic link)" in kept
+        and "logs/old.csv (logs is a symbolic link)" in kept
+    )
     run(compose_cfg(*SMOKE), out)  # the first run's files in the targets are recorded, and still not removed
     second = _tree(elsewhere)
     assert {rel: second.get(rel) for rel in before} == before
@@ -164,7 +191,9 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path: Pat
 
 # ----------------------------------------------------------------------------------------------- a refused run
 @pytest.mark.parametrize("mistake", ["data.batch_size=0", "trainer.max_epochs=-2"])
-def test_a_config_mistake_after_a_complete_run_changes_nothing(mistake: str, complete_run: Path, tmp_path: Path) -> None:
+def test_a_config_mistake_after_a_complete_run_changes_nothing(
+    mistake: str, complete_run: Path, tmp_path: Path
+) -> None:
     """Mistakes found by the data loaders and by the Trainer stop the run before the directory is touched: every
     file of the complete run (``.hydra/``, ``run_state.json``, the lock file included) is as it was."""
     out = _copy(complete_run, tmp_path)
@@ -186,12 +215,17 @@ def test_a_second_run_removes_exactly_the_first_runs_files(complete_run: Path, t
     changed = _tree(out)["checkpoints/float-epoch0.ckpt"]
     run(compose_cfg(*SMOKE), out)
     replaced = _state(out)["replaced"]
-    assert sorted(r for r in replaced["removed"] if not r.endswith("/")) == sorted(first - {"checkpoints/float-epoch0.ckpt"})
+    assert sorted(r for r in replaced["removed"] if not r.endswith("/")) == sorted(
+        first - {"checkpoints/float-epoch0.ckpt"}
+    )
     assert replaced["kept"] == ["checkpoints/float-epoch0.ckpt (changed since that run wrote it)"]
     assert (out / "checkpoints" / "mine.ckpt").read_text() == "added by the user"
     assert _tree(out)["checkpoints/float-epoch0.ckpt"] == changed
     second = {entry["path"] for entry in _state(out)["written"]}
-    assert "checkpoints/float-epoch0-v1.ckpt" in second and not second & {"checkpoints/mine.ckpt", "checkpoints/float-epoch0.ckpt"}
+    assert "checkpoints/float-epoch0-v1.ckpt" in second and not second & {
+        "checkpoints/mine.ckpt",
+        "checkpoints/float-epoch0.ckpt",
+    }
 
 
 def test_a_state_file_that_points_outside_is_never_followed(tmp_path: Path) -> None:
@@ -202,13 +236,23 @@ def test_a_state_file_that_points_outside_is_never_followed(tmp_path: Path) -> N
     out.mkdir()
     (out / "link").symlink_to(outside, target_is_directory=True)
     victim, deeper = outside / "victim.txt", outside / "sub" / "victim.txt"
-    recorded = {"../outside/victim.txt": victim, str(victim): victim, "link/victim.txt": victim,
-                "link/sub/victim.txt": deeper, "checkpoints/../../outside/victim.txt": victim}  # fmt: skip
+    recorded = {
+        "../outside/victim.txt": victim,
+        str(victim): victim,
+        "link/victim.txt": victim,
+        "link/sub/victim.txt": deeper,
+        "checkpoints/../../outside/victim.txt": victim,
+    }
     written = [{"path": p, **_identity(file)} for p, file in recorded.items()]
     if Path("/etc/passwd").is_file():
         written.append({"path": "/etc/passwd", **_identity(Path("/etc/passwd"))})
-    state = {"state": "complete", "pid": 1, "written": written, "dirs": ["..", str(outside / "sub"), "link/sub", "link"],
-             "outputs": ["link", "../outside", str(outside)]}  # fmt: skip
+    state = {
+        "state": "complete",
+        "pid": 1,
+        "written": written,
+        "dirs": ["..", str(outside / "sub"), "link/sub", "link"],
+        "outputs": ["link", "../outside", str(outside)],
+    }
     (out / rundir.RUN_STATE).write_text(json.dumps(state))
     before, passwd = _tree(outside), Path("/etc/passwd").read_bytes() if Path("/etc/passwd").is_file() else None
     run(compose_cfg(*SMOKE, "quant=none"), out)

@@ -68,7 +68,9 @@ def test_malicious_checkpoint_is_refused_without_running(tmp_path: Path) -> None
     assert f"error: ckpt_path='{ckpt}' was refused: it holds objects other than tensors and plain containers" in error
     assert "open" in error and "weights_only=True" in error
     assert "weights_only=False" not in error  # never advice to run the file's code
-    assert "torch.save({'state_dict': model.state_dict()}, 'weights.ckpt')" in error and "ckpt_path=weights.ckpt" in error
+    assert (
+        "torch.save({'state_dict': model.state_dict()}, 'weights.ckpt')" in error and "ckpt_path=weights.ckpt" in error
+    )
     assert "Traceback" not in proc.stderr
     assert not marker.exists()  # the payload never ran
     assert not (out / "results.json").exists() and not (out / "checkpoints").exists()
@@ -140,7 +142,9 @@ def test_a_busy_run_dir_is_refused_then_free_once_released(tmp_path: Path) -> No
         assert f"error: the run directory {out} is in use by another run" in errors[0]
         assert "hydra.run.dir=<another dir>" in errors[0]
         assert "Traceback" not in proc.stderr
-        assert not (out / "results.json").exists() and not (out / "checkpoints").exists() and not (out / "logs").exists()
+        assert (
+            not (out / "results.json").exists() and not (out / "checkpoints").exists() and not (out / "logs").exists()
+        )
         assert (out / "theirs.txt").read_text() == "the other run's file" and (out / ".lock").exists()
         assert (out / ".hydra" / "config.yaml").read_text() == "theirs: true\n"  # its composed config too
         with pytest.raises(ConfigError, match=rf"the run directory {out} is in use by another run"):

@@ -35,7 +35,10 @@ def _hydra_cfg(*overrides: str):
 
 def _weights(config, model) -> dict[str, tuple[str, str | None]]:
     return {
-        p.name: (p.qconfig.weight.dtype.name, p.qconfig.weight.mx_element_dtype.name if p.qconfig.weight.mx_element_dtype else None)
+        p.name: (
+            p.qconfig.weight.dtype.name,
+            p.qconfig.weight.mx_element_dtype.name if p.qconfig.weight.mx_element_dtype else None,
+        )
         for p in ModelQuantizer(config).resolve(model, warn=False)
     }
 
@@ -45,16 +48,24 @@ def _weights(config, model) -> dict[str, tuple[str, str | None]]:
     ("overrides", "mode", "keys"),
     [
         (["hparams_search=optuna_bits"], "maximize", ["conv1", "conv2", "fc1", "fc2"]),
-        (["experiment=char_lm", "hparams_search=optuna_bits_lm"], "minimize", ["self_attn", "gate_proj", "up_proj", "down_proj", "lm_head"]),
+        (
+            ["experiment=char_lm", "hparams_search=optuna_bits_lm"],
+            "minimize",
+            ["self_attn", "gate_proj", "up_proj", "down_proj", "lm_head"],
+        ),
     ],
 )
 def test_search_config_composes(overrides: list[str], mode: str, keys: list[str]) -> None:
     cfg = _hydra_cfg(*overrides, "hparams_search.n_trials=7")
     sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
     assert sweeper["_target_"].endswith("OptunaSweeper") and str(cfg.hydra.mode) == "RunMode.MULTIRUN"
-    assert sweeper["n_trials"] == 7 and sweeper["direction"] == [mode, "minimize"] and sweeper["max_failure_rate"] == 1.0
+    assert (
+        sweeper["n_trials"] == 7 and sweeper["direction"] == [mode, "minimize"] and sweeper["max_failure_rate"] == 1.0
+    )
     assert list(sweeper["params"]) == [f"++quant.layer_bits.{k}" for k in keys]
-    assert sweeper["sampler"]["_target_"] == "quark_lightning.app.sampler.UniformFirstSampler" and sweeper["sampler"]["widths"] == [2, 3, 4, 8]
+    assert sweeper["sampler"]["_target_"] == "quark_lightning.app.sampler.UniformFirstSampler" and sweeper["sampler"][
+        "widths"
+    ] == [2, 3, 4, 8]
     assert cfg.hydra.callbacks.sweep_summary._target_ == "quark_lightning.app.pareto.ParetoFront"
     sampler = instantiate(cfg.hydra.sweeper.sampler)
     assert isinstance(sampler, UniformFirstSampler) and isinstance(sampler.base, optuna.samplers.TPESampler)
@@ -65,7 +76,10 @@ def test_search_needs_the_plugin_message(monkeypatch: pytest.MonkeyPatch) -> Non
     assert check_search_args(["hparams_search=optuna_bits"]) is None  # installed (the search extra)
     monkeypatch.setattr("quark_lightning.app.search.sweeper_installed", lambda: False)
     message = check_search_args(["quant=none", "hparams_search=optuna_bits"])
-    assert message == 'hparams_search=optuna_bits needs Hydra\'s Optuna sweeper: pip install -e ".[search]" (hydra-optuna-sweeper, optuna 2.x)'
+    assert (
+        message
+        == 'hparams_search=optuna_bits needs Hydra\'s Optuna sweeper: pip install -e ".[search]" (hydra-optuna-sweeper, optuna 2.x)'
+    )
     assert check_search_args(["quant=none"]) is None
 
 
@@ -85,7 +99,9 @@ def test_objectives_and_directions() -> None:
 def test_layer_bits_values_are_checked_before_the_model() -> None:
     flow, _ = build_quant(compose_cfg("+quant.layer_bits.net.fc1=3", "+quant.layer_bits.conv2=mxfp4").quant)
     assert flow.layer_bits == {"net.fc1": 3, "conv2": "mxfp4"}  # Hydra's nesting of dotted keys is undone
-    with pytest.raises(QuantConfigError, match=r"quant.layer_bits.fc1=1 must be an int in 2..16 .* or a weight spec of conf/quant/spec"):
+    with pytest.raises(
+        QuantConfigError, match=r"quant.layer_bits.fc1=1 must be an int in 2..16 .* or a weight spec of conf/quant/spec"
+    ):
         build_quant(compose_cfg("+quant.layer_bits.fc1=1").quant)
     with pytest.raises(QuantConfigError, match=r"quant.layer_bits.fc1='int5' must be"):
         build_quant(compose_cfg("+quant.layer_bits.fc1=int5").quant)
@@ -99,27 +115,40 @@ def test_layer_bits_sets_each_matched_layer() -> None:
     _, config = build_quant(cfg.quant)
     updated = apply_layer_bits(config, model, {"net": 6, "fc1": 3, "fc2": "mxfp4", "*conv2": 4})
     assert _weights(updated, model) == {
-        "net.conv1": ("int6", None), "net.conv2": ("int4", None), "net.fc1": ("int3", None), "net.fc2": ("mx", "fp4"),
-    }  # fmt: skip
+        "net.conv1": ("int6", None),
+        "net.conv2": ("int4", None),
+        "net.fc1": ("int3", None),
+        "net.fc2": ("mx", "fp4"),
+    }
     plan = {p.name: p for p in ModelQuantizer(updated).resolve(model, warn=False)}["net.fc1"]
-    assert plan.qconfig.input_tensors.dtype.name == "int8" and plan.qconfig.weight.qscheme.name == "per_channel"  # the rest is the preset's
+    assert (
+        plan.qconfig.input_tensors.dtype.name == "int8" and plan.qconfig.weight.qscheme.name == "per_channel"
+    )  # the rest is the preset's
     _, mx = build_quant(compose_cfg("quant=mxfp8").quant)  # a width keeps the family: MX fp8 elements -> fp6 / fp4
     assert _weights(apply_layer_bits(mx, model, {"fc1": 6, "fc2": 4}), model)["net.fc1"] == ("mx", "fp6_e2m3")
 
 
 def test_layer_bits_errors_name_the_key() -> None:
     assert assign({"fc1": 3, "net": 8}, CNN_LAYERS)["net.fc1"] == ("fc1", 3)  # the narrower key wins
-    with pytest.raises(QuantConfigError, match=r"quant.layer_bits.fc3: matches no quantized layer; .*\['net.conv1', 'net.conv2', 'net.fc1', 'net.fc2'\]"):
+    with pytest.raises(
+        QuantConfigError,
+        match=r"quant.layer_bits.fc3: matches no quantized layer; .*\['net.conv1', 'net.conv2', 'net.fc1', 'net.fc2'\]",
+    ):
         assign({"fc3": 4}, CNN_LAYERS)
     lm = ["m.layers.0.mlp.up_proj", "m.layers.0.attn.q_proj", "m.layers.1.mlp.up_proj"]
-    with pytest.raises(QuantConfigError, match=r"quant.layer_bits.mlp=4, quant.layer_bits.layers.0=8 all set layer m.layers.0.mlp.up_proj"):
+    with pytest.raises(
+        QuantConfigError,
+        match=r"quant.layer_bits.mlp=4, quant.layer_bits.layers.0=8 all set layer m.layers.0.mlp.up_proj",
+    ):
         assign({"mlp": 4, "layers.0": 8}, lm)
     assert assign({"mlp": 4, "layers.0": 4}, lm)["m.layers.0.mlp.up_proj"][1] == 4  # agreeing keys are fine
     assert assign({"mlp": 4, "layers.0.mlp": 8}, lm)["m.layers.0.mlp.up_proj"] == ("layers.0.mlp", 8)
     cfg = compose_cfg("quant=bf16")
     model = instantiate(cfg.model)
     _, config = build_quant(cfg.quant)
-    with pytest.raises(QuantConfigError, match=r"quant.layer_bits.conv1=3 on layer net.conv1: dtype \w+ has a fixed width"):
+    with pytest.raises(
+        QuantConfigError, match=r"quant.layer_bits.conv1=3 on layer net.conv1: dtype \w+ has a fixed width"
+    ):
         apply_layer_bits(config, model, {"conv1": 3})
 
 
@@ -152,7 +181,9 @@ def test_uniform_first_sampler_draws_distinct_configurations() -> None:
     counts = {}
     for distinct in (False, True):
         base = optuna.samplers.TPESampler(seed=0, n_startup_trials=4)
-        study = optuna.create_study(directions=["minimize", "minimize"], sampler=UniformFirstSampler([2, 3], base, seed=0, distinct=distinct))
+        study = optuna.create_study(
+            directions=["minimize", "minimize"], sampler=UniformFirstSampler([2, 3], base, seed=0, distinct=distinct)
+        )
         seen = []
         for _ in range(12):  # the space has 12 configurations
             trial = study.ask()
@@ -170,7 +201,16 @@ def test_uniform_first_sampler_draws_distinct_configurations() -> None:
 def test_pareto_front_of_a_hand_made_table() -> None:
     up, down = ["maximize", "minimize"], ["minimize", "minimize"]
     assert dominates((90, 100), (80, 100), up) and not dominates((90, 100), (90, 100), up)
-    points = [(90.0, 100.0), (95.0, 200.0), (89.0, 150.0), (95.0, 200.0), (99.0, 400.0), None, (math.nan, 50.0), (80.0, 100.0)]
+    points = [
+        (90.0, 100.0),
+        (95.0, 200.0),
+        (89.0, 150.0),
+        (95.0, 200.0),
+        (99.0, 400.0),
+        None,
+        (math.nan, 50.0),
+        (80.0, 100.0),
+    ]
     # (89, 150) is beaten by (90, 100); the tie (95, 200) stays twice; (80, 100) loses to (90, 100) at equal size
     assert pareto_mask(points, up) == [True, True, False, True, True, False, False, False]
     # perplexity: lower is better; now (80, 100) leads and (90, 100) falls behind it
@@ -179,7 +219,9 @@ def test_pareto_front_of_a_hand_made_table() -> None:
 
 
 def test_pareto_table_from_job_folders(tmp_path: Path) -> None:
-    def job(n: int, value: float | None, bits: int, dtype: str, status: str = "COMPLETED", error: str | None = None) -> None:
+    def job(
+        n: int, value: float | None, bits: int, dtype: str, status: str = "COMPLETED", error: str | None = None
+    ) -> None:
         folder = tmp_path / str(n)
         folder.mkdir()
         record = {"job": n, "overrides": [f"++quant.layer_bits.fc1={bits // 100}", "trainer=smoke"], "status": status}
@@ -189,8 +231,9 @@ def test_pareto_table_from_job_folders(tmp_path: Path) -> None:
         layers = {n: {"weight": {"dtype": dtype, "bits": float(dtype[3:]), "group_size": None}} for n in ("a", "b")}
         results = {
             "metric": {"name": "test_ppl", "mode": "min", "float": 5.0, "quantized": value},
-            "size": {"quantized_bits": bits, "fp32_bits": 3200, "compression": 3200 / bits}, "layers": layers,
-        }  # fmt: skip
+            "size": {"quantized_bits": bits, "fp32_bits": 3200, "compression": 3200 / bits},
+            "layers": layers,
+        }
         (folder / "results.json").write_text(json.dumps(results))
 
     job(0, 7.0, 200, "int2")
@@ -215,9 +258,15 @@ def test_tiny_search_writes_pareto_with_a_failed_trial(tmp_path: Path) -> None:
     recorded as failed and the sweep goes on."""
     sweep = tmp_path / "sweep"
     proc = run_train(
-        "hparams_search=optuna_bits", "hparams_search.n_trials=3", "hparams_search.uniform=[1,4]", "hydra.sweeper.params=null",
-        "++quant.layer_bits.fc2=choice(1,4)", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path,
-    )  # fmt: skip
+        "hparams_search=optuna_bits",
+        "hparams_search.n_trials=3",
+        "hparams_search.uniform=[1,4]",
+        "hydra.sweeper.params=null",
+        "++quant.layer_bits.fc2=choice(1,4)",
+        *SMOKE,
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = list(csv.DictReader((sweep / "pareto.csv").open()))
     assert [t["trial"] for t in table] == ["0", "1", "2"]

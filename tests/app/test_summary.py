@@ -12,21 +12,35 @@ from quark_lightning.app.summary import COLUMNS, collect, plot, write_summary
 def _result(folder: Path, scheme: str, mode: str, bits: float, quantized: float | None, fp: float = 90.0) -> None:
     folder.mkdir(parents=True)
     results = {
-        "task": {"data": "quark_lightning.tasks.lightning_digits.DigitsDataModule", "model": "quark_lightning.tasks.lightning_digits.DigitsClassifier"},
+        "task": {
+            "data": "quark_lightning.tasks.lightning_digits.DigitsDataModule",
+            "model": "quark_lightning.tasks.lightning_digits.DigitsClassifier",
+        },
         "quant": {"name": scheme, "mode": mode, "weight_bits": bits, "act_bits": 8.0},
-        "metric": {"name": "test_acc", "mode": "max", "float": fp, "quantized": quantized,
-                   "delta": None if quantized is None else quantized - fp},
+        "metric": {
+            "name": "test_acc",
+            "mode": "max",
+            "float": fp,
+            "quantized": quantized,
+            "delta": None if quantized is None else quantized - fp,
+        },
         "size": {"quantized_bytes": int(bits * 100), "fp32_bytes": 3200},
         "wall_time_s": {"total_s": 1.234},
-    }  # fmt: skip
+    }
     (folder / "results.json").write_text(json.dumps(results))
 
 
 def _sweep(tmp_path: Path) -> Path:
     for i, (scheme, mode, bits, value) in enumerate(
-        [("int8_per_channel", "ptq", 8, 89.5), ("int8_per_channel", "ptq", 2, 40.0), ("int8_per_channel", "ptq", 4, 85.0),
-         ("w4a8_tqt", "qat", 4, 88.0), ("w4a8_tqt", "qat", 2, 70.0), ("none", "none", 32, None)]
-    ):  # fmt: skip
+        [
+            ("int8_per_channel", "ptq", 8, 89.5),
+            ("int8_per_channel", "ptq", 2, 40.0),
+            ("int8_per_channel", "ptq", 4, 85.0),
+            ("w4a8_tqt", "qat", 4, 88.0),
+            ("w4a8_tqt", "qat", 2, 70.0),
+            ("none", "none", 32, None),
+        ]
+    ):
         _result(tmp_path / str(i), scheme, mode, bits, value)
     return tmp_path
 
@@ -44,7 +58,10 @@ def test_write_summary_csv_and_png(tmp_path: Path) -> None:
     with csv_path.open() as f:
         table = list(csv.DictReader(f))
     assert tuple(table[0]) == COLUMNS
-    assert [(r["scheme"], r["weight_bits"], r["quantized"]) for r in table][:2] == [("int8_per_channel", "8", "89.5"), ("int8_per_channel", "2", "40.0")]
+    assert [(r["scheme"], r["weight_bits"], r["quantized"]) for r in table][:2] == [
+        ("int8_per_channel", "8", "89.5"),
+        ("int8_per_channel", "2", "40.0"),
+    ]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

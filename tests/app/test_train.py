@@ -22,7 +22,9 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in DECODER_ONLY and not p.endswith("_graph")])  # graph presets: test_graph_presets_run
+@pytest.mark.parametrize(
+    "preset", [p for p in PRESETS if p not in DECODER_ONLY and not p.endswith("_graph")]
+)  # graph presets: test_graph_presets_run
 def test_every_preset_runs_and_writes_results(preset: str, tmp_path: Path) -> None:
     results = run(compose_cfg(f"quant={preset}", *SMOKE), tmp_path)
     on_disk = json.loads((tmp_path / "results.json").read_text())
@@ -68,7 +70,9 @@ def test_qat_run_learns_thresholds_and_reports(tmp_path: Path) -> None:
     overrides = ("quant.qat_epochs=2", "quant.weight_bits=3", "quant.quantizer_lr=0.02")
     results = run(compose_cfg("quant=w4a8_tqt", *SMOKE, *overrides), tmp_path)
     assert results["quant"]["weight_bits"] == 3.0 and results["quant"]["weight_bits_knob"] == 3
-    groups = torch.load(tmp_path / "checkpoints" / "quantized.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
+    groups = torch.load(tmp_path / "checkpoints" / "quantized.ckpt", weights_only=True)["optimizer_states"][0][
+        "param_groups"
+    ]
     assert len(groups) == 2 and groups[1]["lr"] == 0.02 and len(groups[1]["params"]) == 8  # 4 layers: weight + input
     assert results["layers"]["net.fc1"]["weight"]["dtype"] == "int3"
     assert results["wall_time_s"]["quantize_s"] > 0
@@ -99,20 +103,37 @@ def test_bad_ckpt_path_stops_before_training(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "error", "message"),
     [
-        (("quant/weight=int4_g32",), ConfigError, r"layer 'net.conv1' \(Conv2d, weight of shape \(32, 1, 3, 3\)\): group_size=32"),
-        (("quant.exclude=[net.*]",), ConfigError, r"matches no layer of DigitsClassifier; its layers: \['net \(DigitsCNN\)'"),
-        (("metric.name=test_ppl",), ConfigError, r"metric.name='test_ppl' is not logged by DigitsClassifier; it logs \["),
+        (
+            ("quant/weight=int4_g32",),
+            ConfigError,
+            r"layer 'net.conv1' \(Conv2d, weight of shape \(32, 1, 3, 3\)\): group_size=32",
+        ),
+        (
+            ("quant.exclude=[net.*]",),
+            ConfigError,
+            r"matches no layer of DigitsClassifier; its layers: \['net \(DigitsCNN\)'",
+        ),
+        (
+            ("metric.name=test_ppl",),
+            ConfigError,
+            r"metric.name='test_ppl' is not logged by DigitsClassifier; it logs \[",
+        ),
         (("quant.global_quant_config.weight.dtype=int33",), ConfigError, r"'int33' is not a valid Dtype; allowed"),
     ],
 )
-def test_mistakes_stop_before_any_training(overrides: tuple[str, ...], error: type, message: str, tmp_path: Path) -> None:
+def test_mistakes_stop_before_any_training(
+    overrides: tuple[str, ...], error: type, message: str, tmp_path: Path
+) -> None:
     with pytest.raises(error, match=message):
         run(compose_cfg(*SMOKE, *overrides), tmp_path)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "logs").exists()
 
 
 def test_fashion_mnist_missing_says_how_to_install(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"data \(quark_lightning.tasks.fashion.FashionDataModule\): Fashion-MNIST: .* apt-get install -y dataset-fashion-mnist"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data \(quark_lightning.tasks.fashion.FashionDataModule\): Fashion-MNIST: .* apt-get install -y dataset-fashion-mnist",
+    ):
         run(compose_cfg("data=fashion_mnist", f"+data.root={tmp_path}", *SMOKE), tmp_path)
 
 
@@ -138,14 +159,19 @@ def test_train_py_typo_in_a_key_names_it_and_what_is_allowed(tmp_path: Path) -> 
 def test_train_py_bad_value_names_it_and_what_is_allowed(tmp_path: Path) -> None:
     proc = run_train("quant.global_quant_config.weight.dtype=int33", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode != 0
-    assert "error: quant: Config.global_quant_config: QuantizationConfig.weight: QuantizationSpec.dtype='int33' is not a valid Dtype; allowed: ['int2'" in proc.stderr
+    assert (
+        "error: quant: Config.global_quant_config: QuantizationConfig.weight: QuantizationSpec.dtype='int33' is not a valid Dtype; allowed: ['int2'"
+        in proc.stderr
+    )
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_sweep_writes_summary_csv_and_png(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    proc = run_train("-m", "quant=int8_per_channel", "quant.weight_bits=4,8", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = run_train(
+        "-m", "quant=int8_per_channel", "quant.weight_bits=4,8", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = (sweep / "summary.csv").read_text().splitlines()
     assert rows[0].startswith("job,task,scheme,mode,weight_bits")
@@ -156,7 +182,9 @@ def test_sweep_writes_summary_csv_and_png(tmp_path: Path) -> None:
 
 def test_a_sweep_value_that_fails_leaves_the_summary_of_the_jobs_that_finished(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    proc = run_train("-m", "quant=int8_per_channel", "quant.weight_bits=4,1", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = run_train(
+        "-m", "quant=int8_per_channel", "quant.weight_bits=4,1", *SMOKE, f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
     assert proc.returncode != 0 and "quant.weight_bits=1 must be null or an int in 2..16" in proc.stderr
     rows = (sweep / "summary.csv").read_text().splitlines()
     assert len(rows) == 2 and rows[1].split(",")[4] == "4.0"  # the job before the bad value, summarised
@@ -168,7 +196,9 @@ def test_char_lm_experiment_runs_and_reports_perplexity(tmp_path: Path) -> None:
     m = results["metric"]
     assert (m["name"], m["mode"]) == ("test_ppl", "min")
     assert 1.0 < m["float"] < 300.0 and 1.0 < m["quantized"] < 300.0
-    assert results["float_metrics"]["test_ppl"] == pytest.approx(2.718281828 ** results["float_metrics"]["test_loss"], rel=1e-5)
+    assert results["float_metrics"]["test_ppl"] == pytest.approx(
+        2.718281828 ** results["float_metrics"]["test_loss"], rel=1e-5
+    )
     q_proj = results["layers"]["net.model.layers.0.self_attn.q_proj"]["weight"]
     assert (q_proj["dtype"], q_proj["group_size"], q_proj["bits"]) == ("int4", 32, 4.0)
     assert results["quant"]["act_bits"] == 32.0 and results["sqnr_db"]["activation"] == {}
@@ -185,7 +215,9 @@ def test_algorithm_presets_run_on_the_lm(preset: str, tmp_path: Path) -> None:
         assert (config["algo_config"] or {}).get("name") == {"w3_rtn": None, "w3_gptq": "gptq", "w3_awq": "awq"}[preset]
     else:
         assert weight["dtype"] == "int8" and results["quant"]["act_bits"] == 8.0
-        assert (config["pre_quant_opt_config"] or {}).get("name") == ("smoothquant" if preset.endswith("smoothquant") else None)
+        assert (config["pre_quant_opt_config"] or {}).get("name") == (
+            "smoothquant" if preset.endswith("smoothquant") else None
+        )
 
 
 @pytest.mark.parametrize("preset", DECODER_ONLY)
@@ -214,7 +246,10 @@ def test_export_switch_writes_files_and_records_sizes(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         (("export=[tflite]",), r"export=\['tflite'\] is not known; allowed: \['safetensors', 'onnx', 'quark'\]"),
-        (("quant=mxfp4", "export=[onnx]"), r"layer 'net.conv1' \(input_tensors\): ONNX QDQ export supports static int8/uint8"),
+        (
+            ("quant=mxfp4", "export=[onnx]"),
+            r"layer 'net.conv1' \(input_tensors\): ONNX QDQ export supports static int8/uint8",
+        ),
         (("quant=none", "export=[safetensors]"), "export needs a quantized run"),
     ],
 )
@@ -272,8 +307,17 @@ def test_a_sweep_from_one_float_checkpoint_tests_the_float_model_once(tmp_path: 
     ckpt = first["checkpoints"]["float"]
     sweep = tmp_path / "sweep"
     # bf16-true and mixed precision: the later jobs' model must be in the dtype the float test would have left it in
-    proc = run_train("-m", "quant=mixed_auto", "quant.target_bits=4,6", "quant.sensitivity_batches=1", "trainer.precision=bf16-true",
-                     *SMOKE, f"ckpt_path={ckpt}", f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    proc = run_train(
+        "-m",
+        "quant=mixed_auto",
+        "quant.target_bits=4,6",
+        "quant.sensitivity_batches=1",
+        "trainer.precision=bf16-true",
+        *SMOKE,
+        f"ckpt_path={ckpt}",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cache = json.loads((sweep / "float_test_cache.json").read_text())
     assert len(cache) == 1

@@ -25,7 +25,10 @@ SMOKE = ("trainer=smoke", "trainer.accelerator=cpu")
     [
         ("quant.exclude=[net.fc9]", r"quant\.exclude: 'net\.fc9' matches no layer; closest: \[.*'net\.fc1'"),
         ("quant.exclude=['*fc9']", r"quant\.exclude: '\*fc9' matches no layer"),
-        ("+quant.layer_quant_config={net.fc9:{bias:null}}", r"quant\.layer_quant_config: 'net\.fc9' matches no layer; closest: \[.*'net\.fc1'"),
+        (
+            "+quant.layer_quant_config={net.fc9:{bias:null}}",
+            r"quant\.layer_quant_config: 'net\.fc9' matches no layer; closest: \[.*'net\.fc1'",
+        ),
     ],
     ids=["exclude", "exclude_pattern", "layer_quant_config"],
 )
@@ -36,13 +39,17 @@ def test_an_entry_matching_no_layer_stops_the_run_before_training(override: str,
 
 
 def test_matching_entries_still_run(tmp_path: Path) -> None:
-    results = run(compose_cfg(*SMOKE, "quant.exclude=[net.fc2]", "+quant.layer_quant_config={net:{fc1:{bias:null}}}"), tmp_path)
+    results = run(
+        compose_cfg(*SMOKE, "quant.exclude=[net.fc2]", "+quant.layer_quant_config={net:{fc1:{bias:null}}}"), tmp_path
+    )
     assert "net.fc2" not in results["layers"] and "net.fc1" in results["layers"]
 
 
 def test_a_preset_naming_another_models_layers_stops_on_a_language_model(tmp_path: Path) -> None:
     """w4_edges8 names the digits CNN's net.conv1 / net.fc2: on the char LM it would quantize every layer int4."""
-    with pytest.raises(ConfigError, match=r"quant\.layer_quant_config: 'net\.conv1' matches no layer.*'net\.fc2' matches no layer"):
+    with pytest.raises(
+        ConfigError, match=r"quant\.layer_quant_config: 'net\.conv1' matches no layer.*'net\.fc2' matches no layer"
+    ):
         run(compose_cfg(*TINY_LM, *SMOKE, "quant=w4_edges8"), tmp_path)
 
 
@@ -60,5 +67,7 @@ def test_the_engine_keeps_amd_quarks_warning() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plans = ModelQuantizer(config).resolve(DigitsClassifier())
-    assert any("Config.exclude entries match no layer of the model (typo?): ['net.fc9']" in str(w.message) for w in caught)
+    assert any(
+        "Config.exclude entries match no layer of the model (typo?): ['net.fc9']" in str(w.message) for w in caught
+    )
     assert "net.fc2" in {p.name for p in plans}

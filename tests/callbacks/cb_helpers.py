@@ -42,20 +42,29 @@ CLASSES = 4
 def tqt_spec(dtype: str = "int8") -> dict[str, Any]:
     """A TQT weight spec: int per-tensor symmetric power-of-two, threshold learned from a 3SD initialisation."""
     return {
-        "dtype": dtype, "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "symmetric": True,
-        "scale_type": "pof2", "round_method": "half_even", "is_dynamic": False,
+        "dtype": dtype,
+        "qscheme": "per_tensor",
+        "observer_cls": "PerTensorMinMaxObserver",
+        "symmetric": True,
+        "scale_type": "pof2",
+        "round_method": "half_even",
+        "is_dynamic": False,
         "qat_spec": {"method": "tqt", "threshold_init_meth": "_3SD"},
-    }  # fmt: skip
+    }
 
 
 def tqt_config(weight_dtype: str = "int8") -> Config:
     """TQT weights (learnable thresholds) and min-max int8 activations (observers): both kinds of QAT state."""
-    return Config.from_dict({"global_quant_config": {"weight": tqt_spec(weight_dtype), "input_tensors": INT8_PER_TENSOR_ACT}})
+    return Config.from_dict(
+        {"global_quant_config": {"weight": tqt_spec(weight_dtype), "input_tensors": INT8_PER_TENSOR_ACT}}
+    )
 
 
 def minmax_config() -> Config:
     """Per-tensor min-max int8 weights and activations: every qparam comes from an observer."""
-    return Config.from_dict({"global_quant_config": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": INT8_PER_TENSOR_ACT}})
+    return Config.from_dict(
+        {"global_quant_config": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": INT8_PER_TENSOR_ACT}}
+    )
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -202,10 +211,18 @@ class BNNet(BoringMLP):
 # ----------------------------------------------------------------------------------------------- trainers
 def make_trainer(tmp_path: Any, callbacks: list[Callback] | None = None, **overrides: Any) -> Trainer:
     kwargs: dict[str, Any] = dict(
-        default_root_dir=str(tmp_path), max_epochs=1, limit_train_batches=4, limit_val_batches=2, limit_test_batches=2,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", num_sanity_val_steps=0, deterministic=True,
-    )  # fmt: skip
+        default_root_dir=str(tmp_path),
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        limit_test_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
     kwargs["enable_checkpointing"] = any(isinstance(c, ModelCheckpoint) for c in callbacks or [])
     kwargs.update(overrides)
     return Trainer(callbacks=callbacks or [], **kwargs)
@@ -243,7 +260,9 @@ def qstate(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def observer_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Observer statistics and static qparams of the non-learnable quantizers."""
-    return {k: v for k, v in qstate(module).items() if "min_val" in k or "max_val" in k or k.endswith("scale") or "<" in k}
+    return {
+        k: v for k, v in qstate(module).items() if "min_val" in k or "max_val" in k or k.endswith("scale") or "<" in k
+    }
 
 
 def assert_states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -270,7 +289,9 @@ def manual_forward(model: BoringMLP, x: torch.Tensor) -> torch.Tensor:
     """The quantized forward of a BoringMLP computed by hand: every configured quantizer applied, whatever its flags."""
 
     def layer(m: nn.Linear, h: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(fake_quant(m._input_quantizer, h), fake_quant(m._weight_quantizer, m.weight), m.bias)
+        return nn.functional.linear(
+            fake_quant(m._input_quantizer, h), fake_quant(m._weight_quantizer, m.weight), m.bias
+        )
 
     with torch.no_grad():
         return layer(model.fc2, torch.relu(layer(model.fc1, x)))
@@ -304,9 +325,13 @@ class Probe(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.states_before_step.append(qstate(pl_module))
-        self.weights_before_step.append({n: p.detach().clone() for n, p in pl_module.named_parameters() if n.endswith("weight")})
+        self.weights_before_step.append(
+            {n: p.detach().clone() for n, p in pl_module.named_parameters() if n.endswith("weight")}
+        )
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.states_after_step.append(qstate(pl_module))
         for m in pl_module.modules():
             if isinstance(m, nn.BatchNorm2d):

@@ -44,10 +44,16 @@ PTQ_CONFIG = {
     "layer_quant_config": {"fc2": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": HISTOGRAM_ACT}},
 }
 LSQ_WEIGHT = {
-    "dtype": "int8", "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver",
-    "symmetric": True, "scale_type": "float", "round_method": "half_even", "is_dynamic": False,
+    "dtype": "int8",
+    "qscheme": "per_channel",
+    "ch_axis": 0,
+    "observer_cls": "PerChannelMinMaxObserver",
+    "symmetric": True,
+    "scale_type": "float",
+    "round_method": "half_even",
+    "is_dynamic": False,
     "qat_spec": {"method": "lsq"},
-}  # fmt: skip
+}
 LSQ_CONFIG = {
     "global_quant_config": {"weight": LSQ_WEIGHT},
     "layer_quant_config": {
@@ -112,10 +118,20 @@ def main(mode: str, out: str) -> None:
     seed(0)
     model = RankRouted() if mode == "moe" else BoringMLP(lr=0.2)
     kwargs = dict(
-        strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, limit_val_batches=1, limit_test_batches=1,
-        use_distributed_sampler=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=out,
-    )  # fmt: skip
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_val_batches=1,
+        limit_test_batches=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=out,
+    )
     result: dict[str, object] = {}
     if mode == "ptq":
         cb = QuantCallback(Config.from_dict(PTQ_CONFIG), mode="ptq", progress_bar=False, save_quantized=False)

@@ -193,7 +193,10 @@ def test_stale_temporaries_are_recognised_and_removed(tmp_path: Path) -> None:
     """What a killed writer leaves (``.quarkl-tmp.<name>.<8 random>``, files or folders) goes; other files stay, also
     ones named like other tools' temporaries (``.<name>.<8 random>.tmp``), and nothing is followed through a link."""
     (tmp_path / "export" / "quark").mkdir(parents=True)
-    stale = [tmp_path / ".quarkl-tmp.results.json.a1b2c3d4", tmp_path / "export" / "quark" / ".quarkl-tmp.model.safetensors.zz_9xy01"]
+    stale = [
+        tmp_path / ".quarkl-tmp.results.json.a1b2c3d4",
+        tmp_path / "export" / "quark" / ".quarkl-tmp.model.safetensors.zz_9xy01",
+    ]
     for path in stale:
         path.write_bytes(b"half")
     (tmp_path / "export" / ".quarkl-tmp.tokenizer.abcdefgh").mkdir()

@@ -19,8 +19,14 @@ def test_callback_exports_amd_quark_directory(tmp_path: Path) -> None:
 
     seed()
     model, dm = BoringMLP(), DataModule(n=64)
-    callback = QuantCallback(recipe("w8a8_int8"), mode="ptq", calib_batches=2, progress_bar=False,
-                             export=["quark"], export_dir=str(tmp_path / "out"))  # fmt: skip
+    callback = QuantCallback(
+        recipe("w8a8_int8"),
+        mode="ptq",
+        calib_batches=2,
+        progress_bar=False,
+        export=["quark"],
+        export_dir=str(tmp_path / "out"),
+    )
     trainer = make_trainer(tmp_path, [callback])
     trainer.fit(model, datamodule=dm)
     trainer.test(model, datamodule=dm, verbose=False)

@@ -23,16 +23,28 @@ warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 pytestmark = pytest.mark.filterwarnings("ignore:.*layer\\(s\\) with Parameters stay float.*")  # embeddings, norms
 
 VOCAB, SEQ = 64, 8
-SYM8 = {"dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "symmetric": True,
-        "round_method": "half_even", "scale_type": "float", "is_dynamic": False}  # fmt: skip
+SYM8 = {
+    "dtype": "int8",
+    "qscheme": "per_tensor",
+    "observer_cls": "PerTensorMinMaxObserver",
+    "symmetric": True,
+    "round_method": "half_even",
+    "scale_type": "float",
+    "is_dynamic": False,
+}
 GRAPH_W8A8 = {"global_quant_config": {"input_tensors": SYM8, "weight": SYM8}, "quant_mode": "fx_graph_mode"}
 
 
 def llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -70,8 +82,15 @@ def tokens(n: int = 16) -> DataLoader:
 
 
 def trainer(tmp_path: Any, callback: QuantCallback, **kwargs: Any) -> Trainer:
-    return Trainer(callbacks=[callback], default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, **kwargs)  # fmt: skip
+    return Trainer(
+        callbacks=[callback],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def test_keyword_called_graph_checkpoint_reloads(tmp_path) -> None:  # noqa: ANN001
@@ -97,7 +116,9 @@ def test_keyword_called_graph_checkpoint_reloads(tmp_path) -> None:  # noqa: ANN
     state = next(v for k, v in read_checkpoint(path)["callbacks"].items() if k.startswith("QuantCallback"))
     assert set(state["graph_inputs"]["net"]["kwargs"]) == {"input_ids"}  # the keyword the child was called with
 
-    tested = trainer(tmp_path, QuantCallback(Config.from_dict(GRAPH_W8A8), mode="qat")).test(CausalLM(seed=1), tokens(), ckpt_path=path)
+    tested = trainer(tmp_path, QuantCallback(Config.from_dict(GRAPH_W8A8), mode="qat")).test(
+        CausalLM(seed=1), tokens(), ckpt_path=path
+    )
     reference = trainer(tmp_path, QuantCallback(Config.from_dict(GRAPH_W8A8), mode="qat")).test(model, tokens())
     assert abs(tested[0]["test_logit_mean"] - reference[0]["test_logit_mean"]) < 1e-6
 
@@ -121,13 +142,21 @@ def test_labels_without_a_known_loss_is_a_clear_error() -> None:
     from quark.torch.quantization.graph import capture
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_labels=3, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=3,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForSequenceClassification(config).eval()
     ids = torch.randint(1, VOCAB, (2, SEQ))
     gm = capture(model, (), {"input_ids": ids})
     torch.testing.assert_close(gm(input_ids=ids).logits, model(input_ids=ids).logits)
-    with pytest.raises(ValueError, match=r"takes no 'labels'.*ForSequenceClassification.*Compute the loss from the outputs"):
+    with pytest.raises(
+        ValueError, match=r"takes no 'labels'.*ForSequenceClassification.*Compute the loss from the outputs"
+    ):
         gm(input_ids=ids, labels=torch.tensor([0, 2]))

@@ -36,7 +36,15 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ, HIDDEN = 128, 16, 64
 W4A8 = {"global_quant_config": {"weight": INT4_G32_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}
 FP8 = {"global_quant_config": {"weight": FP8_PER_TENSOR, "input_tensors": FP8_PER_TENSOR}}
-DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+DECODER_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 GPT2_CONV1DS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*layer\\(s\\) with Parameters stay float.*")  # embeddings, norms
@@ -45,9 +53,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*layer\\(s\\) with Parameters s
 # ----------------------------------------------------------------------------------------------- models and data
 def llama() -> nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.AutoModelForCausalLM.from_config(config)
 
 

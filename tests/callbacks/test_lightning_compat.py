@@ -54,16 +54,26 @@ class _Record(Callback):
         self.seen: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.seen = {"stage": compat.stage_dataloaders(trainer, trainer.state.fn),
-                     "given": compat.fit_dataloaders_argument(trainer)}  # fmt: skip
+        self.seen = {
+            "stage": compat.stage_dataloaders(trainer, trainer.state.fn),
+            "given": compat.fit_dataloaders_argument(trainer),
+        }
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.seen = {"stage": compat.stage_dataloaders(trainer, trainer.state.fn)}
 
 
 def _trainer(record: _Record) -> Trainer:
-    return Trainer(max_epochs=1, callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, accelerator="cpu", devices=1)  # fmt: skip
+    return Trainer(
+        max_epochs=1,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
 
 
 def test_loaders_given_to_fit() -> None:
@@ -97,5 +107,7 @@ def test_missing_data_source_names_lightning_version() -> None:
     """A loop without ``_data_source`` (a Lightning that renamed it): an error naming the version and the way out."""
     trainer = SimpleNamespace(fit_loop=SimpleNamespace())
     version = re.escape(lightning.__version__)
-    with pytest.raises(compat.LightningCompatError, match=rf"_data_source, which lightning {version} .*calib_dataloader="):
+    with pytest.raises(
+        compat.LightningCompatError, match=rf"_data_source, which lightning {version} .*calib_dataloader="
+    ):
         compat.fit_dataloaders_argument(trainer)

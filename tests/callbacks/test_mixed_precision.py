@@ -18,8 +18,16 @@ from quark.torch.quantization.sensitivity import weight_bits
 
 
 def wspec(bits: int) -> dict[str, Any]:
-    return {"dtype": f"int{bits}", "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver",
-            "symmetric": True, "is_dynamic": False, "round_method": "half_even", "scale_type": "float"}  # fmt: skip
+    return {
+        "dtype": f"int{bits}",
+        "qscheme": "per_channel",
+        "ch_axis": 0,
+        "observer_cls": "PerChannelMinMaxObserver",
+        "symmetric": True,
+        "is_dynamic": False,
+        "round_method": "half_even",
+        "scale_type": "float",
+    }
 
 
 CANDIDATES = {"w8": {"weight": wspec(8)}, "w2": {"weight": wspec(2)}}
@@ -45,15 +53,26 @@ class Loud(LightningModule):
 
 
 def test_mixed_precision_at_the_end_of_fit(tmp_path: Path) -> None:
-    target = (weight_bits(Config.from_dict({"global_quant_config": {"weight": wspec(8)}}).global_quant_config.weight, (4, 16))
-              + weight_bits(Config.from_dict({"global_quant_config": {"weight": wspec(2)}}).global_quant_config.weight, (4, 16))) / 2  # fmt: skip
-    callback = QuantCallback({"global_quant_config": {}}, mode="ptq", calib_batches=4,
-                             mixed_precision={"candidates": CANDIDATES, "target_bits": target, "method": "mse", "batches": 4})  # fmt: skip
+    target = (
+        weight_bits(Config.from_dict({"global_quant_config": {"weight": wspec(8)}}).global_quant_config.weight, (4, 16))
+        + weight_bits(
+            Config.from_dict({"global_quant_config": {"weight": wspec(2)}}).global_quant_config.weight, (4, 16)
+        )
+    ) / 2
+    callback = QuantCallback(
+        {"global_quant_config": {}},
+        mode="ptq",
+        calib_batches=4,
+        mixed_precision={"candidates": CANDIDATES, "target_bits": target, "method": "mse", "batches": 4},
+    )
     model = Loud()
     trainer = make_trainer(tmp_path, [callback])
     trainer.fit(model, datamodule=DataModule())
     assert callback.mixed_choice == {"loud": "w8", "quiet": "w2"}
-    assert model.loud._weight_quantizer.spec.dtype.name == "int8" and model.quiet._weight_quantizer.spec.dtype.name == "int2"
+    assert (
+        model.loud._weight_quantizer.spec.dtype.name == "int8"
+        and model.quiet._weight_quantizer.spec.dtype.name == "int2"
+    )
     assert callback.config.layer_quant_config["quiet"].weight.dtype.name == "int2"
     rows = list(csv.DictReader((tmp_path / "sensitivity.csv").open()))
     assert {(r["layer"], r["candidate"]) for r in rows if r["chosen"] == "1"} == {("loud", "w8"), ("quiet", "w2")}
@@ -71,7 +90,9 @@ def test_mixed_precision_at_the_end_of_fit(tmp_path: Path) -> None:
 
 def test_mixed_precision_needs_ptq_and_a_valid_budget() -> None:
     with pytest.raises(ValueError, match="mode='ptq'"):
-        QuantCallback({"global_quant_config": {}}, mode="qat", mixed_precision={"candidates": CANDIDATES, "target_bits": 4})
+        QuantCallback(
+            {"global_quant_config": {}}, mode="qat", mixed_precision={"candidates": CANDIDATES, "target_bits": 4}
+        )
     with pytest.raises(ValueError, match=r"target_bits=-1"):
         MixedPrecision(candidates=CANDIDATES, target_bits=-1)
     with pytest.raises(ValueError, match=r"method='l1'"):

@@ -15,9 +15,15 @@ from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
 WEIGHT = {
-    "dtype": "int3", "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver",
-    "symmetric": True, "scale_type": "float", "round_method": "half_even", "is_dynamic": False,
-}  # fmt: skip
+    "dtype": "int3",
+    "qscheme": "per_channel",
+    "ch_axis": 0,
+    "observer_cls": "PerChannelMinMaxObserver",
+    "symmetric": True,
+    "scale_type": "float",
+    "round_method": "half_even",
+    "is_dynamic": False,
+}
 
 
 def _config(algo: dict | None) -> Config:
@@ -81,8 +87,14 @@ def test_callback_exports_at_the_end_of_fit(tmp_path: Path) -> None:
 
     seed()
     model, dm = BoringMLP(), DataModule(n=64)
-    callback = QuantCallback(recipe("w8a8_int8"), mode="ptq", calib_batches=2, progress_bar=False,
-                             export=["safetensors", "onnx"], export_dir=str(tmp_path / "out"))  # fmt: skip
+    callback = QuantCallback(
+        recipe("w8a8_int8"),
+        mode="ptq",
+        calib_batches=2,
+        progress_bar=False,
+        export=["safetensors", "onnx"],
+        export_dir=str(tmp_path / "out"),
+    )
     make_trainer(tmp_path, [callback]).fit(model, datamodule=dm)
     assert set(callback.exported) == {"safetensors", "onnx"}
     for info in callback.exported.values():
@@ -94,7 +106,9 @@ def test_callback_exports_at_the_end_of_fit(tmp_path: Path) -> None:
 
 
 def test_unknown_export_format_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"`export=\['tflite'\]` is not known; allowed: \['safetensors', 'onnx', 'quark'\]"):
+    with pytest.raises(
+        ValueError, match=r"`export=\['tflite'\]` is not known; allowed: \['safetensors', 'onnx', 'quark'\]"
+    ):
         QuantCallback(_config(None), mode="ptq", export=["tflite"])
 
 
@@ -104,9 +118,14 @@ def test_brevitas_style_config_in_the_callback(tmp_path: Path) -> None:
 
     seed()
     model = BoringMLP()
-    config = BrevitasConfig(global_quant_config=QuantizationConfig(weight=QuantizationSpec(qscheme="per_channel", bit_width=4),
-                                                                   input_tensors=QuantizationSpec()))  # fmt: skip
+    config = BrevitasConfig(
+        global_quant_config=QuantizationConfig(
+            weight=QuantizationSpec(qscheme="per_channel", bit_width=4), input_tensors=QuantizationSpec()
+        )
+    )
     callback = QuantCallback(config, mode="ptq", calib_batches=2, progress_bar=False, save_quantized=False)
     make_trainer(tmp_path, [callback]).fit(model, datamodule=DataModule(n=32))
-    assert model.fc1._weight_quantizer.spec.dtype.name == "int4" and model.fc1._input_quantizer.spec.dtype.name == "int8"
+    assert (
+        model.fc1._weight_quantizer.spec.dtype.name == "int4" and model.fc1._input_quantizer.spec.dtype.name == "int8"
+    )
     assert callback.calibrated

@@ -55,7 +55,9 @@ def test_qat_prepares_in_setup_so_configure_optimizers_trains_tqt_thresholds(tmp
     seed(0)
     model = BoringMLP(lr=0.5)
     probe = Probe()
-    trainer = make_trainer(tmp_path, [QuantCallback(tqt_config(), mode="qat", observer_steps=2), probe], limit_train_batches=6)
+    trainer = make_trainer(
+        tmp_path, [QuantCallback(tqt_config(), mode="qat", observer_steps=2), probe], limit_train_batches=6
+    )
     trainer.fit(model, datamodule=DataModule())
 
     assert type(model.fc1) is QuantLinear and type(model.fc2) is QuantLinear
@@ -82,7 +84,9 @@ def test_qat_observers_run_for_observer_steps_then_are_fixed(tmp_path) -> None:
     model = BoringMLP(lr=0.5, weight_decay=0.2)  # weight decay shrinks the weights' range from step to step
     probe = Probe()
     steps = 3
-    trainer = make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="qat", observer_steps=steps), probe], limit_train_batches=8)
+    trainer = make_trainer(
+        tmp_path, [QuantCallback(minmax_config(), mode="qat", observer_steps=steps), probe], limit_train_batches=8
+    )
     trainer.fit(model, datamodule=DataModule())
 
     after = [_scales(s) for s in probe.states_after_step]
@@ -130,8 +134,14 @@ def test_qat_fake_quantization_stays_on_in_train_validate_test_predict(tmp_path,
     _assert_quantized_outputs(model, model.val_outputs)
     assert len(model.val_outputs) == 2
     y = dm.val.tensors[1]
-    manual_losses = [nn.functional.cross_entropy(manual_forward(model, x), y[8 * i : 8 * i + 8]) for i, (x, _) in enumerate(model.val_outputs)]
-    float_losses = [nn.functional.cross_entropy(float_forward(model, x), y[8 * i : 8 * i + 8]) for i, (x, _) in enumerate(model.val_outputs)]
+    manual_losses = [
+        nn.functional.cross_entropy(manual_forward(model, x), y[8 * i : 8 * i + 8])
+        for i, (x, _) in enumerate(model.val_outputs)
+    ]
+    float_losses = [
+        nn.functional.cross_entropy(float_forward(model, x), y[8 * i : 8 * i + 8])
+        for i, (x, _) in enumerate(model.val_outputs)
+    ]
     logged = float(trainer.callback_metrics["val_loss"])
     assert logged == pytest.approx(float(torch.stack(manual_losses).mean()), rel=1e-6)
     assert logged != pytest.approx(float(torch.stack(float_losses).mean()), rel=1e-6)
@@ -154,9 +164,12 @@ def test_sanity_check_changes_no_statistic(tmp_path, config, logger) -> None:
     model = BoringMLP()
     probe = Probe()
     trainer = make_trainer(
-        tmp_path, [QuantCallback(config(), mode="qat", observer_steps=5), probe], num_sanity_val_steps=2,
-        limit_train_batches=0, logger=CSVLogger(str(tmp_path)) if logger else False,
-    )  # fmt: skip
+        tmp_path,
+        [QuantCallback(config(), mode="qat", observer_steps=5), probe],
+        num_sanity_val_steps=2,
+        limit_train_batches=0,
+        logger=CSVLogger(str(tmp_path)) if logger else False,
+    )
     trainer.fit(model, datamodule=DataModule())
 
     assert len(model.val_outputs) == 2  # the sanity check ran two validation batches through the model
@@ -175,7 +188,9 @@ def test_sanity_check_before_training_leaves_qat_statistics_alone(tmp_path) -> N
     seed(0)
     model = BoringMLP()
     probe = Probe()
-    trainer = make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="qat", observer_steps=2), probe], num_sanity_val_steps=2)
+    trainer = make_trainer(
+        tmp_path, [QuantCallback(minmax_config(), mode="qat", observer_steps=2), probe], num_sanity_val_steps=2
+    )
     trainer.fit(model, datamodule=DataModule())
     assert_states_equal(probe.at_fit_start, probe.at_train_start)
     # and the observers then saw exactly the first two training batches (not the sanity batches)
@@ -207,7 +222,12 @@ def test_bn_not_frozen_without_freeze_bn_epoch(tmp_path) -> None:
     seed(0)
     model = BNNet()
     probe = Probe()
-    trainer = make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="qat", observer_steps=2), probe], max_epochs=2, limit_train_batches=2)
+    trainer = make_trainer(
+        tmp_path,
+        [QuantCallback(minmax_config(), mode="qat", observer_steps=2), probe],
+        max_epochs=2,
+        limit_train_batches=2,
+    )
     trainer.fit(model, datamodule=DataModule(images=True))
     means = [m for _, m in probe.bn_means]
     assert all(not torch.equal(a, b) for a, b in zip(means, means[1:], strict=False))
@@ -308,9 +328,13 @@ def test_ptq_uses_the_given_calib_dataloader(tmp_path, calib_batches, calib_epoc
     calib = make_data(40, seed=7, shift=3.0)
     before, after = CallMark(), CallMark()
     cb = QuantCallback(
-        minmax_config(), mode="ptq", calib_dataloader=loader(calib), calib_batches=calib_batches,
-        calib_epochs=calib_epochs, log_sqnr=False,
-    )  # fmt: skip
+        minmax_config(),
+        mode="ptq",
+        calib_dataloader=loader(calib),
+        calib_batches=calib_batches,
+        calib_epochs=calib_epochs,
+        log_sqnr=False,
+    )
     trainer = make_trainer(tmp_path, [before, cb, after], limit_train_batches=2)
     trainer.fit(model, datamodule=DataModule())
 

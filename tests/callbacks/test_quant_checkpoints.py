@@ -47,10 +47,15 @@ def test_model_checkpoint_holds_every_quantizer_buffer_and_param(tmp_path) -> No
 
     expected = {f"{name}.{k}" for name, m in model.named_modules() for k in m.state_dict() if "_quantizer" in name}
     assert {
-        "fc1._weight_quantizer.log_threshold", "fc1._weight_quantizer.initialized", "fc1._input_quantizer.scale",
-        "fc1._input_quantizer.zero_point", "fc1._input_quantizer.observer.min_val", "fc1._input_quantizer.observer.max_val",
-        "fc1._input_quantizer.observer_enabled", "fc1._input_quantizer.fake_quant_enabled",
-    } <= expected  # fmt: skip
+        "fc1._weight_quantizer.log_threshold",
+        "fc1._weight_quantizer.initialized",
+        "fc1._input_quantizer.scale",
+        "fc1._input_quantizer.zero_point",
+        "fc1._input_quantizer.observer.min_val",
+        "fc1._input_quantizer.observer.max_val",
+        "fc1._input_quantizer.observer_enabled",
+        "fc1._input_quantizer.fake_quant_enabled",
+    } <= expected
     files = sorted(glob.glob(str(tmp_path / "ckpt" / "*.ckpt")))
     assert [os.path.basename(f) for f in files] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     for path, step in zip(files, (2, 4), strict=True):
@@ -78,7 +83,9 @@ def test_crash_then_resume_is_bit_exact(tmp_path, crash_step) -> None:
     def callbacks() -> list:
         return [QuantCallback(tqt_config(), mode="qat", observer_steps=observer_steps)]
 
-    common = dict(max_steps=total, max_epochs=-1, limit_train_batches=4, limit_val_batches=1)  # 32 samples: 4 batches, an epoch each 4 steps
+    common = dict(
+        max_steps=total, max_epochs=-1, limit_train_batches=4, limit_val_batches=1
+    )  # 32 samples: 4 batches, an epoch each 4 steps
 
     # A: uninterrupted
     seed(0)
@@ -108,7 +115,12 @@ def test_crash_then_resume_is_bit_exact(tmp_path, crash_step) -> None:
     different = [k for k in a if not torch.equal(a[k], c[k])]
     assert not different, different
     # the compared state holds what the issue names: weights, TQT thresholds, observer min/max, scales
-    assert {"fc1.weight", "fc1.weight.log_threshold", "fc2.input_tensors.observer.min_val", "fc2.input_tensors.<scale>"} <= a.keys()
+    assert {
+        "fc1.weight",
+        "fc1.weight.log_threshold",
+        "fc2.input_tensors.observer.min_val",
+        "fc2.input_tensors.<scale>",
+    } <= a.keys()
     assert not torch.equal(a["fc1.weight"], model_b.fc1.weight.detach())  # B had not got there before crashing
 
 

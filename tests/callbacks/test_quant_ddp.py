@@ -23,7 +23,9 @@ from quark.torch.quantization.config.config import Config
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,12 @@ def ranks(tmp_path_factory) -> dict[str, list[dict]]:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"  # each rank one thread, as _calibrate_on below: the same float sums, bit for bit
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "all", str(out)], cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), "all", str(out)],
+        cwd=str(ROOT),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, f"DDP run failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     results = {}
@@ -103,7 +110,9 @@ def test_qat_observers_are_reduced_when_fixed(ranks) -> None:
     assert float(state["fc1.input_tensors.observer.min_val"]) == float(union.min())
     assert float(state["fc1.input_tensors.observer.max_val"]) == float(union.max())
     assert float(_x(0, 2).max()) != float(union.max()) and float(_x(1, 2).min()) != float(union.min())
-    assert not any(bool(v) for k, v in state.items() if k.startswith("fc1.input_tensors") and k.endswith("observer_enabled"))
+    assert not any(
+        bool(v) for k, v in state.items() if k.startswith("fc1.input_tensors") and k.endswith("observer_enabled")
+    )
     assert torch.equal(pair[0]["qstate"]["fc1.input_tensors.<scale>"], state["fc1.input_tensors.<scale>"])  # then fixed
 
 
@@ -142,7 +151,10 @@ def test_lsq_per_channel_on_an_axis_the_layer_does_not_fix_is_refused_before_ddp
     from lightning.pytorch import Trainer
 
     weight = LSQ_CONFIG["global_quant_config"]["weight"]
-    config = {**LSQ_CONFIG, "layer_quant_config": {"fc1": {"weight": weight, "input_tensors": {**weight, "ch_axis": 0}}}}
+    config = {
+        **LSQ_CONFIG,
+        "layer_quant_config": {"fc1": {"weight": weight, "input_tensors": {**weight, "ch_axis": 0}}},
+    }
     trainer = Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
     assert trainer.world_size == 2
     with pytest.raises(ValueError, match=r"layer 'fc1' \(Linear, input_tensors\).*ch_axis=-1"):

@@ -19,8 +19,15 @@ from quark.torch.quantization.nn.modules import QuantConv2d
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
-SYM8 = {"dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "symmetric": True,
-        "round_method": "half_even", "scale_type": "float", "is_dynamic": False}  # fmt: skip
+SYM8 = {
+    "dtype": "int8",
+    "qscheme": "per_tensor",
+    "observer_cls": "PerTensorMinMaxObserver",
+    "symmetric": True,
+    "round_method": "half_even",
+    "scale_type": "float",
+    "is_dynamic": False,
+}
 W8 = {**SYM8, "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver"}
 
 
@@ -68,12 +75,21 @@ def loader() -> DataLoader:
 
 
 def trainer(tmp_path, callback: QuantCallback, epochs: int = 2) -> Trainer:  # noqa: ANN001
-    return Trainer(max_epochs=epochs, callbacks=[callback], default_root_dir=tmp_path, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+    return Trainer(
+        max_epochs=epochs,
+        callbacks=[callback],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
 
 
 def graph_config(weight: dict = W8) -> Config:
-    return Config.from_dict({"global_quant_config": {"input_tensors": SYM8, "weight": weight}, "quant_mode": "fx_graph_mode"})
+    return Config.from_dict(
+        {"global_quant_config": {"input_tensors": SYM8, "weight": weight}, "quant_mode": "fx_graph_mode"}
+    )
 
 
 def test_qat_graph_mode_trains_freezes_bn_and_resumes(tmp_path) -> None:  # noqa: ANN001
@@ -115,8 +131,12 @@ def test_ptq_graph_mode_checkpoint_round_trip(tmp_path) -> None:  # noqa: ANN001
     with torch.no_grad():
         assert torch.allclose(fresh(x), expected, atol=1e-6)
     # and a fresh trainer + callback tests it: the folded state loads into the unfolded graph
-    again = Trainer(callbacks=[QuantCallback(graph_config(), mode="ptq")], logger=False, enable_progress_bar=False,
-                    default_root_dir=tmp_path)  # fmt: skip
+    again = Trainer(
+        callbacks=[QuantCallback(graph_config(), mode="ptq")],
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     result = again.test(Classifier(), loader(), ckpt_path=callback.quantized_checkpoint)[0]["test_loss"]
     assert abs(result - tested) < 1e-6
 
@@ -128,8 +148,14 @@ def test_ptq_graph_mode_exports_safetensors_and_onnx(tmp_path) -> None:  # noqa:
 
     pl.seed_everything(0)
     model = Classifier()
-    callback = QuantCallback(graph_config(), mode="ptq", calib_batches=3, calib_dataloader=loader(),
-                             export=["safetensors", "onnx"], export_dir=str(tmp_path / "out"))  # fmt: skip
+    callback = QuantCallback(
+        graph_config(),
+        mode="ptq",
+        calib_batches=3,
+        calib_dataloader=loader(),
+        export=["safetensors", "onnx"],
+        export_dir=str(tmp_path / "out"),
+    )
     trainer(tmp_path, callback, epochs=1).fit(model, loader(), loader())
     assert set(callback.exported) == {"safetensors", "onnx"}
     x = next(iter(loader()))[0]

@@ -83,9 +83,13 @@ def test_ptq_calibration_data_errors_say_what_is_wrong(tmp_path) -> None:
             raise OSError("the disk is gone")
 
     with pytest.raises(ValueError, match=r"datamodule NoTrain has no train_dataloader\(\).*calib_dataloader="):
-        make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="ptq")]).test(BoringMLP(), datamodule=NoTrain(), verbose=False)
+        make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="ptq")]).test(
+            BoringMLP(), datamodule=NoTrain(), verbose=False
+        )
     with pytest.raises(ValueError, match=r"train_dataloader\(\) raised OSError: the disk is gone") as err:
-        make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="ptq")]).test(BoringMLP(), datamodule=Broken(), verbose=False)
+        make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="ptq")]).test(
+            BoringMLP(), datamodule=Broken(), verbose=False
+        )
     assert "has no train_dataloader" not in str(err.value)
 
 
@@ -177,7 +181,10 @@ def test_default_feed_that_cannot_fit_the_forward_names_calib_forward(tmp_path) 
             return super().forward(x + y)
 
     cb = QuantCallback(minmax_config(), mode="ptq", calib_dataloader=[torch.randn(4, 16)] * 2)
-    with pytest.raises(ValueError, match=r"Tensor\[4, 16\].*TwoInputs\.forward\(x: .*calib_forward=lambda model, batch: model\(batch\[0\], batch\[1\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Tensor\[4, 16\].*TwoInputs\.forward\(x: .*calib_forward=lambda model, batch: model\(batch\[0\], batch\[1\]\)",
+    ):
         make_trainer(tmp_path, [cb]).test(TwoInputs(), datamodule=DataModule(), verbose=False)
 
 
@@ -227,7 +234,9 @@ def test_qat_fit_from_a_float_checkpoint_starts_from_its_weights_and_loop_state(
     trainer.fit(model, datamodule=DataModule(), ckpt_path=path)
     assert trainer.global_step == 8  # the float run's 4 steps (its loop state), then 4 QAT steps
     first = probe.weights_before_step[0]
-    assert torch.equal(first["fc1.weight"], weights["fc1.weight"]) and torch.equal(first["fc2.weight"], weights["fc2.weight"])
+    assert torch.equal(first["fc1.weight"], weights["fc1.weight"]) and torch.equal(
+        first["fc2.weight"], weights["fc2.weight"]
+    )
     # the observers ran on the first two QAT batches although global_step was already past observer_steps
     x = DataModule().train.tensors[0][:16]
     observer = model.fc1._input_quantizer.observer
@@ -368,7 +377,9 @@ def test_a_weight_quantizer_without_qparams_is_refused_naming_the_layer(tmp_path
     checkpoint["state_dict"]["fc1._weight_quantizer.initialized"].fill_(0)
     bad = str(tmp_path / "uncalibrated.ckpt")
     torch.save(checkpoint, bad)
-    with pytest.raises(ValueError, match=r"uncalibrated.ckpt: layer 'fc1' \(QuantLinear\): the weight quantizer has no qparams"):
+    with pytest.raises(
+        ValueError, match=r"uncalibrated.ckpt: layer 'fc1' \(QuantLinear\): the weight quantizer has no qparams"
+    ):
         load_quantized_checkpoint(BoringMLP(), bad)
 
 
@@ -410,7 +421,9 @@ def test_qat_validate_before_fit_warns_once_that_observers_have_not_run(tmp_path
     with pytest.warns(UserWarning, match=r"validate\(\) before the observers have run.*layer 'fc1'") as record:
         trainer.validate(model, datamodule=dm, verbose=False)
         trainer.validate(model, datamodule=dm, verbose=False)
-    assert sum("observers have not run" in str(w.message) or "before the observers" in str(w.message) for w in record) == 1
+    assert (
+        sum("observers have not run" in str(w.message) or "before the observers" in str(w.message) for w in record) == 1
+    )
 
 
 def test_observer_steps_count_training_batches_with_gradient_accumulation(tmp_path) -> None:
@@ -450,7 +463,9 @@ def test_observer_steps_count_training_batches_with_two_optimizers(tmp_path) -> 
     seed(0)
     model = TwoOptimizers()
     probe = Probe()
-    trainer = make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="qat", observer_steps=3), probe], limit_train_batches=6)
+    trainer = make_trainer(
+        tmp_path, [QuantCallback(minmax_config(), mode="qat", observer_steps=3), probe], limit_train_batches=6
+    )
     trainer.fit(model, datamodule=DataModule())
     assert trainer.global_step == 12
     # weight ranges are those of the last observed batch: the third one (not the second, as optimizer steps would say)
@@ -463,10 +478,15 @@ def test_observer_steps_count_training_batches_with_two_optimizers(tmp_path) -> 
 
 # ----------------------------------------------------------------------------------------------- LightningCLI
 _CLI_TRAINER = [
-    "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
-    "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false", "--trainer.accelerator=cpu",
-]  # fmt: skip
+    "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.logger=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.accelerator=cpu",
+]
 _CLI_CONFIG = {"global_quant_config": {"weight": recipe("w8a8_int8").global_quant_config.weight.to_dict()}}
 
 
@@ -479,15 +499,24 @@ def test_lightning_cli_fit_with_quant_callback(tmp_path, monkeypatch, form) -> N
 
     if form == "command-line":
         args = [
-            "fit", *_CLI_TRAINER, f"--trainer.default_root_dir={tmp_path}",
-            "--trainer.callbacks+=callbacks.QuantCallback", f"--trainer.callbacks.config={yaml.safe_dump(_CLI_CONFIG)}",
-            "--trainer.callbacks.mode=qat", "--trainer.callbacks.observer_steps=1",
-        ]  # fmt: skip
+            "fit",
+            *_CLI_TRAINER,
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks+=callbacks.QuantCallback",
+            f"--trainer.callbacks.config={yaml.safe_dump(_CLI_CONFIG)}",
+            "--trainer.callbacks.mode=qat",
+            "--trainer.callbacks.observer_steps=1",
+        ]
     else:
         config = {
             "trainer": {
                 "default_root_dir": str(tmp_path),
-                "callbacks": [{"class_path": "callbacks.QuantCallback", "init_args": {"config": _CLI_CONFIG, "mode": "qat", "observer_steps": 1}}],
+                "callbacks": [
+                    {
+                        "class_path": "callbacks.QuantCallback",
+                        "init_args": {"config": _CLI_CONFIG, "mode": "qat", "observer_steps": 1},
+                    }
+                ],
             }
         }
         path = tmp_path / "config.yaml"

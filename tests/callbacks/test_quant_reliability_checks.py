@@ -42,7 +42,12 @@ class StepCounter(Callback):
 
 
 def per_channel_act_config(ch_axis: int) -> Config:
-    act = {**INT8_PER_TENSOR_ACT, "qscheme": "per_channel", "ch_axis": ch_axis, "observer_cls": "PerChannelMinMaxObserver"}
+    act = {
+        **INT8_PER_TENSOR_ACT,
+        "qscheme": "per_channel",
+        "ch_axis": ch_axis,
+        "observer_cls": "PerChannelMinMaxObserver",
+    }
     return Config.from_dict({"global_quant_config": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": act}})
 
 
@@ -52,7 +57,10 @@ def test_activation_ch_axis_out_of_range_is_found_before_training(mode: str, tmp
     seed()
     counter = StepCounter()
     trainer = make_trainer(tmp_path, [QuantCallback(per_channel_act_config(5), mode=mode, calib_batches=2), counter])
-    with pytest.raises(ValueError, match=r"layer 'fc1' \(Linear, input_tensors\): ch_axis=5 \(per_channel\) is out of range for the activation of shape \(8, 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'fc1' \(Linear, input_tensors\): ch_axis=5 \(per_channel\) is out of range for the activation of shape \(8, 16\)",
+    ):
         trainer.fit(BoringMLP(), datamodule=DataModule())
     assert counter.steps == 0  # no sanity check, no training batch ran
 
@@ -68,11 +76,15 @@ def test_activation_ch_axis_in_range_trains_and_calibrates(tmp_path: Any) -> Non
 
 # ----------------------------------------------------------------------------------------------- precision
 @pytest.mark.parametrize(("precision", "dtype"), [("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
-def test_true_precision_calibrates_and_tests_in_the_models_dtype(precision: str, dtype: torch.dtype, tmp_path: Any) -> None:
+def test_true_precision_calibrates_and_tests_in_the_models_dtype(
+    precision: str, dtype: torch.dtype, tmp_path: Any
+) -> None:
     seed()
     model, dm = BoringMLP(), DataModule()
     logger = CSVLogger(str(tmp_path))  # the SQNR report runs a batch too
-    trainer = make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="ptq", calib_batches=2)], precision=precision, logger=logger)
+    trainer = make_trainer(
+        tmp_path, [QuantCallback(minmax_config(), mode="ptq", calib_batches=2)], precision=precision, logger=logger
+    )
     trainer.fit(model, datamodule=dm)  # PTQ: calibrates at the end of fit
     (metrics,) = trainer.test(model, datamodule=dm, verbose=False)
     assert model.fc1.weight.dtype == dtype and torch.isfinite(torch.tensor(metrics["test_loss"]))
@@ -104,8 +116,13 @@ def test_nan_calib_dataloader_errors_at_fit_start(tmp_path: Any) -> None:
     data = make_data(16)
     data.tensors[0][3, 5] = float("nan")
     counter = StepCounter()
-    trainer = make_trainer(tmp_path, [QuantCallback(minmax_config(), mode="ptq", calib_dataloader=loader(data)), counter])
-    with pytest.raises(ValueError, match=r"first batch of calib_dataloader holds non-finite values in batch\[0\] \(Tensor\[8, 16\]: 1 NaN, 0 Inf\)"):
+    trainer = make_trainer(
+        tmp_path, [QuantCallback(minmax_config(), mode="ptq", calib_dataloader=loader(data)), counter]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"first batch of calib_dataloader holds non-finite values in batch\[0\] \(Tensor\[8, 16\]: 1 NaN, 0 Inf\)",
+    ):
         trainer.fit(BoringMLP(), datamodule=DataModule())
     assert counter.steps == 0
 
@@ -124,11 +141,13 @@ def test_a_one_shot_calibration_iterator_keeps_the_batch_peeked_at(tmp_path: Any
 
 # ----------------------------------------------------------------------------------------------- warnings
 def test_unmatched_names_and_unused_layer_types_warn_once(tmp_path: Any) -> None:
-    config = Config.from_dict({
-        "global_quant_config": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": INT8_PER_TENSOR_ACT},
-        "layer_type_quant_config": {"Conv1d": {"weight": INT8_PER_TENSOR_ACT}},
-        "layer_quant_config": {"fc9": {"weight": INT8_PER_TENSOR_ACT}},
-    })  # fmt: skip
+    config = Config.from_dict(
+        {
+            "global_quant_config": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": INT8_PER_TENSOR_ACT},
+            "layer_type_quant_config": {"Conv1d": {"weight": INT8_PER_TENSOR_ACT}},
+            "layer_quant_config": {"fc9": {"weight": INT8_PER_TENSOR_ACT}},
+        }
+    )
     trainer = make_trainer(tmp_path, [QuantCallback(config, mode="ptq", calib_batches=1)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # every call shows: a second warning of the same text would be counted
@@ -137,4 +156,8 @@ def test_unmatched_names_and_unused_layer_types_warn_once(tmp_path: Any) -> None
     typo = [m for m in messages if "layer_quant_config entries match no layer" in m]
     unused = [m for m in messages if "layer_type_quant_config entries name layer types the model does not have" in m]
     assert typo == ["Config.layer_quant_config entries match no layer of the model (typo?): ['fc9']"]
-    assert len(unused) == 1 and "['Conv1d']" in unused[0] and "the model's quantizable layer types: ['Linear']" in unused[0]
+    assert (
+        len(unused) == 1
+        and "['Conv1d']" in unused[0]
+        and "the model's quantizable layer types: ['Linear']" in unused[0]
+    )

@@ -130,6 +130,7 @@ def test_ptq_fit_twice_trains_float_and_calibrates_the_new_weights(tmp_path) -> 
     narrow = make_data(16, seed=9)
     narrow.tensors = (narrow.tensors[0] * 0.25, narrow.tensors[1])
     cb.calib_dataloader = loader(narrow)
+
     class Calibrated(Callback):
         def __init__(self) -> None:
             self.during: list[bool] = []
@@ -205,7 +206,9 @@ def test_model_pruning_reaches_the_training_forward_of_the_quantized_layers(tmp_
     cb = QuantCallback(recipe("w8a8_int8"), mode="qat", observer_steps=1)
     zeros = WeightZeros()
     pruning = ModelPruning("l1_unstructured", amount=0.5)
-    make_trainer(tmp_path, [cb, pruning, zeros], max_epochs=2, limit_train_batches=2).fit(model, datamodule=DataModule())
+    make_trainer(tmp_path, [cb, pruning, zeros], max_epochs=2, limit_train_batches=2).fit(
+        model, datamodule=DataModule()
+    )
     stored, effective = _zero_fractions(model)
     assert stored == 0.75 and 0.75 <= effective < 0.8
     assert [f == 0.0 for e, f in zeros.seen if e == 0] == [True, True]
@@ -276,9 +279,13 @@ def test_config_matching_no_layer_fails_in_setup_listing_the_layers(tmp_path) ->
 
 
 def test_config_matching_no_layer_also_fails_for_test(tmp_path) -> None:
-    config = Config.from_dict({"global_quant_config": {}, "layer_quant_config": {"nothing_here": {"weight": INT8_PER_TENSOR_ACT}}})
+    config = Config.from_dict(
+        {"global_quant_config": {}, "layer_quant_config": {"nothing_here": {"weight": INT8_PER_TENSOR_ACT}}}
+    )
     with pytest.warns(UserWarning, match="nothing_here"), pytest.raises(ValueError, match=r"fc1 \(Linear\)"):
-        make_trainer(tmp_path, [QuantCallback(config, mode="ptq")]).test(BoringMLP(), datamodule=DataModule(), verbose=False)
+        make_trainer(tmp_path, [QuantCallback(config, mode="ptq")]).test(
+            BoringMLP(), datamodule=DataModule(), verbose=False
+        )
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,9 @@ def _adamw(net: nn.Module) -> torch.optim.AdamW:
     """The usual two groups: decay on matrices, none on vectors (thresholds fall in both)."""
     decay = [p for n, p in net.named_parameters() if p.ndim >= 2 or n == "t0"]
     rest = [p for n, p in net.named_parameters() if p.ndim < 2 and n != "t0"]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3, betas=(0.8, 0.9))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3, betas=(0.8, 0.9)
+    )
 
 
 def test_split_moves_the_parameters_into_one_group_without_decay_and_follows_the_schedule() -> None:
@@ -134,7 +136,9 @@ def test_resume_with_quantizer_lr_continues_exactly(tmp_path) -> None:  # noqa: 
     seed(0)
     model_b = BoringMLP(lr=0.2)
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, save_top_k=-1)
-    make_trainer(tmp_path / "b", [*callbacks(), ckpt], **{**common, "max_steps": 4}).fit(model_b, datamodule=DataModule(n=32))
+    make_trainer(tmp_path / "b", [*callbacks(), ckpt], **{**common, "max_steps": 4}).fit(
+        model_b, datamodule=DataModule(n=32)
+    )
     path = glob.glob(str(tmp_path / "ckpt" / "*step=4.ckpt"))
     seed(123)
     model_c = BoringMLP(lr=0.2)

@@ -37,7 +37,9 @@ class _Plain:
     [(_CallsSystem(), "system"), (_OpensAFile(), "open"), (_Plain(), "_Plain"), (torch.nn.Linear(2, 2), "Linear")],
     ids=["os_system", "open", "class_instance", "module"],
 )
-def test_a_refused_checkpoint_names_what_it_tried_to_load_and_never_advises_weights_only_false(payload: object, named: str, tmp_path: Path) -> None:
+def test_a_refused_checkpoint_names_what_it_tried_to_load_and_never_advises_weights_only_false(
+    payload: object, named: str, tmp_path: Path
+) -> None:
     path = tmp_path / "in.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}, "hyper_parameters": {"x": payload}}, path)
     with pytest.raises(ValueError, match=rf"^{path} was refused: .*tried to load \S*{named}") as err:

@@ -30,13 +30,22 @@ from quark.torch.quantization.nn.modules import iter_quantizers
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
-SYM8 = {"dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "symmetric": True,
-        "round_method": "half_even", "scale_type": "float", "is_dynamic": False}  # fmt: skip
+SYM8 = {
+    "dtype": "int8",
+    "qscheme": "per_tensor",
+    "observer_cls": "PerTensorMinMaxObserver",
+    "symmetric": True,
+    "round_method": "half_even",
+    "scale_type": "float",
+    "is_dynamic": False,
+}
 W8_CHANNEL = {**SYM8, "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver"}
 WEIGHTS = {"per_tensor": SYM8, "per_channel": W8_CHANNEL}
 
 
-def conv_bn(cin: int, cout: int, k: int, stride: int = 1, padding: int = 0, groups: int = 1, act: type | None = nn.ReLU6) -> nn.Sequential:
+def conv_bn(
+    cin: int, cout: int, k: int, stride: int = 1, padding: int = 0, groups: int = 1, act: type | None = nn.ReLU6
+) -> nn.Sequential:
     layers = [nn.Conv2d(cin, cout, k, stride, padding, groups=groups, bias=False), nn.BatchNorm2d(cout)]
     return nn.Sequential(*layers, *([act()] if act is not None else []))
 
@@ -66,7 +75,10 @@ class LiteNet(nn.Module):
         super().__init__()
         self.stem = conv_bn(3, 16, 3, stride=2, padding=1)
         self.blocks = nn.Sequential(
-            LiteBlock(16, 8, 1, 1), LiteBlock(8, 12, 4, 2), LiteBlock(12, 12, 4, 1), LiteBlock(12, 16, 4, 2, act=nn.ReLU)
+            LiteBlock(16, 8, 1, 1),
+            LiteBlock(8, 12, 4, 2),
+            LiteBlock(12, 12, 4, 1),
+            LiteBlock(12, 16, 4, 2, act=nn.ReLU),
         )
         self.head = conv_bn(16, 32, 1)
         self.fc = nn.Linear(32, 10)
@@ -100,7 +112,13 @@ def lite_net(seed: int) -> tuple[nn.Module, torch.Tensor]:
 
 def config(weight: str, cle: bool) -> Config:
     extra = {"pre_quant_opt_config": [{"name": "cle", "iterations": 10}]} if cle else {}
-    return Config.from_dict({"global_quant_config": {"input_tensors": SYM8, "weight": WEIGHTS[weight]}, "quant_mode": "fx_graph_mode", **extra})
+    return Config.from_dict(
+        {
+            "global_quant_config": {"input_tensors": SYM8, "weight": WEIGHTS[weight]},
+            "quant_mode": "fx_graph_mode",
+            **extra,
+        }
+    )
 
 
 def quantized(model: nn.Module, x: torch.Tensor, cfg: Config) -> fx.GraphModule:
@@ -207,7 +225,10 @@ def test_broken_cle_raises_naming_cle_and_layer_and_leaves_graph_unchanged(monke
         original(layer, factor * torch.where(torch.arange(len(factor)) == 0, 1.5, 1.0).to(factor))
 
     monkeypatch.setattr(cle_module, "_scale_in_channels", corrupt)
-    with pytest.raises(EquivalenceError, match=r"cross-layer equalization \(CLE\) changed what layer '[\w.]+' \(pair '[\w.]+' -> '[\w.]+'\)"):
+    with pytest.raises(
+        EquivalenceError,
+        match=r"cross-layer equalization \(CLE\) changed what layer '[\w.]+' \(pair '[\w.]+' -> '[\w.]+'\)",
+    ):
         equalize_graph(gm, CLEConfig(iterations=3))
     after = snapshot(gm)
     assert after.keys() == weights.keys() and all(torch.equal(after[k], v) for k, v in weights.items())
@@ -217,7 +238,9 @@ def test_broken_cle_raises_naming_cle_and_layer_and_leaves_graph_unchanged(monke
 def test_broken_cle_through_the_quantizer_api(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = lite_net(1)
     state = snapshot(model)
-    monkeypatch.setattr(cle_module, "_scale_out_channels", lambda layer, factor: None)  # the first layer is not rescaled
+    monkeypatch.setattr(
+        cle_module, "_scale_out_channels", lambda layer, factor: None
+    )  # the first layer is not rescaled
     with pytest.raises(EquivalenceError, match="cross-layer equalization.*layer '"):
         quantized(model, x, config("per_tensor", cle=True))
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

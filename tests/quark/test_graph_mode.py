@@ -26,15 +26,24 @@ from quark.torch.quantization.nn.modules import QuantConv2d, iter_quantizers
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
-SYM8 = {"dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "symmetric": True,
-        "round_method": "half_even", "scale_type": "float", "is_dynamic": False}  # fmt: skip
+SYM8 = {
+    "dtype": "int8",
+    "qscheme": "per_tensor",
+    "observer_cls": "PerTensorMinMaxObserver",
+    "symmetric": True,
+    "round_method": "half_even",
+    "scale_type": "float",
+    "is_dynamic": False,
+}
 W8 = {**SYM8, "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver"}
 TQT4 = {**SYM8, "dtype": "int4", "scale_type": "pof2", "qat_spec": {"method": "tqt", "threshold_init_meth": "_3SD"}}
 TQT8 = {**TQT4, "dtype": "int8"}
 
 
 def graph_config(**extra: object) -> Config:
-    return Config.from_dict({"global_quant_config": {"input_tensors": SYM8, "weight": W8}, "quant_mode": "fx_graph_mode", **extra})
+    return Config.from_dict(
+        {"global_quant_config": {"input_tensors": SYM8, "weight": W8}, "quant_mode": "fx_graph_mode", **extra}
+    )
 
 
 class Block(nn.Module):
@@ -121,10 +130,26 @@ def test_whole_graph_placement(net_and_data: tuple[nn.Module, torch.Tensor]) -> 
     model, x = net_and_data
     gm = ModelQuantizer(graph_config()).prepare(capture(model, (x[:4],)))
     aten = torch.ops.aten
-    assert consumers_read_quantized(gm, (aten.add.Tensor, aten.cat.default, aten.mean.dim, aten.adaptive_avg_pool2d.default)) == []
+    assert (
+        consumers_read_quantized(
+            gm, (aten.add.Tensor, aten.cat.default, aten.mean.dim, aten.adaptive_avg_pool2d.default)
+        )
+        == []
+    )
     # conv + BN + ReLU is one unit: the twin's output goes straight into the ReLU, the quantizer comes after it
-    units = {n.target: n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), QuantConvBn2d)}
-    assert set(units) == {"stem.0", "blocks.0.c1", "blocks.0.c2", "blocks.1.expand.0", "blocks.1.dw.0", "blocks.1.project.0"}
+    units = {
+        n.target: n
+        for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), QuantConvBn2d)
+    }
+    assert set(units) == {
+        "stem.0",
+        "blocks.0.c1",
+        "blocks.0.c2",
+        "blocks.1.expand.0",
+        "blocks.1.dw.0",
+        "blocks.1.project.0",
+    }
     relu = next(iter(units["blocks.0.c1"].users))
     assert relu.target is aten.relu.default and len(relu.users) == 1
     assert isinstance(gm.get_submodule(next(iter(relu.users)).target), QuantActivation)
@@ -177,8 +202,12 @@ def test_bit_exact_against_integer_reference() -> None:
 
     model = trained_bn(Small(), x)
     pof2 = {**SYM8, "scale_type": "pof2"}
-    config = Config.from_dict({"global_quant_config": {"input_tensors": pof2, "weight": {**W8, "scale_type": "pof2"}},
-                               "quant_mode": "fx_graph_mode"})  # fmt: skip
+    config = Config.from_dict(
+        {
+            "global_quant_config": {"input_tensors": pof2, "weight": {**W8, "scale_type": "pof2"}},
+            "quant_mode": "fx_graph_mode",
+        }
+    )
     gm = ModelQuantizer.freeze(calibrated(model, x, config))
 
     def pof2_scale(amax: torch.Tensor) -> torch.Tensor:  # Quark: amax / ((qmax - qmin) / 2), held as 2^round(log2)
@@ -208,7 +237,9 @@ def test_cle_keeps_float_function_and_user_weights(net_and_data: tuple[nn.Module
     before = {k: v.clone() for k, v in model.state_dict().items()}
     per_tensor = {"global_quant_config": {"input_tensors": SYM8, "weight": SYM8}, "quant_mode": "fx_graph_mode"}
     folded = calibrated(model, x, Config.from_dict(per_tensor))
-    gm = calibrated(model, x, Config.from_dict({**per_tensor, "pre_quant_opt_config": [{"name": "cle", "iterations": 10}]}))
+    gm = calibrated(
+        model, x, Config.from_dict({**per_tensor, "pre_quant_opt_config": [{"name": "cle", "iterations": 10}]})
+    )
     assert not [n for n in gm.graph.nodes if "clamp" in n.name]  # ReLU6 stays ReLU6: no per-channel clamp
     for _, q in iter_quantizers(gm):
         q.disable_fake_quant()
@@ -230,7 +261,9 @@ def test_cle_improves_per_tensor_weights() -> None:
     block = trained_bn(block, x)
     per_tensor = {"global_quant_config": {"weight": SYM8}, "quant_mode": "fx_graph_mode"}
     plain = calibrated(block, x, Config.from_dict(per_tensor))
-    cle = calibrated(block, x, Config.from_dict({**per_tensor, "pre_quant_opt_config": [{"name": "cle", "iterations": 10}]}))
+    cle = calibrated(
+        block, x, Config.from_dict({**per_tensor, "pre_quant_opt_config": [{"name": "cle", "iterations": 10}]})
+    )
     ref = block(x)
     assert (cle(x) - ref).pow(2).mean() < 0.7 * (plain(x) - ref).pow(2).mean()
 
@@ -239,7 +272,9 @@ def test_cle_improves_per_tensor_weights() -> None:
 def test_qat_simulated_folding_then_freeze(net_and_data: tuple[nn.Module, torch.Tensor]) -> None:
     model, x = net_and_data
     y = torch.randint(0, 5, (32,))
-    config = Config.from_dict({"global_quant_config": {"weight": TQT4, "input_tensors": TQT8}, "quant_mode": "fx_graph_mode"})
+    config = Config.from_dict(
+        {"global_quant_config": {"weight": TQT4, "input_tensors": TQT8}, "quant_mode": "fx_graph_mode"}
+    )
     gm = ModelQuantizer(config).prepare(capture(model.train(), (x[:4],)))
     gm.train()
     optimizer = torch.optim.SGD(gm.parameters(), lr=0.01)
@@ -321,13 +356,19 @@ def test_onnx_integer_qdq_graph(tmp_path, net_and_data: tuple[nn.Module, torch.T
     path = export_onnx(gm, tmp_path, x[:2])
     proto = onnx.load(str(path))
     producers = {o: n.op_type for n in proto.graph.node for o in n.output}
-    constants = {i.name for i in proto.graph.initializer} | {o for n in proto.graph.node if n.op_type == "Constant" for o in n.output}
+    constants = {i.name for i in proto.graph.initializer} | {
+        o for n in proto.graph.node if n.op_type == "Constant" for o in n.output
+    }
     ops = [n for n in proto.graph.node if n.op_type in ("Add", "Mul", "Concat", "MatMul", "Conv", "Gemm")]
     assert {n.op_type for n in ops} >= {"Add", "Concat", "Conv", "Gemm"}
     for n in ops:
         activations = n.input[:2] if n.op_type in ("Conv", "Gemm") else n.input
         for name in activations:
-            assert name in constants or producers.get(name) == "DequantizeLinear", (n.op_type, name, producers.get(name))
+            assert name in constants or producers.get(name) == "DequantizeLinear", (
+                n.op_type,
+                name,
+                producers.get(name),
+            )
     expected = ModelQuantizer.freeze(gm)(x).detach()
     got = torch.from_numpy(ort.InferenceSession(str(path)).run(None, {"input": x.numpy()})[0])
     step = gm.get_submodule(QUANTIZERS).cat_inputs._output_quantizer.scale  # the fc reads the cat's grid
@@ -345,7 +386,9 @@ def test_capture_with_keyword_arguments_keeps_the_batch_dynamic() -> None:
             super().__init__()
             self.fc = nn.Linear(4, 3)
 
-        def forward(self, input_ids: torch.Tensor | None = None, use_cache: bool = False, **extra: torch.Tensor) -> torch.Tensor:
+        def forward(
+            self, input_ids: torch.Tensor | None = None, use_cache: bool = False, **extra: torch.Tensor
+        ) -> torch.Tensor:
             return self.fc(input_ids) + sum(extra.values())
 
     torch.manual_seed(0)
@@ -364,10 +407,13 @@ def test_capture_with_keyword_arguments_keeps_the_batch_dynamic() -> None:
 def _quantizer_inputs(gm: fx.GraphModule) -> set[str]:
     """Names of the nodes whose values an activation quantizer reads."""
     return {
-        n.args[0].name for n in gm.graph.nodes
-        if n.op == "call_module" and str(n.target).startswith(QUANTIZERS) and isinstance(n.args[0], fx.Node)
+        n.args[0].name
+        for n in gm.graph.nodes
+        if n.op == "call_module"
+        and str(n.target).startswith(QUANTIZERS)
+        and isinstance(n.args[0], fx.Node)
         and n.args[0].op != "get_attr"
-    }  # fmt: skip
+    }
 
 
 def test_float_arithmetic_is_not_quantized_the_data_path_is() -> None:
@@ -397,7 +443,9 @@ def test_float_arithmetic_is_not_quantized_the_data_path_is() -> None:
     assert _quantizer_inputs(gm) == {"x", "a", "b", "add", "mul_2"}
     out = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "out")
     assert out.args[0].args[0].name == "mul_2"  # `out` reads the quantized norm output
-    assert [f.reason for f in quantizer.float_layers(gm)] == ["aten.mul.Tensor runs in float (graph mode quantizes conv/linear/matmul/embedding weights)"]
+    assert [f.reason for f in quantizer.float_layers(gm)] == [
+        "aten.mul.Tensor runs in float (graph mode quantizes conv/linear/matmul/embedding weights)"
+    ]
     assert (gm(x) - model(x)).abs().max() < 0.1
 
 
@@ -441,9 +489,14 @@ def test_hf_llama_in_graph_mode_with_its_default_config() -> None:
     the float model on ragged, padded batches of other sizes; norms are named float; the config is left as it was."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     assert model.config.use_cache
@@ -457,7 +510,9 @@ def test_hf_llama_in_graph_mode_with_its_default_config() -> None:
     quantizer = ModelQuantizer(graph_config())
     gm = quantizer.quantize_model(model, batches[:2])
     assert model.config.use_cache
-    assert gm.config is model.config  # kept through capture and prepare: the amd-quark export writes config.json from it
+    assert (
+        gm.config is model.config
+    )  # kept through capture and prepare: the amd-quark export writes config.json from it
     plans = {(p.name, role) for p in quantizer.resolve(gm) for role in p.source}
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert len(linears) == 15 and plans == {(n, r) for n in linears for r in ("weight", "input_tensors")}
@@ -503,7 +558,9 @@ def test_graph_mode_ptq_runs_on_cuda(net_and_data: tuple[nn.Module, torch.Tensor
     PTQ (BN folding, CLE, calibration) and freeze run on CUDA and give the CPU's result to float noise."""
     model, x = net_and_data
     extra = {"pre_quant_opt_config": [{"name": "cle", "iterations": 5}]} if cle else {}
-    config = Config.from_dict({"global_quant_config": {"input_tensors": SYM8, "weight": SYM8}, "quant_mode": "fx_graph_mode", **extra})
+    config = Config.from_dict(
+        {"global_quant_config": {"input_tensors": SYM8, "weight": SYM8}, "quant_mode": "fx_graph_mode", **extra}
+    )
     results = {}
     for device in ("cpu", "cuda"):
         m, xd = copy.deepcopy(model).to(device), x.to(device)

@@ -22,8 +22,15 @@ from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FrozenSc
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 warnings.filterwarnings("ignore", message=".*torch.nn.utils.weight_norm.*is deprecated")
 
-SYM8 = {"dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "symmetric": True,
-        "round_method": "half_even", "scale_type": "float", "is_dynamic": False}  # fmt: skip
+SYM8 = {
+    "dtype": "int8",
+    "qscheme": "per_tensor",
+    "observer_cls": "PerTensorMinMaxObserver",
+    "symmetric": True,
+    "round_method": "half_even",
+    "scale_type": "float",
+    "is_dynamic": False,
+}
 W8 = {**SYM8, "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver"}
 
 
@@ -154,7 +161,10 @@ def test_weight_norm_conv_freeze_and_exports(tmp_path, style: Callable[..., nn.M
         torch.testing.assert_close(imported(x), ref, rtol=0, atol=1e-6)
 
     ModelQuantizer.freeze(model, bake_weights=True)
-    assert type(model[0]._weight_quantizer) is FrozenScaledFakeQuantize and type(model[1]._weight_quantizer) is BakedFakeQuantize
+    assert (
+        type(model[0]._weight_quantizer) is FrozenScaledFakeQuantize
+        and type(model[1]._weight_quantizer) is BakedFakeQuantize
+    )
     torch.testing.assert_close(model(x), ref, rtol=0, atol=1e-6)
 
 
@@ -174,9 +184,16 @@ def test_hf_wav2vec2_positional_conv_is_quantized() -> None:
     stays close to the float model."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Wav2Vec2Config(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
-        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,
-    )  # fmt: skip
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4,
+    )
     torch.manual_seed(0)
     model = transformers.Wav2Vec2Model(cfg).eval()
     conv = model.encoder.pos_conv_embed.conv
@@ -219,14 +236,22 @@ class InPlaceHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.Hardswish(inplace=True), nn.Conv2d(8, 8, 1), nn.ReLU6(inplace=True),
-            nn.Conv2d(8, 8, 1), nn.ReLU(inplace=True),
-        )  # fmt: skip
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.Hardswish(inplace=True),
+            nn.Conv2d(8, 8, 1),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(8, 8, 1),
+            nn.ReLU(inplace=True),
+        )
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Sequential(
-            nn.Linear(8, 16), nn.Hardswish(inplace=True), nn.Dropout(p=0.5, inplace=True), nn.Linear(16, 16),
-            nn.Dropout(p=0.2, inplace=True), nn.Linear(16, 4),
-        )  # fmt: skip
+            nn.Linear(8, 16),
+            nn.Hardswish(inplace=True),
+            nn.Dropout(p=0.5, inplace=True),
+            nn.Linear(16, 16),
+            nn.Dropout(p=0.2, inplace=True),
+            nn.Linear(16, 4),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
@@ -273,9 +298,16 @@ def test_graph_mode_hf_gemma2() -> None:
     batches of other sizes than the calibration's."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        sliding_window=8,
+    )
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(cfg).eval()
 
@@ -333,9 +365,13 @@ def test_graph_of_hf_causal_lm_takes_labels() -> None:
     from quark.torch.quantization.graph import capture
 
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
         num_key_value_heads=1,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 64, (3, 8))

@@ -39,16 +39,27 @@ FP16_MAX = torch.finfo(torch.float16).max  # 65504
 
 def _spec(**overrides: object) -> QuantizationSpec:
     kwargs: dict[str, object] = dict(
-        dtype=Dtype.int8, qscheme=QSchemeType.per_tensor, observer_cls=PerTensorMinMaxObserver, symmetric=True,
-        scale_type=ScaleType.float, round_method=RoundType.half_even, is_dynamic=False,
-    )  # fmt: skip
+        dtype=Dtype.int8,
+        qscheme=QSchemeType.per_tensor,
+        observer_cls=PerTensorMinMaxObserver,
+        symmetric=True,
+        scale_type=ScaleType.float,
+        round_method=RoundType.half_even,
+        is_dynamic=False,
+    )
     kwargs.update(overrides)
     return QuantizationSpec(**kwargs)  # type: ignore[arg-type]
 
 
 def _static(**kw: object) -> dict[str, object]:
-    base = {"observer_cls": "PerTensorMinMaxObserver", "symmetric": True, "is_dynamic": False, "round_method": "half_even",
-            "scale_type": "float", "qscheme": "per_tensor"}  # fmt: skip
+    base = {
+        "observer_cls": "PerTensorMinMaxObserver",
+        "symmetric": True,
+        "is_dynamic": False,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "qscheme": "per_tensor",
+    }
     return base | kw
 
 
@@ -69,19 +80,39 @@ LSQ = _static(dtype="int8", observer_cls="LSQObserver", qat_spec={"method": "lsq
 
 def _qat_model(spec: dict[str, object]) -> Two:
     torch.manual_seed(0)
-    model = ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})).prepare(Two())
+    model = ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})).prepare(
+        Two()
+    )
     model(torch.randn(8, 16))  # the first batch initialises every threshold / step size
     return model
 
 
 @pytest.mark.parametrize(
     ("spec", "param", "value"),
-    [(TQT, "log_threshold", float("nan")), (TQT, "log_threshold", float("inf")), (TQT, "log_threshold", 200.0),
-     (TQT, "log_threshold", -200.0), (LSQ, "scale", float("nan")), (LSQ, "scale", float("inf")), (LSQ, "scale", 0.0),
-     (LSQ, "scale", -0.5)],
-    ids=["tqt_nan", "tqt_inf", "tqt_2^200_overflows", "tqt_2^-200_underflows", "lsq_nan", "lsq_inf", "lsq_zero", "lsq_negative"],
-)  # fmt: skip
-def test_a_non_finite_learned_scale_is_refused_naming_the_layer_and_role(spec: dict[str, object], param: str, value: float) -> None:
+    [
+        (TQT, "log_threshold", float("nan")),
+        (TQT, "log_threshold", float("inf")),
+        (TQT, "log_threshold", 200.0),
+        (TQT, "log_threshold", -200.0),
+        (LSQ, "scale", float("nan")),
+        (LSQ, "scale", float("inf")),
+        (LSQ, "scale", 0.0),
+        (LSQ, "scale", -0.5),
+    ],
+    ids=[
+        "tqt_nan",
+        "tqt_inf",
+        "tqt_2^200_overflows",
+        "tqt_2^-200_underflows",
+        "lsq_nan",
+        "lsq_inf",
+        "lsq_zero",
+        "lsq_negative",
+    ],
+)
+def test_a_non_finite_learned_scale_is_refused_naming_the_layer_and_role(
+    spec: dict[str, object], param: str, value: float
+) -> None:
     model = _qat_model(spec)
     with torch.no_grad():
         getattr(model.fc2._weight_quantizer, param).fill_(value)  # what a bad optimizer step leaves behind
@@ -107,7 +138,9 @@ def test_a_nan_gradient_step_is_caught_at_the_next_forward(spec: dict[str, objec
 @pytest.mark.parametrize("spec", [TQT, LSQ], ids=["tqt", "lsq"])
 def test_initialising_from_a_nan_batch_names_the_layer(spec: dict[str, object]) -> None:
     torch.manual_seed(0)
-    model = ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})).prepare(Two())
+    model = ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})).prepare(
+        Two()
+    )
     x = torch.randn(8, 16)
     x[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"layer 'fc1' \(Linear, input_tensors\).*NaN or Inf"):
@@ -117,10 +150,14 @@ def test_initialising_from_a_nan_batch_names_the_layer(spec: dict[str, object]) 
 def test_a_calibration_nan_names_the_layer_and_role() -> None:
     torch.manual_seed(0)
     spec = _static(dtype="int8")
-    model = ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})).prepare(Two())
+    model = ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})).prepare(
+        Two()
+    )
     x = torch.randn(8, 16)
     x[3, 5] = float("inf")
-    with pytest.raises(ValueError, match=r"layer 'fc1' \(Linear, input_tensors\): PerTensorMinMaxObserver observed .*NaN or Inf"):
+    with pytest.raises(
+        ValueError, match=r"layer 'fc1' \(Linear, input_tensors\): PerTensorMinMaxObserver observed .*NaN or Inf"
+    ):
         model(x)
 
 
@@ -154,7 +191,9 @@ def test_a_float16_scale_in_range_is_the_float16_rounding() -> None:
 @pytest.mark.parametrize("observer", [PerTensorMSEObserver, PerTensorPercentileObserver])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("magnitude", [1e17, 1e20, 1e30, 1e36])
-def test_histogram_observers_stay_near_min_max_for_huge_ranges(observer: type, symmetric: bool, magnitude: float) -> None:
+def test_histogram_observers_stay_near_min_max_for_huge_ranges(
+    observer: type, symmetric: bool, magnitude: float
+) -> None:
     torch.manual_seed(0)
     x = (torch.rand(20000) * 2 - 1) * magnitude  # uniform: the min-max range is (nearly) the best one
     obs = observer(_spec(observer_cls=observer, symmetric=symmetric))
@@ -178,16 +217,47 @@ def test_an_asymmetric_range_past_float32s_span_gets_a_finite_scale() -> None:
 # (spec, fp16 input); the first value's grid point lies past 65504 (uint8: 255 * 257.27; fp8: 448 * 146.25; bfp16:
 # 64 * 1024; LSQ: 16 * 4102; TQT: 32 * 2048), except mx6's (15 * 4096 = 61440), kept as a guard
 FP16_CASES = {
-    "uint8_asym": (_spec(dtype=Dtype.uint8, symmetric=False, scale_type=ScaleType.float32), [FP16_MAX, -100.0, 0.0, 1.5]),
+    "uint8_asym": (
+        _spec(dtype=Dtype.uint8, symmetric=False, scale_type=ScaleType.float32),
+        [FP16_MAX, -100.0, 0.0, 1.5],
+    ),
     "uint8_asym_float_scale": (_spec(dtype=Dtype.uint8, symmetric=False), [FP16_MAX, 0.0, 0.0, 1.5]),
     "fp8_e4m3": (_spec(dtype=Dtype.fp8_e4m3), [FP16_MAX, -FP16_MAX, 1.0, 0.5]),
-    "bfp16": (_spec(dtype=Dtype.bfp16, qscheme=QSchemeType.per_group, observer_cls=PerBlockBFPObserver, group_size=8, ch_axis=-1,
-                    symmetric=None, scale_type=None, round_method=None), [FP16_MAX, -FP16_MAX, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0]),
-    "mx6": (_spec(dtype=Dtype.mx6, qscheme=QSchemeType.per_group, observer_cls=PerBlockMXObserver, group_size=16, ch_axis=-1,
-                  symmetric=None, scale_type=None, round_method=None), [FP16_MAX, -FP16_MAX] + [1.0] * 14),
-    "lsq_uint8_asym": (_spec(dtype=Dtype.uint8, symmetric=False, observer_cls=LSQObserver, qat_spec=LSQSpec()), [FP16_MAX, -FP16_MAX, 1.0, 0.5]),
-    "tqt_int8": (_spec(observer_cls=TQTObserver, qat_spec=TQTSpec(), scale_type=ScaleType.pof2), [FP16_MAX, -FP16_MAX, 0.0, 0.0]),
-}  # fmt: skip
+    "bfp16": (
+        _spec(
+            dtype=Dtype.bfp16,
+            qscheme=QSchemeType.per_group,
+            observer_cls=PerBlockBFPObserver,
+            group_size=8,
+            ch_axis=-1,
+            symmetric=None,
+            scale_type=None,
+            round_method=None,
+        ),
+        [FP16_MAX, -FP16_MAX, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+    ),
+    "mx6": (
+        _spec(
+            dtype=Dtype.mx6,
+            qscheme=QSchemeType.per_group,
+            observer_cls=PerBlockMXObserver,
+            group_size=16,
+            ch_axis=-1,
+            symmetric=None,
+            scale_type=None,
+            round_method=None,
+        ),
+        [FP16_MAX, -FP16_MAX] + [1.0] * 14,
+    ),
+    "lsq_uint8_asym": (
+        _spec(dtype=Dtype.uint8, symmetric=False, observer_cls=LSQObserver, qat_spec=LSQSpec()),
+        [FP16_MAX, -FP16_MAX, 1.0, 0.5],
+    ),
+    "tqt_int8": (
+        _spec(observer_cls=TQTObserver, qat_spec=TQTSpec(), scale_type=ScaleType.pof2),
+        [FP16_MAX, -FP16_MAX, 0.0, 0.0],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(FP16_CASES))
@@ -217,20 +287,36 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from quark.torch.export import export_safetensors, import_model_from_safetensors  # noqa: E402
 
-_MX_INT8 = {"dtype": "mx", "mx_element_dtype": "int8", "qscheme": "per_group", "ch_axis": -1, "group_size": 32,
-            "observer_cls": "PerBlockMXObserver", "is_dynamic": False}  # fmt: skip
-_MX6 = {"dtype": "mx6", "qscheme": "per_group", "ch_axis": -1, "group_size": 16, "observer_cls": "PerBlockMXObserver", "is_dynamic": False}
+_MX_INT8 = {
+    "dtype": "mx",
+    "mx_element_dtype": "int8",
+    "qscheme": "per_group",
+    "ch_axis": -1,
+    "group_size": 32,
+    "observer_cls": "PerBlockMXObserver",
+    "is_dynamic": False,
+}
+_MX6 = {
+    "dtype": "mx6",
+    "qscheme": "per_group",
+    "ch_axis": -1,
+    "group_size": 16,
+    "observer_cls": "PerBlockMXObserver",
+    "is_dynamic": False,
+}
 IMPORT_CONFIG = {
     "global_quant_config": {},
     "layer_quant_config": {
-        "fc1": {"weight": _static(dtype="int3", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver"),
-                "input_tensors": _static(dtype="uint8", symmetric=False)},
+        "fc1": {
+            "weight": _static(dtype="int3", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver"),
+            "input_tensors": _static(dtype="uint8", symmetric=False),
+        },
         "fc2": {"weight": _MX_INT8},
         "fc3": {"weight": _static(dtype="fp8_e4m3"), "input_tensors": _static(dtype="fp8_e4m3")},
         "fc4": {"weight": _MX6},
         "fc5": {"weight": _static(dtype="int12"), "input_tensors": _static(dtype="int8")},
     },
-}  # fmt: skip
+}
 
 
 class Five(nn.Module):
@@ -255,7 +341,10 @@ def _fresh() -> Five:
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model = ModelQuantizer(Config.from_dict(IMPORT_CONFIG)).quantize_model(_fresh(), [torch.randn(8, 64)])
     root = tmp_path_factory.mktemp("exports")
-    return {"single": export_safetensors(model, root / "single", custom_mode=None), "quark": export_safetensors(model, root / "quark")}
+    return {
+        "single": export_safetensors(model, root / "single", custom_mode=None),
+        "quark": export_safetensors(model, root / "quark"),
+    }
 
 
 def _set_first(value: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -360,7 +449,9 @@ def _with_header(source: Path, out_dir: Path, edit: Callable[[dict], None]) -> P
 
 
 @pytest.mark.parametrize("fmt", ["single", "quark"])
-def test_a_byte_length_that_contradicts_dtype_and_shape_names_the_tensor(fmt: str, exports: dict[str, Path], tmp_path: Path) -> None:
+def test_a_byte_length_that_contradicts_dtype_and_shape_names_the_tensor(
+    fmt: str, exports: dict[str, Path], tmp_path: Path
+) -> None:
     def grow(header: dict) -> None:
         header["fc5.bias"]["shape"] = [65]  # 65 float32 values in 256 bytes
 

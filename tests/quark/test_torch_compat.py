@@ -46,7 +46,9 @@ def test_rnn_kernel_runs_the_float_cells(cell: str) -> None:
     weights = [module.weight_ih, module.weight_hh, module.bias_ih, module.bias_hh]
     out = compat.rnn_kernel(cell)(x, h, *weights)
     ref = module(x, h)
-    for got, want in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,), strict=True):
+    for got, want in zip(
+        out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,), strict=True
+    ):
         torch.testing.assert_close(got, want)
 
 
@@ -76,7 +78,9 @@ def test_module_twin_shares_tensors_with_own_registries() -> None:
     twin.register_module("extra", nn.ReLU())
     twin.register_parameter("p", nn.Parameter(torch.zeros(1)))
     twin.register_buffer("b", torch.zeros(1), persistent=False)
-    assert "extra" not in seq._modules and "p" not in dict(seq.named_parameters()) and "b" not in dict(seq.named_buffers())
+    assert (
+        "extra" not in seq._modules and "p" not in dict(seq.named_parameters()) and "b" not in dict(seq.named_buffers())
+    )
     assert "scratch" not in twin.state_dict()  # non-persistent stays so
 
 

@@ -28,11 +28,23 @@ from quark.torch.quantization.algo_registry import register_algorithm
 from quark.torch.quantization.config.config import AWQConfig, GPTQConfig, SmoothQuantConfig
 
 __all__ = [
-    "apply_gptq", "apply_pre_quant_and_awq", "gptq_quantize", "HessianAccumulator", "ScalingGroup",
-    "derive_scaling_groups", "find_decoder_layers", "scaling_groups", "MODEL_FAMILIES", "ModelFamily", "model_family",
-]  # fmt: skip
+    "apply_gptq",
+    "apply_pre_quant_and_awq",
+    "gptq_quantize",
+    "HessianAccumulator",
+    "ScalingGroup",
+    "derive_scaling_groups",
+    "find_decoder_layers",
+    "scaling_groups",
+    "MODEL_FAMILIES",
+    "ModelFamily",
+    "model_family",
+]
 
 
-for _type, _stage, _handler in ((SmoothQuantConfig, "before_calibration", run_smoothquant),
-                                (AWQConfig, "before_calibration", run_awq), (GPTQConfig, "after_calibration", run_gptq)):  # fmt: skip
+for _type, _stage, _handler in (
+    (SmoothQuantConfig, "before_calibration", run_smoothquant),
+    (AWQConfig, "before_calibration", run_awq),
+    (GPTQConfig, "after_calibration", run_gptq),
+):
     register_algorithm(_type, stage=_stage, handler=_handler, check=check_embedding_layers)

@@ -61,7 +61,13 @@ def check_embedding_layers(model: nn.Module, algo: Any) -> None:
         raise ValueError(f"{type(algo).__name__}.embedding_layers {missing} name no module of {type(model).__name__}")
 
 
-def apply_pre_quant_and_awq(model: nn.Module, config: Config, batches: list[Any], run: RunFn, weight_spec_of: Callable[[str], QuantizationSpec | None]) -> None:
+def apply_pre_quant_and_awq(
+    model: nn.Module,
+    config: Config,
+    batches: list[Any],
+    run: RunFn,
+    weight_spec_of: Callable[[str], QuantizationSpec | None],
+) -> None:
     """SmoothQuant(s) of ``pre_quant_opt_config``, then ``algo_config``'s SmoothQuant(s) and AWQ(s) in its order
     (amd-quark 0.13 places SmoothQuantConfig there), on the float ``model`` (weights change in place): the
     ``before_calibration`` stage of the algorithm registry."""
@@ -75,16 +81,23 @@ def weight_specs(model: nn.Module) -> dict[str, QuantizationSpec]:
     the transposed spec)."""
     return {
         n: transpose_weight_spec(m._weight_quantizer.spec) if is_hf_conv1d(m) else m._weight_quantizer.spec
-        for n, m in model.named_modules() if isinstance(m, QuantMixin) and m._weight_quantizer is not None
-    }  # fmt: skip
+        for n, m in model.named_modules()
+        if isinstance(m, QuantMixin) and m._weight_quantizer is not None
+    }
 
 
 def run_smoothquant(model: nn.Module, algo: SmoothQuantConfig, context: AlgorithmContext | None) -> None:
     """SmoothQuant's handler: smooth each decoder layer of the float ``model``."""
     assert context is not None
     with no_kv_cache(model):
-        _per_decoder_layer(model, algo.model_decoder_layers, context.batches, context.run, "SmoothQuant",
-                           lambda prefix, layer, inputs: smooth_layer(layer, inputs, algo, prefix))  # fmt: skip
+        _per_decoder_layer(
+            model,
+            algo.model_decoder_layers,
+            context.batches,
+            context.run,
+            "SmoothQuant",
+            lambda prefix, layer, inputs: smooth_layer(layer, inputs, algo, prefix),
+        )
 
 
 def run_awq(model: nn.Module, algo: AWQConfig, context: AlgorithmContext | None) -> None:
@@ -92,8 +105,14 @@ def run_awq(model: nn.Module, algo: AWQConfig, context: AlgorithmContext | None)
     assert context is not None
     spec_of = context.weight_spec_of or weight_specs(model).get
     with no_kv_cache(model):
-        _per_decoder_layer(model, algo.model_decoder_layers, context.batches, context.run, "AWQ",
-                           lambda prefix, layer, inputs: awq_layer(layer, inputs, algo, prefix, spec_of))  # fmt: skip
+        _per_decoder_layer(
+            model,
+            algo.model_decoder_layers,
+            context.batches,
+            context.run,
+            "AWQ",
+            lambda prefix, layer, inputs: awq_layer(layer, inputs, algo, prefix, spec_of),
+        )
 
 
 def run_gptq(model: nn.Module, algo: GPTQConfig, context: AlgorithmContext | None) -> None:
@@ -102,8 +121,14 @@ def run_gptq(model: nn.Module, algo: GPTQConfig, context: AlgorithmContext | Non
     apply_gptq(model, algo, context.batches, context.run)
 
 
-def _per_decoder_layer(model: nn.Module, path: str | None, batches: list[Any], run: RunFn, what: str,
-                       process: Callable[[str, nn.Module, LayerInputs], None]) -> None:  # fmt: skip
+def _per_decoder_layer(
+    model: nn.Module,
+    path: str | None,
+    batches: list[Any],
+    run: RunFn,
+    what: str,
+    process: Callable[[str, nn.Module, LayerInputs], None],
+) -> None:
     found = find_decoder_layers(model, path)
     if found is None:
         raise ValueError(
@@ -123,17 +148,23 @@ def _per_decoder_layer(model: nn.Module, path: str | None, batches: list[Any], r
 
 def _module_lists(model: nn.Module) -> dict[str, str]:
     """Each ModuleList of ``model`` and the type of its first item (what the error for a model no family fits shows)."""
-    return {n: f"{len(m)} x {type(m[0]).__name__}" for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)}
+    return {
+        n: f"{len(m)} x {type(m[0]).__name__}"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m)
+    }
 
 
 # ----------------------------------------------------------------------------------------------- GPTQ
 def gptq_targets(model: nn.Module) -> dict[str, nn.Module]:
     """Quantized layers whose weight quantizer has scales GPTQ can set (integer / minifloat, static)."""
     return {
-        name: m for name, m in model.named_modules()
-        if isinstance(m, QuantMixin) and isinstance(getattr(m, "_weight_quantizer", None), ScaledFakeQuantize)
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, QuantMixin)
+        and isinstance(getattr(m, "_weight_quantizer", None), ScaledFakeQuantize)
         and (is_linear(m) or isinstance(m, nn.Conv2d))
-    }  # fmt: skip
+    }
 
 
 @torch.no_grad()
@@ -145,14 +176,18 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
     for name, others in _tied_weights(model, targets).items():
         logger.warning(
             "GPTQ: layer '%s' shares its weight with %s (tied embeddings): GPTQ would rewrite those too, so it keeps "
-            "round-to-nearest quantization of its own weight", name, others,
-        )  # fmt: skip
+            "round-to-nearest quantization of its own weight",
+            name,
+            others,
+        )
         del targets[name]
     for name, m in targets.items():
         spec = _linear_spec(m)
         check_gptq_spec(spec, f"layer '{name}'")
         if m.weight.ndim > 2 and spec.qscheme == QSchemeType.per_group and spec.ch_axis != 1:
-            raise ValueError(f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}")
+            raise ValueError(
+                f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}"
+            )
     losses: dict[str, float] = {}
     found = find_decoder_layers(model, algo.model_decoder_layers)
     # float activations, no statistics: the weights themselves become GPTQ's values (their flags restored after)
@@ -164,8 +199,14 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
     return losses
 
 
-def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, algo: GPTQConfig, losses: dict[str, float],
-                     inverses: dict[int, InverseHessian] | None = None) -> None:  # fmt: skip
+def _quantize_module(
+    name: str,
+    module: nn.Module,
+    hessian: HessianAccumulator,
+    algo: GPTQConfig,
+    losses: dict[str, float],
+    inverses: dict[int, InverseHessian] | None = None,
+) -> None:
     """GPTQ on one module for its Hessian; ``inverses`` holds the prepared inverse Hessian per accumulator, so
     modules that share an accumulator (the same input) factorize it once."""
     quantizer: ScaledFakeQuantize = module._weight_quantizer  # type: ignore[assignment]
@@ -183,10 +224,15 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
         if inverse is None:
             inverse = inverses[id(hessian)] = prepare_hessian(h, damp_percent=algo.damp_percent, desc_act=algo.desc_act)
     result = gptq_quantize(
-        w2d, h, spec,
-        damp_percent=algo.damp_percent, desc_act=algo.desc_act, static_groups=algo.static_groups,
-        block_size=algo.block_size, inverse=inverse,
-    )  # fmt: skip
+        w2d,
+        h,
+        spec,
+        damp_percent=algo.damp_percent,
+        desc_act=algo.desc_act,
+        static_groups=algo.static_groups,
+        block_size=algo.block_size,
+        inverse=inverse,
+    )
     if order is None:
         quantizer.set_qparams(result.scale, result.zero_point)
         q = result.weight.reshape(weight.shape)
@@ -201,7 +247,9 @@ def _quantize_module(name: str, module: nn.Module, hessian: HessianAccumulator, 
         quantizer.disable_fake_quant()
     losses[name] = result.loss
     if result.damp != algo.damp_percent:
-        logger.warning("GPTQ: layer '%s' needed damp_percent=%g (Cholesky failed with %g)", name, result.damp, algo.damp_percent)
+        logger.warning(
+            "GPTQ: layer '%s' needed damp_percent=%g (Cholesky failed with %g)", name, result.damp, algo.damp_percent
+        )
 
 
 def _tied_weights(model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, list[str]]:
@@ -213,8 +261,9 @@ def _tied_weights(model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, 
             holders.setdefault(id(p), []).append(name)
     return {
         name: [n for n in holders[id(m.weight)] if n != name]
-        for name, m in targets.items() if len(set(holders.get(id(m.weight), []))) > 1
-    }  # fmt: skip
+        for name, m in targets.items()
+        if len(set(holders.get(id(m.weight), []))) > 1
+    }
 
 
 def _linear_spec(module: nn.Module) -> QuantizationSpec:
@@ -224,11 +273,22 @@ def _linear_spec(module: nn.Module) -> QuantizationSpec:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
-def _gptq_decoder(model: nn.Module, found: tuple[str, nn.ModuleList], targets: dict[str, nn.Module], algo: GPTQConfig,
-                  batches: list[Any], run: RunFn, losses: dict[str, float]) -> None:  # fmt: skip
+def _gptq_decoder(
+    model: nn.Module,
+    found: tuple[str, nn.ModuleList],
+    targets: dict[str, nn.Module],
+    algo: GPTQConfig,
+    batches: list[Any],
+    run: RunFn,
+    losses: dict[str, float],
+) -> None:
     prefix, layers = found
     for i, inputs in layer_by_layer(model, layers, batches, run):
         layer = layers[i]
@@ -236,7 +296,9 @@ def _gptq_decoder(model: nn.Module, found: tuple[str, nn.ModuleList], targets: d
         order = list(algo.inside_layer_modules) if algo.inside_layer_modules else list(own)
         missing = [n for n in order if n not in own]
         if missing:
-            raise ValueError(f"GPTQ inside_layer_modules {missing} are not weight-quantized modules of {prefix}.{i}; found: {list(own)}")
+            raise ValueError(
+                f"GPTQ inside_layer_modules {missing} are not weight-quantized modules of {prefix}.{i}; found: {list(own)}"
+            )
         if order:
             _gptq_layer(f"{prefix}.{i}", layer, {n: own[n] for n in order}, inputs, algo, losses)
         logger.info("GPTQ: decoder layer %d/%d done", i + 1, len(layers))
@@ -262,11 +324,15 @@ class _Collector:
         linears = [n for n, m in modules.items() if is_linear(m)] if share else []
         devices = {modules[n].weight.device for n in linears}
         self.shared = linears if len(linears) > 1 and len(devices) == 1 else []
-        common = HessianAccumulator(_columns(modules[linears[0]]), modules[linears[0]].weight.device) if self.shared else None
+        common = (
+            HessianAccumulator(_columns(modules[linears[0]]), modules[linears[0]].weight.device)
+            if self.shared
+            else None
+        )
         self.accumulators = {
             n: common if n in self.shared else HessianAccumulator(_columns(m), m.weight.device)
             for n, m in modules.items()
-        }  # fmt: skip
+        }
         self.valid = True
         self._input: torch.Tensor | None = None
         self._calls: Counter[str] = Counter()
@@ -297,8 +363,14 @@ class _Collector:
             self.valid = False
 
 
-def _gptq_layer(prefix: str, layer: nn.Module, modules: dict[str, nn.Module], inputs: LayerInputs, algo: GPTQConfig,
-                losses: dict[str, float]) -> None:  # fmt: skip
+def _gptq_layer(
+    prefix: str,
+    layer: nn.Module,
+    modules: dict[str, nn.Module],
+    inputs: LayerInputs,
+    algo: GPTQConfig,
+    losses: dict[str, float],
+) -> None:
     """GPTQ on ``modules`` (in quantization order) of one decoder layer, group by group.
 
     The first pass runs the whole layer on every batch, as every pass did before: it finds the groups (with
@@ -365,8 +437,9 @@ def _groups(names: list[str], first_inputs: dict[str, torch.Tensor], true_sequen
     return groups
 
 
-def _group_pass(layer: nn.Module, modules: dict[str, nn.Module], inputs: LayerInputs, calls: list[Counter[str]],
-                share: bool) -> _Collector:  # fmt: skip
+def _group_pass(
+    layer: nn.Module, modules: dict[str, nn.Module], inputs: LayerInputs, calls: list[Counter[str]], share: bool
+) -> _Collector:
     """One pass of the layer over every batch collecting the Hessians of ``modules``, each batch stopped once they
     have had their ``calls`` (from the layer's first, full pass)."""
     collector = _Collector(modules, share)
@@ -397,8 +470,14 @@ def _columns(module: nn.Module) -> int:
     return linear_weight(module)[0].numel()
 
 
-def _gptq_layerwise(model: nn.Module, targets: dict[str, nn.Module], algo: GPTQConfig, batches: list[Any], run: RunFn,
-                    losses: dict[str, float]) -> None:  # fmt: skip
+def _gptq_layerwise(
+    model: nn.Module,
+    targets: dict[str, nn.Module],
+    algo: GPTQConfig,
+    batches: list[Any],
+    run: RunFn,
+    losses: dict[str, float],
+) -> None:
     """One layer at a time in forward order; each sees the outputs of the already quantized layers before it."""
     for name in forward_order(model, targets, batches[0], run):
         module = targets[name]

@@ -82,10 +82,18 @@ def rtn(weight: torch.Tensor, spec: QuantizationSpec | None) -> torch.Tensor:
     if spec.observer_cls is not None and getattr(spec.observer_cls, "__name__", "") not in ("PlaceholderObserver",):
         scale, zero_point = observer_qparams(spec, weight)
     return fake_quantize(
-        weight, spec.dtype, scale, zero_point, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
-        round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype, mx_scale_mode=spec.mx_scale_mode,
+        weight,
+        spec.dtype,
+        scale,
+        zero_point,
+        qscheme=spec.qscheme,
+        axis=spec.ch_axis,
+        group_size=spec.group_size,
+        round_method=spec.round_method,
+        mx_element_dtype=spec.mx_element_dtype,
+        mx_scale_mode=spec.mx_scale_mode,
         block_size=spec.block_size,
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------------------------- input statistics
@@ -204,7 +212,11 @@ def _fits(a: Any, b: Any, batch_a: int, batch_b: int) -> bool:
             return False
         return _batched_alike([a, b], [batch_a, batch_b]) or a is b or (a.shape == b.shape and torch.equal(a, b))
     if isinstance(a, tuple | list):
-        return type(a) is type(b) and len(a) == len(b) and all(_fits(x, y, batch_a, batch_b) for x, y in zip(a, b, strict=True))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_fits(x, y, batch_a, batch_b) for x, y in zip(a, b, strict=True))
+        )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_fits(a[k], b[k], batch_a, batch_b) for k in a)
     return a is b or (type(a) is type(b) and bool(a == b))
@@ -287,7 +299,11 @@ def _merged_calls(layer: nn.Module, calls: LayerInputs) -> LayerInputs:
 # ----------------------------------------------------------------------------------------------- the layer
 @torch.no_grad()
 def awq_layer(
-    layer: nn.Module, inputs: LayerInputs, config: AWQConfig, prefix: str, weight_spec_of: Callable[[str], QuantizationSpec | None]
+    layer: nn.Module,
+    inputs: LayerInputs,
+    config: AWQConfig,
+    prefix: str,
+    weight_spec_of: Callable[[str], QuantizationSpec | None],
 ) -> dict[str, float]:
     """Scale search and clipping for one decoder layer (``prefix``: its name); returns the chosen ratio per scaling
     group. EquivalenceError when the folded scales changed what the layer computes (the caller restores it)."""
@@ -300,14 +316,21 @@ def awq_layer(
     clipped = {}
     for name, module in modules.items():
         spec = weight_spec_of(f"{prefix}.{name}")
-        if is_linear(module) and spec is not None and not any(k in name for k in _NO_CLIP) and _clippable(spec, linear_weight(module).shape[1]):
+        if (
+            is_linear(module)
+            and spec is not None
+            and not any(k in name for k in _NO_CLIP)
+            and _clippable(spec, linear_weight(module).shape[1])
+        ):
             clipped[name] = (module, spec)
     if not groups and not clipped:
         return {}
     calls = _merged_calls(layer, inputs)
     tokens = sum(h.numel() // h.shape[-1] for h in (_batch_of(c) for c in calls) if h is not None)
 
-    def plan(todo: list[ScalingGroup], clip: dict[str, tuple[nn.Module, QuantizationSpec]]) -> tuple[dict[str, _InputStats], dict[str, nn.Module]]:
+    def plan(
+        todo: list[ScalingGroup], clip: dict[str, tuple[nn.Module, QuantizationSpec]]
+    ) -> tuple[dict[str, _InputStats], dict[str, nn.Module]]:
         stats: dict[str, _InputStats] = {}
         for g in todo:
             features = linear_weight(modules[g.layers[0]]).shape[1]
@@ -353,7 +376,10 @@ def awq_layer(
 
 
 def _search_scale(
-    group: ScalingGroup, modules: dict[str, nn.Module], specs: list[QuantizationSpec | None], stats: _InputStats,
+    group: ScalingGroup,
+    modules: dict[str, nn.Module],
+    specs: list[QuantizationSpec | None],
+    stats: _InputStats,
     calls: LayerInputs | None,
 ) -> tuple[float, torch.Tensor]:
     """(ratio, scale) of the grid point with the least output error."""
@@ -375,7 +401,10 @@ def _search_scale(
             if inspect is not None:
                 for m, q in zip(linears, quantized, strict=True):
                     linear_weight(m).copy_(q)
-                loss = sum(float((hidden_of(inspect(*a, **k)).float() - r).pow(2).sum()) for (a, k), r in zip(calls or [], reference, strict=True))
+                loss = sum(
+                    float((hidden_of(inspect(*a, **k)).float() - r).pow(2).sum())
+                    for (a, k), r in zip(calls or [], reference, strict=True)
+                )
             else:
                 loss = sum(stats.output_error(q.float() - w.float()) for q, w in zip(quantized, originals, strict=True))
             if loss < best[0]:

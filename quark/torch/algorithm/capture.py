@@ -37,7 +37,9 @@ def _detach(obj: Any) -> Any:
 
 
 @torch.no_grad()
-def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[Any], run: Callable[[nn.Module, Any], Any]) -> LayerInputs:
+def capture_layer_inputs(
+    model: nn.Module, layer: nn.Module, batches: list[Any], run: Callable[[nn.Module, Any], Any]
+) -> LayerInputs:
     """(args, kwargs) that ``layer`` receives for each calibration batch; the model stops at ``layer``.
 
     Each batch keeps its own keyword arguments (attention masks, position ids), so batches of different sequence
@@ -57,7 +59,9 @@ def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[Any],
     return cache
 
 
-def _run_until_stopped(model: nn.Module, layer: nn.Module, batches: list[Any], run: Callable[[nn.Module, Any], Any]) -> None:
+def _run_until_stopped(
+    model: nn.Module, layer: nn.Module, batches: list[Any], run: Callable[[nn.Module, Any], Any]
+) -> None:
     for batch in batches:
         try:
             run(model, batch)
@@ -71,7 +75,9 @@ def hidden_of(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple | list) else output
 
 
-def with_hidden(inputs: tuple[tuple[Any, ...], dict[str, Any]], hidden: torch.Tensor | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def with_hidden(
+    inputs: tuple[tuple[Any, ...], dict[str, Any]], hidden: torch.Tensor | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The same call with new hidden states: the first positional argument, or ``hidden_states=`` (None: the call
     without its hidden states, kept until they are known)."""
     args, kwargs = inputs
@@ -180,7 +186,9 @@ def _recording(layers: Sequence[nn.Module], recorder: _Recorder) -> Iterator[Non
                 layer.__dict__["forward"] = forward
 
 
-def _record_each_layer(model: nn.Module, layers: Sequence[nn.Module], batches: list[Any], run: RunFn) -> list[LayerInputs]:
+def _record_each_layer(
+    model: nn.Module, layers: Sequence[nn.Module], batches: list[Any], run: RunFn
+) -> list[LayerInputs]:
     """The calls of every layer per batch, from one forward per batch with the layers as recording pass-throughs;
     _NoPassThrough naming why when that is not possible (the model's own errors before the stack propagate)."""
     recorder = _Recorder(len(layers))
@@ -202,7 +210,9 @@ def _record_each_layer(model: nn.Module, layers: Sequence[nn.Module], batches: l
 
 
 @torch.no_grad()
-def capture_each_layer_inputs(model: nn.Module, layers: Sequence[nn.Module], batches: list[Any], run: RunFn) -> list[LayerInputs]:
+def capture_each_layer_inputs(
+    model: nn.Module, layers: Sequence[nn.Module], batches: list[Any], run: RunFn
+) -> list[LayerInputs]:
     """Per decoder layer of ``layers``, the (args, kwargs) the model calls it with for each calibration batch: each
     layer its own keyword arguments (Gemma2/3's sliding or full attention mask, Gemma3's local or global rotary
     embeddings), from one forward per batch that stops at the last layer. Layer 0's calls are complete; the others'
@@ -216,13 +226,17 @@ def capture_each_layer_inputs(model: nn.Module, layers: Sequence[nn.Module], bat
     except _NoPassThrough as e:
         logger.warning(
             "could not capture each decoder layer's own inputs of %s (%s): every layer gets the keyword arguments of "
-            "layer 0 (attention masks, rotary embeddings), right only if all layers take the same", type(model).__name__, e,
-        )  # fmt: skip
+            "layer 0 (attention masks, rotary embeddings), right only if all layers take the same",
+            type(model).__name__,
+            e,
+        )
     first = capture_layer_inputs(model, layers[0], batches, run)
     return [first] + [[with_hidden(c, None) for c in first] for _ in layers[1:]]
 
 
-def layer_by_layer(model: nn.Module, layers: Sequence[nn.Module], batches: list[Any], run: RunFn) -> Iterator[tuple[int, LayerInputs]]:
+def layer_by_layer(
+    model: nn.Module, layers: Sequence[nn.Module], batches: list[Any], run: RunFn
+) -> Iterator[tuple[int, LayerInputs]]:
     """Each decoder layer's index and its inputs per calibration batch, one layer at a time: layer i + 1 gets its own
     captured arguments (``capture_each_layer_inputs``) with the hidden states layer i returns, computed when the
     caller asks for the next layer (after it processed layer i). Only the current layer's hidden states are held."""
@@ -248,7 +262,9 @@ def check_layer_kept(transform: str, where: str, layer: nn.Module, inputs: Layer
 
 
 @contextmanager
-def collect_inputs(modules: dict[str, nn.Module], sink: Callable[[str, nn.Module, torch.Tensor], None]) -> Iterator[None]:
+def collect_inputs(
+    modules: dict[str, nn.Module], sink: Callable[[str, nn.Module, torch.Tensor], None]
+) -> Iterator[None]:
     """Call ``sink(name, module, input)`` with the first positional input of each module on every forward."""
     handles = [
         m.register_forward_pre_hook(lambda mod, args, name=name: sink(name, mod, args[0]) if args else None)
@@ -274,7 +290,9 @@ def capture_calls(module: nn.Module) -> Iterator[LayerInputs]:
         handle.remove()
 
 
-def forward_order(model: nn.Module, modules: dict[str, nn.Module], batch: Any, run: Callable[[nn.Module, Any], Any]) -> list[str]:
+def forward_order(
+    model: nn.Module, modules: dict[str, nn.Module], batch: Any, run: Callable[[nn.Module, Any], Any]
+) -> list[str]:
     """Names of ``modules`` in the order one forward pass calls them first."""
     order: list[str] = []
     with collect_inputs(modules, lambda name, m, x: order.append(name) if name not in order else None), torch.no_grad():

@@ -86,11 +86,17 @@ def check_gptq_spec(spec: QuantizationSpec, where: str) -> None:
     if spec.is_dynamic:
         raise ValueError(f"{where}: GPTQ fixes the weight qparams; the weight spec must have is_dynamic=False")
     if spec.qscheme == QSchemeType.per_block:
-        raise ValueError(f"{where}: GPTQ quantizes column by column and does not support qscheme=per_block; use per_channel or per_group")
+        raise ValueError(
+            f"{where}: GPTQ quantizes column by column and does not support qscheme=per_block; use per_channel or per_group"
+        )
     if spec.qscheme == QSchemeType.per_channel and spec.ch_axis not in (0,):
-        raise ValueError(f"{where}: GPTQ needs per-channel weight scales along the output channels (ch_axis=0), got {spec.ch_axis}")
+        raise ValueError(
+            f"{where}: GPTQ needs per-channel weight scales along the output channels (ch_axis=0), got {spec.ch_axis}"
+        )
     if spec.qscheme == QSchemeType.per_group and spec.ch_axis not in (1, -1):
-        raise ValueError(f"{where}: GPTQ needs weight groups along the input features (ch_axis=1 or -1), got {spec.ch_axis}")
+        raise ValueError(
+            f"{where}: GPTQ needs weight groups along the input features (ch_axis=1 or -1), got {spec.ch_axis}"
+        )
 
 
 def observer_qparams(spec: QuantizationSpec, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +116,9 @@ def column_quantizer(spec: QuantizationSpec) -> ElementwiseQuantizer:
     return elementwise_quantizer(spec.dtype, spec.round_method)
 
 
-def _column_qparams(spec: QuantizationSpec, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _column_qparams(
+    spec: QuantizationSpec, scale: torch.Tensor, zero_point: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row qparams of one column as contiguous vectors [rows] (0-d for one scale), in the dtypes ``fake_quantize``
     uses: float32 scales, int32 zero points (a float zero point stays float)."""
     scale = scale.float().reshape(()) if scale.numel() == 1 else scale.float().reshape(-1).contiguous()
@@ -156,7 +164,9 @@ class InverseHessian:
 
 
 @torch.no_grad()
-def prepare_hessian(hessian: torch.Tensor, *, damp_percent: float = 0.01, desc_act: bool = True, retries: int = 4) -> InverseHessian:
+def prepare_hessian(
+    hessian: torch.Tensor, *, damp_percent: float = 0.01, desc_act: bool = True, retries: int = 4
+) -> InverseHessian:
     """The ``InverseHessian`` of an input Hessian [columns, columns] (float32 Cholesky factorizations)."""
     h = hessian.detach().float().clone()
     columns = h.shape[0]
@@ -201,7 +211,12 @@ def gptq_quantize(
 
 @torch.no_grad()
 def gptq_sweep(
-    weight: torch.Tensor, inverse: InverseHessian, spec: QuantizationSpec, *, static_groups: bool = False, block_size: int = 128
+    weight: torch.Tensor,
+    inverse: InverseHessian,
+    spec: QuantizationSpec,
+    *,
+    static_groups: bool = False,
+    block_size: int = 128,
 ) -> GPTQResult:
     """GPTQ's column sweep for a prepared ``InverseHessian`` (see ``gptq_quantize``).
 
@@ -256,7 +271,9 @@ def gptq_sweep(
             q = quantize(column, *qparams)
             diff = torch.sub(column, q)
             err = torch.div(diff, d_values[i])
-            if i + 1 < count:  # the rest of the block: one exact product per element, subtracted (no fused multiply-add)
+            if (
+                i + 1 < count
+            ):  # the rest of the block: one exact product per element, subtracted (no fused multiply-add)
                 w1[i + 1 :].sub_(torch.outer(h_rows[i][i + 1 :], err))
             qs.append(q)
             diffs.append(diff)

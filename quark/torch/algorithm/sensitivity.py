@@ -43,9 +43,17 @@ from quark.torch.quantization.state import paused_quantizers, preserve_modes
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
-    "LayerSensitivity", "weight_bits", "measure_sensitivity", "hessian_trace", "hessian_sensitivity", "allocate",
-    "mixed_precision_config", "average_bits", "METHODS", "model_output",
-]  # fmt: skip
+    "LayerSensitivity",
+    "weight_bits",
+    "measure_sensitivity",
+    "hessian_trace",
+    "hessian_sensitivity",
+    "allocate",
+    "mixed_precision_config",
+    "average_bits",
+    "METHODS",
+    "model_output",
+]
 
 logger = logging.getLogger(__name__)
 METHODS = ("kl", "mse")
@@ -120,7 +128,9 @@ def _divergence(out: torch.Tensor, ref: torch.Tensor, method: str) -> float:
     """Sum over the batch of KL(ref || out) of the softmax over the last dim, or of the squared error, per element."""
     out, ref = out.double(), ref.double()
     if method == "kl":
-        return float(F.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")) / (ref.numel() / ref.shape[-1])
+        return float(F.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")) / (
+            ref.numel() / ref.shape[-1]
+        )
     return float((out - ref).pow(2).mean())
 
 
@@ -131,7 +141,9 @@ def _weight_layers(model: nn.Module, config: Config, layers: Sequence[str] | Non
         return planned
     unknown = [n for n in layers if n not in planned]
     if unknown:
-        raise ValueError(f"layers {unknown} are not weight-quantized layers of the model under the candidates; they are: {planned}")
+        raise ValueError(
+            f"layers {unknown} are not weight-quantized layers of the model under the candidates; they are: {planned}"
+        )
     return list(layers)
 
 
@@ -174,7 +186,9 @@ def measure_sensitivity(
                     module = quantized.get_submodule(n)
                     table[n].bits[cname] = weight_bits(config_weight(module), linear_weight(module).shape)
                     with _only(quantized, n):
-                        table[n].loss[cname] = _loss(quantized, batches, reference, metric, higher_is_better, method, run)
+                        table[n].loss[cname] = _loss(
+                            quantized, batches, reference, metric, higher_is_better, method, run
+                        )
             logger.info("sensitivity: candidate %s measured on %d layer(s)", cname, len(names))
     return list(table.values())
 
@@ -185,7 +199,10 @@ def _quantized_in_place(model: nn.Module, config: Config, batches: Sequence[Any]
     back after. Only quantizers are added, so the Parameters end as they started."""
     if any(isinstance(m, QuantMixin) for m in model.modules()):
         raise ValueError("measure_sensitivity needs the float model (it has quantized layers already)")
-    originals = [(*parent_of(model, p.name), model.get_submodule(p.name)) for p in ModelQuantizer(config).resolve(model, warn=False)]
+    originals = [
+        (*parent_of(model, p.name), model.get_submodule(p.name))
+        for p in ModelQuantizer(config).resolve(model, warn=False)
+    ]
     had, previous = hasattr(model, "quant_config"), getattr(model, "quant_config", None)
     try:
         with warnings.catch_warnings():
@@ -227,12 +244,21 @@ def _only(model: nn.Module, name: str) -> contextlib.AbstractContextManager[list
     return paused_quantizers(model, observers=False, fake_quant=lambda q: id(q) not in keep)
 
 
-def _loss(model: nn.Module, batches: Sequence[Any], reference: Any, metric: Callable[[nn.Module], float] | None,
-          higher_is_better: bool, method: str, run: Callable[[nn.Module, Any], Any]) -> float:  # fmt: skip
+def _loss(
+    model: nn.Module,
+    batches: Sequence[Any],
+    reference: Any,
+    metric: Callable[[nn.Module], float] | None,
+    higher_is_better: bool,
+    method: str,
+    run: Callable[[nn.Module, Any], Any],
+) -> float:
     if metric is not None:
         value = metric(model)
         return float(reference - value if higher_is_better else value - reference)
-    return sum(_divergence(model_output(run(model, b)), r, method) for b, r in zip(batches, reference, strict=True)) / len(batches)
+    return sum(
+        _divergence(model_output(run(model, b)), r, method) for b, r in zip(batches, reference, strict=True)
+    ) / len(batches)
 
 
 # ----------------------------------------------------------------------------------------------- Hessian traces
@@ -318,11 +344,15 @@ def allocate(sensitivities: Sequence[LayerSensitivity], target_bits: float, reso
         raise ValueError("allocate needs the sensitivity of at least one layer")
     for s in sensitivities:
         if set(s.loss) != set(s.bits) or not s.loss:
-            raise ValueError(f"layer '{s.layer}': loss and bits must name the same candidates, got {sorted(s.loss)} and {sorted(s.bits)}")
+            raise ValueError(
+                f"layer '{s.layer}': loss and bits must name the same candidates, got {sorted(s.loss)} and {sorted(s.bits)}"
+            )
     total = sum(s.numel for s in sensitivities)
     cheapest = sum(s.numel * min(s.bits.values()) for s in sensitivities) / total
     if cheapest > target_bits + 1e-9:
-        raise ValueError(f"target_bits={target_bits} is below what the cheapest candidates store ({cheapest:.4f} bits per parameter)")
+        raise ValueError(
+            f"target_bits={target_bits} is below what the cheapest candidates store ({cheapest:.4f} bits per parameter)"
+        )
     budget = target_bits * total
     unit = budget / resolution
     capacity = resolution + len(sensitivities)  # costs are rounded to the nearest unit: room for their rounding
@@ -350,7 +380,9 @@ def allocate(sensitivities: Sequence[LayerSensitivity], target_bits: float, reso
             b -= round(s.numel * s.bits[c] / unit)
         if sum(s.numel * s.bits[choice[s.layer]] for s in sensitivities) <= budget * (1 + 1e-12):
             return {s.layer: choice[s.layer] for s in sensitivities}
-    raise ValueError(f"target_bits={target_bits}: no choice fits at resolution={resolution}; the cheapest candidates store {cheapest:.4f}")
+    raise ValueError(
+        f"target_bits={target_bits}: no choice fits at resolution={resolution}; the cheapest candidates store {cheapest:.4f}"
+    )
 
 
 def mixed_precision_config(base: Config, choice: dict[str, str], candidates: dict[str, QuantizationConfig]) -> Config:
@@ -360,5 +392,8 @@ def mixed_precision_config(base: Config, choice: dict[str, str], candidates: dic
     if unknown:
         raise ValueError(f"choice names candidates {unknown} not in {sorted(candidates)}")
     config = copy.deepcopy(base)
-    config.layer_quant_config = {**config.layer_quant_config, **{n: copy.deepcopy(candidates[c]) for n, c in choice.items()}}
+    config.layer_quant_config = {
+        **config.layer_quant_config,
+        **{n: copy.deepcopy(candidates[c]) for n, c in choice.items()},
+    }
     return config

@@ -36,7 +36,9 @@ def fold_scales(prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, 
         else:
             prev.weight.div_(scales.to(prev.weight.dtype))
     else:
-        raise ValueError(f"{where}: cannot fold a scale into {type(prev).__name__} (needs a Linear or a norm with a weight)")
+        raise ValueError(
+            f"{where}: cannot fold a scale into {type(prev).__name__} (needs a Linear or a norm with a weight)"
+        )
     bias = getattr(prev, "bias", None)
     if isinstance(bias, torch.Tensor):
         bias.div_(scales.to(bias.dtype))

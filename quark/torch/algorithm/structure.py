@@ -58,10 +58,17 @@ def _looks_like_decoder_layer(module: nn.Module) -> bool:
 
 #: norms whose forward computes ``normalised(x) * (1 + weight)`` (transformers' Gemma family and its kin), by class
 #: name; the form of any other norm is found by probing it (``norm_offset``)
-UNIT_OFFSET_NORMS = frozenset({
-    "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "RecurrentGemmaRMSNorm", "VaultGemmaRMSNorm", "T5GemmaRMSNorm",
-    "Qwen3NextRMSNorm",
-})  # fmt: skip
+UNIT_OFFSET_NORMS = frozenset(
+    {
+        "GemmaRMSNorm",
+        "Gemma2RMSNorm",
+        "Gemma3RMSNorm",
+        "RecurrentGemmaRMSNorm",
+        "VaultGemmaRMSNorm",
+        "T5GemmaRMSNorm",
+        "Qwen3NextRMSNorm",
+    }
+)
 
 
 def norm_offset(module: nn.Module) -> float | None:
@@ -148,16 +155,20 @@ _QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
 _GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _LLAMA = ("input_layernorm", *_QKV, "self_attn.o_proj", "post_attention_layernorm", *_GATED_MLP)
 _LLAMA_GROUPS = (
-    _g("input_layernorm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.o_proj"]),
-    _g("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"), _g("mlp.up_proj", ["mlp.down_proj"]),
-)  # fmt: skip
+    _g("input_layernorm", _QKV, "self_attn"),
+    _g("self_attn.v_proj", ["self_attn.o_proj"]),
+    _g("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"),
+    _g("mlp.up_proj", ["mlp.down_proj"]),
+)
 #: norms around both blocks (Gemma2/3): post_attention_layernorm normalises the attention OUTPUT (it feeds the residual
 #: stream, nothing folds into it) and pre_feedforward_layernorm feeds the MLP
 _SANDWICH = (*_LLAMA, "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _SANDWICH_GROUPS = (
-    _g("input_layernorm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.o_proj"]),
-    _g("pre_feedforward_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"), _g("mlp.up_proj", ["mlp.down_proj"]),
-)  # fmt: skip
+    _g("input_layernorm", _QKV, "self_attn"),
+    _g("self_attn.v_proj", ["self_attn.o_proj"]),
+    _g("pre_feedforward_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"),
+    _g("mlp.up_proj", ["mlp.down_proj"]),
+)
 #: the transformer layer layouts the algorithms know, most specific first (the first entry that fits a layer wins)
 MODEL_FAMILIES: list[ModelFamily] = [
     ModelFamily("gemma2", _SANDWICH, _SANDWICH_GROUPS, norm_offset=1.0),  # Gemma2, Gemma3: (1 + w) norms
@@ -172,8 +183,12 @@ MODEL_FAMILIES: list[ModelFamily] = [
     ModelFamily(  # OPT (pre-norm, do_layer_norm_before=True: all sizes but 350m, whose scaling_layers must be given)
         "opt",
         ("self_attn_layer_norm", *_QKV, "self_attn.out_proj", "final_layer_norm", "fc1", "fc2"),
-        (_g("self_attn_layer_norm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.out_proj"]),
-         _g("final_layer_norm", ["fc1"]), _g("fc1", ["fc2"])),
+        (
+            _g("self_attn_layer_norm", _QKV, "self_attn"),
+            _g("self_attn.v_proj", ["self_attn.out_proj"]),
+            _g("final_layer_norm", ["fc1"]),
+            _g("fc1", ["fc2"]),
+        ),
     ),
     ModelFamily(  # GPT-2 (transformers' Conv1D layers; c_attn is q, k and v fused, so nothing folds into c_proj)
         "gpt2",
@@ -182,33 +197,71 @@ MODEL_FAMILIES: list[ModelFamily] = [
     ),
     ModelFamily(  # Falcon with new_decoder_architecture: separate norms for the parallel attention and MLP
         "falcon-new",
-        ("ln_attn", "ln_mlp", "self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        (
+            "ln_attn",
+            "ln_mlp",
+            "self_attention.query_key_value",
+            "self_attention.dense",
+            "mlp.dense_h_to_4h",
+            "mlp.dense_4h_to_h",
+        ),
         (_g("ln_attn", ["self_attention.query_key_value"]), _g("ln_mlp", ["mlp.dense_h_to_4h"])),
     ),
     ModelFamily(  # Falcon with sequential attention and MLP
         "falcon-sequential",
-        ("input_layernorm", "post_attention_layernorm", "self_attention.query_key_value", "self_attention.dense",
-         "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
-        (_g("input_layernorm", ["self_attention.query_key_value"]), _g("post_attention_layernorm", ["mlp.dense_h_to_4h"])),
+        (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attention.query_key_value",
+            "self_attention.dense",
+            "mlp.dense_h_to_4h",
+            "mlp.dense_4h_to_h",
+        ),
+        (
+            _g("input_layernorm", ["self_attention.query_key_value"]),
+            _g("post_attention_layernorm", ["mlp.dense_h_to_4h"]),
+        ),
     ),
     ModelFamily(  # Falcon-7B style: one norm feeds attention and MLP in parallel
         "falcon",
-        ("input_layernorm", "self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        (
+            "input_layernorm",
+            "self_attention.query_key_value",
+            "self_attention.dense",
+            "mlp.dense_h_to_4h",
+            "mlp.dense_4h_to_h",
+        ),
         (_g("input_layernorm", ["self_attention.query_key_value", "mlp.dense_h_to_4h"]),),
     ),
     # Post-norm encoders: a norm's output is also the residual stream, so no scale folds into a norm; only v -> o.
     ModelFamily(  # BERT, RoBERTa, XLM-R encoders
         "bert",
-        ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-         "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"),
+        (
+            "attention.self.query",
+            "attention.self.key",
+            "attention.self.value",
+            "attention.output.dense",
+            "attention.output.LayerNorm",
+            "intermediate.dense",
+            "output.dense",
+            "output.LayerNorm",
+        ),
         (_g("attention.self.value", ["attention.output.dense"]),),
     ),
     ModelFamily(  # DistilBERT
         "distilbert",
-        ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2"),
+        (
+            "attention.q_lin",
+            "attention.k_lin",
+            "attention.v_lin",
+            "attention.out_lin",
+            "sa_layer_norm",
+            "ffn.lin1",
+            "ffn.lin2",
+        ),
         (_g("attention.v_lin", ["attention.out_lin"]),),
     ),
-]  # fmt: skip
+]
 
 
 def model_family(layer: nn.Module) -> ModelFamily | None:
@@ -235,7 +288,9 @@ def derive_scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
     groups = []
     for g in family.groups:
         prev = modules[g.prev_op]
-        if is_linear(prev) and any(linear_weight(modules[n]).shape[1] != linear_weight(prev).shape[0] for n in g.layers):
+        if is_linear(prev) and any(
+            linear_weight(modules[n]).shape[1] != linear_weight(prev).shape[0] for n in g.layers
+        ):
             continue
         groups.append(g)
     return groups
@@ -245,8 +300,9 @@ def _norm_forms(layer: nn.Module) -> str:
     """The form of each norm-like module of ``layer`` (for the error of a layer no family fits)."""
     forms = {
         n: {0.0: "x*w", 1.0: "x*(1+w)", None: "unknown"}[norm_offset(m)]
-        for n, m in layer.named_modules() if n and "norm" in type(m).__name__.lower()
-    }  # fmt: skip
+        for n, m in layer.named_modules()
+        if n and "norm" in type(m).__name__.lower()
+    }
     return f"; its norms: {forms}" if forms else ""
 
 
@@ -266,5 +322,12 @@ def scaling_groups(layer: nn.Module, explicit: list[dict] | None) -> list[Scalin
                 f"scaling_layers[{i}] names {missing}, not modules of the decoder layer; its modules: "
                 f"{[n for n, _ in layer.named_modules() if n]}"
             )
-        groups.append(ScalingGroup(entry["prev_op"], list(entry["layers"]), entry.get("inp") or entry["layers"][0], entry.get("module2inspect")))
+        groups.append(
+            ScalingGroup(
+                entry["prev_op"],
+                list(entry["layers"]),
+                entry.get("inp") or entry["layers"][0],
+                entry.get("module2inspect"),
+            )
+        )
     return groups

@@ -20,10 +20,25 @@ from quark.torch.export.safetensors import export_safetensors, import_model_from
 from quark.torch.export.single_file import read_single_file, write_single_file
 
 __all__ = [
-    "export_safetensors", "import_model_from_safetensors", "export_onnx", "size_report", "export_model", "import_model",
-    "EXPORT_FORMATS", "ExportFormat", "register_format", "export_formats", "get_format", "check_formats",
-    "check_exportable", "QUARK_SUBDIR", "check_onnx_exportable", "check_quark_exportable", "write_single_file", "read_single_file",
-]  # fmt: skip
+    "export_safetensors",
+    "import_model_from_safetensors",
+    "export_onnx",
+    "size_report",
+    "export_model",
+    "import_model",
+    "EXPORT_FORMATS",
+    "ExportFormat",
+    "register_format",
+    "export_formats",
+    "get_format",
+    "check_formats",
+    "check_exportable",
+    "QUARK_SUBDIR",
+    "check_onnx_exportable",
+    "check_quark_exportable",
+    "write_single_file",
+    "read_single_file",
+]
 
 #: the built-in formats' names (``export_formats()`` also lists the ones registered later)
 EXPORT_FORMATS = export_formats()

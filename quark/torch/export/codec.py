@@ -67,9 +67,13 @@ def stored_quantizer(tensor: torch.Tensor, q: FakeQuantizeBase | None) -> FakeQu
 
 
 def decoded_weight_quantizer(
-    module: nn.Module, slot: QuantSlot, spec: QuantizationSpec, scale: torch.Tensor | None, zero_point: torch.Tensor | None,
+    module: nn.Module,
+    slot: QuantSlot,
+    spec: QuantizationSpec,
+    scale: torch.Tensor | None,
+    zero_point: torch.Tensor | None,
     shared: set[int],
-) -> FakeQuantizeBase | None:  # fmt: skip
+) -> FakeQuantizeBase | None:
     """The quantizer the imports put in ``slot`` once its tensor holds the decoded values (``scale`` / ``zero_point``:
     the stored qparams, None for formats without them). The values are on the grid already: a pass-through
     ``BakedFakeQuantize`` keeps them (re-quantizing with the spec's rounding is not exact: floor can drop a value one
@@ -116,21 +120,39 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
     fmt = format_of(spec.dtype)
     if has_qparams(q):
         scale, zp = q.calculate_qparams()
-        info: dict[str, Any] = {"dtype": spec.dtype.name, "shape": shape, "qscheme": spec.qscheme.name,
-                                "ch_axis": spec.ch_axis, "group_size": spec.group_size}  # fmt: skip
+        info: dict[str, Any] = {
+            "dtype": spec.dtype.name,
+            "shape": shape,
+            "qscheme": spec.qscheme.name,
+            "ch_axis": spec.ch_axis,
+            "group_size": spec.group_size,
+        }
         if spec.block_size is not None:
             info["block_size"] = list(spec.block_size)
         stored_scale = _stored_scale(scale, spec)
         if isinstance(fmt, IntFormat):
-            codes = quantize_int(w.detach(), scale, zp, fmt.qmin, fmt.qmax, round_method=q.round_method,
-                                 qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
-                                 block_size=spec.block_size)  # fmt: skip
+            codes = quantize_int(
+                w.detach(),
+                scale,
+                zp,
+                fmt.qmin,
+                fmt.qmax,
+                round_method=q.round_method,
+                qscheme=spec.qscheme,
+                axis=spec.ch_axis,
+                group_size=spec.group_size,
+                block_size=spec.block_size,
+            )
             stored = _store_int(codes, fmt)
             info["encoding"] = "int_nibbles" if fmt.bits <= 4 else "int"
             return {"": stored, "_scale": stored_scale, "_zero_point": zp.detach()}, info
         if spec.qscheme == QSchemeType.per_group:
-            raise ValueError(f"export of per-group {spec.dtype.name} weights is not supported (per tensor / channel / block are)")
-        values = round_to_grid(q(w.detach()).float() / scale_view(scale, w, spec.qscheme, spec.ch_axis, spec.block_size), fmt)
+            raise ValueError(
+                f"export of per-group {spec.dtype.name} weights is not supported (per tensor / channel / block are)"
+            )
+        values = round_to_grid(
+            q(w.detach()).float() / scale_view(scale, w, spec.qscheme, spec.ch_axis, spec.block_size), fmt
+        )
         if spec.dtype in TORCH_FLOAT8:
             info["encoding"] = "float8"
             return {"": values.to(TORCH_FLOAT8[spec.dtype]), "_scale": stored_scale}, info
@@ -141,8 +163,14 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
         element = Dtype(spec.mx_element_dtype)
         block, axis = spec.group_size or 32, -1 if spec.ch_axis is None else spec.ch_axis
         elements, e8m0 = quantize_mx(w.detach(), element, block, axis, spec.mx_scale_mode)
-        info = {"dtype": "mx", "element": element.name, "shape": shape, "block": block, "axis": axis,
-                "blocked_shape": list(elements.shape)}  # fmt: skip
+        info = {
+            "dtype": "mx",
+            "element": element.name,
+            "shape": shape,
+            "block": block,
+            "axis": axis,
+            "blocked_shape": list(elements.shape),
+        }
         if element == Dtype.int8:
             info["encoding"] = "mx_int8"
             return {"": torch.round(elements * 64).to(torch.int8), "_scale": e8m0}, info
@@ -153,7 +181,10 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
     # casts (bf16 / fp16) are stored in that dtype; mx6 / mx9 / bfp16 as their dequantized values
     value = q(w.detach())
     if spec.dtype in (Dtype.bfloat16, Dtype.float16):
-        return {"": value.to(torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16)}, {"encoding": "cast", "shape": shape}
+        return {"": value.to(torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16)}, {
+            "encoding": "cast",
+            "shape": shape,
+        }
     return {"": value.float()}, {"encoding": "float", "shape": shape, "dtype": spec.dtype.name}
 
 
@@ -182,19 +213,36 @@ def decode_weight(tensors: dict[str, torch.Tensor], key: str, info: dict[str, An
         if not isinstance(fmt, IntFormat):
             raise ValueError(f"{key}: encoding {encoding!r} with the non-integer dtype {info['dtype']!r}")
         count = int(torch.Size(shape).numel())
-        codes = unpack_nibbles(stored, count, fmt.signed).reshape(shape) if encoding == "int_nibbles" else stored.to(torch.int32)
-        return dequantize_int(codes, tensors[key + "_scale"], tensors[key + "_zero_point"], qscheme=QSchemeType(info["qscheme"]),
-                              axis=info["ch_axis"], group_size=info["group_size"], block_size=info.get("block_size"))  # fmt: skip
+        codes = (
+            unpack_nibbles(stored, count, fmt.signed).reshape(shape)
+            if encoding == "int_nibbles"
+            else stored.to(torch.int32)
+        )
+        return dequantize_int(
+            codes,
+            tensors[key + "_scale"],
+            tensors[key + "_zero_point"],
+            qscheme=QSchemeType(info["qscheme"]),
+            axis=info["ch_axis"],
+            group_size=info["group_size"],
+            block_size=info.get("block_size"),
+        )
     if encoding in ("float8", "minifloat", "minifloat_nibbles"):
         fmt = FLOAT_FORMATS[Dtype(info["dtype"])]
         if encoding == "float8":
             values = stored.float()
         else:
             count = int(torch.Size(shape).numel())
-            codes = unpack_nibbles(stored, count, signed=False).reshape(shape) if encoding == "minifloat_nibbles" else stored
+            codes = (
+                unpack_nibbles(stored, count, signed=False).reshape(shape)
+                if encoding == "minifloat_nibbles"
+                else stored
+            )
             values = decode(codes, fmt)
         values = values.reshape(shape)
-        return values * scale_view(tensors[key + "_scale"], values, QSchemeType(info["qscheme"]), info["ch_axis"], info.get("block_size"))
+        return values * scale_view(
+            tensors[key + "_scale"], values, QSchemeType(info["qscheme"]), info["ch_axis"], info.get("block_size")
+        )
     if encoding.startswith("mx"):
         blocked = info["blocked_shape"]
         if encoding == "mx_int8":
@@ -235,7 +283,6 @@ def is_quantizer_state(key: str, prefixes: tuple[str, ...]) -> bool:
     return key.startswith(prefixes) or "_quantizer." in key
 
 
-
 def first_of_its_storage(value: torch.Tensor, seen: set[tuple[int, int, tuple[int, ...]]]) -> bool:
     """Whether ``value`` is the first of the tensors that share its memory (a tied ``lm_head`` and input embedding)
     among those ``seen`` so far (which it joins): the exports store such a tensor once, as ``save_pretrained`` does."""
@@ -251,4 +298,3 @@ def tied_to_stored(state: dict[str, torch.Tensor], stored: dict[str, Any]) -> se
     has: tied, so loading that one loads them too."""
     present = {id(state[k]) for k in state if k in stored}
     return {k for k, v in state.items() if k not in stored and id(v) in present}
-

@@ -17,9 +17,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 __all__ = [
-    "write_atomically", "write_text_atomically", "write_files_atomically", "is_temporary", "remove_stale_temporaries",
+    "write_atomically",
+    "write_text_atomically",
+    "write_files_atomically",
+    "is_temporary",
+    "remove_stale_temporaries",
     "TEMP_PREFIX",
-]  # fmt: skip
+]
 
 #: the start of every temporary this project creates (a name nobody else uses)
 TEMP_PREFIX = ".quarkl-tmp."

@@ -29,9 +29,19 @@ from quark.torch.export.single_file import FILENAME, read_single_file, write_sin
 from quark.torch.quantization.config.config import Config
 
 __all__ = [
-    "ExportFormat", "register_format", "export_formats", "get_format", "check_formats", "check_exportable",
-    "export_model", "import_model", "size_report", "export_root", "rooted_config", "QUARK_SUBDIR",
-]  # fmt: skip
+    "ExportFormat",
+    "register_format",
+    "export_formats",
+    "get_format",
+    "check_formats",
+    "check_exportable",
+    "export_model",
+    "import_model",
+    "size_report",
+    "export_root",
+    "rooted_config",
+    "QUARK_SUBDIR",
+]
 
 #: the folder of ``output_dir`` the ``quark`` format writes (its model.safetensors would clash with the single file)
 QUARK_SUBDIR = "quark"
@@ -93,7 +103,9 @@ def check_exportable(model: nn.Module, formats: Iterable[str]) -> None:
             fmt.check(model)
 
 
-def export_model(model: nn.Module, output_dir: str | Path, formats: Iterable[str], example_input: Any = None) -> dict[str, Any]:
+def export_model(
+    model: nn.Module, output_dir: str | Path, formats: Iterable[str], example_input: Any = None
+) -> dict[str, Any]:
     """Export ``model`` in each of ``formats`` into ``output_dir``; returns ``{format: {"path": ..., **size_report}}``.
 
     Unknown formats, a missing example input (ONNX) and each format's check raise before anything is written."""
@@ -121,9 +133,11 @@ def size_report(path: str | Path, model: nn.Module) -> dict[str, float]:
     count = sum(p.numel() for p in params)
     fp32_bytes = 4 * count
     return {
-        "file_bytes": file_bytes, "fp32_bytes": fp32_bytes, "ratio": file_bytes / fp32_bytes if fp32_bytes else 0.0,
+        "file_bytes": file_bytes,
+        "fp32_bytes": fp32_bytes,
+        "ratio": file_bytes / fp32_bytes if fp32_bytes else 0.0,
         "bits_per_parameter": 8 * file_bytes / count if count else 0.0,
-    }  # fmt: skip
+    }
 
 
 # ----------------------------------------------------------------------------------------------- rooting (quark)
@@ -147,7 +161,9 @@ def rooted_config(config: Config, prefix: str) -> Config:
 
     exclude = [r for r in (rel(n) for n in config.exclude) if r is not None]
     layers = {r: qc for n, qc in config.layer_quant_config.items() if (r := rel(n)) is not None}
-    return dataclasses.replace(config, exclude=exclude, layer_quant_config=layers, algo_config=None, pre_quant_opt_config=None)
+    return dataclasses.replace(
+        config, exclude=exclude, layer_quant_config=layers, algo_config=None, pre_quant_opt_config=None
+    )
 
 
 _MISSING = object()
@@ -210,10 +226,34 @@ def _read_quark(model: nn.Module | None, output_dir: Path) -> nn.Module:
     return model
 
 
-register_format(ExportFormat("safetensors", "this project's single file model.safetensors (every format and slot)",
-                             _write_single_file, None, _import_single, modules=("safetensors",)))  # fmt: skip
-register_format(ExportFormat("onnx", "quark_model.onnx, a QDQ graph for ONNX Runtime (needs an example input)",
-                             _write_onnx, check_onnx_exportable, None, needs_example=True, modules=("onnx",)))  # fmt: skip
-register_format(ExportFormat("quark", "amd-quark's Hugging Face directory quark/ (config.json + model.safetensors), "
-                             "which amd-quark and vLLM load", _write_quark, _check_quark, _read_quark,
-                             modules=("safetensors",)))  # fmt: skip
+register_format(
+    ExportFormat(
+        "safetensors",
+        "this project's single file model.safetensors (every format and slot)",
+        _write_single_file,
+        None,
+        _import_single,
+        modules=("safetensors",),
+    )
+)
+register_format(
+    ExportFormat(
+        "onnx",
+        "quark_model.onnx, a QDQ graph for ONNX Runtime (needs an example input)",
+        _write_onnx,
+        check_onnx_exportable,
+        None,
+        needs_example=True,
+        modules=("onnx",),
+    )
+)
+register_format(
+    ExportFormat(
+        "quark",
+        "amd-quark's Hugging Face directory quark/ (config.json + model.safetensors), which amd-quark and vLLM load",
+        _write_quark,
+        _check_quark,
+        _read_quark,
+        modules=("safetensors",),
+    )
+)

@@ -56,7 +56,9 @@ class QDQ(nn.Module):
 
     def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, axis: int | None) -> None:
         super().__init__()
-        self.register_buffer("scale", scale.detach().float().reshape(-1) if axis is not None else scale.detach().float().reshape(()))
+        self.register_buffer(
+            "scale", scale.detach().float().reshape(-1) if axis is not None else scale.detach().float().reshape(())
+        )
         self.register_buffer("zero_point", zero_point.detach().to(torch.int32).reshape(-1 if axis is not None else ()))
         self.qmin, self.qmax, self.axis = qmin, qmax, axis
         # per tensor, torch's op takes Python numbers: read once here, not in forward (where the tracer warns about it)
@@ -111,8 +113,16 @@ def _codes(
         return (w / s).clamp(-limit, limit).to(TORCH_FLOAT8[spec.dtype]).view(torch.uint8)
     qmin, qmax = int_range(spec.dtype)
     codes = quantize_int(
-        w, scale, zero_point, qmin, qmax, round_method=round_method, qscheme=spec.qscheme, axis=axis, group_size=spec.group_size,
-    )  # fmt: skip
+        w,
+        scale,
+        zero_point,
+        qmin,
+        qmax,
+        round_method=round_method,
+        qscheme=spec.qscheme,
+        axis=axis,
+        group_size=spec.group_size,
+    )
     return codes.to(torch.int8 if qmin < 0 else torch.uint8)
 
 
@@ -158,8 +168,12 @@ class StoredWeight(nn.Module):
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             mismatch = x.shape != self.codes.shape
         if mismatch:  # the layer quantizes another tensor than its Parameter: the codes would not fit
-            raise RuntimeError(f"{self.name}: quantizer called on shape {tuple(x.shape)}, the stored codes are {tuple(self.codes.shape)}")
-        return _DequantizeCodes.apply(self.codes, self.scale, self.zero_point, self.fmt, self.axis, self.block, self.name)
+            raise RuntimeError(
+                f"{self.name}: quantizer called on shape {tuple(x.shape)}, the stored codes are {tuple(self.codes.shape)}"
+            )
+        return _DequantizeCodes.apply(
+            self.codes, self.scale, self.zero_point, self.fmt, self.axis, self.block, self.name
+        )
 
 
 class _QuantizeDequantizeFloat8(torch.autograd.Function):
@@ -196,7 +210,9 @@ def _opset_for(spec: Any, ndim: int | None) -> int | None:
     if spec.is_dynamic:
         return None
     if spec.dtype in _FLOAT8:  # FLOAT8 zero points: opset 19
-        return 19 if scheme == QSchemeType.per_tensor or (ndim is not None and scheme == QSchemeType.per_channel) else None
+        return (
+            19 if scheme == QSchemeType.per_tensor or (ndim is not None and scheme == QSchemeType.per_channel) else None
+        )
     if spec.dtype not in _STORED_INTS or spec.zero_point_type == ZeroPointType.float32:
         return None
     if scheme == QSchemeType.per_group:  # DequantizeLinear's block_size: opset 21
@@ -312,7 +328,9 @@ def _has_4bit(model: nn.Module) -> bool:
 def _qdq(quantizer: nn.Module, where: str) -> QDQ:
     spec = quantizer.spec  # type: ignore[attr-defined]
     if quantizer.round_method != RoundType.half_even:  # type: ignore[attr-defined] # a baked weight's is half_even
-        warnings.warn(f"{where}: round_method={spec.round_method.name}; ONNX QuantizeLinear rounds half to even", stacklevel=4)
+        warnings.warn(
+            f"{where}: round_method={spec.round_method.name}; ONNX QuantizeLinear rounds half to even", stacklevel=4
+        )
     scale, zero_point = quantizer.calculate_qparams()  # type: ignore[attr-defined]
     qmin, qmax = _RANGES[spec.dtype]
     axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
@@ -345,14 +363,18 @@ def qdq_model(model: nn.Module) -> nn.Module:
     """A frozen copy of ``model`` whose quantizers are in their export form; ValueError naming the first unsupported one."""
     refresh_computed_tensors(model)  # old-style weight_norm's weight: a non-leaf tensor that deepcopy refuses
     with warnings.catch_warnings():  # torch's own pickling of a captured graph's pytree specs (torch >= 2.10)
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        )
         export = copy.deepcopy(model)
     store_computed_tensors(export)  # weight_norm's weight: stored as the model computes it now, not recomputed
     export = ModelQuantizer.freeze(export).eval()
     functional = _functional_weights(export)
     for layer, slot, q, where, name in _slots(export):
         tensor = _slot_tensor(layer, slot, functional)
-        q = stored_quantizer(tensor, q) if tensor is not None else q if bool(q.fake_quant_enabled) else None  # fake quant off: float
+        q = (
+            stored_quantizer(tensor, q) if tensor is not None else q if bool(q.fake_quant_enabled) else None
+        )  # fake quant off: float
         layer.set_quantizer(slot, None if q is None else _export_quantizer(q, where, tensor, name))
     guarded = [m for m in export.modules() if isinstance(getattr(m, EXPORT_GUARDS_ATTR, None), nn.Module)]
     for module in guarded:
@@ -369,7 +391,9 @@ class _SdpaWithoutGqa(torch.overrides.TorchFunctionMode):
     Mistral or Qwen2 call it with fewer key/value heads) written as the key/value heads repeated for their query heads,
     torch's own definition of it: the TorchScript ONNX exporter has no conversion for ``enable_gqa``."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.nn.functional.scaled_dot_product_attention:
             args = list(args)  # type: ignore[assignment]
@@ -413,11 +437,21 @@ class _FirstOutput(nn.Module):
 
 
 def export_onnx(
-    model: nn.Module, output_dir: str | Path, input_args: Any, opset_version: int | None = None,
-    input_names: list[str] | None = None, output_names: list[str] | None = None, verbose: bool = False,
-    do_constant_folding: bool = True, operator_export_type: Any = None, uint4_int4_flag: bool = False,
-    dynamo: bool = False, *, filename: str = FILENAME, dynamic_batch: bool = True,
-) -> Path:  # fmt: skip
+    model: nn.Module,
+    output_dir: str | Path,
+    input_args: Any,
+    opset_version: int | None = None,
+    input_names: list[str] | None = None,
+    output_names: list[str] | None = None,
+    verbose: bool = False,
+    do_constant_folding: bool = True,
+    operator_export_type: Any = None,
+    uint4_int4_flag: bool = False,
+    dynamo: bool = False,
+    *,
+    filename: str = FILENAME,
+    dynamic_batch: bool = True,
+) -> Path:
     """Write ``model`` (prepared and calibrated, or frozen; not modified) as an ONNX QDQ graph,
     ``<output_dir>/quark_model.onnx`` as amd-quark names it; returns the path.
 
@@ -431,7 +465,9 @@ def export_onnx(
     int4 / uint4. ``dynamo=True`` is refused with the reason, and ``operator_export_type`` must stay the default ONNX
     one. The write is atomic (a temporary file renamed)."""
     if dynamo:
-        raise ValueError("export_onnx: dynamo=True is not supported; the Q/DQ folding here works on the TorchScript exporter's graph")
+        raise ValueError(
+            "export_onnx: dynamo=True is not supported; the Q/DQ folding here works on the TorchScript exporter's graph"
+        )
     if operator_export_type not in (None, torch.onnx.OperatorExportTypes.ONNX):
         raise ValueError(f"export_onnx: operator_export_type={operator_export_type!r}; only OperatorExportTypes.ONNX")
     import_extra("onnx", "export", "ONNX export")  # the exporter needs it
@@ -446,7 +482,9 @@ def export_onnx(
     args = input_args if isinstance(input_args, tuple) else (input_args,)
     export, args = _in_float32(export, args)
     if type(export).__module__.startswith("transformers."):
-        export = _FirstOutput(export)  # a Hugging Face model returns a ModelOutput (and a KV cache): the graph its logits
+        export = _FirstOutput(
+            export
+        )  # a Hugging Face model returns a ModelOutput (and a KV cache): the graph its logits
     names = list(input_names) if input_names else [f"input_{i}" if len(args) > 1 else "input" for i in range(len(args))]
     outputs = list(output_names) if output_names else ["output"]
     axes = {n: {0: "batch"} for n in [*names, *outputs]} if dynamic_batch else None
@@ -455,9 +493,18 @@ def export_onnx(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter writes Q/DQ for these ops
             with _SdpaWithoutGqa():
-                torch.onnx.export(export, args, tmp, dynamo=False, opset_version=min(opset, _TORCHSCRIPT_MAX_OPSET),
-                                  input_names=names, output_names=outputs, dynamic_axes=axes, verbose=verbose,
-                                  do_constant_folding=do_constant_folding)  # fmt: skip
+                torch.onnx.export(
+                    export,
+                    args,
+                    tmp,
+                    dynamo=False,
+                    opset_version=min(opset, _TORCHSCRIPT_MAX_OPSET),
+                    input_names=names,
+                    output_names=outputs,
+                    dynamic_axes=axes,
+                    verbose=verbose,
+                    do_constant_folding=do_constant_folding,
+                )
         fold_weight_quantization(tmp)
         if placeholders or opset > _TORCHSCRIPT_MAX_OPSET:
             lower_placeholders(tmp, opset)
@@ -644,18 +691,24 @@ def _rewritten_by_onnxruntime(node: Any, consts: _Constants, consumers: dict[str
         return None  # its input is not dequantized with one scale: left alone
     if weight is None or weight.op_type != "DequantizeLinear":
         value = consts.value(node.input[1])
-        return "its float weight quantized to int8 per tensor" if value is not None and value.dtype == np.float32 else None
+        return (
+            "its float weight quantized to int8 per tensor" if value is not None and value.dtype == np.float32 else None
+        )
     bias = consts.value(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     w_scale = consts.value(weight.input[1])
     if bias is None or bias.ndim != 1 or w_scale is None or w_scale.size not in (1, bias.size):
         return None
     attrs = {a.name: a.i for a in weight.attribute}
     transposed = next((a.i for a in node.attribute if a.name == "transB"), 0)
-    if w_scale.size > 1 and (attrs.get("block_size", 0) or attrs.get("axis", 1) != (1 - transposed if node.op_type == "Gemm" else 0)):
+    if w_scale.size > 1 and (
+        attrs.get("block_size", 0) or attrs.get("axis", 1) != (1 - transposed if node.op_type == "Gemm" else 0)
+    ):
         return None
     step = np.float32(x_scale.reshape(())) * w_scale.astype(np.float32).reshape(-1)
     rounded = np.rint(bias.astype(np.float32) / step) * step
-    return None if np.array_equal(rounded, bias) else "its bias rounded to int32 multiples of input scale x weight scale"
+    return (
+        None if np.array_equal(rounded, bias) else "its bias rounded to int32 multiples of input scale x weight scale"
+    )
 
 
 def warn_onnxruntime_rewrites(path: str | Path, label: str | Path | None = None) -> list[str]:
@@ -771,16 +824,23 @@ class _Lowering:
         self.float8_inputs[node.output[0]] = scale
         if self.opset >= 21:
             return [
-                helper.make_node("QuantizeLinear", [x, scale], [q], name=f"{node.name}_q", output_dtype=getattr(TensorProto, onnx_type)),
+                helper.make_node(
+                    "QuantizeLinear",
+                    [x, scale],
+                    [q],
+                    name=f"{node.name}_q",
+                    output_dtype=getattr(TensorProto, onnx_type),
+                ),
                 helper.make_node("DequantizeLinear", [q, scale], list(node.output), name=f"{node.name}_dq"),
-            ]  # fmt: skip
+            ]
         producer = self.consts.producers.get(x)
         if producer is not None and producer.op_type == "Relu":
             warnings.warn(
                 f"{name}: at opset {self.opset} an fp8 QuantizeLinear needs a FLOAT8 zero point, and onnxruntime at graph "
                 "optimization level EXTENDED or higher removes the Relu before it (ReluQuantRewrite). Export at opset 21 "
-                "(the default), or run with disabled_optimizers=['ReluQuantRewrite']", stacklevel=2,
-            )  # fmt: skip
+                "(the default), or run with disabled_optimizers=['ReluQuantRewrite']",
+                stacklevel=2,
+            )
         zero = self.float8_zero(onnx_type)
         return [
             helper.make_node("QuantizeLinear", [x, scale, zero], [q], name=f"{node.name}_q"),

@@ -74,4 +74,3 @@ def unpack_int4(packed: torch.Tensor, count: int, signed: bool, pack_method: str
     if signed:
         out = torch.where(out >= 8, out - 16, out)
     return out.to(torch.int32)
-

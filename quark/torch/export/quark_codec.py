@@ -44,9 +44,11 @@ SUPPORTED = (
 
 # ----------------------------------------------------------------------------------------------- weights
 def unsupported_layout(where: str, spec: QuantizationSpec) -> ValueError:
-    return ValueError(f"{where}: {spec.dtype.name} {spec.qscheme.name if spec.qscheme else ''} weights have no amd-quark "
-                      f"style layout; supported: {SUPPORTED}. custom_mode=None writes this project's single-file "
-                      "format, which stores every format of the engine")  # fmt: skip
+    return ValueError(
+        f"{where}: {spec.dtype.name} {spec.qscheme.name if spec.qscheme else ''} weights have no amd-quark "
+        f"style layout; supported: {SUPPORTED}. custom_mode=None writes this project's single-file "
+        "format, which stores every format of the engine"
+    )
 
 
 def int_container(fmt: IntFormat) -> torch.dtype:
@@ -73,7 +75,9 @@ def weight_layout(spec: QuantizationSpec, w: torch.Tensor) -> str | None:
     if spec.dtype in (Dtype.bfloat16, Dtype.float16):
         return "cast"
     scheme = spec.qscheme
-    per_tensor_or_channel = scheme == QSchemeType.per_tensor or (scheme == QSchemeType.per_channel and spec.ch_axis == 0)
+    per_tensor_or_channel = scheme == QSchemeType.per_tensor or (
+        scheme == QSchemeType.per_channel and spec.ch_axis == 0
+    )
     if isinstance(fmt, FloatFormat) and spec.dtype in TORCH_FLOAT8:
         return "float8" if per_tensor_or_channel or scheme == QSchemeType.per_block else None
     if isinstance(fmt, FloatFormat):  # fp6 / fp4 codes, packed per output channel
@@ -162,17 +166,34 @@ def encode_quark_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, 
         ffmt = FLOAT_FORMATS[spec.dtype]
         view = scale_view(scale, w, spec.qscheme, spec.ch_axis, spec.block_size)
         if layout == "float8":
-            return {"": (w / view).clamp(-ffmt.max_normal, ffmt.max_normal).to(TORCH_FLOAT8[spec.dtype]), "_scale": scale}
+            return {
+                "": (w / view).clamp(-ffmt.max_normal, ffmt.max_normal).to(TORCH_FLOAT8[spec.dtype]),
+                "_scale": scale,
+            }
         rows = round_to_grid(q(w).float() / view, ffmt).reshape(w.shape[0], -1)
         return {"": _pack_rows(encode(rows, ffmt), ffmt.bits), "_scale": scale}
     fmt = _int_format(spec, where)
-    codes = quantize_int(w, scale, zp, fmt.qmin, fmt.qmax, round_method=q.round_method, qscheme=spec.qscheme,
-                         axis=spec.ch_axis, group_size=spec.group_size, block_size=spec.block_size)  # fmt: skip
+    codes = quantize_int(
+        w,
+        scale,
+        zp,
+        fmt.qmin,
+        fmt.qmax,
+        round_method=q.round_method,
+        qscheme=spec.qscheme,
+        axis=spec.ch_axis,
+        group_size=spec.group_size,
+        block_size=spec.block_size,
+    )
     if layout == "int_group":  # transposed: [in, out], scales and zero points [in / g, out]
         codes, scale, zp = codes.t(), scale.t().contiguous(), zp.t()
         if fmt.bits == 4:
             return {"": pack_int4(codes, pack_method), "_scale": scale, "_zero_point": pack_int4(zp, pack_method)}
-        return {"": codes.to(int_container(fmt)).contiguous(), "_scale": scale, "_zero_point": zp.to(int_container(fmt)).contiguous()}
+        return {
+            "": codes.to(int_container(fmt)).contiguous(),
+            "_scale": scale,
+            "_zero_point": zp.to(int_container(fmt)).contiguous(),
+        }
     if fmt.bits == 4:
         packed = pack_int4(codes.reshape(w.shape[0], -1), pack_method)
         if spec.qscheme == QSchemeType.per_channel:
@@ -201,7 +222,9 @@ def _decode_mx(stored: torch.Tensor, scale: torch.Tensor, shape: torch.Size, spe
     return values * torch.exp2(exp.float()).repeat_interleave(spec.group_size or 32, dim=1)[:, : shape[1]]
 
 
-def decode_quark_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec: QuantizationSpec, pack_method: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def decode_quark_weight(
+    t: dict[str, torch.Tensor], key: str, shape: torch.Size, spec: QuantizationSpec, pack_method: str
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dequantized weight, scale, zero point in our layout; None for formats without qparams) of one stored weight."""
     stored, scale = t[key], t.get(key + "_scale")
     layout = weight_layout(spec, torch.empty(shape, device="meta"))
@@ -217,7 +240,11 @@ def decode_quark_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size,
     if layout in ("minifloat", "float8"):
         ffmt = FLOAT_FORMATS[spec.dtype]
         count = int(torch.Size(shape[1:]).numel())
-        values = stored.float() if layout == "float8" else decode(_unpack_rows(stored, ffmt.bits, count), ffmt).reshape(shape)
+        values = (
+            stored.float()
+            if layout == "float8"
+            else decode(_unpack_rows(stored, ffmt.bits, count), ffmt).reshape(shape)
+        )
         view = scale_view(scale, values, spec.qscheme, spec.ch_axis, spec.block_size)
         return values * view, scale, torch.zeros_like(scale, dtype=torch.int32)
     fmt = format_of(spec.dtype)
@@ -241,8 +268,13 @@ def decode_quark_weight(t: dict[str, torch.Tensor], key: str, shape: torch.Size,
     else:
         codes, zp = stored.to(torch.int32), None if zp_stored is None else zp_stored.to(torch.int32)
     zp = torch.zeros_like(scale, dtype=torch.int32) if zp is None else zp.to(torch.int32)
-    values = dequantize_int(codes, scale, zp, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
-                            block_size=spec.block_size)  # fmt: skip
+    values = dequantize_int(
+        codes,
+        scale,
+        zp,
+        qscheme=spec.qscheme,
+        axis=spec.ch_axis,
+        group_size=spec.group_size,
+        block_size=spec.block_size,
+    )
     return values.float(), scale, zp
-
-

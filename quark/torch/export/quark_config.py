@@ -12,8 +12,22 @@ from quark.torch.quantization.config.config import Config, QuantizationConfig, Q
 from quark.torch.quantization.config.type import Dtype
 
 QUARK_VERSION = "0.13"
-_SPEC_KEYS = ("dtype", "is_dynamic", "observer_cls", "qscheme", "ch_axis", "group_size", "symmetric", "round_method",
-              "scale_type", "mx_element_dtype", "zero_point_type", "scale_format", "scale_calculation_mode", "block_size")  # fmt: skip
+_SPEC_KEYS = (
+    "dtype",
+    "is_dynamic",
+    "observer_cls",
+    "qscheme",
+    "ch_axis",
+    "group_size",
+    "symmetric",
+    "round_method",
+    "scale_type",
+    "mx_element_dtype",
+    "zero_point_type",
+    "scale_format",
+    "scale_calculation_mode",
+    "block_size",
+)
 
 
 def _spec_to_quark(spec: QuantizationSpec | None) -> dict[str, Any] | None:
@@ -22,8 +36,12 @@ def _spec_to_quark(spec: QuantizationSpec | None) -> dict[str, Any] | None:
         return None
     d = {k: v for k, v in spec.to_dict().items() if k in _SPEC_KEYS}
     if spec.dtype == Dtype.mx and spec.mx_element_dtype != Dtype.int8:
-        d.update(dtype=spec.mx_element_dtype.name, mx_element_dtype=None, scale_format="e8m0",  # type: ignore[union-attr]
-                 scale_calculation_mode=spec.mx_scale_mode)  # fmt: skip
+        d.update(
+            dtype=spec.mx_element_dtype.name,
+            mx_element_dtype=None,
+            scale_format="e8m0",  # type: ignore[union-attr]
+            scale_calculation_mode=spec.mx_scale_mode,
+        )
     d.setdefault("block_size", None)
     d.update(enable_buffer_reuse=False, is_scale_quant=False, max_input_numel=4 * 1024 * 1024)
     d.pop("qat_spec", None)
@@ -34,13 +52,20 @@ def _layer_to_quark(qc: QuantizationConfig) -> dict[str, Any]:
     return {role: _spec_to_quark(getattr(qc, role)) for role in QuantizationConfig.ROLES} | {"target_device": None}
 
 
-def to_quark_dict(config: Config, weight_format: str = "real_quantized", pack_method: str = "reorder") -> dict[str, Any]:
+def to_quark_dict(
+    config: Config, weight_format: str = "real_quantized", pack_method: str = "reorder"
+) -> dict[str, Any]:
     """The ``quantization_config`` amd-quark 0.13 writes into config.json for ``config``."""
     return {
         "algo_config": None,  # already applied to the weights
         "exclude": list(config.exclude),
-        "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": pack_method, "weight_format": weight_format,
-                   "weight_merge_groups": None},  # fmt: skip
+        "export": {
+            "kv_cache_group": [],
+            "min_kv_scale": 0.0,
+            "pack_method": pack_method,
+            "weight_format": weight_format,
+            "weight_merge_groups": None,
+        },
         "global_quant_config": _layer_to_quark(config.global_quant_config),
         "kv_cache_post_rope": False,
         "kv_cache_quant_config": {},
@@ -74,7 +99,9 @@ def _spec_from_quark(d: Any, where: str) -> QuantizationSpec | None:
 def _layer_from_quark(d: Any, where: str) -> QuantizationConfig:
     """One layer entry of amd-quark's config.json (a spec per role)."""
     roles = json_mapping(d, where)
-    return QuantizationConfig(**{role: _spec_from_quark(roles.get(role), f"{where}.{role}") for role in QuantizationConfig.ROLES})
+    return QuantizationConfig(
+        **{role: _spec_from_quark(roles.get(role), f"{where}.{role}") for role in QuantizationConfig.ROLES}
+    )
 
 
 def _entries_from_quark(q: dict[str, Any], key: str) -> dict[str, QuantizationConfig]:
@@ -97,10 +124,14 @@ def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
     is a ValueError naming its key."""
     q = json_mapping(q, "quantization_config")
     if q.get("quant_method") != "quark":
-        raise ValueError(f"quantization_config.quant_method={q.get('quant_method')!r}; only 'quark' directories are read")
+        raise ValueError(
+            f"quantization_config.quant_method={q.get('quant_method')!r}; only 'quark' directories are read"
+        )
     for key in ("kv_cache_quant_config", "softmax_quant_spec"):
         if q.get(key):
-            raise ValueError(f"quantization_config.{key} is set; KV-cache and softmax quantization are not supported here")
+            raise ValueError(
+                f"quantization_config.{key} is set; KV-cache and softmax quantization are not supported here"
+            )
     if "global_quant_config" not in q:
         raise ValueError("quantization_config.global_quant_config is missing (amd-quark writes it in every export)")
     exclude = q.get("exclude") or []
@@ -119,4 +150,3 @@ def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
         return Config(**layers, exclude=list(exclude), quant_mode=q.get("quant_mode", "eager_mode")), export
     except (ValueError, TypeError, KeyError) as err:  # the Config's own checks name the field
         raise ValueError(f"quantization_config: {err}") from None
-

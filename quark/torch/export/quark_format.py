@@ -91,17 +91,35 @@ from quark.torch.quantization.nn.modules.quant_modules import (
 )
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
 
-__all__ = ["export_quark_dir", "import_quark_dir", "is_quark_dir", "to_quark_dict", "from_quark_dict", "pack_int4", "unpack_int4"]
+__all__ = [
+    "export_quark_dir",
+    "import_quark_dir",
+    "is_quark_dir",
+    "to_quark_dict",
+    "from_quark_dict",
+    "pack_int4",
+    "unpack_int4",
+]
 
 
-__all__ = ["export_quark_dir", "import_quark_dir", "is_quark_dir", "to_quark_dict", "from_quark_dict", "pack_int4", "unpack_int4"]
+__all__ = [
+    "export_quark_dir",
+    "import_quark_dir",
+    "is_quark_dir",
+    "to_quark_dict",
+    "from_quark_dict",
+    "pack_int4",
+    "unpack_int4",
+]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
 # ----------------------------------------------------------------------------------------------- export / import
-def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: str = "real_quantized", pack_method: str = "reorder") -> Path:
+def export_quark_dir(
+    model: nn.Module, output_dir: str | Path, weight_format: str = "real_quantized", pack_method: str = "reorder"
+) -> Path:
     """Write amd-quark 0.13's export directory for a model prepared and calibrated (or frozen) by ModelQuantizer.
     Returns the directory. Each file is written atomically."""
     st = require_safetensors()
@@ -139,16 +157,25 @@ def export_quark_dir(model: nn.Module, output_dir: str | Path, weight_format: st
     hf = getattr(model, "config", None)
     document = hf.to_dict() if hasattr(hf, "to_dict") else {}
     if document and not document.get("architectures") and type(model).__module__.startswith("transformers."):
-        document["architectures"] = [type(model).__name__]  # what save_pretrained writes: import with model=None builds it
+        document["architectures"] = [
+            type(model).__name__
+        ]  # what save_pretrained writes: import with model=None builds it
     stored = _as_amd_quark(config, model)
     if floated:
-        stored = dataclasses.replace(stored, exclude=list(stored.exclude) + [n for n in floated if n not in stored.exclude])
+        stored = dataclasses.replace(
+            stored, exclude=list(stored.exclude) + [n for n in floated if n not in stored.exclude]
+        )
     document["quantization_config"] = to_quark_dict(stored, weight_format, pack_method)
     out = Path(output_dir)
-    write_atomically(out, WEIGHTS_FILE, lambda tmp: st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}))
-    write_atomically(out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n"))
+    write_atomically(
+        out,
+        WEIGHTS_FILE,
+        lambda tmp: st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}),
+    )
+    write_atomically(
+        out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    )
     return out
-
 
 
 def _unreached_for_export(model: nn.Module) -> list[str]:
@@ -224,8 +251,10 @@ def check_quark_exportable(model: nn.Module) -> None:
         for slot, q in m.quantizer_slots():
             where = f"layer '{name}' ({slot_label(slot)})"
             if slot.attr not in _STORED_SLOTS:
-                raise ValueError(f"{where}: amd-quark's layout stores the weight, input and output quantizers of a layer "
-                                 "only; custom_mode=None writes this project's single-file format, which stores every slot")  # fmt: skip
+                raise ValueError(
+                    f"{where}: amd-quark's layout stores the weight, input and output quantizers of a layer "
+                    "only; custom_mode=None writes this project's single-file format, which stores every slot"
+                )
             stored = _stored_weight_quantizer(m) if slot.attr == "_weight_quantizer" else q
             if not bool(q.fake_quant_enabled) and stored is q:
                 raise _switched_off(where, f"{slot.role.removesuffix('_tensors')}s")
@@ -243,8 +272,12 @@ def _as_amd_quark(config: Config, model: nn.Module) -> Config:
     if not config.inherit_roles or not (config.layer_quant_config or config.layer_type_quant_config):
         return config
     own = {name: m.quant_config for name, m in quantized_modules(model) if m.quant_config != config.global_quant_config}
-    return Config(global_quant_config=config.global_quant_config, layer_quant_config=own, exclude=list(config.exclude),
-                  quant_mode=config.quant_mode)  # fmt: skip
+    return Config(
+        global_quant_config=config.global_quant_config,
+        layer_quant_config=own,
+        exclude=list(config.exclude),
+        quant_mode=config.quant_mode,
+    )
 
 
 def is_quark_dir(model_dir: str | Path) -> bool:
@@ -312,5 +345,3 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
                     setattr(m, f"_{role}_quantizer", FrozenScaledFakeQuantize(aq.spec, s, z))
     model.load_state_dict(plain, strict=False)  # check_before_import made sure every key has its place
     return ModelQuantizer.freeze(model).eval()
-
-

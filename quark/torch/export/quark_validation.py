@@ -81,10 +81,14 @@ def check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Ten
                 raise unsupported_layout(f"{path}: '{key}'", spec)
             for need in (key, key + "_scale") if spec.dtype not in (Dtype.bfloat16, Dtype.float16) else (key,):
                 if need not in t:
-                    raise ValueError(f"{path}: tensor '{need}' is missing (the config quantizes '{plan.name}' as {spec.dtype.name})")
+                    raise ValueError(
+                        f"{path}: tensor '{need}' is missing (the config quantizes '{plan.name}' as {spec.dtype.name})"
+                    )
             dtypes, shape = expected
             if t[key].dtype not in dtypes or tuple(t[key].shape) != shape:
-                raise ValueError(f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(shape)}, found {t[key].dtype} of shape {list(t[key].shape)}")
+                raise ValueError(
+                    f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(shape)}, found {t[key].dtype} of shape {list(t[key].shape)}"
+                )
             if spec.dtype not in (*BLOCK_DTYPES, Dtype.bfloat16, Dtype.float16):
                 _check_scale(path, key + "_scale", t[key + "_scale"])
             check.expected.add(key)
@@ -95,7 +99,9 @@ def check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Ten
                 continue
             key = f"{prefix}{role}_scale"
             if key not in t:
-                raise ValueError(f"{path}: tensor '{key}' is missing (the config quantizes the {role} of '{plan.name}' statically)")
+                raise ValueError(
+                    f"{path}: tensor '{key}' is missing (the config quantizes the {role} of '{plan.name}' statically)"
+                )
             _check_scale(path, key, t[key])
             _check_activation_qparams(check, f"{prefix}{role}", spec_a)
     check_model_tensors(check, model, owned)  # the float tensors and nothing extra: the single-file import's rule
@@ -106,7 +112,9 @@ def _check_scale(path: Path, key: str, scale: torch.Tensor) -> None:
         raise ValueError(f"{path}: tensor '{key}': expected a float scale, found {describe_tensor(scale)}")
     s = scale.float()
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
-        raise ValueError(f"{path}: tensor '{key}': expected finite scales > 0, found min {float(s.min())}, max {float(s.max())}")
+        raise ValueError(
+            f"{path}: tensor '{key}': expected finite scales > 0, found min {float(s.min())}, max {float(s.max())}"
+        )
 
 
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # amd-quark writes float32; the others widen exactly
@@ -138,7 +146,9 @@ def _check_weight_values(check: Checker, key: str, spec: QuantizationSpec, shape
         return
     if layout == "mx":
         element = Dtype(spec.mx_element_dtype)
-        e8m0 = check.get(key + "_scale", (torch.uint8,), [dims[0], -(-dims[1] // (spec.group_size or 32))], "E8M0 block scales")
+        e8m0 = check.get(
+            key + "_scale", (torch.uint8,), [dims[0], -(-dims[1] // (spec.group_size or 32))], "E8M0 block scales"
+        )
         check.in_range(key + "_scale", e8m0, 0, 254, "E8M0 block scales (255 is NaN)")
         if element == Dtype.int8:
             check.in_range(key, stored, -MXINT8_QMAX, MXINT8_QMAX, "MX int8 elements")
@@ -148,7 +158,9 @@ def _check_weight_values(check: Checker, key: str, spec: QuantizationSpec, shape
     if layout == "block":
         limit = 2 ** MANTISSA_BITS[spec.dtype] - 1
         check.in_range(key, stored, -limit, limit, f"{spec.dtype.name} codes")
-        step = check.get(key + "_scale", (torch.float32,), [dims[0], -(-dims[1] // (spec.group_size or 16))], "block steps")
+        step = check.get(
+            key + "_scale", (torch.float32,), [dims[0], -(-dims[1] // (spec.group_size or 16))], "block steps"
+        )
         check.finite(key + "_scale", step, "block steps")
         if bool((step <= 0).any()) or bool((torch.frexp(step).mantissa != 0.5).any()):
             check.fail(key + "_scale", "block steps that are powers of two", f"min {step.min().item()}")
@@ -164,7 +176,9 @@ def _check_weight_values(check: Checker, key: str, spec: QuantizationSpec, shape
         check.in_range(key, stored, fmt.qmin, fmt.qmax, f"{spec.dtype.name} codes")
     zp_key = key + "_zero_point"
     if packed and layout == "int_group":
-        zp = check.get(zp_key, (torch.int32,), [-(-dims[1] // (spec.group_size or 32)), (dims[0] + 7) // 8], "packed zero points")
+        zp = check.get(
+            zp_key, (torch.int32,), [-(-dims[1] // (spec.group_size or 32)), (dims[0] + 7) // 8], "packed zero points"
+        )
     elif packed and spec.qscheme == QSchemeType.per_channel:
         zp = check.get(zp_key, (torch.int32,), [(dims[0] + 7) // 8], "packed zero points")
     else:

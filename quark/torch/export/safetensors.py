@@ -22,9 +22,14 @@ __all__ = ["export_safetensors", "import_model_from_safetensors", "activation_ke
 
 
 def export_safetensors(
-    model: nn.Module, output_dir: str | Path, custom_mode: str | None = "quark", weight_format: str = "real_quantized",
-    pack_method: str = "reorder", *, filename: str = FILENAME,
-) -> Path:  # fmt: skip
+    model: nn.Module,
+    output_dir: str | Path,
+    custom_mode: str | None = "quark",
+    weight_format: str = "real_quantized",
+    pack_method: str = "reorder",
+    *,
+    filename: str = FILENAME,
+) -> Path:
     """Write the quantized ``model`` (prepared and calibrated, or frozen) as real-quantized safetensors; amd-quark
     0.13's signature. Returns the path of the safetensors file.
 
@@ -48,15 +53,23 @@ def export_safetensors(
     if custom_mode is None:
         return write_single_file(model, output_dir, filename)
     if custom_mode != "quark":
-        raise ValueError(f"export_safetensors: custom_mode={custom_mode!r}; allowed: 'quark' or None (this project's format)")
+        raise ValueError(
+            f"export_safetensors: custom_mode={custom_mode!r}; allowed: 'quark' or None (this project's format)"
+        )
     return export_quark_dir(model, output_dir, weight_format, pack_method) / WEIGHTS_FILE
 
 
 def import_model_from_safetensors(
-    model: nn.Module | None, model_dir: str | Path, multi_device: bool = False, trust_remote_code: bool = False,
-    attn_implementation: str = "eager", device: str | torch.device | None = None, multi_gpu: bool | str | None = False,
-    *, filename: str = FILENAME,
-) -> nn.Module:  # fmt: skip
+    model: nn.Module | None,
+    model_dir: str | Path,
+    multi_device: bool = False,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "eager",
+    device: str | torch.device | None = None,
+    multi_gpu: bool | str | None = False,
+    *,
+    filename: str = FILENAME,
+) -> nn.Module:
     """Rebuild the quantized model from a float ``model`` of the same architecture and an exported directory:
     amd-quark 0.13's directory (config.json with a quark ``quantization_config``) or this project's single file;
     amd-quark 0.13's signature.
@@ -72,13 +85,19 @@ def import_model_from_safetensors(
     keeps a frozen quantizer), every static activation quantizer frozen with the stored qparams; a tensor stored as
     the exported model ran it unquantized (fake quant switched off, not on its grid) has no quantizer."""
     if multi_device or multi_gpu:
-        raise ValueError("import_model_from_safetensors: multi_device / multi_gpu loading is not supported here; "
-                         "pass device= (one device) and shard the returned model yourself")  # fmt: skip
+        raise ValueError(
+            "import_model_from_safetensors: multi_device / multi_gpu loading is not supported here; "
+            "pass device= (one device) and shard the returned model yourself"
+        )
     if model is None:
         if not (Path(model_dir) / CONFIG_FILE).is_file():
-            raise FileNotFoundError(f"model=None needs {Path(model_dir) / CONFIG_FILE} (a Hugging Face config) to build the model")
+            raise FileNotFoundError(
+                f"model=None needs {Path(model_dir) / CONFIG_FILE} (a Hugging Face config) to build the model"
+            )
         model = hf_skeleton(model_dir, trust_remote_code, attn_implementation)
-    if filename == FILENAME and is_quark_dir(model_dir):  # amd-quark 0.13's directory (or ours with custom_mode="quark")
+    if filename == FILENAME and is_quark_dir(
+        model_dir
+    ):  # amd-quark 0.13's directory (or ours with custom_mode="quark")
         imported = import_quark_dir(model, model_dir, device)
     else:
         imported = read_single_file(model, Path(model_dir) / filename, device)

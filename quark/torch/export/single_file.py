@@ -61,7 +61,9 @@ def write_single_file(model: nn.Module, output_dir: str | Path, filename: str = 
             f"{floated}",
             stacklevel=3,
         )
-        config = dataclasses.replace(config, exclude=list(config.exclude) + [n for n in floated if n not in config.exclude])
+        config = dataclasses.replace(
+            config, exclude=list(config.exclude) + [n for n in floated if n not in config.exclude]
+        )
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict[str, Any]] = {}
     skip: set[str] = set()
@@ -102,12 +104,13 @@ def write_single_file(model: nn.Module, output_dir: str | Path, filename: str = 
         if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding) is stored once
             put(key, value)
     metadata = {
-        "format": "pt", "quant_method": "quark",
-        "quantization_config": json.dumps(config.to_dict()), "quark_tensors": json.dumps(info),
-    }  # fmt: skip
+        "format": "pt",
+        "quant_method": "quark",
+        "quantization_config": json.dumps(config.to_dict()),
+        "quark_tensors": json.dumps(info),
+    }
     tensors = {k: v.cpu() for k, v in tensors.items()}
     return write_atomically(output_dir, filename, lambda tmp: st.save_file(tensors, tmp, metadata=metadata))
-
 
 
 def read_single_file(model: nn.Module, path: str | Path, device: str | torch.device | None = None) -> nn.Module:
@@ -156,8 +159,9 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Config]:
     return tensors, info, config
 
 
-
-def _load_layer(m: QuantMixin, prefix: str, tensors: dict[str, torch.Tensor], info: dict[str, Any], shared: set[int]) -> None:
+def _load_layer(
+    m: QuantMixin, prefix: str, tensors: dict[str, torch.Tensor], info: dict[str, Any], shared: set[int]
+) -> None:
     """One quantized layer from the single file: each stored weight decoded into its tensor with the quantizer
     ``decoded_weight_quantizer`` gives (none where it was stored as the model used it, unquantized), each activation
     slot frozen with its stored qparams, or emptied where the exported model ran it unquantized."""
@@ -175,7 +179,9 @@ def _load_layer(m: QuantMixin, prefix: str, tensors: dict[str, torch.Tensor], in
         if encoding == "float" and "dtype" not in meta:
             m.set_quantizer(slot, None)  # stored as the model used it: unquantized
         elif slot.tensor is None:
-            m.set_quantizer(slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"]))
+            m.set_quantizer(
+                slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"])
+            )
         else:
             scaled = encoding.startswith(("int", "float8", "minifloat"))  # an MX _scale is E8M0 exponents, no qparam
             scale = tensors[key + "_scale"].float() if scaled else None

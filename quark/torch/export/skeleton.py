@@ -34,9 +34,13 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def hf_skeleton(model_dir: str | Path, trust_remote_code: bool = False, attn_implementation: str = "eager") -> nn.Module:
+def hf_skeleton(
+    model_dir: str | Path, trust_remote_code: bool = False, attn_implementation: str = "eager"
+) -> nn.Module:
     """The Hugging Face model ``model_dir/config.json`` describes, Parameters on meta (amd-quark's ``model=None``)."""
-    transformers = import_extra("transformers", "hf", "import_model_from_safetensors(model=None, ...) (it builds a Hugging Face model)")
+    transformers = import_extra(
+        "transformers", "hf", "import_model_from_safetensors(model=None, ...) (it builds a Hugging Face model)"
+    )
     config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # applied by this import, not by transformers
@@ -45,8 +49,9 @@ def hf_skeleton(model_dir: str | Path, trust_remote_code: bool = False, attn_imp
         if cls is not None:
             model = cls._from_config(config, attn_implementation=attn_implementation)
         else:
-            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                                  attn_implementation=attn_implementation)  # fmt: skip
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+            )
     return model.eval()
 
 
@@ -57,13 +62,21 @@ def _architecture(transformers: Any, archs: Any, path: Path) -> type | None:
     if archs is None or archs == []:
         return None
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ValueError(f"{path}: architectures={archs!r} must be a list of model class names (e.g. ['LlamaForCausalLM'])")
+        raise ValueError(
+            f"{path}: architectures={archs!r} must be a list of model class names (e.g. ['LlamaForCausalLM'])"
+        )
     cls = getattr(transformers, archs[0], None)
     if cls is None:
         return None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and not cls.__name__.startswith("PreTrained")):
-        raise ValueError(f"{path}: architectures[0]={archs[0]!r} is not a model class of transformers; it names the class "
-                         "the model was saved from (e.g. 'LlamaForCausalLM'), as save_pretrained writes it")  # fmt: skip
+    if not (
+        isinstance(cls, type)
+        and issubclass(cls, transformers.PreTrainedModel)
+        and not cls.__name__.startswith("PreTrained")
+    ):
+        raise ValueError(
+            f"{path}: architectures[0]={archs[0]!r} is not a model class of transformers; it names the class "
+            "the model was saved from (e.g. 'LlamaForCausalLM'), as save_pretrained writes it"
+        )
     return cls
 
 

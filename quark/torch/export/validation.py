@@ -103,7 +103,11 @@ class Checker:
         """The tensor ``key`` after checking presence, dtype and shape (``shape`` None: exactly one element)."""
         self.expected.add(key)
         if key not in self.tensors:
-            self.fail(key, f"{what} ({' or '.join(str(d).removeprefix('torch.') for d in dtypes)})", "no such tensor in the file")
+            self.fail(
+                key,
+                f"{what} ({' or '.join(str(d).removeprefix('torch.') for d in dtypes)})",
+                "no such tensor in the file",
+            )
         t = self.tensors[key]
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         if t.dtype not in dtypes:
@@ -118,7 +122,11 @@ class Checker:
         v = t.float()
         bad = torch.isnan(v) if allow_inf else ~torch.isfinite(v)
         if bool(bad.any()):
-            self.fail(key, f"{what} with {'no NaN' if allow_inf else 'finite values'}", f"{int(bad.sum())} value(s) that are {'NaN' if allow_inf else 'NaN or infinite'}")
+            self.fail(
+                key,
+                f"{what} with {'no NaN' if allow_inf else 'finite values'}",
+                f"{int(bad.sum())} value(s) that are {'NaN' if allow_inf else 'NaN or infinite'}",
+            )
 
     def model_tensor(self, key: str, value: torch.Tensor, is_param: bool) -> None:
         """A tensor of the model stored as it is (either layout; a quantized layer's unquantized bias too): the
@@ -128,14 +136,20 @@ class Checker:
             self.get(key, (value.dtype,), list(value.shape), "a tensor of the model")
             return
         dtypes = tuple(dict.fromkeys((*_STORED_FLOATS, value.dtype)))
-        self.finite(key, self.get(key, dtypes, list(value.shape), "a float tensor"), "a float tensor", allow_inf=not is_param)
+        self.finite(
+            key, self.get(key, dtypes, list(value.shape), "a float tensor"), "a float tensor", allow_inf=not is_param
+        )
 
     def codes_in_format(self, key: str, codes: torch.Tensor, fmt: FloatFormat) -> None:
         """Bit patterns that are values of ``fmt`` (fp8's NaN / inf patterns decode past ``max_normal``)."""
         values = decode(codes, fmt).abs()
         if bool((values > fmt.max_normal).any()):
-            self.fail(key, f"{fmt.bits}-bit codes of values within +-{fmt.max_normal}", f"{int((values > fmt.max_normal).sum())} "
-                      f"code(s) past it, e.g. {int(codes.reshape(-1)[(values > fmt.max_normal).reshape(-1)][0])}")  # fmt: skip
+            self.fail(
+                key,
+                f"{fmt.bits}-bit codes of values within +-{fmt.max_normal}",
+                f"{int((values > fmt.max_normal).sum())} "
+                f"code(s) past it, e.g. {int(codes.reshape(-1)[(values > fmt.max_normal).reshape(-1)][0])}",
+            )
 
     def in_range(self, key: str, values: torch.Tensor, low: float, high: float, what: str) -> None:
         if values.numel() and (bool((values < low).any()) or bool((values > high).any())):
@@ -148,7 +162,9 @@ class Checker:
         if bool((t <= 0).any()):
             self.fail(key, "a scale > 0", f"min {t.min().item()}")
 
-    def zero_point(self, key: str, shape: list[int] | None, fmt: IntFormat | FloatFormat, spec: QuantizationSpec) -> None:
+    def zero_point(
+        self, key: str, shape: list[int] | None, fmt: IntFormat | FloatFormat, spec: QuantizationSpec
+    ) -> None:
         """Integers, or float32 where the Config says ``zero_point_type=float32`` (the two round differently)."""
         if isinstance(fmt, IntFormat) and spec.zero_point_type == ZeroPointType.float32:
             dtypes: tuple[torch.dtype, ...] = (torch.float32,)
@@ -178,26 +194,43 @@ class Checker:
         encoding, expected = meta["encoding"], _expected_encoding(spec)
         plain = encoding == "float" and "dtype" not in meta  # stored unquantized (no quantizer, or switched off)
         if not plain and encoding != expected:
-            self.fail(key, f"encoding {expected!r} (the Config's {spec.dtype.name if spec else 'no quantizer'}) or 'float'", repr(encoding))
+            self.fail(
+                key,
+                f"encoding {expected!r} (the Config's {spec.dtype.name if spec else 'no quantizer'}) or 'float'",
+                repr(encoding),
+            )
         if plain:
             self.model_tensor(key, param, is_param)
             return
         if encoding == "float":
             if meta["dtype"] != spec.dtype.name:  # type: ignore[union-attr]
                 self.fail(key, f"values of {spec.dtype.name}", f"metadata dtype {meta['dtype']!r}")  # type: ignore[union-attr]
-            self.finite(key, self.get(key, (torch.float32,), shape, "a float tensor"), "a float tensor", allow_inf=not is_param)
+            self.finite(
+                key, self.get(key, (torch.float32,), shape, "a float tensor"), "a float tensor", allow_inf=not is_param
+            )
             return
         if spec is None:  # unreachable: with no spec only "float" passes the encoding check above
             self.fail(key, "a float tensor (the Config quantizes no such tensor)", repr(encoding))
         if encoding == "cast":
-            t = self.get(key, (torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16,), shape, f"a {spec.dtype.name} tensor")
+            t = self.get(
+                key,
+                (torch.bfloat16 if spec.dtype == Dtype.bfloat16 else torch.float16,),
+                shape,
+                f"a {spec.dtype.name} tensor",
+            )
             self.finite(key, t, f"a {spec.dtype.name} tensor")
             return
         count = int(torch.Size(shape).numel())
         if encoding.startswith("mx"):
             block, axis = spec.group_size or 32, -1 if spec.ch_axis is None else spec.ch_axis
             blocked = _blocked_shape(shape, axis, block)
-            wanted = {"dtype": "mx", "element": Dtype(spec.mx_element_dtype).name, "block": block, "axis": axis, "blocked_shape": blocked}
+            wanted = {
+                "dtype": "mx",
+                "element": Dtype(spec.mx_element_dtype).name,
+                "block": block,
+                "axis": axis,
+                "blocked_shape": blocked,
+            }
             self._same(key, meta, wanted)
             n = int(torch.Size(blocked).numel())
             if encoding == "mx_int8":
@@ -213,8 +246,13 @@ class Checker:
             e8m0 = self.get(key + "_scale", (torch.uint8,), blocked[:-1], "E8M0 block scales")
             self.in_range(key + "_scale", e8m0, 0, 254, "E8M0 block scales (255 is NaN)")
             return
-        wanted = {"dtype": spec.dtype.name, "qscheme": spec.qscheme.name if spec.qscheme else None,
-                  "ch_axis": spec.ch_axis, "group_size": spec.group_size, "block_size": spec.block_size}  # fmt: skip
+        wanted = {
+            "dtype": spec.dtype.name,
+            "qscheme": spec.qscheme.name if spec.qscheme else None,
+            "ch_axis": spec.ch_axis,
+            "group_size": spec.group_size,
+            "block_size": spec.block_size,
+        }
         self._same(key, meta, wanted)
         if spec.qscheme == QSchemeType.per_group and not isinstance(format_of(spec.dtype), IntFormat):
             self.fail(key, "per tensor or per channel minifloat weights", "per_group")
@@ -222,7 +260,9 @@ class Checker:
         fmt = format_of(spec.dtype)
         if isinstance(fmt, IntFormat):
             if encoding == "int_nibbles":
-                packed = self.get(key, (torch.uint8,), [(count + 1) // 2], f"{count} {fmt.bits}-bit codes packed two per byte")
+                packed = self.get(
+                    key, (torch.uint8,), [(count + 1) // 2], f"{count} {fmt.bits}-bit codes packed two per byte"
+                )
                 codes = unpack_nibbles(packed, count, fmt.signed)
             else:
                 codes = self.get(key, (int_storage(fmt),), shape, f"{spec.dtype.name} codes")
@@ -233,20 +273,34 @@ class Checker:
         if not isinstance(fmt, FloatFormat):
             self.fail(key, "an integer or minifloat encoding", f"{encoding!r} for {spec.dtype.name}")
         if encoding == "float8":
-            self.finite(key, self.get(key, (TORCH_FLOAT8[spec.dtype],), shape, f"{spec.dtype.name} values"), f"{spec.dtype.name} values")
+            self.finite(
+                key,
+                self.get(key, (TORCH_FLOAT8[spec.dtype],), shape, f"{spec.dtype.name} values"),
+                f"{spec.dtype.name} values",
+            )
         elif encoding == "minifloat_nibbles":
             self.get(key, (torch.uint8,), [(count + 1) // 2], f"{count} {spec.dtype.name} codes packed two per byte")
         else:
-            self.in_range(key, self.get(key, (torch.uint8,), shape, f"{spec.dtype.name} codes"), 0, 2**fmt.bits - 1, f"{fmt.bits}-bit codes")
+            self.in_range(
+                key,
+                self.get(key, (torch.uint8,), shape, f"{spec.dtype.name} codes"),
+                0,
+                2**fmt.bits - 1,
+                f"{fmt.bits}-bit codes",
+            )
         self.scale(key + "_scale", qshape, spec)
 
     def _same(self, key: str, meta: dict[str, Any], wanted: dict[str, Any]) -> None:
         for field, value in wanted.items():
             if meta.get(field) != value:
-                self.fail(key, f"metadata {field}={value!r} (from the Config and the model)", f"{field}={meta.get(field)!r}")
+                self.fail(
+                    key, f"metadata {field}={value!r} (from the Config and the model)", f"{field}={meta.get(field)!r}"
+                )
 
 
-def _quant_layers(model: nn.Module, config: Config) -> list[tuple[str, nn.Module, list[tuple[QuantSlot, QuantizationSpec | None]]]]:
+def _quant_layers(
+    model: nn.Module, config: Config
+) -> list[tuple[str, nn.Module, list[tuple[QuantSlot, QuantizationSpec | None]]]]:
     """(state-dict prefix, module, [(slot, spec)]) of every layer the Config quantizes, without changing ``model``:
     a prepared model's twins as they are, else the plan ``prepare`` would follow."""
     out = []
@@ -277,11 +331,17 @@ def check_model_tensors(check: Checker, model: nn.Module, handled: set[str]) -> 
             check.model_tensor(key, value, key in params)
     extra = sorted(set(check.tensors) - check.expected)
     if extra:
-        check.fail(extra[0], "only tensors of the model and of its quantized layers", f"'{extra[0]}' that belongs to none" +
-                   (f" (and {len(extra) - 1} more: {extra[1:6]})" if len(extra) > 1 else ""))  # fmt: skip
+        check.fail(
+            extra[0],
+            "only tensors of the model and of its quantized layers",
+            f"'{extra[0]}' that belongs to none"
+            + (f" (and {len(extra) - 1} more: {extra[1:6]})" if len(extra) > 1 else ""),
+        )
 
 
-def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tensor], info: dict[str, Any], where: str) -> None:
+def check_import(
+    model: nn.Module, config: Config, tensors: dict[str, torch.Tensor], info: dict[str, Any], where: str
+) -> None:
     """ValueError (naming the tensor, what was expected and what was found) unless ``tensors`` hold exactly what
     ``export_safetensors`` writes for ``model`` quantized with ``config``: every tensor present, its dtype and shape
     (codes, packed byte counts, scales), scales finite and > 0, zero points and codes in range, float tensors
@@ -301,7 +361,9 @@ def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tens
                     check.weight(key, tensor, spec, info.get(key), key in params)
             elif spec is not None and info.get(prefix + activation_key(slot)) == {"encoding": "float"}:
                 described.add(prefix + activation_key(slot))  # the exported model ran it unquantized: nothing stored
-            elif spec is not None and not spec.is_dynamic and isinstance(format_of(spec.dtype), IntFormat | FloatFormat):
+            elif (
+                spec is not None and not spec.is_dynamic and isinstance(format_of(spec.dtype), IntFormat | FloatFormat)
+            ):
                 key = prefix + activation_key(slot)
                 described.add(key)
                 if info.get(key) != {"encoding": "qparams"}:
@@ -310,13 +372,33 @@ def check_import(model: nn.Module, config: Config, tensors: dict[str, torch.Tens
     check_model_tensors(check, model, skip)
     unknown = sorted(set(info) - described)
     if unknown:
-        check.fail(unknown[0], "metadata only for the quantized layers' tensors", f"an entry for '{unknown[0]}', which is none of them")
+        check.fail(
+            unknown[0],
+            "metadata only for the quantized layers' tensors",
+            f"an entry for '{unknown[0]}', which is none of them",
+        )
 
 
 # ----------------------------------------------------------------------------------------------- import
 #: bytes per element of safetensors' dtype names
-_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
-                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+_ST_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def _is_int(value: Any) -> bool:
@@ -326,7 +408,9 @@ def _is_int(value: Any) -> bool:
 def _header_entry(path: Path, name: str, entry: Any) -> tuple[str, list[int], tuple[int, int]]:
     """(dtype, shape, data_offsets) of one header entry; a ValueError names the tensor and the field otherwise."""
     if not isinstance(entry, dict):
-        raise ValueError(f"{path}: tensor '{name}': its header entry {entry!r} is not a mapping of dtype, shape and data_offsets")
+        raise ValueError(
+            f"{path}: tensor '{name}': its header entry {entry!r} is not a mapping of dtype, shape and data_offsets"
+        )
     missing = [f for f in ("dtype", "shape", "data_offsets") if f not in entry]
     if missing:
         raise ValueError(f"{path}: tensor '{name}': its header entry has no {missing}")
@@ -349,7 +433,9 @@ def check_header(path: str | Path) -> None:
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if length < 0 or 8 + length > size:
-            raise ValueError(f"{path} is not a readable safetensors file: its header length {length} does not fit in {size} bytes")
+            raise ValueError(
+                f"{path} is not a readable safetensors file: its header length {length} does not fit in {size} bytes"
+            )
         try:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -365,13 +451,15 @@ def check_header(path: str | Path) -> None:
             continue  # a dtype this check does not know: safetensors' reader judges it
         need = _ST_ITEMSIZE[dtype] * int(torch.Size(shape).numel()) if all(d >= 0 for d in shape) else -1
         if need < 0 or end - start != need:
-            raise ValueError(f"{path}: tensor '{name}': expected {need} bytes ({dtype} of shape {shape}), found {end - start} "
-                             f"(data_offsets [{start}, {end}])")  # fmt: skip
+            raise ValueError(
+                f"{path}: tensor '{name}': expected {need} bytes ({dtype} of shape {shape}), found {end - start} "
+                f"(data_offsets [{start}, {end}])"
+            )
         if not 0 <= start <= end <= data:
-            raise ValueError(f"{path} is not a readable safetensors file: tensor '{name}': data_offsets [{start}, {end}] lie "
-                             f"outside its {data} data bytes (a truncated file?)")  # fmt: skip
-
-
+            raise ValueError(
+                f"{path} is not a readable safetensors file: tensor '{name}': data_offsets [{start}, {end}] lie "
+                f"outside its {data} data bytes (a truncated file?)"
+            )
 
 
 # ----------------------------------------------------------------------------------------------- layers run in float
@@ -383,6 +471,11 @@ def quantized_modules(model: nn.Module) -> list[tuple[str, QuantMixin]]:
 def unreached_layers(model: nn.Module) -> list[str]:
     """Quantized layers that calibration never reached: ``uncalibrated_layers``, or run in float by
     ``ModelQuantizer.freeze``. Both exports write them in float and add them to the stored config's ``exclude``."""
-    return sorted(uncalibrated_layers(model) | {
-        name for name, m in quantized_modules(model) if getattr(m, "_quant_unreached", False) and not list(m.quantizer_slots())
-    })  # fmt: skip
+    return sorted(
+        uncalibrated_layers(model)
+        | {
+            name
+            for name, m in quantized_modules(model)
+            if getattr(m, "_quant_unreached", False) and not list(m.quantizer_slots())
+        }
+    )

@@ -22,8 +22,17 @@ if TYPE_CHECKING:
 
     from quark.torch.quantization.config.spec import QuantizationSpec
 
-__all__ = ["STAGES", "AlgorithmContext", "AlgorithmEntry", "register_algorithm", "algorithm_entry", "algorithm_stage",
-           "registered_algorithms", "check_algorithms", "run_stage"]  # fmt: skip
+__all__ = [
+    "STAGES",
+    "AlgorithmContext",
+    "AlgorithmEntry",
+    "register_algorithm",
+    "algorithm_entry",
+    "algorithm_stage",
+    "registered_algorithms",
+    "check_algorithms",
+    "run_stage",
+]
 
 STAGES = ("graph", "before_calibration", "after_calibration")
 
@@ -58,14 +67,20 @@ class AlgorithmEntry:
 _REGISTRY: dict[type, AlgorithmEntry] = {}
 
 
-def register_algorithm(config_type: type, stage: str, handler: Handler | None = None, check: Check | None = None) -> None:
+def register_algorithm(
+    config_type: type, stage: str, handler: Handler | None = None, check: Check | None = None
+) -> None:
     """Register ``config_type`` to run at ``stage`` with ``handler`` (and ``check``). Registering a type again keeps
     its stage (a different one is refused) and installs the handler and check given."""
     if stage not in STAGES:
-        raise ValueError(f"register_algorithm({config_type.__name__}): stage={stage!r} is not known; allowed: {list(STAGES)}")
+        raise ValueError(
+            f"register_algorithm({config_type.__name__}): stage={stage!r} is not known; allowed: {list(STAGES)}"
+        )
     known = _REGISTRY.get(config_type)
     if known is not None and known.stage != stage:
-        raise ValueError(f"register_algorithm({config_type.__name__}): stage={stage!r}, but it is registered at {known.stage!r}")
+        raise ValueError(
+            f"register_algorithm({config_type.__name__}): stage={stage!r}, but it is registered at {known.stage!r}"
+        )
     handler = handler if handler is not None else known.handler if known else None
     check = check if check is not None else known.check if known else None
     _REGISTRY[config_type] = AlgorithmEntry(config_type, stage, handler, check)
@@ -87,7 +102,9 @@ def algorithm_entry(config: Any, need_handler: bool = False) -> AlgorithmEntry:
             "quark.torch.quantization.algo_registry.register_algorithm(ConfigType, stage=..., handler=...))"
         )
     if need_handler and entry.handler is None:
-        raise ValueError(f"{type(config).__name__} has no handler: `import quark.torch` registers GPTQ, AWQ and SmoothQuant")
+        raise ValueError(
+            f"{type(config).__name__} has no handler: `import quark.torch` registers GPTQ, AWQ and SmoothQuant"
+        )
     return entry
 
 

@@ -78,9 +78,16 @@ from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuan
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ModelQuantizer", "LayerPlan", "activation_axes_to_check", "check_activation_shapes", "unmatched_names",
-    "run_batch", "format_plans", "qparams_source", "uncalibrated_layers",
-]  # fmt: skip
+    "ModelQuantizer",
+    "LayerPlan",
+    "activation_axes_to_check",
+    "check_activation_shapes",
+    "unmatched_names",
+    "run_batch",
+    "format_plans",
+    "qparams_source",
+    "uncalibrated_layers",
+]
 
 ROLES = QuantizationConfig.ROLES
 SUPPORTED_TYPE_NAMES = sorted(c.__name__ for c in QUANT_MODULE_MAP)
@@ -131,7 +138,10 @@ class ModelQuantizer:
             self._warn_unmatched(model, names)
             custom = custom_forward_layers(model)
             if custom:
-                warnings.warn(f"layers that subclass a supported type but define their own forward stay float: {custom}", stacklevel=2)
+                warnings.warn(
+                    f"layers that subclass a supported type but define their own forward stay float: {custom}",
+                    stacklevel=2,
+                )
         return plans
 
     def absent_layer_types(self, model: nn.Module) -> list[str]:
@@ -156,12 +166,14 @@ class ModelQuantizer:
                 warnings.warn(message, stacklevel=3)
 
     def _graph_plans(self, model: nn.Module) -> list[LayerPlan]:
-        prepared = model if hasattr(model, "_graph_units") else graph.prepare_graph(self._require_graph(model), self.config)
+        prepared = (
+            model if hasattr(model, "_graph_units") else graph.prepare_graph(self._require_graph(model), self.config)
+        )
         return [
             LayerPlan(u.name or "<top>", u.type_name or u.op, u.qconfig, u.source)
             for u in prepared._graph_units  # type: ignore[union-attr]
             if u.qconfig is not None
-        ]  # fmt: skip
+        ]
 
     def _require_graph(self, model: nn.Module) -> Any:
         if not graph.is_graph_module(model):
@@ -176,14 +188,22 @@ class ModelQuantizer:
         """Modules holding Parameters that stay float, each with the reason (excluded, unsupported type, ...); on a
         calibrated model also the Parameters a forward used functionally, outside any quantizer."""
         if self.graph_mode:
-            prepared = model if hasattr(model, "_graph_float_layers") else graph.prepare_graph(self._require_graph(model), self.config)
+            prepared = (
+                model
+                if hasattr(model, "_graph_float_layers")
+                else graph.prepare_graph(self._require_graph(model), self.config)
+            )
             return list(prepared._graph_float_layers)  # type: ignore[arg-type]
         plans = self.resolve(model, warn=False)
         uses: dict[str, list[str]] = getattr(model, "_quant_functional_uses", {})
         out = []
         for f in float_layers(self.config, model, {p.name for p in plans}):
             if f.reason.startswith("no quantized twin") and f.name in uses:
-                f = FloatLayer(f.name, f.layer_type, f"no quantized twin for {f.layer_type}: Parameter {', '.join(uses[f.name])} used functionally")
+                f = FloatLayer(
+                    f.name,
+                    f.layer_type,
+                    f"no quantized twin for {f.layer_type}: Parameter {', '.join(uses[f.name])} used functionally",
+                )
             out.append(f)
         return out + functional_float(model, uses)
 
@@ -253,18 +273,30 @@ class ModelQuantizer:
         return model
 
     def _calibrate(
-        self, model: nn.Module, quantizers: list[FakeQuantizeBase], data_needed: bool, batches: list[Any] | None,
-        dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        quantizers: list[FakeQuantizeBase],
+        data_needed: bool,
+        batches: list[Any] | None,
+        dataloader: Iterable[Any] | None,
+        forward_loop: Callable[[nn.Module], Any] | None,
+        max_batches: int | None,
+    ) -> None:
         with preserve_modes(model, mode=False):  # per module: a frozen BatchNorm stays in eval
             self._observe(model, quantizers, data_needed, batches, dataloader, max_batches, forward_loop)
             if batches is not None:  # GPTQ: on the calibrated model, it sets the weights and their qparams
                 run_stage("after_calibration", model, self._algorithms(), self._algorithm_context(model, batches))
 
     def _observe(
-        self, model: nn.Module, quantizers: list[FakeQuantizeBase], data_needed: bool, batches: list[Any] | None,
-        dataloader: Iterable[Any] | None, max_batches: int | None, forward_loop: Callable[[nn.Module], Any] | None,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        quantizers: list[FakeQuantizeBase],
+        data_needed: bool,
+        batches: list[Any] | None,
+        dataloader: Iterable[Any] | None,
+        max_batches: int | None,
+        forward_loop: Callable[[nn.Module], Any] | None,
+    ) -> None:
         """The calibration forwards (observers on, fake quant off), then every quantizer quantizing (and static
         ones no longer observing), also on error."""
         try:
@@ -283,7 +315,9 @@ class ModelQuantizer:
                 if data_needed:
                     seen, record = feed_calibration(model, dataloader, forward_loop, max_batches)
                     if dataloader is not None and seen == 0:
-                        raise ValueError("the calibration dataloader yielded no batch; static activation quantization needs data")
+                        raise ValueError(
+                            "the calibration dataloader yielded no batch; static activation quantization needs data"
+                        )
                     report_coverage(model, record)
         finally:
             for q in quantizers:
@@ -304,14 +338,18 @@ class ModelQuantizer:
         self, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
     ) -> list[Any] | None:
         """The calibration batches as a list when the Config has algorithms (they pass over them several times)."""
-        algos = [a for a in self.config.algo_configs + self.config.pre_quant_opt_configs if algorithm_stage(a) != "graph"]
+        algos = [
+            a for a in self.config.algo_configs + self.config.pre_quant_opt_configs if algorithm_stage(a) != "graph"
+        ]
         if not algos:
             return None
         names = [a.name for a in algos]  # type: ignore[attr-defined]
         for algo in algos:  # their handlers are registered (ValueError otherwise)
             algorithm_entry(algo, need_handler=True)
         if dataloader is None:
-            raise ValueError(f"{names} need calibration batches: pass a dataloader (a forward_loop cannot be replayed per layer)")
+            raise ValueError(
+                f"{names} need calibration batches: pass a dataloader (a forward_loop cannot be replayed per layer)"
+            )
         batches = list(itertools.islice(dataloader, max_batches))
         if not batches:
             raise ValueError(f"{names}: the calibration dataloader yielded no batch")
@@ -338,8 +376,9 @@ class ModelQuantizer:
         # algorithms change weights (and norms) in place: keep their values to put back on failure
         saved = (
             [(t, t.detach().clone()) for t in itertools.chain(model.parameters(), model.buffers())]
-            if self.config.algo_configs or self.config.pre_quant_opt_configs else []
-        )  # fmt: skip
+            if self.config.algo_configs or self.config.pre_quant_opt_configs
+            else []
+        )
         try:
             self._prepare(model, plans)
             self.calibrate(model, dataloader, forward_loop, max_batches)
@@ -356,7 +395,11 @@ class ModelQuantizer:
         return model
 
     def _quantize_graph(
-        self, model: nn.Module, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
+        self,
+        model: nn.Module,
+        dataloader: Iterable[Any] | None,
+        forward_loop: Callable[[nn.Module], Any] | None,
+        max_batches: int | None,
     ) -> nn.Module:
         if not graph.is_graph_module(model):
             if dataloader is None:
@@ -435,5 +478,3 @@ def _observe_params(model: nn.Module) -> None:
                     q(tensor)
                     if not q.is_dynamic:
                         q.disable_observer()
-
-

@@ -16,9 +16,15 @@ from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
 from quark.torch.quantization.resolve import LayerPlan
 
 __all__ = [
-    "to_device", "run_batch", "model_device", "spec_needs_data", "plan_needs_data", "needs_data",
-    "check_calibration_data", "feed_calibration",
-]  # fmt: skip
+    "to_device",
+    "run_batch",
+    "model_device",
+    "spec_needs_data",
+    "plan_needs_data",
+    "needs_data",
+    "check_calibration_data",
+    "feed_calibration",
+]
 
 _ACTIVATION_ROLES = ("input_tensors", "output_tensors")
 
@@ -89,7 +95,10 @@ def check_calibration_data(dataloader: Iterable[Any] | None, forward_loop: Calla
 
 
 def feed_calibration(
-    model: nn.Module, dataloader: Iterable[Any] | None, forward_loop: Callable[[nn.Module], Any] | None, max_batches: int | None
+    model: nn.Module,
+    dataloader: Iterable[Any] | None,
+    forward_loop: Callable[[nn.Module], Any] | None,
+    max_batches: int | None,
 ) -> tuple[int, dict[str, Any]]:
     """Run the calibration data; returns the batch count and what the forwards reached (see ``track_forward``:
     functional uses of Parameters are looked for on the first batch only, which is enough and keeps the rest fast)."""
@@ -111,5 +120,3 @@ def feed_calibration(
         if max_batches is not None and seen >= max_batches:
             break  # before asking the loader for a batch that would not be used
     return seen, record
-
-

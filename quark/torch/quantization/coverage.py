@@ -20,17 +20,44 @@ from quark.torch.quantization.resolve import excluded, explicit_levels, float_ty
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
-    "FloatLayer", "format_float_layers", "warn_float_layers", "track_forward", "unreached_layers", "float_reason",
-    "float_layers", "own_parameters", "uncalibrated_layers", "report_coverage", "functional_float",
-]  # fmt: skip
+    "FloatLayer",
+    "format_float_layers",
+    "warn_float_layers",
+    "track_forward",
+    "unreached_layers",
+    "float_reason",
+    "float_layers",
+    "own_parameters",
+    "uncalibrated_layers",
+    "report_coverage",
+    "functional_float",
+]
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
 
 #: names of the functions that consume a weight: a Parameter passed to one directly (no quantizer between) runs float
-_WEIGHT_OPS = frozenset({
-    "linear", "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "embedding", "embedding_bag", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "__matmul__", "__rmatmul__",
-})  # fmt: skip
+_WEIGHT_OPS = frozenset(
+    {
+        "linear",
+        "bilinear",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "embedding",
+        "embedding_bag",
+        "matmul",
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "einsum",
+        "__matmul__",
+        "__rmatmul__",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -264,5 +291,11 @@ def functional_float(model: nn.Module, uses: dict[str, list[str]]) -> list[Float
     for owner, found in uses.items():
         module = submodule(model, owner)
         if isinstance(module, QuantMixin):
-            out.append(FloatLayer(owner, type(module).__name__, f"Parameter {', '.join(found)} also used outside the layer, float there"))
+            out.append(
+                FloatLayer(
+                    owner,
+                    type(module).__name__,
+                    f"Parameter {', '.join(found)} also used outside the layer, float there",
+                )
+            )
     return out

@@ -72,7 +72,9 @@ LINEAR_EQUIVALENTS = ("FalconLinear",)
 def hf_linear_equivalent(cls: type) -> type | None:
     """The transformers class in ``cls``'s MRO that is a plain linear layer with a forward of its own (as
     ``LINEAR_EQUIVALENTS`` lists), else None: such a layer is quantized as ``nn.Linear``."""
-    return next((c for c in cls.__mro__ if c.__name__ in LINEAR_EQUIVALENTS and c.__module__.startswith("transformers")), None)
+    return next(
+        (c for c in cls.__mro__ if c.__name__ in LINEAR_EQUIVALENTS and c.__module__.startswith("transformers")), None
+    )
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor:

@@ -37,11 +37,29 @@ from quark.torch.quantization.state import paused_quantizers, preserve_modes
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
-    "LayerPlan", "merge_levels", "config_from_stored", "excluded", "layer_matches", "name_levels", "type_level",
-    "explicit_levels", "resolve_layer",
-    "unmatched_names", "type_names", "float_type", "layer_types", "custom_forward_layers", "owners", "check_layer",
-    "activation_axes_to_check", "check_activation_shapes", "qparams_source", "format_plans", "submodule", "parent_of",
-]  # fmt: skip
+    "LayerPlan",
+    "merge_levels",
+    "config_from_stored",
+    "excluded",
+    "layer_matches",
+    "name_levels",
+    "type_level",
+    "explicit_levels",
+    "resolve_layer",
+    "unmatched_names",
+    "type_names",
+    "float_type",
+    "layer_types",
+    "custom_forward_layers",
+    "owners",
+    "check_layer",
+    "activation_axes_to_check",
+    "check_activation_shapes",
+    "qparams_source",
+    "format_plans",
+    "submodule",
+    "parent_of",
+]
 
 ROLES = QuantizationConfig.ROLES
 
@@ -117,7 +135,10 @@ def unmatched_names(config: Config, names: list[str]) -> dict[str, list[str]]:
     the module ``names``, per field (fields with none left out). The engine warns about them, as amd-quark does;
     the app refuses them."""
     out = {}
-    for field_name, keys in (("layer_quant_config", list(config.layer_quant_config)), ("exclude", list(config.exclude))):
+    for field_name, keys in (
+        ("layer_quant_config", list(config.layer_quant_config)),
+        ("exclude", list(config.exclude)),
+    ):
         dead = [k for k in keys if not any(fnmatch.fnmatchcase(n, k) for n in names)]
         if dead:
             out[field_name] = dead
@@ -158,11 +179,15 @@ def custom_forward_layers(model: nn.Module) -> list[str]:
     return [
         name
         for name, m in model.named_modules()
-        if float_type(m) is None and not isinstance(m, QuantMixin) and any(c in QUANT_MODULE_MAP for c in type(m).__mro__)
+        if float_type(m) is None
+        and not isinstance(m, QuantMixin)
+        and any(c in QUANT_MODULE_MAP for c in type(m).__mro__)
     ]
 
 
-def explicit_levels(config: Config, name: str, module: nn.Module) -> tuple[list[tuple[str, QuantizationConfig]], list[tuple[str, QuantizationConfig]]]:
+def explicit_levels(
+    config: Config, name: str, module: nn.Module
+) -> tuple[list[tuple[str, QuantizationConfig]], list[tuple[str, QuantizationConfig]]]:
     """The layer-name levels and the layer-type level that match one module, most specific first."""
     return name_levels(config, name), type_level(config, type_names(module))
 
@@ -179,7 +204,9 @@ def owners(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     return found
 
 
-def resolve_layer(config: Config, name: str, module: nn.Module, owner: tuple[str, nn.Module] | None = None) -> LayerPlan | None:
+def resolve_layer(
+    config: Config, name: str, module: nn.Module, owner: tuple[str, nn.Module] | None = None
+) -> LayerPlan | None:
     """The merged QuantizationConfig of one layer, or None when it stays float."""
     ftype = float_type(module)
     if ftype is None or isinstance(module, QuantMixin) or excluded(config, name):
@@ -239,7 +266,11 @@ def _activation_shape_error(q: FakeQuantizeBase, role: str, x: Any) -> str | Non
         return None
     shape = tuple(x.shape)
     where = q.where if role in q.where else f"{q.where} ({role})"
-    if spec.qscheme in _AXIS_SCHEMES and spec.ch_axis is not None and not -max(x.ndim, 1) <= spec.ch_axis < max(x.ndim, 1):
+    if (
+        spec.qscheme in _AXIS_SCHEMES
+        and spec.ch_axis is not None
+        and not -max(x.ndim, 1) <= spec.ch_axis < max(x.ndim, 1)
+    ):
         return (
             f"{where}: ch_axis={spec.ch_axis} ({spec.qscheme.name}) is out of range for the activation of shape "
             f"{shape} ({x.ndim} dimension(s): allowed {-max(x.ndim, 1)}..{max(x.ndim, 1) - 1}); set the spec's ch_axis to "
@@ -278,9 +309,18 @@ def check_activation_shapes(model: nn.Module, feed: Callable[[nn.Module], Any]) 
 
         return hook
 
-    hooks = [q.register_forward_pre_hook(check(role)) for role, q in quantizers if role in ("input_tensors", "output_tensors")]
+    hooks = [
+        q.register_forward_pre_hook(check(role))
+        for role, q in quantizers
+        if role in ("input_tensors", "output_tensors")
+    ]
     try:  # a float run: no qparams are computed from old statistics
-        with paused_quantizers(model, fake_quant=True), preserve_modes(model, mode=False), torch.no_grad(), no_kv_cache(model):
+        with (
+            paused_quantizers(model, fake_quant=True),
+            preserve_modes(model, mode=False),
+            torch.no_grad(),
+            no_kv_cache(model),
+        ):
             feed(model)
     finally:
         for h in hooks:

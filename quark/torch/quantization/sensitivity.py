@@ -15,6 +15,14 @@ from quark.torch.algorithm.sensitivity import (
 )
 
 __all__ = [
-    "LayerSensitivity", "weight_bits", "measure_sensitivity", "hessian_trace", "hessian_sensitivity", "allocate",
-    "mixed_precision_config", "average_bits", "METHODS", "model_output",
-]  # fmt: skip
+    "LayerSensitivity",
+    "weight_bits",
+    "measure_sensitivity",
+    "hessian_trace",
+    "hessian_sensitivity",
+    "allocate",
+    "mixed_precision_config",
+    "average_bits",
+    "METHODS",
+    "model_output",
+]

@@ -55,7 +55,9 @@ def paused_quantizers(
             q.fake_quant_enabled.copy_(quantize)
 
 
-def _switch(quantizers: list[FakeQuantizeBase], observers: bool, fake_quant: bool | Callable[[FakeQuantizeBase], bool]) -> None:
+def _switch(
+    quantizers: list[FakeQuantizeBase], observers: bool, fake_quant: bool | Callable[[FakeQuantizeBase], bool]
+) -> None:
     """Apply ``paused_quantizers``' switches (see there)."""
     if fake_quant is True:
         for q in quantizers:

@@ -134,13 +134,23 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         return ", ".join(parts)
 
 
-def apply_format(x: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor | None, zp: torch.Tensor | None) -> torch.Tensor:
+def apply_format(
+    x: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor | None, zp: torch.Tensor | None
+) -> torch.Tensor:
     """``x`` fake-quantized in the spec's format with the given qparams (the one call every quantizer makes)."""
     return fake_quantize(
-        x, spec.dtype, scale, zp, qscheme=spec.qscheme, axis=spec.ch_axis, group_size=spec.group_size,
-        round_method=spec.round_method, mx_element_dtype=spec.mx_element_dtype, mx_scale_mode=spec.mx_scale_mode,
+        x,
+        spec.dtype,
+        scale,
+        zp,
+        qscheme=spec.qscheme,
+        axis=spec.ch_axis,
+        group_size=spec.group_size,
+        round_method=spec.round_method,
+        mx_element_dtype=spec.mx_element_dtype,
+        mx_scale_mode=spec.mx_scale_mode,
         block_size=spec.block_size,
-    )  # fmt: skip
+    )
 
 
 class ScaledFakeQuantize(FakeQuantizeBase):
@@ -154,7 +164,9 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         super().__init__(spec, device)
         self.observer = spec.observer_cls(spec, device)  # type: ignore[misc]
         self.register_buffer("scale", torch.ones((), device=device), persistent=not self.is_dynamic)
-        self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32, device=device), persistent=not self.is_dynamic)
+        self.register_buffer(
+            "zero_point", torch.zeros((), dtype=torch.int32, device=device), persistent=not self.is_dynamic
+        )
         self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
 
     def _refresh_qparams(self) -> None:
@@ -231,8 +243,10 @@ class ScaledFakeQuantize(FakeQuantizeBase):
         that is not finite and positive everywhere is refused (ValueError naming the layer)."""
         s = scale.detach().float()
         if not bool((torch.isfinite(s) & (s > 0)).all()):
-            raise ValueError(f"{self.where}: set_qparams got a scale that is not finite and positive everywhere "
-                             f"(min {float(s.min())}, max {float(s.max())})")  # fmt: skip
+            raise ValueError(
+                f"{self.where}: set_qparams got a scale that is not finite and positive everywhere "
+                f"(min {float(s.min())}, max {float(s.max())})"
+            )
         self.scale = scale.detach().to(self.scale.device, torch.float32).clone()
         self.zero_point = zero_point.detach().to(self.zero_point.device).clone()
         self.initialized.fill_(1)
@@ -256,7 +270,9 @@ class FrozenScaledFakeQuantize(FakeQuantizeBase):
     scale: torch.Tensor
     zero_point: torch.Tensor
 
-    def __init__(self, spec: QuantizationSpec, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, spec: QuantizationSpec, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None
+    ) -> None:
         super().__init__(spec, None if scale is None else scale.device)
         self.observer_enabled.fill_(0)
         self.register_buffer("scale", torch.ones(()) if scale is None else scale)
@@ -284,14 +300,20 @@ class BakedFakeQuantize(FakeQuantizeBase):
     grid, whatever rounding put them there)."""
 
     def __init__(
-        self, spec: QuantizationSpec, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None,
+        self,
+        spec: QuantizationSpec,
+        scale: torch.Tensor | None = None,
+        zero_point: torch.Tensor | None = None,
         device: torch.device | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(spec, device if scale is None else scale.device)
         self.observer_enabled.fill_(0)
         if scale is not None:
             self.register_buffer("scale", scale)
-            self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32, device=scale.device) if zero_point is None else zero_point)
+            self.register_buffer(
+                "zero_point",
+                torch.zeros((), dtype=torch.int32, device=scale.device) if zero_point is None else zero_point,
+            )
 
     @classmethod
     def of(cls, frozen: FakeQuantizeBase) -> BakedFakeQuantize:
@@ -381,7 +403,9 @@ class _TQTFunction(torch.autograd.Function):
             r = round_to_int(v, round_method)
             inside = (r >= qmin) & (r <= qmax)
             grad_x = grad * inside
-            local = torch.where(inside, r - v, torch.where(r < qmin, torch.full_like(v, qmin), torch.full_like(v, qmax)))
+            local = torch.where(
+                inside, r - v, torch.where(r < qmin, torch.full_like(v, qmin), torch.full_like(v, qmax))
+            )
             g = grad * local
             grad_s = g.sum() if axis is None else g.sum(dim=[d for d in range(x.ndim) if d != axis % x.ndim])
         grad_t = grad_s.reshape_as(s) * s * math.log(2.0)
@@ -475,7 +499,9 @@ class LearnableFakeQuantize(FakeQuantizeBase):
             if not self.observer_enabled and not self.fake_quant_enabled:
                 return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
             if not self.observer_enabled:
-                raise RuntimeError(f"{self.where}: {type(self).__name__} is not initialised yet: run a batch with the observer on first")
+                raise RuntimeError(
+                    f"{self.where}: {type(self).__name__} is not initialised yet: run a batch with the observer on first"
+                )
             if not bool(torch.isfinite(x.detach()).all()):
                 raise ValueError(
                     f"{self.where}: {type(self).__name__} would initialise its {self._what} from a tensor containing "
@@ -631,7 +657,11 @@ class LSQFakeQuantize(LearnableFakeQuantize):
         self.zero_point = torch.zeros(count, dtype=torch.int32, device=self.zero_point.device)
 
     def init_scale(self, x: torch.Tensor) -> None:
-        mean = x.detach().float().abs().mean().reshape(1) if self.axis is None else self._per_channel_rows(x).abs().mean(dim=1)
+        mean = (
+            x.detach().float().abs().mean().reshape(1)
+            if self.axis is None
+            else self._per_channel_rows(x).abs().mean(dim=1)
+        )
         self._set_learned((2 * mean / math.sqrt(self.qmax)).clamp(min=_EPS))
 
     def _initialize(self, x: torch.Tensor) -> None:
@@ -657,4 +687,3 @@ class LSQFakeQuantize(LearnableFakeQuantize):
     def to_frozen(self) -> nn.Module:
         scale, zp = self.calculate_qparams()
         return FrozenScaledFakeQuantize(self.spec, scale.clone(), zp.clone())
-

@@ -20,10 +20,16 @@ def spec_dict(
     d: dict[str, Any] = {
         "dtype": f"int{bits}" if sym else f"uint{bits}",
         "qscheme": qscheme,
-        "observer_cls": {"per_channel": "PerChannelMinMaxObserver", "per_group": "PerGroupMinMaxObserver",
-                         "per_tensor": "PerTensorMinMaxObserver"}[qscheme],
-        "symmetric": sym, "scale_type": "float", "round_method": "half_even", "is_dynamic": False,
-    }  # fmt: skip
+        "observer_cls": {
+            "per_channel": "PerChannelMinMaxObserver",
+            "per_group": "PerGroupMinMaxObserver",
+            "per_tensor": "PerTensorMinMaxObserver",
+        }[qscheme],
+        "symmetric": sym,
+        "scale_type": "float",
+        "round_method": "half_even",
+        "is_dynamic": False,
+    }
     if qscheme == "per_channel":
         d["ch_axis"] = 0
     if qscheme == "per_group":

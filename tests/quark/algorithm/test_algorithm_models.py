@@ -277,9 +277,12 @@ def test_lm_gptq_inside_layer_modules_subset(lm, calib, monkeypatch) -> None:
         lm, calib, algo_config={"name": "gptq", "inside_layer_modules": ["mlp.down_proj", "self_attn.o_proj"]}
     )
     assert list(records) == [
-        "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj",
-        "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.o_proj", "lm_head",
-    ]  # fmt: skip
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.self_attn.o_proj",
+        "lm_head",
+    ]
     for i in range(2):  # the others keep their float weights (round-to-nearest at run time)
         assert torch.equal(model.model.layers[i].self_attn.q_proj.weight, lm.model.layers[i].self_attn.q_proj.weight)
         assert not torch.equal(model.model.layers[i].mlp.down_proj.weight, lm.model.layers[i].mlp.down_proj.weight)
@@ -308,8 +311,10 @@ def _with_outlier_channels(lm: CharTransformer, factor: float = 30.0) -> CharTra
     model = copy.deepcopy(lm)
     with torch.no_grad():
         for layer in model.model.layers:
-            for norm, linears in ((layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                                  (layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])):  # fmt: skip
+            for norm, linears in (
+                (layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                (layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj]),
+            ):
                 idx = torch.tensor([5, 17, 40])
                 norm.weight[idx] *= factor
                 for lin in linears:

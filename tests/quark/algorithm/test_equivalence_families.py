@@ -31,16 +31,25 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*stay float", "ignore:.*registe
 
 VOCAB, HIDDEN, FFN = 128, 64, 128
 _COMMON = {
-    "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
-    "intermediate_size": FFN, "max_position_embeddings": 64,
-}  # fmt: skip
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "intermediate_size": FFN,
+    "max_position_embeddings": 64,
+}
 MODELS: dict[str, Callable[[int], nn.Module]] = {
     "gemma": lambda kv: transformers.GemmaForCausalLM(transformers.GemmaConfig(**_COMMON, num_key_value_heads=kv)),
     "gemma2": lambda kv: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**_COMMON, num_key_value_heads=kv)),
-    "gemma3": lambda kv: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**_COMMON, num_key_value_heads=kv)),
+    "gemma3": lambda kv: transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(**_COMMON, num_key_value_heads=kv)
+    ),
     "llama": lambda kv: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON, num_key_value_heads=kv)),
-    "bloom": lambda kv: transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2, n_head=4)),
-}  # fmt: skip
+    "bloom": lambda kv: transformers.BloomForCausalLM(
+        transformers.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2, n_head=4)
+    ),
+}
 GEMMAS = ["gemma", "gemma2", "gemma3"]
 
 W4 = spec_dict(4, "per_group", 32, sym=False)
@@ -197,8 +206,13 @@ def test_the_norm_form_by_class_name_or_by_probing() -> None:
     probed, squared = OnePlusNorm(8), SquaredNorm(8)
     weight = probed.weight.detach().clone()
     assert [structure.norm_offset(m) for m in (gemma, llama, nn.LayerNorm(8), nn.RMSNorm(8), probed, squared)] == [
-        1.0, 0.0, 0.0, 0.0, 1.0, None,
-    ]  # fmt: skip
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+        None,
+    ]
     assert torch.equal(probed.weight, weight)  # the probe put the weight back bit for bit
     assert structure.norm_offset(nn.Linear(8, 8)) is None
     x = torch.randn(4, 8)
@@ -284,8 +298,9 @@ def _state_bytes(model: nn.Module) -> dict[str, bytes]:
     failed or not)."""
     return {
         k: v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-        for k, v in model.state_dict().items() if not k.endswith("_enabled")
-    }  # fmt: skip
+        for k, v in model.state_dict().items()
+        if not k.endswith("_enabled")
+    }
 
 
 def _plain_norms(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -299,9 +314,10 @@ def _llama_placement(monkeypatch: pytest.MonkeyPatch) -> None:
     attention output (the mistake on Gemma2/3 before issue 33)."""
     families = [
         structure.ModelFamily(f.name, f.signature, structure.MODEL_FAMILIES[2].groups, f.norm_offset, f.absent)
-        if f.name == "gemma2" else f
+        if f.name == "gemma2"
+        else f
         for f in structure.MODEL_FAMILIES
-    ]  # fmt: skip
+    ]
     assert structure.MODEL_FAMILIES[2].name == "llama"
     monkeypatch.setattr(structure, "MODEL_FAMILIES", families)
 

@@ -57,9 +57,17 @@ def _fp8_qparams(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.
 
 @torch.no_grad()
 def reference_gptq(
-    weight: torch.Tensor, hessian: torch.Tensor, quantize: Any, qparams: Any, group_size: int | None, *,
-    desc_act: bool, static_groups: bool, block_size: int, damp: float = 0.01,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:  # fmt: skip
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    quantize: Any,
+    qparams: Any,
+    group_size: int | None,
+    *,
+    desc_act: bool,
+    static_groups: bool,
+    block_size: int,
+    damp: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(quantized weight, scale, zero point, loss); ``qparams(w [rows, k], group_size)`` -> per row (and group)."""
     W, H = weight.clone().float(), hessian.clone().float()
     rows, columns = W.shape
@@ -92,7 +100,9 @@ def reference_gptq(
         for i in range(i2 - i1):
             g = int(perm[i1 + i]) // size
             if scales[g] is None:  # this group's columns as they are now: in the block being swept, or after it
-                current = torch.stack([W1[:, p - i1] if p < i2 else W[:, p] for p in position[g * size : (g + 1) * size].tolist()], 1)
+                current = torch.stack(
+                    [W1[:, p - i1] if p < i2 else W[:, p] for p in position[g * size : (g + 1) * size].tolist()], 1
+                )
                 s, z = qparams(current, group_size)
                 scales[g], zps[g] = s.reshape(rows), z.reshape(rows)
             w, d = W1[:, i], Hinv1[i, i]
@@ -186,9 +196,15 @@ def test_reference_is_not_trivially_round_to_nearest() -> None:
 def _tiny_llama() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -199,18 +215,24 @@ def _naive_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     real_pass, real_collector = algo_api._group_pass, algo_api._Collector
     monkeypatch.setattr(algo_api, "_Collector", lambda modules, share: real_collector(modules, False))
     monkeypatch.setattr(
-        algo_api, "_group_pass",
-        lambda layer, modules, inputs, calls, share: real_pass(layer, modules, inputs, [Counter() for _ in calls], False),
-    )  # fmt: skip
+        algo_api,
+        "_group_pass",
+        lambda layer, modules, inputs, calls, share: real_pass(
+            layer, modules, inputs, [Counter() for _ in calls], False
+        ),
+    )
     monkeypatch.setattr(algo_api, "_same_bits", lambda a, b: False)
 
 
 @pytest.mark.filterwarnings("ignore:.*stay float")
-@pytest.mark.parametrize("algo", [
-    {"name": "gptq", "desc_act": True, "static_groups": False},
-    {"name": "gptq", "desc_act": False, "static_groups": True, "block_size": 32},
-    {"name": "gptq", "true_sequential": False},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "algo",
+    [
+        {"name": "gptq", "desc_act": True, "static_groups": False},
+        {"name": "gptq", "desc_act": False, "static_groups": True, "block_size": 32},
+        {"name": "gptq", "true_sequential": False},
+    ],
+)
 def test_driver_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, algo: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(1)
     batches = [{"input_ids": torch.randint(0, 128, (2, 16), generator=g)} for _ in range(3)]

@@ -30,16 +30,34 @@ VOCAB, HIDDEN, FFN = 128, 64, 128
 _COMMON = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4}
 #: family -> (model class, config), all tiny
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON, intermediate_size=FFN, num_key_value_heads=2, max_position_embeddings=64)),
-    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**_COMMON, intermediate_size=FFN, num_key_value_heads=2, max_position_embeddings=64)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_COMMON, intermediate_size=FFN, num_key_value_heads=4, max_position_embeddings=64)),
-    "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(**_COMMON, ffn_dim=FFN, word_embed_proj_dim=HIDDEN, max_position_embeddings=64)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64)),
-    "phi": lambda: transformers.PhiForCausalLM(transformers.PhiConfig(**_COMMON, intermediate_size=FFN, max_position_embeddings=64)),
-    "falcon": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(**_COMMON, new_decoder_architecture=False, parallel_attn=True)),
-    "bert": lambda: transformers.BertModel(transformers.BertConfig(**_COMMON, intermediate_size=FFN, max_position_embeddings=64)),
-    "bert-cls": lambda: transformers.BertForSequenceClassification(transformers.BertConfig(**_COMMON, intermediate_size=FFN, max_position_embeddings=64, num_labels=3)),
-}  # fmt: skip
+    "llama": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**_COMMON, intermediate_size=FFN, num_key_value_heads=2, max_position_embeddings=64)
+    ),
+    "mistral": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**_COMMON, intermediate_size=FFN, num_key_value_heads=2, max_position_embeddings=64)
+    ),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**_COMMON, intermediate_size=FFN, num_key_value_heads=4, max_position_embeddings=64)
+    ),
+    "opt": lambda: transformers.OPTForCausalLM(
+        transformers.OPTConfig(**_COMMON, ffn_dim=FFN, word_embed_proj_dim=HIDDEN, max_position_embeddings=64)
+    ),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64)
+    ),
+    "phi": lambda: transformers.PhiForCausalLM(
+        transformers.PhiConfig(**_COMMON, intermediate_size=FFN, max_position_embeddings=64)
+    ),
+    "falcon": lambda: transformers.FalconForCausalLM(
+        transformers.FalconConfig(**_COMMON, new_decoder_architecture=False, parallel_attn=True)
+    ),
+    "bert": lambda: transformers.BertModel(
+        transformers.BertConfig(**_COMMON, intermediate_size=FFN, max_position_embeddings=64)
+    ),
+    "bert-cls": lambda: transformers.BertForSequenceClassification(
+        transformers.BertConfig(**_COMMON, intermediate_size=FFN, max_position_embeddings=64, num_labels=3)
+    ),
+}
 FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "bert-cls": "bert"}
 
 W4 = spec_dict(4, "per_group", 32, sym=False)
@@ -94,13 +112,22 @@ def quantize(model: nn.Module, config: dict[str, Any], data: list[dict[str, torc
 
 
 ALGORITHMS = {
-    "gptq": ({"global_quant_config": {"weight": W4}, "algo_config": {"name": "gptq"}}, {"global_quant_config": {"weight": W4}}),
-    "awq": ({"global_quant_config": {"weight": W4}, "algo_config": {"name": "awq"}}, {"global_quant_config": {"weight": W4}}),
+    "gptq": (
+        {"global_quant_config": {"weight": W4}, "algo_config": {"name": "gptq"}},
+        {"global_quant_config": {"weight": W4}},
+    ),
+    "awq": (
+        {"global_quant_config": {"weight": W4}, "algo_config": {"name": "awq"}},
+        {"global_quant_config": {"weight": W4}},
+    ),
     "smoothquant": (
-        {"global_quant_config": {"weight": W8, "input_tensors": A8}, "pre_quant_opt_config": {"name": "smoothquant", "alpha": 0.5}},
+        {
+            "global_quant_config": {"weight": W8, "input_tensors": A8},
+            "pre_quant_opt_config": {"name": "smoothquant", "alpha": 0.5},
+        },
         {"global_quant_config": {"weight": W8, "input_tensors": A8}},
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -171,7 +198,14 @@ def test_explicit_scaling_layers_win_over_the_table() -> None:
     model = build("llama")
     q_before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     up_before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
-    groups = [{"prev_op": "post_attention_layernorm", "layers": ["mlp.gate_proj", "mlp.up_proj"], "inp": "mlp.gate_proj", "module2inspect": "mlp"}]
+    groups = [
+        {
+            "prev_op": "post_attention_layernorm",
+            "layers": ["mlp.gate_proj", "mlp.up_proj"],
+            "inp": "mlp.gate_proj",
+            "module2inspect": "mlp",
+        }
+    ]
     smooth = {"name": "smoothquant", "alpha": 0.5, "scaling_layers": groups, "model_decoder_layers": "model.layers"}
     quantize(model, {"global_quant_config": {"weight": W8, "input_tensors": A8}, "pre_quant_opt_config": smooth}, data)
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, q_before)
@@ -183,9 +217,22 @@ SPECS = {
     "int8 per-channel": spec_dict(8, "per_channel"),
     "uint4 per-group": W4,
     "int8 per-tensor": spec_dict(8, "per_tensor"),
-    "fp8 per-channel": {"dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver", "is_dynamic": False},
-    "mxfp4": {"dtype": "mx", "mx_element_dtype": "fp4", "qscheme": "per_group", "ch_axis": 1, "group_size": 32, "is_dynamic": False},
-}  # fmt: skip
+    "fp8 per-channel": {
+        "dtype": "fp8_e4m3",
+        "qscheme": "per_channel",
+        "ch_axis": 0,
+        "observer_cls": "PerChannelMinMaxObserver",
+        "is_dynamic": False,
+    },
+    "mxfp4": {
+        "dtype": "mx",
+        "mx_element_dtype": "fp4",
+        "qscheme": "per_group",
+        "ch_axis": 1,
+        "group_size": 32,
+        "is_dynamic": False,
+    },
+}
 
 
 @pytest.mark.parametrize("spec", list(SPECS))
@@ -293,6 +340,9 @@ def test_gpt2_exports_to_the_quark_directory_and_reloads_with_the_same_logits(sp
 
 def test_a_models_own_norms_are_named_as_norms_among_the_float_layers() -> None:
     model = build("llama")
-    floats = {f.name: f.reason for f in ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": W4}})).float_layers(model)}
+    floats = {
+        f.name: f.reason
+        for f in ModelQuantizer(Config.from_dict({"global_quant_config": {"weight": W4}})).float_layers(model)
+    }
     assert floats["model.layers.0.input_layernorm"] == "normalization layer (kept float)"
     assert floats["model.norm"] == "normalization layer (kept float)"

@@ -29,9 +29,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*stay float", "ignore:.*registe
 VOCAB, TOKENS = 128, 16
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 _COMMON = {
-    "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2,
-    "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 64,
-}  # fmt: skip
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+}
 _WINDOWED = {**_COMMON, "sliding_window": 4, "layer_types": LAYER_TYPES}
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**_WINDOWED)),
@@ -43,8 +49,11 @@ W4, W8, A8 = spec_dict(4, "per_group", 16, sym=False), spec_dict(8, "per_channel
 CONFIGS = {
     "gptq": {"global_quant_config": {"weight": W4}, "algo_config": {"name": "gptq"}},
     "awq": {"global_quant_config": {"weight": W4}, "algo_config": {"name": "awq"}},
-    "smoothquant": {"global_quant_config": {"weight": W8, "input_tensors": A8}, "pre_quant_opt_config": {"name": "smoothquant"}},
-}  # fmt: skip
+    "smoothquant": {
+        "global_quant_config": {"weight": W8, "input_tensors": A8},
+        "pre_quant_opt_config": {"name": "smoothquant"},
+    },
+}
 #: the function of api.py each algorithm hands a decoder layer and its inputs to, and where those inputs are
 PROCESS = {"gptq": ("_gptq_layer", 3), "awq": ("awq_layer", 1), "smoothquant": ("smooth_layer", 1)}
 
@@ -68,14 +77,18 @@ def batches() -> list[dict[str, torch.Tensor]]:
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def plain_forward_calls(model: nn.Module, data: list[dict[str, torch.Tensor]]) -> tuple[list[list[Call]], list[list[torch.Tensor]]]:
+def plain_forward_calls(
+    model: nn.Module, data: list[dict[str, torch.Tensor]]
+) -> tuple[list[list[Call]], list[list[torch.Tensor]]]:
     """Per layer, the (args, kwargs) the model calls it with and its hidden-state output, per batch."""
     layers = model.model.layers
     calls: list[list[Call]] = [[] for _ in layers]
     outputs: list[list[torch.Tensor]] = [[] for _ in layers]
     handles = []
     for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, k, i=i: calls[i].append((a, dict(k))), with_kwargs=True))
+        handles.append(
+            layer.register_forward_pre_hook(lambda m, a, k, i=i: calls[i].append((a, dict(k))), with_kwargs=True)
+        )
         handles.append(layer.register_forward_hook(lambda m, a, o, i=i: outputs[i].append(hidden_of(o))))
     try:
         with torch.no_grad():
@@ -87,7 +100,9 @@ def plain_forward_calls(model: nn.Module, data: list[dict[str, torch.Tensor]]) -
     return calls, outputs
 
 
-def algorithm_inputs(name: str, algo: str, monkeypatch: pytest.MonkeyPatch) -> dict[int, tuple[list[Call], list[torch.Tensor]]]:
+def algorithm_inputs(
+    name: str, algo: str, monkeypatch: pytest.MonkeyPatch
+) -> dict[int, tuple[list[Call], list[torch.Tensor]]]:
     """Per decoder layer, the inputs the algorithm runs it on and the layer's outputs on them; the algorithm's own
     step is replaced by the recording, so the layers stay the float ones."""
     function, position = PROCESS[algo]
@@ -124,7 +139,9 @@ MASKS_AND_ROPE = ("attention_mask", "position_embeddings", "position_ids")
 
 @pytest.mark.parametrize("algo", list(CONFIGS))
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_each_layer_runs_on_the_inputs_the_model_passes_it(name: str, algo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_layer_runs_on_the_inputs_the_model_passes_it(
+    name: str, algo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reference_calls, reference_outputs = plain_forward_calls(build(name), batches())
     seen = algorithm_inputs(name, algo, monkeypatch)
     assert sorted(seen) == list(range(len(LAYER_TYPES)))
@@ -134,7 +151,9 @@ def test_each_layer_runs_on_the_inputs_the_model_passes_it(name: str, algo: str,
             where = f"layer {i} ({LAYER_TYPES[i]}), batch {b}"
             for key in MASKS_AND_ROPE:
                 assert same_value(kwargs.get(key), ref_kwargs.get(key)), f"{key} of {where}"
-            torch.testing.assert_close(hidden_in(args, kwargs), hidden_in(ref_args, ref_kwargs), rtol=1e-5, atol=1e-6, msg=where)
+            torch.testing.assert_close(
+                hidden_in(args, kwargs), hidden_in(ref_args, ref_kwargs), rtol=1e-5, atol=1e-6, msg=where
+            )
             torch.testing.assert_close(outputs[b], reference_outputs[i][b], rtol=1e-5, atol=1e-6, msg=where)
     for i in range(2, len(LAYER_TYPES)):  # layers of one type share their masks and rope: held once, not copied
         for (_, kwargs), (_, same_type) in zip(seen[i][0], seen[i - 2][0], strict=True):
@@ -176,7 +195,9 @@ def test_smoothquant_statistics_of_global_layers_come_from_their_own_inputs() ->
     for i, layer in enumerate(quantized.model.layers):
         folded = layer.self_attn.o_proj.weight.detach() / weights[i]  # o_proj's columns were multiplied by s
         expected = (absmax[i].pow(alpha) / weights[i].abs().amax(dim=0).pow(1 - alpha)).clamp(min=1e-3)
-        torch.testing.assert_close(folded.mean(dim=0), expected, rtol=1e-4, atol=1e-6, msg=f"layer {i} ({LAYER_TYPES[i]})")
+        torch.testing.assert_close(
+            folded.mean(dim=0), expected, rtol=1e-4, atol=1e-6, msg=f"layer {i} ({LAYER_TYPES[i]})"
+        )
 
 
 @pytest.mark.parametrize("algo", ["gptq", "smoothquant"])
@@ -247,7 +268,9 @@ class BiasLayer(nn.Module):
         self.fc = nn.Linear(8, 8)
         self.bias_table = nn.Parameter(torch.randn(3)) if first else None
 
-    def forward(self, hidden_states: torch.Tensor, position_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, position_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if position_bias is None:
             position_bias = self.bias_table.repeat(hidden_states.shape[1] // 3 + 1)[: hidden_states.shape[1], None]
         return self.fc(hidden_states) + position_bias, position_bias
@@ -300,7 +323,9 @@ def test_captured_layer_calls_never_hold_a_kv_cache() -> None:
     from quark.torch.quantization.hf import CACHE_KWARGS, without_cache
 
     signature = inspect.signature(LlamaDecoderLayer.forward).parameters
-    assert [k for k in signature if k in CACHE_KWARGS], "this transformers' LLaMA layer takes its cache by a name we miss"
+    assert [k for k in signature if k in CACHE_KWARGS], (
+        "this transformers' LLaMA layer takes its cache by a name we miss"
+    )
     mask = torch.ones(2)
     kwargs = {name: object() for name in CACHE_KWARGS} | {"use_cache": True, "attention_mask": mask}
     assert without_cache(kwargs) == {**dict.fromkeys(CACHE_KWARGS), "use_cache": False, "attention_mask": mask}

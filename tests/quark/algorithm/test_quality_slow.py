@@ -18,8 +18,15 @@ def lm() -> tuple[CharLM, list, object]:
     dm = PythonSourceDataModule()
     dm.setup()
     model = CharLM()
-    L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, gradient_clip_val=1.0).fit(model, datamodule=dm)  # fmt: skip
+    L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+    ).fit(model, datamodule=dm)
     calib = [b for _, b in zip(range(16), dm.train_dataloader(), strict=False)]
     return model.eval(), calib, dm.test_dataloader()
 
@@ -50,5 +57,10 @@ def test_smoothquant_beats_naive_w8a8_with_outlier_channels(lm: tuple) -> None:
     with torch.no_grad():
         assert perplexity(outliers, test) == pytest.approx(perplexity(model, test), rel=1e-3)  # the same function
     naive = run_method(outliers, {"global_quant_config": W8A8}, calib, test)[0]
-    smooth = run_method(outliers, {"global_quant_config": W8A8, "pre_quant_opt_config": {"name": "smoothquant", "alpha": 0.5}}, calib, test)[0]
+    smooth = run_method(
+        outliers,
+        {"global_quant_config": W8A8, "pre_quant_opt_config": {"name": "smoothquant", "alpha": 0.5}},
+        calib,
+        test,
+    )[0]
     assert smooth < naive

@@ -36,10 +36,19 @@ def test_amd_quark_loads_our_exports_and_computes_its_own_logits(tmp_path: Path)
         export_safetensors(model, tmp_path / scheme)
     run = subprocess.run(
         [AMD_PYTHON, str(ROOT / "bench" / "amd_quark_reference" / "check_our_exports.py"), str(tmp_path)],
-        capture_output=True, text=True, cwd="/", timeout=900,
-    )  # fmt: skip
-    lines = [line.split() for line in run.stdout.splitlines() if line.split() and line.split()[0] in reference_schemes.SCHEMES]
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=900,
+    )
+    lines = [
+        line.split()
+        for line in run.stdout.splitlines()
+        if line.split() and line.split()[0] in reference_schemes.SCHEMES
+    ]
     assert run.returncode == 0 and len(lines) == len(reference_schemes.SCHEMES), run.stdout + run.stderr
     for scheme, in_memory, _, via_transformers in lines:
         assert float(in_memory) == 0.0, f"{scheme}: amd-quark's logits from our export differ by {in_memory}"
-        assert float(via_transformers) == 0.0, f"{scheme}: transformers' from_pretrained of our export differs by {via_transformers}"
+        assert float(via_transformers) == 0.0, (
+            f"{scheme}: transformers' from_pretrained of our export differs by {via_transformers}"
+        )

@@ -24,8 +24,14 @@ warnings.filterwarnings("ignore", message=".*TracerWarning.*")
 
 
 def _spec(**kw: Any) -> QuantizationSpec:
-    base = {"observer_cls": "PerTensorMinMaxObserver", "symmetric": True, "is_dynamic": False, "round_method": "half_even",
-            "scale_type": "float", "qscheme": "per_tensor"}  # fmt: skip
+    base = {
+        "observer_cls": "PerTensorMinMaxObserver",
+        "symmetric": True,
+        "is_dynamic": False,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "qscheme": "per_tensor",
+    }
     return QuantizationSpec(**(base | kw))
 
 
@@ -34,7 +40,14 @@ def _per_channel(dtype: str, **kw: Any) -> QuantizationSpec:
 
 
 def _mx(element: str) -> QuantizationSpec:
-    return _spec(dtype="mx", mx_element_dtype=element, qscheme="per_group", ch_axis=-1, group_size=32, observer_cls="PerBlockMXObserver")
+    return _spec(
+        dtype="mx",
+        mx_element_dtype=element,
+        qscheme="per_group",
+        ch_axis=-1,
+        group_size=32,
+        observer_cls="PerBlockMXObserver",
+    )
 
 
 INT8_ACT = _spec(dtype="int8")
@@ -43,16 +56,36 @@ FORMATS = {  # weight (and input) formats with a layout in amd-quark's directory
     "int8_per_channel_a_int8": QuantizationConfig(weight=_per_channel("int8"), input_tensors=INT8_ACT),
     "uint8_asym_per_tensor": QuantizationConfig(weight=_spec(dtype="uint8", symmetric=False)),
     "int4_per_channel": QuantizationConfig(weight=_per_channel("int4")),
-    "uint4_per_group_asym": QuantizationConfig(weight=_spec(dtype="uint4", qscheme="per_group", ch_axis=1, group_size=32, symmetric=False,
-                                                            observer_cls="PerGroupMinMaxObserver")),
+    "uint4_per_group_asym": QuantizationConfig(
+        weight=_spec(
+            dtype="uint4",
+            qscheme="per_group",
+            ch_axis=1,
+            group_size=32,
+            symmetric=False,
+            observer_cls="PerGroupMinMaxObserver",
+        )
+    ),
     "fp8_w_a": QuantizationConfig(weight=_spec(dtype="fp8_e4m3"), input_tensors=_spec(dtype="fp8_e4m3")),
     "mxfp4": QuantizationConfig(weight=_mx("fp4")),
     "mxfp6_e3m2": QuantizationConfig(weight=_mx("fp6_e3m2")),
-    "mx6": QuantizationConfig(weight=_spec(dtype="mx6", qscheme="per_group", ch_axis=-1, group_size=16, observer_cls="PerBlockMXObserver",
-                                           symmetric=None, scale_type=None)),
-    "bf16": QuantizationConfig(weight=_spec(dtype="bfloat16", qscheme=None, observer_cls=None, symmetric=None, round_method=None,
-                                            scale_type=None)),
-}  # fmt: skip
+    "mx6": QuantizationConfig(
+        weight=_spec(
+            dtype="mx6",
+            qscheme="per_group",
+            ch_axis=-1,
+            group_size=16,
+            observer_cls="PerBlockMXObserver",
+            symmetric=None,
+            scale_type=None,
+        )
+    ),
+    "bf16": QuantizationConfig(
+        weight=_spec(
+            dtype="bfloat16", qscheme=None, observer_cls=None, symmetric=None, round_method=None, scale_type=None
+        )
+    ),
+}
 
 
 def _mlp() -> nn.Module:
@@ -77,7 +110,9 @@ def _assert_same_tensors(baked: dict[str, torch.Tensor], frozen: dict[str, torch
     assert sorted(baked) == sorted(frozen)
     for key, value in frozen.items():
         assert baked[key].dtype == value.dtype, key
-        assert torch.equal(baked[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key  # bit for bit
+        assert torch.equal(baked[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), (
+            key
+        )  # bit for bit
 
 
 def _metadata(path: Path) -> dict[str, str]:
@@ -95,7 +130,9 @@ def test_baked_model_writes_the_frozen_models_directory_and_imports_back(name: s
         expected = baked(x)
     export_safetensors(frozen, tmp_path / "frozen")
     export_safetensors(baked, tmp_path / "baked")
-    _assert_same_tensors(_tensors(tmp_path / "baked" / "model.safetensors"), _tensors(tmp_path / "frozen" / "model.safetensors"))
+    _assert_same_tensors(
+        _tensors(tmp_path / "baked" / "model.safetensors"), _tensors(tmp_path / "frozen" / "model.safetensors")
+    )
     config = json.loads((tmp_path / "baked" / "config.json").read_text())
     assert config == json.loads((tmp_path / "frozen" / "config.json").read_text())
     restored = import_model_from_safetensors(_mlp(), tmp_path / "baked")
@@ -109,7 +146,9 @@ def test_baked_model_writes_the_frozen_models_single_file(name: str, tmp_path: P
     frozen, baked = _frozen_pair(_mlp(), FORMATS[name], x)
     with torch.no_grad():
         expected = baked(x)
-    paths = {k: export_safetensors(m, tmp_path / k, custom_mode=None) for k, m in (("frozen", frozen), ("baked", baked))}
+    paths = {
+        k: export_safetensors(m, tmp_path / k, custom_mode=None) for k, m in (("frozen", frozen), ("baked", baked))
+    }
     _assert_same_tensors(_tensors(paths["baked"]), _tensors(paths["frozen"]))
     assert _metadata(paths["baked"]) == _metadata(paths["frozen"])
     restored = import_model_from_safetensors(_mlp(), tmp_path / "baked", filename=paths["baked"].name)
@@ -135,12 +174,17 @@ def test_a_single_baked_linear_round_trips_through_the_directory(tmp_path: Path)
 
 
 @pytest.mark.parametrize("custom_mode", ["quark", None])
-def test_floor_rounded_weights_are_stored_with_the_same_codes_baked_or_not(custom_mode: str | None, tmp_path: Path) -> None:
+def test_floor_rounded_weights_are_stored_with_the_same_codes_baked_or_not(
+    custom_mode: str | None, tmp_path: Path
+) -> None:
     """Codes are read back from a baked weight by nearest rounding: floor on values already on the grid could drop
     one a step (x * (1 / scale) a hair below the code)."""
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
     frozen, baked = _frozen_pair(_mlp(), FLOOR, x)
-    paths = {k: export_safetensors(m, tmp_path / k, custom_mode=custom_mode) for k, m in (("frozen", frozen), ("baked", baked))}
+    paths = {
+        k: export_safetensors(m, tmp_path / k, custom_mode=custom_mode)
+        for k, m in (("frozen", frozen), ("baked", baked))
+    }
     _assert_same_tensors(_tensors(paths["baked"]), _tensors(paths["frozen"]))
 
 
@@ -179,7 +223,10 @@ def test_a_weight_tied_to_a_float_embedding_is_not_baked(custom_mode: str | None
     assert torch.equal(baked.embed.weight, float_weight)
     with torch.no_grad():
         assert torch.equal(baked(ids), frozen(ids))
-    paths = {k: export_safetensors(m, tmp_path / k, custom_mode=custom_mode) for k, m in (("frozen", frozen), ("baked", baked))}
+    paths = {
+        k: export_safetensors(m, tmp_path / k, custom_mode=custom_mode)
+        for k, m in (("frozen", frozen), ("baked", baked))
+    }
     _assert_same_tensors(_tensors(paths["baked"]), _tensors(paths["frozen"]))
 
 

@@ -25,8 +25,10 @@ from quark.torch.quantization.config.config import Config, Int8PerChannelSpec, I
 
 pytest.importorskip("safetensors")
 
-INT8 = QLayerConfig(weight=Int8PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec(),
-                    input_tensors=Int8PerTensorSpec(symmetric=True).to_quantization_spec())  # fmt: skip
+INT8 = QLayerConfig(
+    weight=Int8PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec(),
+    input_tensors=Int8PerTensorSpec(symmetric=True).to_quantization_spec(),
+)
 
 
 def _mlp() -> nn.Module:
@@ -106,7 +108,9 @@ def test_safetensors_is_the_single_file(tmp_path: Path) -> None:
     info = export_model(model, tmp_path / "front", ["safetensors"])["safetensors"]
     written = export_safetensors(model, tmp_path / "ours", custom_mode=None)
     assert Path(info["path"]).name == written.name == "model.safetensors"
-    assert _contents(Path(info["path"])) == _contents(written)  # the writer orders its metadata freely: compare contents
+    assert _contents(Path(info["path"])) == _contents(
+        written
+    )  # the writer orders its metadata freely: compare contents
 
 
 def _contents(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int], bytes]]]:
@@ -116,7 +120,10 @@ def _contents(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int
     with safe_open(str(path), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
         metadata = f.metadata()
-    return metadata, {k: (str(t.dtype), list(t.shape), t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()) for k, t in tensors.items()}
+    return metadata, {
+        k: (str(t.dtype), list(t.shape), t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        for k, t in tensors.items()
+    }
 
 
 def test_onnx_through_export_model(tmp_path: Path) -> None:

@@ -27,8 +27,14 @@ MODES = {"directory": "quark", "single_file": None}
 
 
 def _spec(**kw: Any) -> QuantizationSpec:
-    base = {"observer_cls": "PerTensorMinMaxObserver", "symmetric": True, "is_dynamic": False, "round_method": "half_even",
-            "scale_type": "float", "qscheme": "per_tensor"}  # fmt: skip
+    base = {
+        "observer_cls": "PerTensorMinMaxObserver",
+        "symmetric": True,
+        "is_dynamic": False,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "qscheme": "per_tensor",
+    }
     return QuantizationSpec(**(base | kw))
 
 
@@ -37,16 +43,32 @@ def _per_channel(dtype: str, **kw: Any) -> QuantizationSpec:
 
 
 def _per_group(dtype: str, **kw: Any) -> QuantizationSpec:
-    return _spec(dtype=dtype, qscheme="per_group", ch_axis=1, group_size=32, observer_cls="PerGroupMinMaxObserver", **kw)
+    return _spec(
+        dtype=dtype, qscheme="per_group", ch_axis=1, group_size=32, observer_cls="PerGroupMinMaxObserver", **kw
+    )
 
 
 def _mx(element: str) -> QuantizationSpec:
-    return _spec(dtype="mx", mx_element_dtype=element, qscheme="per_group", ch_axis=-1, group_size=32, observer_cls="PerBlockMXObserver")
+    return _spec(
+        dtype="mx",
+        mx_element_dtype=element,
+        qscheme="per_group",
+        ch_axis=-1,
+        group_size=32,
+        observer_cls="PerBlockMXObserver",
+    )
 
 
 def _block(dtype: str, group: int, observer: str = "PerBlockMXObserver") -> QuantizationSpec:
-    return _spec(dtype=dtype, qscheme="per_group", ch_axis=-1, group_size=group, observer_cls=observer, symmetric=None,
-                 scale_type=None)  # fmt: skip
+    return _spec(
+        dtype=dtype,
+        qscheme="per_group",
+        ch_axis=-1,
+        group_size=group,
+        observer_cls=observer,
+        symmetric=None,
+        scale_type=None,
+    )
 
 
 INT8_ACT = _spec(dtype="int8")
@@ -67,7 +89,9 @@ OTHER_WEIGHTS = {  # formats without a round method of their own
     "mxfp8_e4m3": _mx("fp8_e4m3"),
     "mx6": _block("mx6", 16),
     "mx9": _block("mx9", 16),
-    "bf16": _spec(dtype="bfloat16", qscheme=None, observer_cls=None, symmetric=None, round_method=None, scale_type=None),
+    "bf16": _spec(
+        dtype="bfloat16", qscheme=None, observer_cls=None, symmetric=None, round_method=None, scale_type=None
+    ),
 }
 
 
@@ -84,7 +108,9 @@ def _quantized(weight: QuantizationSpec, x: torch.Tensor, bake: bool | None = Fa
     """The MLP calibrated on ``x`` with ``weight`` (and int8 inputs); frozen (``bake``: with baked weights) or, for
     ``bake=None``, only calibrated."""
     model = _mlp()
-    ModelQuantizer(Config(global_quant_config=QuantizationConfig(weight=weight, **({"input_tensors": INT8_ACT} | qc)))).quantize_model(model, [x])
+    ModelQuantizer(
+        Config(global_quant_config=QuantizationConfig(weight=weight, **({"input_tensors": INT8_ACT} | qc)))
+    ).quantize_model(model, [x])
     return model if bake is None else ModelQuantizer.freeze(model, bake_weights=bake)
 
 
@@ -104,7 +130,9 @@ def _assert_same_outputs(restored: nn.Module, model: nn.Module, *inputs: torch.T
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("round_method", ROUND_METHODS)
 @pytest.mark.parametrize("name", list(INT_WEIGHTS))
-def test_integer_weights_reimport_exactly_for_every_round_method(name: str, round_method: str, mode: str, bake: bool, tmp_path: Path) -> None:
+def test_integer_weights_reimport_exactly_for_every_round_method(
+    name: str, round_method: str, mode: str, bake: bool, tmp_path: Path
+) -> None:
     """Floor rounding dropped a code one step: the imports re-quantized the decoded (on-grid) weights with it."""
     x = _inputs()
     model = _quantized(INT_WEIGHTS[name](round_method), x, bake)
@@ -179,7 +207,9 @@ def test_a_floor_rounded_head_tied_to_a_float_embedding_reimports_exactly(mode: 
     """The tied weight holds the embedding's float values after import: its quantizer must keep quantizing them."""
     ids = torch.randint(0, 40, (4, 6), generator=torch.Generator().manual_seed(1))
     model = _TiedLM()
-    ModelQuantizer(Config(global_quant_config=QuantizationConfig(weight=_per_channel("int8", round_method="floor")))).quantize_model(model, [ids])
+    ModelQuantizer(
+        Config(global_quant_config=QuantizationConfig(weight=_per_channel("int8", round_method="floor")))
+    ).quantize_model(model, [ids])
     ModelQuantizer.freeze(model, bake_weights=True)
     restored = _round_trip(model, tmp_path, mode, _TiedLM())
     assert restored.head.weight is restored.embed.weight
@@ -218,7 +248,9 @@ def test_a_switched_off_weight_off_its_grid_is_refused_by_the_directory(tmp_path
     x = _inputs()
     model = _quantized(_per_channel("int8"), x)
     model[0]._weight_quantizer.disable_fake_quant()
-    with pytest.raises(ValueError, match=r"layer '0' \(weight\): its quantizer's fake quant is switched off.*custom_mode=None"):
+    with pytest.raises(
+        ValueError, match=r"layer '0' \(weight\): its quantizer's fake quant is switched off.*custom_mode=None"
+    ):
         export_safetensors(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
@@ -279,7 +311,9 @@ def _onnx_weight_codes(path: Path, shape: list[int]) -> torch.Tensor | None:
     onnx = pytest.importorskip("onnx")
     graph = onnx.load(str(path)).graph
     dequantized = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear"}
-    found = [onnx.numpy_helper.to_array(i) for i in graph.initializer if i.name in dequantized and list(i.dims) == shape]
+    found = [
+        onnx.numpy_helper.to_array(i) for i in graph.initializer if i.name in dequantized and list(i.dims) == shape
+    ]
     return torch.from_numpy(found[0].copy()).float() if found else None
 
 
@@ -308,7 +342,9 @@ def test_weights_rounded_other_than_half_even_export_to_onnx_as_their_codes(roun
     with torch.no_grad():
         scale = model[0]._weight_quantizer.scale.detach()
         v = model[0].weight * torch.reciprocal(scale)[:, None]
-        codes = (torch.floor(v) if round_method == "floor" else torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-128, 127)
+        codes = (torch.floor(v) if round_method == "floor" else torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(
+            -128, 127
+        )
         expected = model(x)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -344,7 +380,9 @@ def test_a_switched_off_weight_exports_to_onnx_as_the_model_computes(on_grid: bo
 def _gpt2() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, attn_implementation="eager")
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, attn_implementation="eager"
+    )
     return transformers.GPT2LMHeadModel(config).eval()
 
 
@@ -353,7 +391,11 @@ def test_a_floor_rounded_gpt2_reimports_to_the_same_logits(mode: str, tmp_path: 
     """Conv1D weights (stored as the equivalent Linear's) and an lm_head tied to the float input embeddings."""
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     model = _gpt2()
-    config = Config(global_quant_config=QuantizationConfig(weight=_per_channel("int8", round_method="floor"), input_tensors=INT8_ACT))
+    config = Config(
+        global_quant_config=QuantizationConfig(
+            weight=_per_channel("int8", round_method="floor"), input_tensors=INT8_ACT
+        )
+    )
     ModelQuantizer(config).quantize_model(model, [{"input_ids": ids}])
     ModelQuantizer.freeze(model)
     restored = _round_trip(model, tmp_path, mode, _gpt2())

@@ -29,7 +29,10 @@ def _w8a8(last: str, act: dict) -> dict:
     """W8A8 with the last layer's output quantized too, so 'one output quantization step' is defined (its entry is
     whole: a layer_quant_config entry is the layer's entire config, amd-quark's rule)."""
     layer = {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": act}
-    return {"global_quant_config": layer, "layer_quant_config": {last: {**layer, "output_tensors": INT8_PER_TENSOR_ACT}}}
+    return {
+        "global_quant_config": layer,
+        "layer_quant_config": {last: {**layer, "output_tensors": INT8_PER_TENSOR_ACT}},
+    }
 
 
 def _mlp() -> nn.Module:
@@ -82,7 +85,9 @@ def test_per_channel_weights_keep_their_axis_and_scales(tmp_path: Path) -> None:
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
     consts = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in graph.node if n.op_type == "Constant"}
     values = {**inits, **consts}
-    dequant = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].ndim == 2]
+    dequant = [
+        n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].ndim == 2
+    ]
     scale, zero_point = model[0]._weight_quantizer.calculate_qparams()
     first = next(n for n in dequant if values[n.input[0]].shape == (64, 20))
     assert np.array_equal(values[first.input[1]].astype(np.float32), scale.numpy())
@@ -95,11 +100,26 @@ def test_per_channel_weights_keep_their_axis_and_scales(tmp_path: Path) -> None:
 def test_unsupported_formats_are_named(tmp_path: Path) -> None:
     model = _mlp()
     x = torch.randn(8, 20)
-    group = {"dtype": "int4", "qscheme": "per_group", "ch_axis": 1, "group_size": 4, "observer_cls": "PerGroupMinMaxObserver",
-             "symmetric": True, "round_method": "half_even", "scale_type": "float", "is_dynamic": False}  # fmt: skip
-    int4_act = {**INT8_PER_TENSOR_ACT, "dtype": "int4"}  # int4 group weights export now (test_onnx_lowbit); int4 inputs do not
+    group = {
+        "dtype": "int4",
+        "qscheme": "per_group",
+        "ch_axis": 1,
+        "group_size": 4,
+        "observer_cls": "PerGroupMinMaxObserver",
+        "symmetric": True,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "is_dynamic": False,
+    }
+    int4_act = {
+        **INT8_PER_TENSOR_ACT,
+        "dtype": "int4",
+    }  # int4 group weights export now (test_onnx_lowbit); int4 inputs do not
     ModelQuantizer({"global_quant_config": {"weight": group, "input_tensors": int4_act}}).quantize_model(model, [x])
-    with pytest.raises(ValueError, match=r"layer '0' \(input_tensors\): ONNX QDQ export supports static int8/uint8 .* got int4, per_tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer '0' \(input_tensors\): ONNX QDQ export supports static int8/uint8 .* got int4, per_tensor",
+    ):
         export_onnx(model, tmp_path, x)
     assert not list(tmp_path.iterdir())  # nothing written, not even a temporary
 
@@ -194,10 +214,15 @@ class InvertedResidual(nn.Module):
         super().__init__()
         hidden = channels * expand
         self.conv = nn.Sequential(
-            nn.Conv2d(channels, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
-            nn.Conv2d(hidden, hidden, 3, 1, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
-            nn.Conv2d(hidden, channels, 1, bias=False), nn.BatchNorm2d(channels),
-        )  # fmt: skip
+            nn.Conv2d(channels, hidden, 1, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, hidden, 3, 1, 1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, channels, 1, bias=False),
+            nn.BatchNorm2d(channels),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.conv(x)
@@ -207,9 +232,12 @@ class TinyMobileNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(inplace=True),
-            InvertedResidual(8), InvertedResidual(8),
-        )  # fmt: skip
+            nn.Conv2d(3, 8, 3, 2, 1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU6(inplace=True),
+            InvertedResidual(8),
+            InvertedResidual(8),
+        )
         self.classifier = nn.Linear(8, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +283,9 @@ def test_two_convs_of_one_width(tmp_path: Path) -> None:
     graph = _check_onnxruntime_agrees(TwoConvs().eval(), "fc", torch.randn(48, 3, 6, 6), tmp_path)
     # the case that crashed: both convs' zero points are one tensor, the second read through an Identity node
     producers = {out: n for n in graph.node for out in n.output}
-    zero_points = [n.input[2] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0].endswith("_quantized")]
+    zero_points = [
+        n.input[2] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0].endswith("_quantized")
+    ]
     assert any(producers.get(z) is not None and producers[z].op_type == "Identity" for z in zero_points)
 
 
@@ -320,23 +350,34 @@ class _LSTMModel(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:.*stay float.*")
-@pytest.mark.parametrize(("build", "features"), [(_EncoderModel, 16), (_LSTMModel, 8)], ids=["transformer_encoder_layer", "lstm"])
+@pytest.mark.parametrize(
+    ("build", "features"), [(_EncoderModel, 16), (_LSTMModel, 8)], ids=["transformer_encoder_layer", "lstm"]
+)
 def test_attention_and_lstm_export_agrees_with_onnxruntime(build, features: int, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = build().eval()
     x = torch.randn(3, 5, features)
-    ModelQuantizer({"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}).quantize_model(model, [x])
+    ModelQuantizer(
+        {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}
+    ).quantize_model(model, [x])
     with torch.no_grad():
         reference = model(x).numpy()
     path = export_onnx(model, tmp_path, x, dynamic_batch=False)
     diff = np.abs(_run(path, x) - reference)
     # onnxruntime's kernels sum in another order: an activation near a rounding boundary may land one step away
     # (the LSTM's second-layer input, inside ORT's LSTM), which moves some outputs by a fraction of that step
-    steps = [float(q.calculate_qparams()[0]) for m in model.modules() if isinstance(m, QuantMixin)
-             for s, q in m.quantizer_slots() if s.role == "input_tensors"]  # fmt: skip
+    steps = [
+        float(q.calculate_qparams()[0])
+        for m in model.modules()
+        if isinstance(m, QuantMixin)
+        for s, q in m.quantizer_slots()
+        if s.role == "input_tensors"
+    ]
     assert diff.max() < max(steps) and (diff > 1e-5).mean() < 0.5, (diff.max(), (diff > 1e-5).mean())
     graph = onnx.load(str(path)).graph
-    weights = [q for m in model.modules() if isinstance(m, QuantMixin) for s, q in m.quantizer_slots() if s.role == "weight"]
+    weights = [
+        q for m in model.modules() if isinstance(m, QuantMixin) for s, q in m.quantizer_slots() if s.role == "weight"
+    ]
     int_weights = [i for i in graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2]
     assert len(int_weights) == len(weights)  # attention in-projection / every LSTM gate matrix stored as int8
 
@@ -366,7 +407,9 @@ def test_a_half_precision_model_exports_a_float32_graph_onnxruntime_loads(dtype:
     model = _mlp().to(dtype)
     x = torch.randn(64, 20).to(dtype)
     ModelQuantizer(_w8a8("4", INT8_PER_TENSOR_ACT)).quantize_model(model, [x[:32]])
-    with pytest.warns(UserWarning, match=f"is {str(dtype).removeprefix('torch.')}; the ONNX graph is written in float32"):
+    with pytest.warns(
+        UserWarning, match=f"is {str(dtype).removeprefix('torch.')}; the ONNX graph is written in float32"
+    ):
         path = export_onnx(model, tmp_path, x[:2])
     out = _run(path, x.float())
     with torch.no_grad():
@@ -409,9 +452,15 @@ def test_grouped_query_attention_exports(wrapped: bool, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="sdpa",
+    )
     lm = transformers.LlamaForCausalLM(config).eval()
     model = _Logits(lm) if wrapped else lm
     ids = torch.randint(0, 64, (2, 12))
@@ -442,13 +491,20 @@ def test_graph_mode_functional_weights_export_as_stored_codes(dtype: str, tmp_pa
     torch.manual_seed(0)
     weight = {**INT8_PER_CHANNEL_WEIGHT, "dtype": dtype}
     data = [torch.randn(4, 16) for _ in range(3)]
-    config = {"global_quant_config": {"weight": weight, "input_tensors": INT8_PER_TENSOR_ACT}, "quant_mode": "fx_graph_mode"}
-    model = ModelQuantizer.freeze(ModelQuantizer(config).quantize_model(capture(_Functional().eval(), (data[0],)), data))
+    config = {
+        "global_quant_config": {"weight": weight, "input_tensors": INT8_PER_TENSOR_ACT},
+        "quant_mode": "fx_graph_mode",
+    }
+    model = ModelQuantizer.freeze(
+        ModelQuantizer(config).quantize_model(capture(_Functional().eval(), (data[0],)), data)
+    )
     path = export_onnx(model, tmp_path, data[0])
     graph = onnx.load(str(path)).graph
     inits = {i.name: i for i in graph.initializer}
     (stored,) = [i for i in inits.values() if list(i.dims) == [16, 16]]  # the functional weight
-    assert stored.data_type == (onnx.TensorProto.INT4 if dtype == "int4" else onnx.TensorProto.INT8)  # int4: two per byte
+    assert stored.data_type == (
+        onnx.TensorProto.INT4 if dtype == "int4" else onnx.TensorProto.INT8
+    )  # int4: two per byte
     (dequant,) = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] == stored.name]
     quantizer = model.get_submodule("_graph_quantizers.w_linear._weight_quantizer")
     scale = quantizer.calculate_qparams()[0].detach().numpy()

@@ -120,14 +120,22 @@ def _assert_no_float_weight(proto: onnx.ModelProto, model: nn.Module) -> None:
     frozen = ModelQuantizer.freeze(copy.deepcopy(model))
     copies = [
         np.sort(t.detach().numpy().reshape(-1))
-        for m in frozen.modules() if isinstance(m, QuantMixin)
-        for name, q in m.param_quantizers() for t in (getattr(m, name), q(getattr(m, name)))
-    ]  # fmt: skip
-    floats = [np.sort(numpy_helper.to_array(i).reshape(-1)) for i in proto.graph.initializer if i.data_type == TensorProto.FLOAT]
+        for m in frozen.modules()
+        if isinstance(m, QuantMixin)
+        for name, q in m.param_quantizers()
+        for t in (getattr(m, name), q(getattr(m, name)))
+    ]
+    floats = [
+        np.sort(numpy_helper.to_array(i).reshape(-1))
+        for i in proto.graph.initializer
+        if i.data_type == TensorProto.FLOAT
+    ]
     assert not any(f.shape == c.shape and np.array_equal(f, c) for f in floats for c in copies)
 
 
-def _dequantize(codes: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | int, axis: int, block: int) -> np.ndarray:
+def _dequantize(
+    codes: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | int, axis: int, block: int
+) -> np.ndarray:
     """DequantizeLinear per the ONNX spec, in numpy (scale / zero point repeated over their blocks along ``axis``)."""
     if block:
         scale = np.repeat(scale, block, axis=axis)
@@ -156,7 +164,9 @@ def _assert_close_to_fp8_simulation(out: np.ndarray, reference: np.ndarray, scal
     ids=["int4_sym", "uint4_asym", "int8_sym"],
 )
 @pytest.mark.parametrize("kind", ["convnet", "mlp"])
-def test_per_group_weights_are_stored_as_codes(kind: str, spec: dict, onnx_type: int, bits: int, tmp_path: Path) -> None:
+def test_per_group_weights_are_stored_as_codes(
+    kind: str, spec: dict, onnx_type: int, bits: int, tmp_path: Path
+) -> None:
     model, _, x = _quantized(kind, _config(spec))
     path = export_onnx(model, tmp_path, x[:2])
     reference = _simulation(model, x)
@@ -181,7 +191,9 @@ def test_per_group_weights_are_stored_as_codes(kind: str, spec: dict, onnx_type:
             assert inits[dq.input[2]].data_type == onnx_type and tuple(inits[dq.input[2]].dims) == scale.shape
             zero_point = numpy_helper.to_array(inits[dq.input[2]])
         values = _dequantize(numpy_helper.to_array(codes), scale, zero_point, 1, 32)
-        assert np.array_equal(values, layer._weight_quantizer(weight).detach().numpy())  # bit-exact: the simulation's weight
+        assert np.array_equal(
+            values, layer._weight_quantizer(weight).detach().numpy()
+        )  # bit-exact: the simulation's weight
     _assert_no_float_weight(proto, model)
 
 
@@ -257,7 +269,9 @@ def test_fp8_at_opset_19_uses_a_float8_zero_point(tmp_path: Path) -> None:
     reference = _simulation(model, x)
     scale = float(model[4]._output_quantizer.calculate_qparams()[0])
     _assert_close_to_fp8_simulation(_run(path, x), reference, scale)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"], disabled_optimizers=["ReluQuantRewrite"])
+    session = ort.InferenceSession(
+        str(path), providers=["CPUExecutionProvider"], disabled_optimizers=["ReluQuantRewrite"]
+    )
     _assert_close_to_fp8_simulation(session.run(None, {"input": x.numpy()})[0], reference, scale)
 
 
@@ -273,17 +287,23 @@ def test_a_bias_onnxruntime_would_overflow_is_warned_about(tmp_path: Path) -> No
     with pytest.warns(UserWarning, match=r"/0/Gemm: onnxruntime's WeightBiasQuantization .* past the int32 range"):
         path = export_onnx(model, tmp_path, x[:2])
     reference = _simulation(model, x)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"], disabled_optimizers=["WeightBiasQuantization"])
+    session = ort.InferenceSession(
+        str(path), providers=["CPUExecutionProvider"], disabled_optimizers=["WeightBiasQuantization"]
+    )
     assert np.abs(session.run(None, {"input": x.numpy()})[0] - reference).max() <= FLOAT_NOISE * np.abs(reference).max()
 
 
 # ----------------------------------------------------------------------------------------------- opset and flags
 def test_an_explicit_opset_too_old_for_a_layer_is_refused(tmp_path: Path) -> None:
     model, _, x = _quantized("mlp", _config(INT4_G32_WEIGHT))
-    with pytest.raises(ValueError, match=r"layer '0' \(weight\), int4, per_group, ch_axis=1 .* needs opset 21; got opset_version=20"):
+    with pytest.raises(
+        ValueError, match=r"layer '0' \(weight\), int4, per_group, ch_axis=1 .* needs opset 21; got opset_version=20"
+    ):
         export_onnx(model, tmp_path, x[:2], opset_version=20)
     model, _, x = _quantized("mlp", _config(FP8_PER_TENSOR, FP8_PER_TENSOR))
-    with pytest.raises(ValueError, match=r"layer '0' \(input_tensors\), fp8_e4m3, per_tensor .* needs opset 19; got opset_version=18"):
+    with pytest.raises(
+        ValueError, match=r"layer '0' \(input_tensors\), fp8_e4m3, per_tensor .* needs opset 19; got opset_version=18"
+    ):
         export_onnx(model, tmp_path, x[:2], opset_version=18)
     assert not list(tmp_path.iterdir())
 
@@ -303,7 +323,9 @@ def test_uint4_int4_flag(tmp_path: Path) -> None:
     plain = export_onnx(model, tmp_path / "a", x[:2]).read_bytes()
     assert export_onnx(model, tmp_path / "b", (x[:2],), None, [], [], uint4_int4_flag=True).read_bytes() == plain
     model, _, x = _quantized("mlp", _config(INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT))
-    with pytest.raises(ValueError, match="uint4_int4_flag=True declares an int4/uint4 model, but no quantizer is int4 or uint4"):
+    with pytest.raises(
+        ValueError, match="uint4_int4_flag=True declares an int4/uint4 model, but no quantizer is int4 or uint4"
+    ):
         export_onnx(model, tmp_path / "c", x[:2], uint4_int4_flag=True)
     assert not (tmp_path / "c").exists()
 
@@ -352,7 +374,9 @@ def test_attention_and_lstm_int4_group_weights(build: type[nn.Module], tmp_path:
     reference = _simulation(model, x)
     assert np.abs(_run(path, x) - reference).max() <= FLOAT_NOISE * np.abs(reference).max()
     proto = _load(path)
-    weights = [q for m in model.modules() if isinstance(m, QuantMixin) for s, q in m.quantizer_slots() if s.role == "weight"]
+    weights = [
+        q for m in model.modules() if isinstance(m, QuantMixin) for s, q in m.quantizer_slots() if s.role == "weight"
+    ]
     assert len([i for i in proto.graph.initializer if i.data_type == TensorProto.INT4]) == len(weights)
     _assert_no_float_weight(proto, model)
 
@@ -362,22 +386,54 @@ def test_attention_and_lstm_int4_group_weights(build: type[nn.Module], tmp_path:
     ("config", "where", "got"),
     [
         ({"global_quant_config": {"weight": {**MXFP4, "ch_axis": 1}}}, r"layer '0' \(weight\)", "mx, "),
-        (_config(INT8_PER_CHANNEL_WEIGHT, {**INT8_PER_TENSOR_ACT, "is_dynamic": True}), r"layer '0' \(input_tensors\)", r"int8, per_tensor, dynamic \(an activation\)"),
-        (_config(INT4_G32_WEIGHT, {**INT8_PER_TENSOR_ACT, "dtype": "int4"}), r"layer '0' \(input_tensors\)", r"int4, per_tensor \(an activation\)"),
-        ({"global_quant_config": {"weight": INT4_G32_WEIGHT}, "layer_quant_config": {"2": {"weight": {**INT4_G32_WEIGHT, "ch_axis": 0}}}},
-         r"layer '2' \(weight\)", r"int4, per_group, ch_axis=0 \(a tensor of rank 2\)"),
-        (_config({**U4_G32, "zero_point_type": "float32"}), r"layer '0' \(weight\)", "uint4, per_group, ch_axis=1, float zero point"),
-        (_config(INT4_G32_WEIGHT, {**FP8_PER_TENSOR, "is_dynamic": True}), r"layer '0' \(input_tensors\)", "fp8_e4m3, per_tensor, dynamic"),
+        (
+            _config(INT8_PER_CHANNEL_WEIGHT, {**INT8_PER_TENSOR_ACT, "is_dynamic": True}),
+            r"layer '0' \(input_tensors\)",
+            r"int8, per_tensor, dynamic \(an activation\)",
+        ),
+        (
+            _config(INT4_G32_WEIGHT, {**INT8_PER_TENSOR_ACT, "dtype": "int4"}),
+            r"layer '0' \(input_tensors\)",
+            r"int4, per_tensor \(an activation\)",
+        ),
+        (
+            {
+                "global_quant_config": {"weight": INT4_G32_WEIGHT},
+                "layer_quant_config": {"2": {"weight": {**INT4_G32_WEIGHT, "ch_axis": 0}}},
+            },
+            r"layer '2' \(weight\)",
+            r"int4, per_group, ch_axis=0 \(a tensor of rank 2\)",
+        ),
+        (
+            _config({**U4_G32, "zero_point_type": "float32"}),
+            r"layer '0' \(weight\)",
+            "uint4, per_group, ch_axis=1, float zero point",
+        ),
+        (
+            _config(INT4_G32_WEIGHT, {**FP8_PER_TENSOR, "is_dynamic": True}),
+            r"layer '0' \(input_tensors\)",
+            "fp8_e4m3, per_tensor, dynamic",
+        ),
         (_config(E5M2, E5M2), r"layer '0' \(input_tensors\)", r"fp8_e5m2, per_tensor \(an activation\)"),
     ],
-    ids=["mx_weight", "dynamic_int8_input", "int4_input", "int4_group_on_axis_0", "float_zero_point", "dynamic_fp8_input", "fp8_e5m2"],
-)  # fmt: skip
+    ids=[
+        "mx_weight",
+        "dynamic_int8_input",
+        "int4_input",
+        "int4_group_on_axis_0",
+        "float_zero_point",
+        "dynamic_fp8_input",
+        "fp8_e5m2",
+    ],
+)
 def test_unsupported_formats_fail_before_any_work(
     config: dict, where: str, got: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The layer, the slot, what is supported and the format it got, before the model is copied or traced."""
     model, _, x = _quantized("mlp", config)
-    message = f"{where}: ONNX QDQ export supports static int8/uint8 .* int4/uint4 per tensor or per channel .*; got {got}"
+    message = (
+        f"{where}: ONNX QDQ export supports static int8/uint8 .* int4/uint4 per tensor or per channel .*; got {got}"
+    )
 
     def traced(*args: object, **kwargs: object) -> None:
         raise AssertionError("the exporter ran")

@@ -45,8 +45,10 @@ UINT4_G32 = Uint4PerGroupSpec(ch_axis=1, group_size=32).to_quantization_spec()
 
 
 def _mx(helper: type) -> QLayerConfig:
-    return QLayerConfig(weight=helper(ch_axis=-1, is_dynamic=False).to_quantization_spec(),
-                        input_tensors=helper(ch_axis=-1).to_quantization_spec())  # fmt: skip
+    return QLayerConfig(
+        weight=helper(ch_axis=-1, is_dynamic=False).to_quantization_spec(),
+        input_tensors=helper(ch_axis=-1).to_quantization_spec(),
+    )
 
 
 SCHEMES = {  # the configs make_export_reference.py gave amd-quark, spelled with the same helpers
@@ -56,16 +58,26 @@ SCHEMES = {  # the configs make_export_reference.py gave amd-quark, spelled with
     "w_mxfp4_a_mxfp4": _mx(OCP_MXFP4Spec),
     "w_mxfp6e3m2_a_mxfp6e3m2": _mx(OCP_MXFP6E3M2Spec),
     "w_mxfp6e2m3_a_mxfp6e2m3": _mx(OCP_MXFP6E2M3Spec),
-    "w8a8_int8_dynamic": QLayerConfig(weight=INT8_W, input_tensors=Int8PerTensorSpec(symmetric=True, is_dynamic=True).to_quantization_spec()),
-    "w8a8_uint8_asym": QLayerConfig(weight=Uint8PerChannelSpec(ch_axis=0, symmetric=False).to_quantization_spec(),
-                                    input_tensors=Uint8PerTensorSpec(symmetric=False).to_quantization_spec()),
+    "w8a8_int8_dynamic": QLayerConfig(
+        weight=INT8_W, input_tensors=Int8PerTensorSpec(symmetric=True, is_dynamic=True).to_quantization_spec()
+    ),
+    "w8a8_uint8_asym": QLayerConfig(
+        weight=Uint8PerChannelSpec(ch_axis=0, symmetric=False).to_quantization_spec(),
+        input_tensors=Uint8PerTensorSpec(symmetric=False).to_quantization_spec(),
+    ),
     "w_int4_per_channel": QLayerConfig(weight=Int4PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec()),
-    "w_int8_g32": QLayerConfig(weight=Int8PerGroupSpec(ch_axis=1, group_size=32, symmetric=True).to_quantization_spec()),
-    "w_fp8_per_channel_a_fp8": QLayerConfig(weight=FP8E4M3PerChannelSpec(ch_axis=0).to_quantization_spec(), input_tensors=FP8),
+    "w_int8_g32": QLayerConfig(
+        weight=Int8PerGroupSpec(ch_axis=1, group_size=32, symmetric=True).to_quantization_spec()
+    ),
+    "w_fp8_per_channel_a_fp8": QLayerConfig(
+        weight=FP8E4M3PerChannelSpec(ch_axis=0).to_quantization_spec(), input_tensors=FP8
+    ),
     # amd-quark's rule: the down_proj entry replaces the global config (uint4 weights, inputs not quantized)
-    "w8a8_int8_down_proj_w_uint4": {"global_quant_config": QLayerConfig(weight=INT8_W, input_tensors=INT8_A),
-                                    "layer_quant_config": {"*down_proj": QLayerConfig(weight=UINT4_G32)}},
-}  # fmt: skip
+    "w8a8_int8_down_proj_w_uint4": {
+        "global_quant_config": QLayerConfig(weight=INT8_W, input_tensors=INT8_A),
+        "layer_quant_config": {"*down_proj": QLayerConfig(weight=UINT4_G32)},
+    },
+}
 
 
 def qconfig(scheme: str) -> QConfig:
@@ -75,9 +87,15 @@ def qconfig(scheme: str) -> QConfig:
 
 def tiny_llama() -> nn.Module:
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -126,14 +144,18 @@ def test_our_export_is_amd_quarks_file_byte_for_byte(scheme: str, tmp_path: Path
     for key, value in theirs.items():
         assert ours[key].dtype == value.dtype and ours[key].shape == value.shape, key
         if not torch.equal(ours[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)):
-            assert_only_ties_differ(float_weights[key], ours[key], value, theirs[key + "_scale"], theirs[key + "_zero_point"])
+            assert_only_ties_differ(
+                float_weights[key], ours[key], value, theirs[key + "_scale"], theirs[key + "_zero_point"]
+            )
     written = json.loads((tmp_path / "config.json").read_text())
     amd = json.loads((EXPORTS / scheme / "config.json").read_text())
     assert written["quantization_config"] == amd["quantization_config"]
     assert written["hidden_size"] == amd["hidden_size"] and written["num_key_value_heads"] == amd["num_key_value_heads"]
 
 
-def assert_only_ties_differ(w: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor) -> None:
+def assert_only_ties_differ(
+    w: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor
+) -> None:
     """amd-quark's exporter stores ``round(w / s + zp)`` (the sum rounded to float32 first) where its simulation,
     ours and torch's kernels compute ``round(w / s) + zp``: the two part ways where ``w / s + zp`` lands on a
     float32 tie. Our file holds the codes the simulated model used; each file must follow its own formula exactly,
@@ -169,7 +191,10 @@ def test_int4_packing_follows_amd_quarks_nibble_order() -> None:
 def test_a_format_amd_quark_cannot_hold_is_refused_by_name(tmp_path: Path) -> None:
     config = QConfig(global_quant_config=QLayerConfig(weight=BFP16Spec(ch_axis=-1).to_quantization_spec()))
     model = ModelQuantizer(config).quantize_model(nn.Sequential(nn.Linear(32, 8)), [torch.randn(2, 32)])
-    with pytest.raises(ValueError, match=r"layer '0' \(weight\): bfp16 per_group weights have no amd-quark style layout; supported.*custom_mode=None"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer '0' \(weight\): bfp16 per_group weights have no amd-quark style layout; supported.*custom_mode=None",
+    ):
         export_safetensors(model, tmp_path, custom_mode="quark")
     with pytest.raises(ValueError, match=r"custom_mode='awq'; allowed: 'quark'"):
         export_safetensors(model, tmp_path, custom_mode="awq")
@@ -179,14 +204,24 @@ def test_a_format_amd_quark_cannot_hold_is_refused_by_name(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("tamper", "message"),
     [
-        (lambda t: t.pop("model.layers.0.mlp.down_proj.weight_scale"), r"tensor 'model.layers.0.mlp.down_proj.weight_scale' is missing"),
-        (lambda t: t.__setitem__("model.layers.1.self_attn.q_proj.input_scale", torch.tensor(0.0)),
-         r"'model.layers.1.self_attn.q_proj.input_scale': expected finite scales > 0, found min 0.0"),
-        (lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64, dtype=torch.int16)),
-         r"'model.layers.0.self_attn.k_proj.weight': expected \['torch.int8'\] of shape \[32, 64\], found torch.int16"),
-        (lambda t: t.__setitem__("model.extra", torch.zeros(1)), r"tensor 'model.extra': expected only tensors of the model and of its quantized layers"),
+        (
+            lambda t: t.pop("model.layers.0.mlp.down_proj.weight_scale"),
+            r"tensor 'model.layers.0.mlp.down_proj.weight_scale' is missing",
+        ),
+        (
+            lambda t: t.__setitem__("model.layers.1.self_attn.q_proj.input_scale", torch.tensor(0.0)),
+            r"'model.layers.1.self_attn.q_proj.input_scale': expected finite scales > 0, found min 0.0",
+        ),
+        (
+            lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64, dtype=torch.int16)),
+            r"'model.layers.0.self_attn.k_proj.weight': expected \['torch.int8'\] of shape \[32, 64\], found torch.int16",
+        ),
+        (
+            lambda t: t.__setitem__("model.extra", torch.zeros(1)),
+            r"tensor 'model.extra': expected only tensors of the model and of its quantized layers",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_damaged_directory_is_refused_before_the_model_changes(tamper, message: str, tmp_path: Path) -> None:
     import shutil
 
@@ -198,7 +233,9 @@ def test_a_damaged_directory_is_refused_before_the_model_changes(tamper, message
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=message):
         import_model_from_safetensors(model, tmp_path)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and set(before) == set(model.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and set(before) == set(
+        model.state_dict()
+    )
 
 
 # ----------------------------------------------------------------------------------------------- our extensions
@@ -218,31 +255,94 @@ class ConvNet(nn.Module):
 def _spec(**kw: object) -> object:
     from quark.torch.quantization.config.config import QuantizationSpec
 
-    base = {"observer_cls": "PerTensorMinMaxObserver", "symmetric": True, "is_dynamic": False, "round_method": "half_even",
-            "scale_type": "float"}  # fmt: skip
+    base = {
+        "observer_cls": "PerTensorMinMaxObserver",
+        "symmetric": True,
+        "is_dynamic": False,
+        "round_method": "half_even",
+        "scale_type": "float",
+    }
     return QuantizationSpec(**(base | kw))
 
 
 EXTENSIONS = {  # formats amd-quark 0.13 does not export, in the same layout rules
-    "int3_per_channel": lambda: {"weight": _spec(dtype="int3", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver")},
+    "int3_per_channel": lambda: {
+        "weight": _spec(dtype="int3", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver")
+    },
     "uint4_per_tensor_asym": lambda: {"weight": _spec(dtype="uint4", qscheme="per_tensor", symmetric=False)},
-    "int4_per_channel_conv": lambda: {"weight": _spec(dtype="int4", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver")},
-    "int12_w_int16_a": lambda: {"weight": _spec(dtype="int12", qscheme="per_tensor"), "input_tensors": _spec(dtype="int16", qscheme="per_tensor")},
-    "fp8_per_block": lambda: {"weight": _spec(dtype="fp8_e4m3", qscheme="per_block", block_size=[16, 16], observer_cls="PerBlock2DMinMaxObserver")},
-    "int8_per_block_e8m0": lambda: {"weight": _spec(dtype="int8", qscheme="per_block", block_size=[16, 32], observer_cls="PerBlock2DMinMaxObserver",
-                                                    scale_type="float8_e8m0fnu")},
-    "mxfp8_e4m3": lambda: {"weight": _spec(dtype="mx", mx_element_dtype="fp8_e4m3", qscheme="per_group", ch_axis=-1, group_size=32,
-                                           observer_cls="PerBlockMXObserver")},
-    "mxint8": lambda: {"weight": _spec(dtype="mx", mx_element_dtype="int8", qscheme="per_group", ch_axis=-1, group_size=32,
-                                       observer_cls="PerBlockMXObserver")},
-    "mx6": lambda: {"weight": _spec(dtype="mx6", qscheme="per_group", ch_axis=-1, group_size=16, observer_cls="PerBlockMXObserver",
-                                    symmetric=None, scale_type=None)},
-    "mx9": lambda: {"weight": _spec(dtype="mx9", qscheme="per_group", ch_axis=-1, group_size=16, observer_cls="PerBlockMXObserver",
-                                    symmetric=None, scale_type=None)},
+    "int4_per_channel_conv": lambda: {
+        "weight": _spec(dtype="int4", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver")
+    },
+    "int12_w_int16_a": lambda: {
+        "weight": _spec(dtype="int12", qscheme="per_tensor"),
+        "input_tensors": _spec(dtype="int16", qscheme="per_tensor"),
+    },
+    "fp8_per_block": lambda: {
+        "weight": _spec(
+            dtype="fp8_e4m3", qscheme="per_block", block_size=[16, 16], observer_cls="PerBlock2DMinMaxObserver"
+        )
+    },
+    "int8_per_block_e8m0": lambda: {
+        "weight": _spec(
+            dtype="int8",
+            qscheme="per_block",
+            block_size=[16, 32],
+            observer_cls="PerBlock2DMinMaxObserver",
+            scale_type="float8_e8m0fnu",
+        )
+    },
+    "mxfp8_e4m3": lambda: {
+        "weight": _spec(
+            dtype="mx",
+            mx_element_dtype="fp8_e4m3",
+            qscheme="per_group",
+            ch_axis=-1,
+            group_size=32,
+            observer_cls="PerBlockMXObserver",
+        )
+    },
+    "mxint8": lambda: {
+        "weight": _spec(
+            dtype="mx",
+            mx_element_dtype="int8",
+            qscheme="per_group",
+            ch_axis=-1,
+            group_size=32,
+            observer_cls="PerBlockMXObserver",
+        )
+    },
+    "mx6": lambda: {
+        "weight": _spec(
+            dtype="mx6",
+            qscheme="per_group",
+            ch_axis=-1,
+            group_size=16,
+            observer_cls="PerBlockMXObserver",
+            symmetric=None,
+            scale_type=None,
+        )
+    },
+    "mx9": lambda: {
+        "weight": _spec(
+            dtype="mx9",
+            qscheme="per_group",
+            ch_axis=-1,
+            group_size=16,
+            observer_cls="PerBlockMXObserver",
+            symmetric=None,
+            scale_type=None,
+        )
+    },
     "fp6_e3m2_per_tensor": lambda: {"weight": _spec(dtype="fp6_e3m2", qscheme="per_tensor")},
-    "fp4_per_channel": lambda: {"weight": _spec(dtype="fp4", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver")},
-    "bf16": lambda: {"weight": _spec(dtype="bfloat16", qscheme=None, observer_cls=None, symmetric=None, round_method=None, scale_type=None)},
-}  # fmt: skip
+    "fp4_per_channel": lambda: {
+        "weight": _spec(dtype="fp4", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver")
+    },
+    "bf16": lambda: {
+        "weight": _spec(
+            dtype="bfloat16", qscheme=None, observer_cls=None, symmetric=None, round_method=None, scale_type=None
+        )
+    },
+}
 
 
 @pytest.mark.parametrize("name", list(EXTENSIONS))
@@ -251,8 +351,12 @@ def test_extended_formats_round_trip_through_the_directory(name: str, tmp_path: 
 
     roles = EXTENSIONS[name]()
     needs_2d = name.startswith(("fp8_per_block", "int8_per_block", "mx", "fp6", "uint4", "int12"))
-    conv = QuantizationConfig(weight=_spec(dtype="int8", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver"))
-    config = QConfig(global_quant_config=QuantizationConfig(**roles), layer_type_quant_config={"Conv2d": conv} if needs_2d else {})
+    conv = QuantizationConfig(
+        weight=_spec(dtype="int8", qscheme="per_channel", ch_axis=0, observer_cls="PerChannelMinMaxObserver")
+    )
+    config = QConfig(
+        global_quant_config=QuantizationConfig(**roles), layer_type_quant_config={"Conv2d": conv} if needs_2d else {}
+    )
     torch.manual_seed(0)
     x = torch.randn(4, 3, 4, 4)
     model = ModelQuantizer(config).quantize_model(ConvNet().eval(), [x])
@@ -272,8 +376,11 @@ def test_inherit_roles_is_written_as_amd_quarks_per_layer_entries(tmp_path: Path
     from quark.torch.quantization.config.config import QuantizationConfig
 
     int4 = Int4PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec()
-    config = QConfig(global_quant_config=QLayerConfig(weight=INT8_W, input_tensors=INT8_A),
-                     layer_quant_config={"fc2": QuantizationConfig(weight=int4)}, inherit_roles=True)  # fmt: skip
+    config = QConfig(
+        global_quant_config=QLayerConfig(weight=INT8_W, input_tensors=INT8_A),
+        layer_quant_config={"fc2": QuantizationConfig(weight=int4)},
+        inherit_roles=True,
+    )
     torch.manual_seed(0)
     x = torch.randn(4, 3, 4, 4)
     model = ModelQuantizer(config).quantize_model(ConvNet().eval(), [x])
@@ -282,7 +389,9 @@ def test_inherit_roles_is_written_as_amd_quarks_per_layer_entries(tmp_path: Path
     export_safetensors(model, tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     fc2 = written["layer_quant_config"]["fc2"]
-    assert fc2["weight"]["dtype"] == "int4" and fc2["input_tensors"]["dtype"] == "int8"  # complete, as amd-quark reads it
+    assert (
+        fc2["weight"]["dtype"] == "int4" and fc2["input_tensors"]["dtype"] == "int8"
+    )  # complete, as amd-quark reads it
     assert written["layer_type_quant_config"] == {} and "inherit_roles" not in written
     assert torch.equal(import_model_from_safetensors(ConvNet(), tmp_path)(x), expected)
 
@@ -291,7 +400,9 @@ def test_per_group_fp8_has_no_layout_and_nothing_is_written(tmp_path: Path) -> N
     from quark.torch.quantization.config.config import FP8E4M3PerGroupSpec
 
     spec = FP8E4M3PerGroupSpec(ch_axis=1, group_size=32).to_quantization_spec()
-    model = ModelQuantizer(QConfig(global_quant_config=QLayerConfig(weight=spec))).quantize_model(nn.Sequential(nn.Linear(64, 8)), [torch.randn(2, 64)])
+    model = ModelQuantizer(QConfig(global_quant_config=QLayerConfig(weight=spec))).quantize_model(
+        nn.Sequential(nn.Linear(64, 8)), [torch.randn(2, 64)]
+    )
     with pytest.raises(ValueError, match=r"layer '0' \(weight\): fp8_e4m3 per_group .*custom_mode=None"):
         export_safetensors(model, tmp_path)
     assert not any(tmp_path.iterdir())
@@ -372,9 +483,16 @@ def test_a_tied_lm_head_kept_float_is_stored_once(custom_mode: str | None, tmp_p
     import ties it back."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    make = lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32)).eval()  # noqa: E731
+
+    def make():  # noqa: ANN202
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32)
+        ).eval()
+
     model = make()
-    ModelQuantizer(QConfig(global_quant_config=QLayerConfig(weight=INT8_W), exclude=["lm_head"])).quantize_model(model, None)
+    ModelQuantizer(QConfig(global_quant_config=QLayerConfig(weight=INT8_W), exclude=["lm_head"])).quantize_model(
+        model, None
+    )
     ModelQuantizer.freeze(model)
     path = export_safetensors(model, tmp_path, custom_mode=custom_mode)
     assert "lm_head.weight" not in tensors(path) and "transformer.wte.weight" in tensors(path)
@@ -390,8 +508,15 @@ def test_a_classifier_built_from_its_config_reimports_as_itself(tmp_path: Path) 
     save_pretrained does) so ``model=None`` builds the classifier, not a language-model head."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=32, num_labels=3)  # fmt: skip
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
     model = transformers.BertForSequenceClassification(config).eval()
     ModelQuantizer(QConfig(global_quant_config=QLayerConfig(weight=INT8_W))).quantize_model(model, None)
     ModelQuantizer.freeze(model)

@@ -20,9 +20,20 @@ from quark_lightning.tasks.recipes import INT8_PER_TENSOR_ACT, recipe  # noqa: E
 
 
 def _int(dtype: str, qscheme: str, **extra: Any) -> dict[str, Any]:
-    observer = {"per_tensor": "PerTensorMinMaxObserver", "per_channel": "PerChannelMinMaxObserver", "per_group": "PerGroupMinMaxObserver"}
-    spec = {"dtype": dtype, "qscheme": qscheme, "observer_cls": observer[qscheme], "symmetric": True, "round_method": "half_even",
-            "scale_type": "float", "is_dynamic": False}  # fmt: skip
+    observer = {
+        "per_tensor": "PerTensorMinMaxObserver",
+        "per_channel": "PerChannelMinMaxObserver",
+        "per_group": "PerGroupMinMaxObserver",
+    }
+    spec = {
+        "dtype": dtype,
+        "qscheme": qscheme,
+        "observer_cls": observer[qscheme],
+        "symmetric": True,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "is_dynamic": False,
+    }
     if qscheme == "per_channel":
         spec["ch_axis"] = 0
     spec.update(extra)
@@ -34,15 +45,41 @@ CONFIGS = {
     "int4_per_group": recipe("w4_int4_g32"),
     "fp8_e4m3_w8a8": recipe("w8a8_fp8_e4m3"),
     "mxfp4": recipe("mxfp4"),
-    "uint4_asym_per_channel": {"global_quant_config": {"weight": _int("uint4", "per_channel", symmetric=False), "input_tensors": INT8_PER_TENSOR_ACT}},
+    "uint4_asym_per_channel": {
+        "global_quant_config": {
+            "weight": _int("uint4", "per_channel", symmetric=False),
+            "input_tensors": INT8_PER_TENSOR_ACT,
+        }
+    },
     "int3_per_tensor": {"global_quant_config": {"weight": _int("int3", "per_tensor")}},
     "int6_per_channel": {"global_quant_config": {"weight": _int("int6", "per_channel")}},
     "int12_per_channel": {"global_quant_config": {"weight": _int("int12", "per_channel")}},
-    "fp4_per_channel": {"global_quant_config": {"weight": {"dtype": "fp4", "qscheme": "per_channel", "ch_axis": 0,
-                                                           "observer_cls": "PerChannelMinMaxObserver", "is_dynamic": False}}},  # fmt: skip
-    "mxint8": {"global_quant_config": {"weight": {"dtype": "mx", "mx_element_dtype": "int8", "ch_axis": 1, "group_size": 32, "is_dynamic": True}}},
-    "bf16": {"global_quant_config": {"weight": {"dtype": "bfloat16", "observer_cls": "PlaceholderObserver", "is_dynamic": False}}},
-    "mx6": {"global_quant_config": {"weight": {"dtype": "mx6", "qscheme": "per_group", "ch_axis": 1, "group_size": 16, "is_dynamic": True}}},
+    "fp4_per_channel": {
+        "global_quant_config": {
+            "weight": {
+                "dtype": "fp4",
+                "qscheme": "per_channel",
+                "ch_axis": 0,
+                "observer_cls": "PerChannelMinMaxObserver",
+                "is_dynamic": False,
+            }
+        }
+    },
+    "mxint8": {
+        "global_quant_config": {
+            "weight": {"dtype": "mx", "mx_element_dtype": "int8", "ch_axis": 1, "group_size": 32, "is_dynamic": True}
+        }
+    },
+    "bf16": {
+        "global_quant_config": {
+            "weight": {"dtype": "bfloat16", "observer_cls": "PlaceholderObserver", "is_dynamic": False}
+        }
+    },
+    "mx6": {
+        "global_quant_config": {
+            "weight": {"dtype": "mx6", "qscheme": "per_group", "ch_axis": 1, "group_size": 16, "is_dynamic": True}
+        }
+    },
 }
 
 
@@ -91,16 +128,23 @@ def _stored(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 def test_stored_forms_are_real_quantized(tmp_path: Path) -> None:
     model, _ = _quantized(CONFIGS["int4_per_group"])
     tensors, meta = _stored(export_safetensors(model, tmp_path, custom_mode=None))
-    assert meta["quant_method"] == "quark" and json.loads(meta["quantization_config"])["global_quant_config"]["weight"]["dtype"] == "int4"
+    assert (
+        meta["quant_method"] == "quark"
+        and json.loads(meta["quantization_config"])["global_quant_config"]["weight"]["dtype"] == "int4"
+    )
     fc1 = model.fc1.weight
-    assert tensors["fc1.weight"].dtype == torch.uint8 and tensors["fc1.weight"].numel() == fc1.numel() // 2  # two per byte
+    assert (
+        tensors["fc1.weight"].dtype == torch.uint8 and tensors["fc1.weight"].numel() == fc1.numel() // 2
+    )  # two per byte
     assert tuple(tensors["fc1.weight_scale"].shape) == (fc1.shape[0], fc1.shape[1] // 32)
     assert tensors["conv1.weight"].dtype == torch.int8  # pinned int8 layer: one byte per weight
     assert tensors["fc1.bias"].dtype == torch.float32
     # the int4 codes are the integers round(w / s) of the quantizer, recomputed independently
     scale = tensors["fc1.weight_scale"].repeat_interleave(32, dim=1)
     codes = unpack_nibbles(tensors["fc1.weight"], fc1.numel(), signed=True).reshape(fc1.shape)
-    expected = torch.clamp(torch.round(fc1.detach() * (1.0 / scale)), -8, 7).to(torch.int32)  # torch's kernels: x * (1/s)
+    expected = torch.clamp(torch.round(fc1.detach() * (1.0 / scale)), -8, 7).to(
+        torch.int32
+    )  # torch's kernels: x * (1/s)
     assert torch.equal(codes, expected)
 
     model, _ = _quantized(CONFIGS["fp8_e4m3_w8a8"])
@@ -120,7 +164,11 @@ def test_file_is_smaller_than_fp32(tmp_path: Path) -> None:
         model, _ = _quantized(CONFIGS[name])
         sizes[name] = export_safetensors(model, tmp_path / name, custom_mode=None).stat().st_size
     fp32 = sum(p.numel() * 4 for p in DigitsCNN(width=32).parameters())
-    assert sizes["int8_per_channel_w8a8"] < 0.3 * fp32 and sizes["int4_per_group"] < 0.22 * fp32 and sizes["mxfp4"] < 0.17 * fp32
+    assert (
+        sizes["int8_per_channel_w8a8"] < 0.3 * fp32
+        and sizes["int4_per_group"] < 0.22 * fp32
+        and sizes["mxfp4"] < 0.17 * fp32
+    )
 
 
 def test_interrupted_write_leaves_no_file_under_the_final_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,6 +248,8 @@ def test_a_layer_no_calibration_reached_is_stored_float_and_excluded(frozen: boo
     assert stored["experts.0.weight"].dtype == torch.int8 and "experts.0.input_scale" in stored
     restored = import_model_from_safetensors(_WithSpare(), tmp_path)
     x = torch.randn(3, 16)
-    assert torch.equal(restored.experts[1](x), torch.nn.functional.linear(x, model.experts[1].weight, model.experts[1].bias))
+    assert torch.equal(
+        restored.experts[1](x), torch.nn.functional.linear(x, model.experts[1].weight, model.experts[1].bias)
+    )
     ModelQuantizer.freeze(model)
     assert torch.equal(restored(x), model(x))

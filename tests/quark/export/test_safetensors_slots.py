@@ -89,7 +89,9 @@ def _config(weight: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("weight", [INT8_PER_CHANNEL_WEIGHT, INT4_G32_WEIGHT], ids=["int8_per_channel", "int4_per_group"])
+@pytest.mark.parametrize(
+    "weight", [INT8_PER_CHANNEL_WEIGHT, INT4_G32_WEIGHT], ids=["int8_per_channel", "int4_per_group"]
+)
 def test_every_slot_is_stored_and_restored_bit_exactly(weight: dict, two_weights_twin: None, tmp_path: Path) -> None:
     model = _fresh()
     x = torch.randn(32, 64)
@@ -103,19 +105,34 @@ def test_every_slot_is_stored_and_restored_bit_exactly(weight: dict, two_weights
         stored = {k: f.get_tensor(k) for k in keys}
     custom = {k for k in keys if k.startswith("custom.")}
     assert custom == {
-        "custom.w1", "custom.w1_scale", "custom.w1_zero_point", "custom.w2", "custom.w2_scale", "custom.w2_zero_point",
-        "custom.b", "custom.input_scale", "custom.input_zero_point", "custom.second_input_scale",
+        "custom.w1",
+        "custom.w1_scale",
+        "custom.w1_zero_point",
+        "custom.w2",
+        "custom.w2_scale",
+        "custom.w2_zero_point",
+        "custom.b",
+        "custom.input_scale",
+        "custom.input_zero_point",
+        "custom.second_input_scale",
         "custom.second_input_zero_point",
-    }  # fmt: skip
+    }
     # keys of the standard layers are unchanged
     assert {k for k in keys if k.startswith("head.")} == {
-        "head.weight", "head.weight_scale", "head.weight_zero_point", "head.bias", "head.input_scale", "head.input_zero_point"
-    }  # fmt: skip
+        "head.weight",
+        "head.weight_scale",
+        "head.weight_zero_point",
+        "head.bias",
+        "head.input_scale",
+        "head.input_zero_point",
+    }
     packed = weight is INT4_G32_WEIGHT
     for name in ("w1", "w2"):  # both weights real-quantized, not float copies
         assert stored[f"custom.{name}"].dtype == (torch.uint8 if packed else torch.int8)
         assert stored[f"custom.{name}"].numel() == (32 * 64 // 2 if packed else 32 * 64)
-    assert stored["custom.b"].dtype == torch.float32 and torch.equal(stored["custom.b"], model.custom.b.detach())  # no quantizer
+    assert stored["custom.b"].dtype == torch.float32 and torch.equal(
+        stored["custom.b"], model.custom.b.detach()
+    )  # no quantizer
     scale, _ = model.custom._second_input_quantizer.calculate_qparams()
     assert torch.equal(stored["custom.second_input_scale"], scale)
 
@@ -152,8 +169,13 @@ def test_a_missing_slot_tensor_is_named(two_weights_twin: None, tmp_path: Path) 
 
 
 def test_activation_keys() -> None:
-    names = {"_input_quantizer": "input", "_output_quantizer": "output", "_key_input_quantizer": "key_input",
-             "_value_input_quantizer": "value_input", "_input_quantizer_l1": "input_l1"}  # fmt: skip
+    names = {
+        "_input_quantizer": "input",
+        "_output_quantizer": "output",
+        "_key_input_quantizer": "key_input",
+        "_value_input_quantizer": "value_input",
+        "_input_quantizer_l1": "input_l1",
+    }
     assert {attr: activation_key(QuantSlot("input_tensors", attr)) for attr in names} == names
 
 
@@ -178,9 +200,11 @@ def test_lstm_and_attention_round_trip(tmp_path: Path) -> None:
 
     config = {
         "global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT},
-        "layer_type_quant_config": {t: {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}
-                                    for t in ("LSTM", "MultiheadAttention")},
-    }  # fmt: skip
+        "layer_type_quant_config": {
+            t: {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}
+            for t in ("LSTM", "MultiheadAttention")
+        },
+    }
     model = fresh()
     x = torch.randn(4, 5, 8)
     ModelQuantizer(config).quantize_model(model, [x])
@@ -189,9 +213,22 @@ def test_lstm_and_attention_round_trip(tmp_path: Path) -> None:
     path = export_safetensors(model, tmp_path, custom_mode=None)
     with safe_open(str(path), framework="pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
-    for name in ("rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.weight_ih_l1", "rnn.weight_hh_l1", "attn.in_proj_weight", "attn.out_proj.weight"):
+    for name in (
+        "rnn.weight_ih_l0",
+        "rnn.weight_hh_l0",
+        "rnn.weight_ih_l1",
+        "rnn.weight_hh_l1",
+        "attn.in_proj_weight",
+        "attn.out_proj.weight",
+    ):
         assert stored[name].dtype == torch.int8 and name + "_scale" in stored
-    assert {"rnn.input_scale", "rnn.input_l1_scale", "attn.input_scale", "attn.key_input_scale", "attn.value_input_scale"} <= set(stored)
+    assert {
+        "rnn.input_scale",
+        "rnn.input_l1_scale",
+        "attn.input_scale",
+        "attn.key_input_scale",
+        "attn.value_input_scale",
+    } <= set(stored)
     assert not [k for k in stored if "_quantizer" in k]  # no quantizer state stored as a plain tensor
     with torch.no_grad():
         assert torch.equal(import_model_from_safetensors(fresh(), tmp_path)(x), reference)

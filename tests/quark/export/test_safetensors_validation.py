@@ -123,7 +123,9 @@ def test_the_untouched_file_imports(exported: tuple[Path, torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_crafted_file_is_refused_and_the_model_is_unchanged(case: str, exported: tuple[Path, torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
+def test_crafted_file_is_refused_and_the_model_is_unchanged(
+    case: str, exported: tuple[Path, torch.Tensor, torch.Tensor], tmp_path: Path
+) -> None:
     key, mutate = CASES[case]
     directory = _craft(exported[0], tmp_path / case, key, mutate)
     model = _fresh()
@@ -136,9 +138,14 @@ def test_crafted_file_is_refused_and_the_model_is_unchanged(case: str, exported:
     assert not any(isinstance(m, QuantMixin) for m in model.modules()) and "quant_config" not in model.__dict__
 
 
-def test_messages_say_what_was_expected_and_found(exported: tuple[Path, torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
+def test_messages_say_what_was_expected_and_found(
+    exported: tuple[Path, torch.Tensor, torch.Tensor], tmp_path: Path
+) -> None:
     directory = _craft(exported[0], tmp_path / "truncated", "fc.weight", lambda t: t[:-1])
-    with pytest.raises(ValueError, match=r"'fc\.weight': expected 1280 4-bit codes packed two per byte .* \[640\], found uint8 of shape \[639\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"'fc\.weight': expected 1280 4-bit codes packed two per byte .* \[640\], found uint8 of shape \[639\]",
+    ):
         import_model_from_safetensors(_fresh(), directory)
     directory = _craft(exported[0], tmp_path / "scale", "conv.weight_scale", _set_first(0.0))
     with pytest.raises(ValueError, match=r"'conv\.weight_scale': expected a scale > 0, found min 0\.0"):
@@ -148,7 +155,9 @@ def test_messages_say_what_was_expected_and_found(exported: tuple[Path, torch.Te
         import_model_from_safetensors(_fresh(), directory)
 
 
-def test_metadata_that_disagrees_with_the_config_is_refused(exported: tuple[Path, torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
+def test_metadata_that_disagrees_with_the_config_is_refused(
+    exported: tuple[Path, torch.Tensor, torch.Tensor], tmp_path: Path
+) -> None:
     import json
 
     tensors = load_file(str(exported[0]))

@@ -32,8 +32,13 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 def test_defaults_are_usable_as_they_are() -> None:
     spec = QuantizationSpec()
     assert (spec.qscheme, spec.symmetric, spec.scale_type, spec.quant_type, spec.param_type, spec.bit_width) == (
-        QSchemeType.per_tensor, True, ScaleType.float, QuantType.int_quant, ParamType.stats, 8
-    )  # fmt: skip
+        QSchemeType.per_tensor,
+        True,
+        ScaleType.float,
+        QuantType.int_quant,
+        ParamType.stats,
+        8,
+    )
     assert spec.exponent_bit_width is None and spec.mantissa_bit_width is None
     config = Config(global_quant_config=QuantizationConfig(weight=spec))
     assert config.backend is Backend.layerwise and config.pre_quant_opt_config == [] and config.algo_config == []
@@ -46,10 +51,14 @@ def test_defaults_are_usable_as_they_are() -> None:
         ({"bit_width": 1}, r"bit_width=1 is out of range for int_quant; allowed: 2..16"),
         ({"bit_width": 17}, r"allowed: 2..16"),
         ({"quant_type": "float_quant", "bit_width": 8}, "needs exponent_bit_width and mantissa_bit_width"),
-        ({"quant_type": "float_quant", "bit_width": 8, "exponent_bit_width": 4, "mantissa_bit_width": 2},
-         r"1 sign \+ exponent_bit_width=4 \+ mantissa_bit_width=2 = 7 bits, but bit_width=8"),
-        ({"quant_type": "float_quant", "bit_width": 6, "exponent_bit_width": 1, "mantissa_bit_width": 4},
-         r"e1m4 is not a format of this engine; allowed: \['e4m3 \(8 bits\)'"),
+        (
+            {"quant_type": "float_quant", "bit_width": 8, "exponent_bit_width": 4, "mantissa_bit_width": 2},
+            r"1 sign \+ exponent_bit_width=4 \+ mantissa_bit_width=2 = 7 bits, but bit_width=8",
+        ),
+        (
+            {"quant_type": "float_quant", "bit_width": 6, "exponent_bit_width": 1, "mantissa_bit_width": 4},
+            r"e1m4 is not a format of this engine; allowed: \['e4m3 \(8 bits\)'",
+        ),
         ({"exponent_bit_width": 4}, "apply to quant_type=float_quant only"),
         ({"qscheme": "per_group"}, r"per_group has no group size here; allowed: \['per_tensor', 'per_channel'\]"),
         ({"param_type": "kl"}, r"param_type='kl' is not allowed; allowed: \['stats', 'mse'\]"),
@@ -57,7 +66,7 @@ def test_defaults_are_usable_as_they_are() -> None:
         ({"scale_type": "float16"}, r"scale_type=float16 is not allowed; allowed: \['float', 'pof2'\]"),
         ({"bits": 4}, r"QuantizationSpec has no field\(s\) \['bits'\]; allowed"),
     ],
-)  # fmt: skip
+)
 def test_validation_names_the_field_and_what_is_allowed(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         QuantizationSpec.from_dict(fields)
@@ -67,17 +76,43 @@ def test_validation_names_the_field_and_what_is_allowed(fields: dict, message: s
     ("spec", "role", "expected"),
     [
         (QuantizationSpec(), "weight", ("int8", "per_tensor", None, True, "float", "PerTensorMinMaxObserver")),
-        (QuantizationSpec(qscheme="per_channel", bit_width=4), "weight", ("int4", "per_channel", 0, True, "float", "PerChannelMinMaxObserver")),
-        (QuantizationSpec(qscheme="per_channel", bit_width=5), "input_tensors", ("int5", "per_channel", 1, True, "float", "PerChannelMinMaxObserver")),
-        (QuantizationSpec(symmetric=False, bit_width=3), "input_tensors", ("uint3", "per_tensor", None, False, "float", "PerTensorMinMaxObserver")),
-        (QuantizationSpec(scale_type="pof2", bit_width=6), "weight", ("int6", "per_tensor", None, True, "pof2", "PerTensorMinMaxObserver")),
-        (QuantizationSpec(param_type="mse", bit_width=12), "weight", ("int12", "per_tensor", None, True, "float", "PerTensorMSEObserver")),
-        (QuantizationSpec(quant_type="float_quant", bit_width=8, exponent_bit_width=5, mantissa_bit_width=2), "weight",
-         ("fp8_e5m2", "per_tensor", None, None, None, "PerTensorMinMaxObserver")),
-        (QuantizationSpec(quant_type="float_quant", bit_width=4, exponent_bit_width=2, mantissa_bit_width=1), "weight",
-         ("fp4", "per_tensor", None, None, None, "PerTensorMinMaxObserver")),
+        (
+            QuantizationSpec(qscheme="per_channel", bit_width=4),
+            "weight",
+            ("int4", "per_channel", 0, True, "float", "PerChannelMinMaxObserver"),
+        ),
+        (
+            QuantizationSpec(qscheme="per_channel", bit_width=5),
+            "input_tensors",
+            ("int5", "per_channel", 1, True, "float", "PerChannelMinMaxObserver"),
+        ),
+        (
+            QuantizationSpec(symmetric=False, bit_width=3),
+            "input_tensors",
+            ("uint3", "per_tensor", None, False, "float", "PerTensorMinMaxObserver"),
+        ),
+        (
+            QuantizationSpec(scale_type="pof2", bit_width=6),
+            "weight",
+            ("int6", "per_tensor", None, True, "pof2", "PerTensorMinMaxObserver"),
+        ),
+        (
+            QuantizationSpec(param_type="mse", bit_width=12),
+            "weight",
+            ("int12", "per_tensor", None, True, "float", "PerTensorMSEObserver"),
+        ),
+        (
+            QuantizationSpec(quant_type="float_quant", bit_width=8, exponent_bit_width=5, mantissa_bit_width=2),
+            "weight",
+            ("fp8_e5m2", "per_tensor", None, None, None, "PerTensorMinMaxObserver"),
+        ),
+        (
+            QuantizationSpec(quant_type="float_quant", bit_width=4, exponent_bit_width=2, mantissa_bit_width=1),
+            "weight",
+            ("fp4", "per_tensor", None, None, None, "PerTensorMinMaxObserver"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_conversion_table(spec: QuantizationSpec, role: str, expected: tuple) -> None:
     config = to_quark_config(Config(global_quant_config=QuantizationConfig(**{role: spec})))
     s = getattr(config.global_quant_config, role)
@@ -96,15 +131,26 @@ def test_native_path_runs_in_model_quantizer_and_matches_the_direct_config() -> 
     torch.manual_seed(0)
     x = torch.rand(32, 1, 8, 8)
     model = DigitsCNN(width=8).eval()
-    brevitas = Config(global_quant_config=QuantizationConfig(weight=QuantizationSpec(qscheme="per_channel", bit_width=4),
-                                                             input_tensors=QuantizationSpec()))  # fmt: skip
+    brevitas = Config(
+        global_quant_config=QuantizationConfig(
+            weight=QuantizationSpec(qscheme="per_channel", bit_width=4), input_tensors=QuantizationSpec()
+        )
+    )
     native = ModelQuantizer(to_quark_config(brevitas)).quantize_model(copy.deepcopy(model), [x])
-    direct_spec = {"qscheme": "per_channel", "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver", "symmetric": True,
-                   "scale_type": "float", "round_method": "half_even", "is_dynamic": False}  # fmt: skip
+    direct_spec = {
+        "qscheme": "per_channel",
+        "ch_axis": 0,
+        "observer_cls": "PerChannelMinMaxObserver",
+        "symmetric": True,
+        "scale_type": "float",
+        "round_method": "half_even",
+        "is_dynamic": False,
+    }
     act = {**direct_spec, "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver", "dtype": "int8"}
     act.pop("ch_axis")
-    direct = ModelQuantizer({"global_quant_config": {"weight": {**direct_spec, "dtype": "int4"}, "input_tensors": act}}).quantize_model(
-        copy.deepcopy(model), [x])  # fmt: skip
+    direct = ModelQuantizer(
+        {"global_quant_config": {"weight": {**direct_spec, "dtype": "int4"}, "input_tensors": act}}
+    ).quantize_model(copy.deepcopy(model), [x])
     with torch.no_grad():
         assert torch.equal(native(x), direct(x))
     assert native.fc1._weight_quantizer.spec.dtype is Dtype.int4
@@ -138,8 +184,11 @@ def test_brevitas_backend_agrees_with_the_native_path(bits: int, qscheme: str, t
     from quark.torch.extensions.brevitas.api import ModelQuantizer as BrevitasQuantizer
 
     model, calib, xt = trained
-    config = Config(global_quant_config=QuantizationConfig(weight=QuantizationSpec(qscheme=qscheme, bit_width=bits),
-                                                           input_tensors=QuantizationSpec()))  # fmt: skip
+    config = Config(
+        global_quant_config=QuantizationConfig(
+            weight=QuantizationSpec(qscheme=qscheme, bit_width=bits), input_tensors=QuantizationSpec()
+        )
+    )
     brevitas_model = BrevitasQuantizer(config).quantize_model(model, calib)
     native = ModelQuantizer(to_quark_config(config)).quantize_model(copy.deepcopy(model), calib)
     with torch.no_grad():
@@ -162,8 +211,11 @@ def test_qcdq_export_runs_in_onnxruntime(trained: tuple, tmp_path: Path) -> None
     from quark.torch.extensions.brevitas.api import export_onnx_qcdq
 
     model, calib, xt = trained
-    config = Config(global_quant_config=QuantizationConfig(weight=QuantizationSpec(qscheme="per_channel", bit_width=4),
-                                                           input_tensors=QuantizationSpec()))  # fmt: skip
+    config = Config(
+        global_quant_config=QuantizationConfig(
+            weight=QuantizationSpec(qscheme="per_channel", bit_width=4), input_tensors=QuantizationSpec()
+        )
+    )
     brevitas_model = BrevitasQuantizer(config).quantize_model(model, calib)
     path = export_onnx_qcdq(brevitas_model, tmp_path / "model.onnx", xt[:1])
     ops = {n.op_type for n in onnx.load(str(path)).graph.node}

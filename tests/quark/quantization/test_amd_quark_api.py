@@ -187,8 +187,15 @@ def test_even_takes_the_next_exponent_where_the_block_max_would_round_up() -> No
 
 
 def test_amd_quark_mx_spelling_reads_as_mx_with_its_default_rule() -> None:
-    spec = QTensorConfig(dtype="fp4", qscheme="per_group", ch_axis=-1, group_size=32, scale_format="e8m0", is_dynamic=True,
-                         observer_cls="PerBlockMXObserver")  # fmt: skip
+    spec = QTensorConfig(
+        dtype="fp4",
+        qscheme="per_group",
+        ch_axis=-1,
+        group_size=32,
+        scale_format="e8m0",
+        is_dynamic=True,
+        observer_cls="PerBlockMXObserver",
+    )
     assert (spec.dtype, spec.mx_element_dtype, spec.mx_scale_mode) == (Dtype.mx, Dtype.fp4, "even")
     legacy = QuantizationSpec(dtype="mx", mx_element_dtype="fp4", ch_axis=-1, group_size=32, is_dynamic=True)
     assert legacy.mx_scale_mode == "floor"  # the documented dtype=mx spelling keeps OCP MX v1.0's rule
@@ -216,14 +223,35 @@ def test_bad_mx_scale_fields_name_the_field_and_the_choices() -> None:
     with pytest.raises(ValueError, match=r"scale_calculation_mode='nearest'.*\['floor', 'ceil', 'even'\]"):
         QuantizationSpec(dtype="mx", mx_element_dtype="fp4", scale_calculation_mode="nearest")
     with pytest.raises(ValueError, match=r"scale_format='e4m3'.*\['e8m0', 'float32'\]"):
-        QuantizationSpec(dtype="fp4", qscheme="per_group", ch_axis=-1, group_size=16, scale_format="e4m3",
-                         observer_cls="PerGroupMinMaxObserver")  # fmt: skip
+        QuantizationSpec(
+            dtype="fp4",
+            qscheme="per_group",
+            ch_axis=-1,
+            group_size=16,
+            scale_format="e4m3",
+            observer_cls="PerGroupMinMaxObserver",
+        )
     with pytest.raises(ValueError, match=r"scale_format='e8m0'.*needs dtype=mx"):
-        QuantizationSpec(dtype="int8", qscheme="per_channel", ch_axis=0, symmetric=True, round_method="half_even",
-                         scale_type="float", observer_cls="PerChannelMinMaxObserver", scale_format="e8m0")  # fmt: skip
+        QuantizationSpec(
+            dtype="int8",
+            qscheme="per_channel",
+            ch_axis=0,
+            symmetric=True,
+            round_method="half_even",
+            scale_type="float",
+            observer_cls="PerChannelMinMaxObserver",
+            scale_format="e8m0",
+        )
     with pytest.raises(ValueError, match=r"scale_calculation_mode='even' applies to OCP MX scales only"):
-        QuantizationSpec(dtype="int8", qscheme="per_tensor", symmetric=True, round_method="half_even", scale_type="float",
-                         observer_cls="PerTensorMinMaxObserver", scale_calculation_mode="even")  # fmt: skip
+        QuantizationSpec(
+            dtype="int8",
+            qscheme="per_tensor",
+            symmetric=True,
+            round_method="half_even",
+            scale_type="float",
+            observer_cls="PerTensorMinMaxObserver",
+            scale_calculation_mode="even",
+        )
     with pytest.raises(ValueError, match=r"OCP MX\) needs qscheme=per_group"):
         QuantizationSpec(
             dtype="fp4", qscheme="per_channel", ch_axis=0, scale_format="e8m0", observer_cls="PerChannelMinMaxObserver"

@@ -372,7 +372,8 @@ def test_summary_is_a_readable_table_of_the_resolution() -> None:
     table, _, floats = table.partition("\n\n")
     assert floats.splitlines()[0].split() == ["float", "layer", "type", "why"]
     assert {tuple(line.split(None, 2)) for line in floats.splitlines()[2:]} == {
-        ("other.fc1", "Linear", "excluded by Config.exclude"), ("other.fc2", "Linear", "excluded by Config.exclude")
+        ("other.fc1", "Linear", "excluded by Config.exclude"),
+        ("other.fc2", "Linear", "excluded by Config.exclude"),
     }
     lines = table.splitlines()
     assert lines[0].split() == ["layer", "type", "role", "dtype", "qscheme", "observer", "from"]
@@ -570,9 +571,11 @@ def test_block_format_activations_need_no_data() -> None:
     assert isinstance(model.fc1._input_quantizer, NonScaledFakeQuantize)
     x = randn(3, 32, seed=5)
     with torch.no_grad():
-        expected = F.linear(fake_quantize(x, "mx", mx_element_dtype="fp4", qscheme="per_group", axis=-1, group_size=32),
-                            fake_quantize(model.fc1.weight, "mx", mx_element_dtype="fp4", qscheme="per_group", axis=-1, group_size=32),
-                            model.fc1.bias)  # fmt: skip
+        expected = F.linear(
+            fake_quantize(x, "mx", mx_element_dtype="fp4", qscheme="per_group", axis=-1, group_size=32),
+            fake_quantize(model.fc1.weight, "mx", mx_element_dtype="fp4", qscheme="per_group", axis=-1, group_size=32),
+            model.fc1.bias,
+        )
         assert torch.equal(model.fc1(x), expected)
 
 
@@ -797,8 +800,11 @@ def test_group_size_that_does_not_divide_names_the_layer_and_shape() -> None:
     assert other.enc[2]._weight_quantizer.spec.group_size == 16
 
 
-@pytest.mark.parametrize("spec", [mx_spec("fp4", 32), QuantizationSpec(dtype="mx6", group_size=16), QuantizationSpec(dtype="bfp16")],
-                         ids=["mx-fp4-32", "mx6-16", "bfp16-8"])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec",
+    [mx_spec("fp4", 32), QuantizationSpec(dtype="mx6", group_size=16), QuantizationSpec(dtype="bfp16")],
+    ids=["mx-fp4-32", "mx6-16", "bfp16-8"],
+)
 def test_block_formats_pad_a_ragged_last_block(spec: QuantizationSpec) -> None:
     d_in = 40 if spec.group_size == 32 else spec.group_size + spec.group_size // 2  # never a multiple
     assert d_in % spec.group_size

@@ -217,7 +217,9 @@ def test_string_forms_equal_enum_forms() -> None:
         ch_axis=0,
         zero_point_type="int32",
     )
-    from_enums = int_spec(qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=0, is_dynamic=None)
+    from_enums = int_spec(
+        qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=0, is_dynamic=None
+    )
     assert from_strings == from_enums
     assert from_strings.dtype is Dtype.int8
     assert from_strings.qscheme is QSchemeType.per_channel
@@ -227,9 +229,14 @@ def test_string_forms_equal_enum_forms() -> None:
 
 def test_string_forms_case_insensitive_and_nested() -> None:
     spec = QuantizationSpec(
-        dtype="UINT4", qscheme="PER_TENSOR", observer_cls="PerTensorMinMaxObserver", symmetric=False,
-        scale_type="POF2", round_method="ROUND", qat_spec={"method": "lsq"},
-    )  # fmt: skip
+        dtype="UINT4",
+        qscheme="PER_TENSOR",
+        observer_cls="PerTensorMinMaxObserver",
+        symmetric=False,
+        scale_type="POF2",
+        round_method="ROUND",
+        qat_spec={"method": "lsq"},
+    )
     assert spec.dtype is Dtype.uint4
     assert spec.scale_type is ScaleType.pof2
     assert spec.round_method is RoundType.round
@@ -265,7 +272,9 @@ def test_non_positive_group_size(group_size: int) -> None:
 
 def test_mx_without_element_dtype() -> None:
     with pytest.raises(ValueError, match="mx_element_dtype"):
-        QuantizationSpec(dtype=Dtype.mx, observer_cls=PerBlockMXObserver, qscheme=QSchemeType.per_group, group_size=32, ch_axis=-1)
+        QuantizationSpec(
+            dtype=Dtype.mx, observer_cls=PerBlockMXObserver, qscheme=QSchemeType.per_group, group_size=32, ch_axis=-1
+        )
 
 
 def test_mx_with_bad_element_dtype() -> None:
@@ -382,19 +391,28 @@ def test_from_dict_unknown_key_in_nested_config() -> None:
 
 def test_tqt_per_channel_is_accepted_and_per_group_refused() -> None:
     spec = int_spec(
-        qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=0,
-        scale_type=ScaleType.pof2, qat_spec=TQTSpec(),
-    )  # fmt: skip
+        qscheme=QSchemeType.per_channel,
+        observer_cls=PerChannelMinMaxObserver,
+        ch_axis=0,
+        scale_type=ScaleType.pof2,
+        qat_spec=TQTSpec(),
+    )
     assert spec.qscheme == QSchemeType.per_channel and spec.ch_axis == 0
     with pytest.raises(ValueError, match="qat_spec=TQTSpec needs qscheme=per_tensor or per_channel.*per_group"):
         int_spec(
-            qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=-1, group_size=32,
-            scale_type=ScaleType.pof2, qat_spec=TQTSpec(),
-        )  # fmt: skip
+            qscheme=QSchemeType.per_group,
+            observer_cls=PerGroupMinMaxObserver,
+            ch_axis=-1,
+            group_size=32,
+            scale_type=ScaleType.pof2,
+            qat_spec=TQTSpec(),
+        )
 
 
 def test_tqt_takes_pof2_or_float_scale_type_and_needs_signed_symmetric() -> None:
-    assert int_spec(scale_type=ScaleType.float, qat_spec=TQTSpec()).qat_spec == TQTSpec()  # amd-quark's examples write float
+    assert (
+        int_spec(scale_type=ScaleType.float, qat_spec=TQTSpec()).qat_spec == TQTSpec()
+    )  # amd-quark's examples write float
     with pytest.raises(ValueError, match="qat_spec.*pof2 or float"):
         int_spec(scale_type=ScaleType.bfloat16, qat_spec=TQTSpec())
     with pytest.raises(ValueError, match="qat_spec.*symmetric"):
@@ -405,7 +423,9 @@ def test_tqt_takes_pof2_or_float_scale_type_and_needs_signed_symmetric() -> None
 
 def test_qat_spec_needs_integer_dtype() -> None:
     with pytest.raises(ValueError, match="qat_spec"):
-        QuantizationSpec(dtype=Dtype.fp8_e4m3, qscheme="per_tensor", observer_cls=PerTensorMinMaxObserver, qat_spec=LSQSpec())
+        QuantizationSpec(
+            dtype=Dtype.fp8_e4m3, qscheme="per_tensor", observer_cls=PerTensorMinMaxObserver, qat_spec=LSQSpec()
+        )
     with pytest.raises(ValueError, match="qat_spec"):
         int_spec(qat_spec={"method": "nope"})
 
@@ -481,26 +501,33 @@ def test_algo_config_validation() -> None:
 # ----------------------------------------------------------------------------------------------- to_dict / from_dict
 ROUND_TRIP_SPECS = [
     int_spec(),
-    int_spec(
-        dtype=Dtype.uint8, symmetric=False, zero_point_type=ZeroPointType.float32, round_method=RoundType.round
-    ),
+    int_spec(dtype=Dtype.uint8, symmetric=False, zero_point_type=ZeroPointType.float32, round_method=RoundType.round),
     int_spec(qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=0, is_dynamic=True),
-    int_spec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=1, group_size=128),
+    int_spec(
+        dtype=Dtype.int4, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=1, group_size=128
+    ),
     int_spec(observer_cls=PerTensorPercentileObserver, scale_type=ScaleType.bfloat16),
     int_spec(scale_type=ScaleType.pof2, qat_spec=TQTSpec(threshold_init_meth=TQTThresholdInitMeth._LL_J)),
     int_spec(scale_type=ScaleType.pof2, qat_spec=TQTSpec()),
     int_spec(qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=0, qat_spec=LSQSpec()),
     QuantizationSpec(
-        dtype=Dtype.mx, mx_element_dtype=Dtype.fp4, observer_cls=PerBlockMXObserver, qscheme=QSchemeType.per_group,
-        ch_axis=-1, group_size=32, is_dynamic=True,
-    ),  # fmt: skip
+        dtype=Dtype.mx,
+        mx_element_dtype=Dtype.fp4,
+        observer_cls=PerBlockMXObserver,
+        qscheme=QSchemeType.per_group,
+        ch_axis=-1,
+        group_size=32,
+        is_dynamic=True,
+    ),
     QuantizationSpec(dtype=Dtype.fp8_e4m3, qscheme=QSchemeType.per_tensor, observer_cls=PerTensorMSEObserver),
     QuantizationSpec(dtype=Dtype.bfloat16, observer_cls=PlaceholderObserver),
     QuantizationSpec(dtype=Dtype.bfp16),
 ]
 
 
-@pytest.mark.parametrize("spec", ROUND_TRIP_SPECS, ids=lambda s: f"{s.dtype.name}-{s.qscheme.name if s.qscheme else None}")
+@pytest.mark.parametrize(
+    "spec", ROUND_TRIP_SPECS, ids=lambda s: f"{s.dtype.name}-{s.qscheme.name if s.qscheme else None}"
+)
 def test_spec_json_round_trip(spec: QuantizationSpec) -> None:
     data = spec.to_dict()
     text = json.dumps(data)  # plain JSON types only
@@ -535,14 +562,21 @@ def test_quantization_config_round_trip() -> None:
 
 
 def test_config_round_trip_with_class_keys_and_algo_lists() -> None:
-    w4 = int_spec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=1, group_size=32)
+    w4 = int_spec(
+        dtype=Dtype.int4, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=1, group_size=32
+    )
     cfg = Config(
         global_quant_config=QuantizationConfig(input_tensors=int_spec(), weight=int_spec()),
-        layer_type_quant_config={nn.Linear: QuantizationConfig(weight=w4), "Conv2d": QuantizationConfig(weight=int_spec())},
+        layer_type_quant_config={
+            nn.Linear: QuantizationConfig(weight=w4),
+            "Conv2d": QuantizationConfig(weight=int_spec()),
+        },
         layer_quant_config={"*.fc2": QuantizationConfig(weight=QuantizationSpec(dtype="mx", mx_element_dtype="fp4"))},
         exclude=["lm_head"],
         algo_config=[AWQConfig(model_decoder_layers="model.layers"), GPTQConfig(damp_percent=0.1, desc_act=False)],
-        pre_quant_opt_config=[SmoothQuantConfig(alpha=0.5, scaling_layers=[{"prev_op": "ln", "layers": ["q", "k"], "inp": "q"}])],
+        pre_quant_opt_config=[
+            SmoothQuantConfig(alpha=0.5, scaling_layers=[{"prev_op": "ln", "layers": ["q", "k"], "inp": "q"}])
+        ],
         quant_mode=QuantizationMode.eager_mode,
     )
     assert set(cfg.layer_type_quant_config) == {"Linear", "Conv2d"}  # the class became its name
@@ -557,8 +591,11 @@ def test_config_round_trip_with_class_keys_and_algo_lists() -> None:
     assert back.algo_configs == back.algo_config
     assert back.pre_quant_opt_configs[0].alpha == 0.5
     assert back.quant_mode is QuantizationMode.eager_mode
-    graph = Config(global_quant_config=QuantizationConfig(weight=int_spec()), quant_mode="fx_graph_mode",
-                   pre_quant_opt_config=[CLEConfig(iterations=3, high_bias_absorption=False)])  # fmt: skip
+    graph = Config(
+        global_quant_config=QuantizationConfig(weight=int_spec()),
+        quant_mode="fx_graph_mode",
+        pre_quant_opt_config=[CLEConfig(iterations=3, high_bias_absorption=False)],
+    )
     back = Config.from_dict(json.loads(json.dumps(graph.to_dict())))
     assert back == graph and back.quant_mode is QuantizationMode.fx_graph_mode
     assert back.pre_quant_opt_configs[0].iterations == 3
@@ -578,7 +615,11 @@ def test_config_round_trip_single_algos() -> None:
 
 
 def test_algo_configs_round_trip() -> None:
-    for algo in (GPTQConfig(inside_layer_modules=["self_attn.q_proj"]), AWQConfig(bit=8, sym=True), SmoothQuantConfig()):
+    for algo in (
+        GPTQConfig(inside_layer_modules=["self_attn.q_proj"]),
+        AWQConfig(bit=8, sym=True),
+        SmoothQuantConfig(),
+    ):
         assert json_round_trip(algo) == algo
 
 
@@ -590,10 +631,14 @@ def test_config_from_dicts_equals_config_from_objects() -> None:
     from_dicts = Config(
         global_quant_config={
             "weight": {
-                "dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver",
-                "symmetric": True, "scale_type": "float", "round_method": "half_even",
+                "dtype": "int8",
+                "qscheme": "per_tensor",
+                "observer_cls": "PerTensorMinMaxObserver",
+                "symmetric": True,
+                "scale_type": "float",
+                "round_method": "half_even",
             }
         },
         algo_config={"name": "gptq"},
-    )  # fmt: skip
+    )
     assert from_dicts == from_objects

@@ -15,19 +15,36 @@ from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, LSQFakeQu
 
 
 def _lsq(ch_axis: int) -> QuantizationSpec:
-    return QuantizationSpec(dtype=Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=ch_axis, symmetric=True,
-                            observer_cls=PerChannelMinMaxObserver, is_dynamic=False, qat_spec=LSQSpec(),
-                            round_method=RoundType.half_even, scale_type=ScaleType.float)  # fmt: skip
+    return QuantizationSpec(
+        dtype=Dtype.int8,
+        qscheme=QSchemeType.per_channel,
+        ch_axis=ch_axis,
+        symmetric=True,
+        observer_cls=PerChannelMinMaxObserver,
+        is_dynamic=False,
+        qat_spec=LSQSpec(),
+        round_method=RoundType.half_even,
+        scale_type=ScaleType.float,
+    )
 
 
 def test_lsq_scales_have_their_final_shape_at_prepare_and_keep_their_parameter() -> None:
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
-    config = {"global_quant_config": {"weight": _lsq(0)}, "layer_type_quant_config": {
-        "Linear": {"weight": _lsq(0), "input_tensors": _lsq(-1)}, "Conv2d": {"weight": _lsq(0), "input_tensors": _lsq(1)}}}
+    config = {
+        "global_quant_config": {"weight": _lsq(0)},
+        "layer_type_quant_config": {
+            "Linear": {"weight": _lsq(0), "input_tensors": _lsq(-1)},
+            "Conv2d": {"weight": _lsq(0), "input_tensors": _lsq(1)},
+        },
+    }
     ModelQuantizer(config).prepare(model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith("scale")}
-    assert shapes == {"0._input_quantizer.scale": (3,), "0._weight_quantizer.scale": (6,),
-                      "2._input_quantizer.scale": (96,), "2._weight_quantizer.scale": (5,)}  # fmt: skip
+    assert shapes == {
+        "0._input_quantizer.scale": (3,),
+        "0._weight_quantizer.scale": (6,),
+        "2._input_quantizer.scale": (96,),
+        "2._weight_quantizer.scale": (5,),
+    }
     params = {n: p for n, p in model.named_parameters() if n.endswith("scale")}
     for _, m in model.named_modules():
         if isinstance(m, LSQFakeQuantize):
@@ -59,14 +76,24 @@ def test_a_sized_lsq_scale_rejects_another_channel_count_by_name() -> None:
 
 
 def test_tqt_per_channel_weight_thresholds_are_sized_at_prepare_and_init_in_place() -> None:
-    tqt = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_channel, ch_axis=0, symmetric=True,
-                           observer_cls=PerChannelMinMaxObserver, is_dynamic=False, qat_spec=TQTSpec(),
-                           round_method=RoundType.half_even, scale_type=ScaleType.pof2)  # fmt: skip
+    tqt = QuantizationSpec(
+        dtype=Dtype.int4,
+        qscheme=QSchemeType.per_channel,
+        ch_axis=0,
+        symmetric=True,
+        observer_cls=PerChannelMinMaxObserver,
+        is_dynamic=False,
+        qat_spec=TQTSpec(),
+        round_method=RoundType.half_even,
+        scale_type=ScaleType.pof2,
+    )
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
     ModelQuantizer({"global_quant_config": {"weight": tqt}}).prepare(model)
     params = {n: p for n, p in model.named_parameters() if n.endswith("log_threshold")}
     assert {n: tuple(p.shape) for n, p in params.items()} == {
-        "0._weight_quantizer.log_threshold": (6,), "2._weight_quantizer.log_threshold": (5,)}  # fmt: skip
+        "0._weight_quantizer.log_threshold": (6,),
+        "2._weight_quantizer.log_threshold": (5,),
+    }
     model(torch.randn(2, 3, 6, 6)).sum().backward()
     after = dict(model.named_parameters())
     for name, p in params.items():

@@ -18,9 +18,14 @@ from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 def _spec(qscheme: str = "per_channel") -> QuantizationSpec:
     d = {
-        "dtype": "int8", "qscheme": qscheme, "symmetric": True, "is_dynamic": False, "round_method": "half_even",
-        "scale_type": "float", "observer_cls": "PerChannelMinMaxObserver" if qscheme == "per_channel" else "PerTensorMinMaxObserver",
-    }  # fmt: skip
+        "dtype": "int8",
+        "qscheme": qscheme,
+        "symmetric": True,
+        "is_dynamic": False,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "observer_cls": "PerChannelMinMaxObserver" if qscheme == "per_channel" else "PerTensorMinMaxObserver",
+    }
     if qscheme == "per_channel":
         d["ch_axis"] = 0
     return QuantizationSpec.from_dict(d)
@@ -43,7 +48,9 @@ def _quantized() -> nn.Module:
 
 
 def _flags(model: nn.Module) -> list[tuple[int, int]]:
-    return [(int(q.observer_enabled), int(q.fake_quant_enabled)) for q in model.modules() if isinstance(q, FakeQuantizeBase)]
+    return [
+        (int(q.observer_enabled), int(q.fake_quant_enabled)) for q in model.modules() if isinstance(q, FakeQuantizeBase)
+    ]
 
 
 # ----------------------------------------------------------------------------------------------- preserve_modes

@@ -63,11 +63,19 @@ SPECS = {
     "int8 per-channel symmetric": _spec(Dtype.int8, QSchemeType.per_channel, PerChannelMinMaxObserver, ch_axis=0),
     "uint8 per-tensor asymmetric": _spec(Dtype.uint8, QSchemeType.per_tensor, PerTensorMinMaxObserver, symmetric=False),
     "int8 per-tensor asymmetric, float zero point": _spec(
-        Dtype.int8, QSchemeType.per_tensor, PerTensorMinMaxObserver, symmetric=False,
+        Dtype.int8,
+        QSchemeType.per_tensor,
+        PerTensorMinMaxObserver,
+        symmetric=False,
         zero_point_type=ZeroPointType.float32,
     ),
     "int4 per-group asymmetric, round half away": _spec(
-        Dtype.int4, QSchemeType.per_group, PerGroupMinMaxObserver, ch_axis=1, group_size=32, symmetric=False,
+        Dtype.int4,
+        QSchemeType.per_group,
+        PerGroupMinMaxObserver,
+        ch_axis=1,
+        group_size=32,
+        symmetric=False,
         round_method=RoundType.round,
     ),
     "int8 per-tensor pof2, dynamic": _spec(
@@ -75,7 +83,7 @@ SPECS = {
     ),
     "fp8 e4m3 per-tensor": _spec(Dtype.fp8_e4m3, QSchemeType.per_tensor, PerTensorMinMaxObserver),
     "fp4 per-channel": _spec(Dtype.fp4, QSchemeType.per_channel, PerChannelMinMaxObserver, ch_axis=0),
-}  # fmt: skip
+}
 
 
 def _batches(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -124,7 +132,9 @@ def test_fused_pass_gives_the_step_by_step_bits(
         assert any(bool((g == 0).any()) for g in plain["grad"]), "no clipped value was tested"
 
 
-def test_bfloat16_inputs_fuse_with_the_same_bits(compiled: None, fused_calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bfloat16_inputs_fuse_with_the_same_bits(
+    compiled: None, fused_calls: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = SPECS["int8 per-channel symmetric"]
     xs = _batches(torch.bfloat16)
     fused, plain = _run(spec, xs, True, monkeypatch), _run(spec, xs, False, monkeypatch)
@@ -175,7 +185,9 @@ def test_what_does_not_fuse(compiled: None, fused_calls: list) -> None:
     assert len(fused_calls) == 1
 
 
-def test_calibration_under_inference_mode_fuses(compiled: None, fused_calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibration_under_inference_mode_fuses(
+    compiled: None, fused_calls: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Lightning validates and tests under ``torch.inference_mode``: PTQ calibration with fake quant on runs there."""
     spec = SPECS["int8 per-channel symmetric"]
     xs = _batches()

@@ -248,7 +248,9 @@ def test_per_channel_4d_weight_and_asymmetric() -> None:
 def test_per_group_scales(dtype: Dtype, divisor: float) -> None:
     rows, cols, group = 6, 96, 32
     w = torch.randn(rows, cols, generator=gen(3))
-    obs = observer(dtype=dtype, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=1, group_size=group)
+    obs = observer(
+        dtype=dtype, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=1, group_size=group
+    )
     obs(w)
     scale, zp = obs.calculate_qparams()
     assert scale.shape == (rows, cols // group)
@@ -329,7 +331,11 @@ def test_histogram_pro_matches_torch_histogram_observer(
     dtype: Dtype, symmetric: bool, torch_dtype: torch.dtype, torch_qscheme: torch.qscheme, qmin: int, qmax: int
 ) -> None:
     g = gen(6)
-    batches = [torch.randn(2000, generator=g) * 2 + 0.7, torch.randn(2000, generator=g) * 3 - 0.2, torch.rand(500, generator=g) * 9]
+    batches = [
+        torch.randn(2000, generator=g) * 2 + 0.7,
+        torch.randn(2000, generator=g) * 3 - 0.2,
+        torch.rand(500, generator=g) * 9,
+    ]
     ours = observer(dtype=dtype, symmetric=symmetric, observer_cls=PerTensorHistogramObserverPro)
     ref = torch.ao.quantization.HistogramObserver(
         bins=256, dtype=torch_dtype, qscheme=torch_qscheme, quant_min=qmin, quant_max=qmax
@@ -356,7 +362,9 @@ def test_dynamic_histogram_pro_recomputes_per_call() -> None:
     ours(second)
     ref = torch.ao.quantization.HistogramObserver(bins=256, dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
     ref(second)  # a dynamic observer sees only the last call
-    torch.testing.assert_close(ours.calculate_qparams()[0].reshape(-1), ref.calculate_qparams()[0].reshape(-1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        ours.calculate_qparams()[0].reshape(-1), ref.calculate_qparams()[0].reshape(-1), rtol=1e-6, atol=0
+    )
 
 
 def test_histogram_pro_rejects_wide_integers() -> None:
@@ -674,11 +682,19 @@ def test_per_group_and_histogram_state_dicts_load() -> None:
 
 def test_observer_map_covers_documented_observers() -> None:
     documented = {
-        "ObserverBase", "PlaceholderObserver", "UniformScalingObserver", "PerTensorMinMaxObserver",
-        "PerChannelMinMaxObserver", "PerBlockMXObserver", "PerBlockBFPObserver", "PerGroupMinMaxObserver",
-        "PerTensorHistogramObserver", "PerTensorHistogramObserverPro", "PerTensorPercentileObserver",
+        "ObserverBase",
+        "PlaceholderObserver",
+        "UniformScalingObserver",
+        "PerTensorMinMaxObserver",
+        "PerChannelMinMaxObserver",
+        "PerBlockMXObserver",
+        "PerBlockBFPObserver",
+        "PerGroupMinMaxObserver",
+        "PerTensorHistogramObserver",
+        "PerTensorHistogramObserverPro",
+        "PerTensorPercentileObserver",
         "PerTensorMSEObserver",
-    }  # fmt: skip
+    }
     assert documented <= set(OBSERVER_MAP)
     assert issubclass(PerTensorMinMaxObserver, UniformScalingObserver)
     assert issubclass(PerChannelMinMaxObserver, UniformScalingObserver)

@@ -29,9 +29,13 @@ E8M0 = torch.float8_e8m0fnu
 
 def block_spec(dtype: str = "fp8_e4m3", block_size: Any = (128, 128), **overrides: Any) -> QuantizationSpec:
     kwargs: dict[str, Any] = dict(
-        dtype=dtype, qscheme="per_block", block_size=block_size, observer_cls="PerBlock2DMinMaxObserver",
-        symmetric=True, is_dynamic=False,
-    )  # fmt: skip
+        dtype=dtype,
+        qscheme="per_block",
+        block_size=block_size,
+        observer_cls="PerBlock2DMinMaxObserver",
+        symmetric=True,
+        is_dynamic=False,
+    )
     if not dtype.startswith("fp"):
         kwargs.update(round_method="half_even", scale_type="float")
     kwargs.update(overrides)
@@ -181,11 +185,26 @@ def test_e8m0_per_block_scales_are_ceil_powers_of_two_and_nothing_clips() -> Non
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "int8"])
 def test_e8m0_with_the_other_qschemes(qscheme: str, dtype: str) -> None:
     w = weight(48, 64, seed=8)
-    observer = {"per_tensor": "PerTensorMinMaxObserver", "per_channel": "PerChannelMinMaxObserver",
-                "per_group": "PerGroupMinMaxObserver"}[qscheme]  # fmt: skip
-    extra: dict[str, Any] = {"per_tensor": {}, "per_channel": {"ch_axis": 0}, "per_group": {"ch_axis": 1, "group_size": 16}}[qscheme]
-    spec = QuantizationSpec(dtype=dtype, qscheme=qscheme, observer_cls=observer, symmetric=True, is_dynamic=False,
-                            scale_type="float8_e8m0fnu", round_method="half_even", **extra)  # fmt: skip
+    observer = {
+        "per_tensor": "PerTensorMinMaxObserver",
+        "per_channel": "PerChannelMinMaxObserver",
+        "per_group": "PerGroupMinMaxObserver",
+    }[qscheme]
+    extra: dict[str, Any] = {
+        "per_tensor": {},
+        "per_channel": {"ch_axis": 0},
+        "per_group": {"ch_axis": 1, "group_size": 16},
+    }[qscheme]
+    spec = QuantizationSpec(
+        dtype=dtype,
+        qscheme=qscheme,
+        observer_cls=observer,
+        symmetric=True,
+        is_dynamic=False,
+        scale_type="float8_e8m0fnu",
+        round_method="half_even",
+        **extra,
+    )
     out, scale, _ = quantize(spec, w)
     if qscheme == "per_tensor":
         amax = w.abs().amax()
@@ -205,7 +224,9 @@ def test_e8m0_rule_range_and_pof2_unchanged() -> None:
     assert torch.equal(e8m0, expected)
     assert torch.equal(e8m0.to(E8M0).float(), e8m0)
     # pof2 keeps Quark's rounding to the nearest power of two in the log domain
-    assert torch.equal(apply_scale_type(torch.tensor([0.7, 1.5, 3.0]), ScaleType.pof2, torch.float32), torch.tensor([0.5, 2.0, 4.0]))
+    assert torch.equal(
+        apply_scale_type(torch.tensor([0.7, 1.5, 3.0]), ScaleType.pof2, torch.float32), torch.tensor([0.5, 2.0, 4.0])
+    )
     assert ScaleType("ue8m0") is ScaleType.float8_e8m0fnu and ScaleType("FLOAT8_E8M0FNU") is ScaleType.float8_e8m0fnu
     assert ScaleType.float8_e8m0fnu.to_torch_dtype() is E8M0 and ScaleType.bfloat16.to_torch_dtype() is torch.bfloat16
     with pytest.raises(ValueError, match="pof2"):
@@ -220,7 +241,11 @@ def _model() -> nn.Module:
 
 @pytest.mark.parametrize(
     "spec_kw",
-    [{"dtype": "fp8_e4m3"}, {"dtype": "int8", "scale_type": "float8_e8m0fnu"}, {"dtype": "fp8_e4m3", "scale_type": "float8_e8m0fnu"}],
+    [
+        {"dtype": "fp8_e4m3"},
+        {"dtype": "int8", "scale_type": "float8_e8m0fnu"},
+        {"dtype": "fp8_e4m3", "scale_type": "float8_e8m0fnu"},
+    ],
     ids=["fp8", "int8-e8m0", "fp8-e8m0"],
 )
 def test_linear_model_quantizes_freezes_and_round_trips_safetensors(spec_kw: dict[str, Any], tmp_path: Path) -> None:
@@ -283,8 +308,17 @@ def test_bad_block_size_is_refused_naming_the_field(bad: Any) -> None:
 
 def test_block_size_and_per_block_combinations_are_refused() -> None:
     with pytest.raises(ValueError, match=r"block_size=\[2, 2\] is used only with qscheme=per_block.*per_group"):
-        QuantizationSpec(dtype="int8", qscheme="per_group", ch_axis=1, group_size=32, block_size=[2, 2],
-                         observer_cls="PerGroupMinMaxObserver", symmetric=True, round_method="half_even", scale_type="float")  # fmt: skip
+        QuantizationSpec(
+            dtype="int8",
+            qscheme="per_group",
+            ch_axis=1,
+            group_size=32,
+            block_size=[2, 2],
+            observer_cls="PerGroupMinMaxObserver",
+            symmetric=True,
+            round_method="half_even",
+            scale_type="float",
+        )
     with pytest.raises(ValueError, match="per_block needs an integer or minifloat dtype"):
         QuantizationSpec(dtype="bfloat16", qscheme="per_block", block_size=[2, 2])
     with pytest.raises(ValueError, match=r"group_size=32 cannot be used with qscheme=per_block"):

@@ -19,8 +19,15 @@ CASES = torch.load(REFERENCE)
 
 def _spec(cls: str, dtype: str, symmetric: bool) -> QuantizationSpec:
     per_channel = "Channel" in cls
-    return QuantizationSpec(dtype=dtype, observer_cls=cls, symmetric=symmetric, scale_type="float", round_method="half_even",
-                            qscheme="per_channel" if per_channel else "per_tensor", ch_axis=0 if per_channel else None)  # fmt: skip
+    return QuantizationSpec(
+        dtype=dtype,
+        observer_cls=cls,
+        symmetric=symmetric,
+        scale_type="float",
+        round_method="half_even",
+        qscheme="per_channel" if per_channel else "per_tensor",
+        ch_axis=0 if per_channel else None,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -47,7 +54,9 @@ def test_pow2_observers_in_a_model_give_power_of_two_scales() -> None:
     torch.manual_seed(0)
     act = _spec("PerTensorPowOf2MinMSEObserver", "int8", True)
     weight = _spec("PerChannelPowOf2MinMaxObserver", "int8", True)
-    model = ModelQuantizer(Config(global_quant_config=QuantizationConfig(weight=weight, input_tensors=act))).quantize_model(
+    model = ModelQuantizer(
+        Config(global_quant_config=QuantizationConfig(weight=weight, input_tensors=act))
+    ).quantize_model(
         nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)), [torch.randn(4, 16) for _ in range(3)]
     )
     for layer in (model[0], model[2]):
@@ -70,20 +79,40 @@ def test_quarks_qat_example_specs_run_with_tqt_and_lsq_observers() -> None:
     from quark.torch.quantization.tensor_quantize import LSQFakeQuantize, TQTFakeQuantize
 
     def tqt(dtype: Dtype, init: TQTThresholdInitMeth) -> QuantizationSpec:
-        return QuantizationSpec(dtype=dtype, qscheme=QSchemeType.per_tensor, observer_cls=TQTObserver, symmetric=True,
-                                scale_type=ScaleType.float, round_method=RoundType.half_even, is_dynamic=False,
-                                qat_spec=TQTSpec(threshold_init_meth=init))  # fmt: skip
+        return QuantizationSpec(
+            dtype=dtype,
+            qscheme=QSchemeType.per_tensor,
+            observer_cls=TQTObserver,
+            symmetric=True,
+            scale_type=ScaleType.float,
+            round_method=RoundType.half_even,
+            is_dynamic=False,
+            qat_spec=TQTSpec(threshold_init_meth=init),
+        )
 
     weight = tqt(Dtype.int8, TQTThresholdInitMeth._3SD)
     act = tqt(Dtype.int4, TQTThresholdInitMeth._KL_J)
-    lsq = QuantizationSpec(dtype=Dtype.int8, qscheme=QSchemeType.per_channel, ch_axis=0, observer_cls=LSQObserver, symmetric=True,
-                           scale_type=ScaleType.float, round_method=RoundType.half_even, is_dynamic=False, qat_spec=LSQSpec())  # fmt: skip
+    lsq = QuantizationSpec(
+        dtype=Dtype.int8,
+        qscheme=QSchemeType.per_channel,
+        ch_axis=0,
+        observer_cls=LSQObserver,
+        symmetric=True,
+        scale_type=ScaleType.float,
+        round_method=RoundType.half_even,
+        is_dynamic=False,
+        qat_spec=LSQSpec(),
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-    config = Config(global_quant_config=QuantizationConfig(weight=weight, input_tensors=act),
-                    layer_quant_config={"2": QuantizationConfig(weight=lsq, input_tensors=act)})  # fmt: skip
+    config = Config(
+        global_quant_config=QuantizationConfig(weight=weight, input_tensors=act),
+        layer_quant_config={"2": QuantizationConfig(weight=lsq, input_tensors=act)},
+    )
     prepared = ModelQuantizer(config).prepare(model)
-    assert isinstance(prepared[0]._weight_quantizer, TQTFakeQuantize) and isinstance(prepared[2]._weight_quantizer, LSQFakeQuantize)
+    assert isinstance(prepared[0]._weight_quantizer, TQTFakeQuantize) and isinstance(
+        prepared[2]._weight_quantizer, LSQFakeQuantize
+    )
     prepared.train()
     out = prepared(torch.randn(8, 16))
     out.sum().backward()
@@ -91,5 +120,11 @@ def test_quarks_qat_example_specs_run_with_tqt_and_lsq_observers() -> None:
     scale = prepared[0]._weight_quantizer.scale
     assert float(torch.log2(scale)) == round(float(torch.log2(scale)))  # power of two whatever scale_type says
     with pytest.raises(ValueError, match=r"observer_cls=TQTObserver needs qat_spec=TQTSpec\(...\), got None"):
-        QuantizationSpec(dtype=Dtype.int8, qscheme=QSchemeType.per_tensor, observer_cls=TQTObserver, symmetric=True,
-                         scale_type=ScaleType.float, round_method=RoundType.half_even)  # fmt: skip
+        QuantizationSpec(
+            dtype=Dtype.int8,
+            qscheme=QSchemeType.per_tensor,
+            observer_cls=TQTObserver,
+            symmetric=True,
+            scale_type=ScaleType.float,
+            round_method=RoundType.half_even,
+        )

@@ -49,7 +49,13 @@ def _max_diff(a: object, b: object) -> float:
     return float((a - b).detach().abs().max())  # type: ignore[operator]
 
 
-MHA_KWARGS = [{}, {"batch_first": True}, {"kdim": 6, "vdim": 5}, {"add_bias_kv": True, "add_zero_attn": True}, {"bias": False}]
+MHA_KWARGS = [
+    {},
+    {"batch_first": True},
+    {"kdim": 6, "vdim": 5},
+    {"add_bias_kv": True, "add_zero_attn": True},
+    {"bias": False},
+]
 
 
 @pytest.mark.parametrize("kwargs", MHA_KWARGS, ids=lambda k: ",".join(k) or "default")
@@ -70,8 +76,12 @@ def test_attention_twin_equals_torch_with_quantizers_off(kwargs: dict) -> None:
     mask = torch.rand(tgt, src) < 0.3
     mask[:, 0] = False
     for need, average, pad, masked in itertools.product([True, False], repeat=4):
-        args = {"need_weights": need, "average_attn_weights": average,
-                "key_padding_mask": padding if pad else None, "attn_mask": mask if masked else None}  # fmt: skip
+        args = {
+            "need_weights": need,
+            "average_attn_weights": average,
+            "key_padding_mask": padding if pad else None,
+            "attn_mask": mask if masked else None,
+        }
         assert _max_diff(float_mha(query, key, value, **args), twin(query, key, value, **args)) < 1e-5, args
     if "kdim" not in kwargs:  # self-attention: unbatched, and causal through SDPA and through explicit weights
         x = torch.randn(tgt, 8)
@@ -83,11 +93,14 @@ def test_attention_twin_equals_torch_with_quantizers_off(kwargs: dict) -> None:
 
 
 RNN_CASES = [
-    (nn.LSTM, {}), (nn.LSTM, {"num_layers": 3, "bidirectional": True, "batch_first": True}),
-    (nn.LSTM, {"num_layers": 2, "proj_size": 3, "bidirectional": True}), (nn.LSTM, {"num_layers": 2, "bias": False}),
-    (nn.GRU, {"num_layers": 2, "bidirectional": True, "batch_first": True}), (nn.GRU, {"num_layers": 2, "dropout": 0.3}),
+    (nn.LSTM, {}),
+    (nn.LSTM, {"num_layers": 3, "bidirectional": True, "batch_first": True}),
+    (nn.LSTM, {"num_layers": 2, "proj_size": 3, "bidirectional": True}),
+    (nn.LSTM, {"num_layers": 2, "bias": False}),
+    (nn.GRU, {"num_layers": 2, "bidirectional": True, "batch_first": True}),
+    (nn.GRU, {"num_layers": 2, "dropout": 0.3}),
     (nn.RNN, {"num_layers": 2, "nonlinearity": "relu"}),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), RNN_CASES, ids=lambda v: v.__name__ if isinstance(v, type) else ",".join(v))
@@ -153,8 +166,13 @@ class RecurrentTagger(nn.Module):
 
 
 def _weight_quantizers(model: nn.Module) -> list[tuple[str, str, object]]:
-    return [(name, slot.tensor, q) for name, m in model.named_modules() if isinstance(m, QuantMixin)
-            for slot, q in m.quantizer_slots() if slot.role == "weight"]  # fmt: skip
+    return [
+        (name, slot.tensor, q)
+        for name, m in model.named_modules()
+        if isinstance(m, QuantMixin)
+        for slot, q in m.quantizer_slots()
+        if slot.role == "weight"
+    ]
 
 
 def _every_weight_quantizer_matters(model: nn.Module, *inputs: torch.Tensor) -> None:
@@ -200,8 +218,11 @@ def test_lightning_demo_transformer_quantizes_every_linear_and_attention() -> No
         ModelQuantizer(W8A8).quantize_model(model, forward_loop=lambda m: m(tokens, target))
     assert not [w for w in caught if "no forward reached" in str(w.message)]
     attention = [n for n, m in model.named_modules() if isinstance(m, QuantMultiheadAttention)]
-    assert sorted(attention) == ["transformer.decoder.layers.0.multihead_attn", "transformer.decoder.layers.0.self_attn",
-                                 "transformer.encoder.layers.0.self_attn"]  # fmt: skip
+    assert sorted(attention) == [
+        "transformer.decoder.layers.0.multihead_attn",
+        "transformer.decoder.layers.0.self_attn",
+        "transformer.encoder.layers.0.self_attn",
+    ]
     floats = {f.name: f.reason for f in ModelQuantizer(W8A8).float_layers(model)}
     assert all("normalization" in r or "embeddings" in r for r in floats.values()), floats
     _every_weight_quantizer_matters(model, tokens, target)
@@ -215,8 +236,13 @@ def test_recurrent_model_every_weight_reaches_the_output_and_reloads_bit_for_bit
     assert isinstance(model.lstm, QuantLSTM)
     # 2 layers x 2 directions x (ih, hh) + GRU (ih, hh) + cell (ih, hh) + head
     assert len(_weight_quantizers(model)) == 8 + 2 + 2 + 1
-    inputs = [q for n, m in model.named_modules() if isinstance(m, QuantMixin) for s, q in m.quantizer_slots()
-              if s.role == "input_tensors"]  # fmt: skip
+    inputs = [
+        q
+        for n, m in model.named_modules()
+        if isinstance(m, QuantMixin)
+        for s, q in m.quantizer_slots()
+        if s.role == "input_tensors"
+    ]
     assert len(inputs) == 2 + 1 + 1 + 1 and all(bool(q.initialized) for q in inputs)  # the LSTM's second layer's too
     _every_weight_quantizer_matters(model, x)
     restored = RecurrentTagger()
@@ -264,8 +290,13 @@ def test_qat_trains_attention_and_recurrent_weights() -> None:
 
 def test_configured_by_layer_type_and_owned_out_proj_follows() -> None:
     model = nn.ModuleDict({"attn": nn.MultiheadAttention(8, 2), "gru": nn.GRU(8, 8), "fc": nn.Linear(8, 8)})
-    config = {"global_quant_config": {}, "layer_type_quant_config": {"MultiheadAttention": {"weight": INT8_PER_CHANNEL_WEIGHT},
-                                          "GRU": {"weight": INT8_PER_CHANNEL_WEIGHT}}}  # fmt: skip
+    config = {
+        "global_quant_config": {},
+        "layer_type_quant_config": {
+            "MultiheadAttention": {"weight": INT8_PER_CHANNEL_WEIGHT},
+            "GRU": {"weight": INT8_PER_CHANNEL_WEIGHT},
+        },
+    }
     with pytest.warns(UserWarning, match="stay float"):
         plans = {p.name: p for p in ModelQuantizer(config).resolve(model)}
         ModelQuantizer(config).prepare(model)

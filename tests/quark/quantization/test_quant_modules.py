@@ -123,10 +123,13 @@ def test_quantized_forward_is_the_float_op_between_fake_quantizers(
     assert not torch.equal(out, float_out)  # quantization is really applied
 
 
-@pytest.mark.parametrize("cls, qcls, fn", [
-    (nn.ConvTranspose1d, QuantConvTranspose1d, F.conv_transpose1d),
-    (nn.ConvTranspose2d, QuantConvTranspose2d, F.conv_transpose2d),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cls, qcls, fn",
+    [
+        (nn.ConvTranspose1d, QuantConvTranspose1d, F.conv_transpose1d),
+        (nn.ConvTranspose2d, QuantConvTranspose2d, F.conv_transpose2d),
+    ],
+)
 def test_conv_transpose_honours_output_size(cls: type, qcls: type, fn: Callable[..., torch.Tensor]) -> None:
     torch.manual_seed(1)
     dims = 1 if cls is nn.ConvTranspose1d else 2

@@ -31,9 +31,13 @@ def test_every_documented_observer_name_resolves_to_its_class(name: str) -> None
 
 def test_amd_quark_observer_methods_name_registered_observers() -> None:
     methods = observer_methods()
-    assert methods == {"min_max": "PerTensorMinMaxObserver", "histogram": "PerTensorHistogramObserver",
-                       "histogrampro": "PerTensorHistogramObserverPro", "MSE": "PerTensorMSEObserver",
-                       "percentile": "PerTensorPercentileObserver"}  # fmt: skip
+    assert methods == {
+        "min_max": "PerTensorMinMaxObserver",
+        "histogram": "PerTensorHistogramObserver",
+        "histogrampro": "PerTensorHistogramObserverPro",
+        "MSE": "PerTensorMSEObserver",
+        "percentile": "PerTensorPercentileObserver",
+    }
     assert all(observer_class(c) is not None for c in methods.values())
 
 
@@ -43,15 +47,23 @@ def test_a_new_observer_subclass_registers_itself() -> None:
 
     try:
         assert OBSERVER_MAP["RegistryTestObserver"] is RegistryTestObserver
-        spec = QuantizationSpec(dtype="int8", qscheme="per_tensor", observer_cls="RegistryTestObserver", symmetric=True,
-                                round_method="half_even", scale_type="float")
+        spec = QuantizationSpec(
+            dtype="int8",
+            qscheme="per_tensor",
+            observer_cls="RegistryTestObserver",
+            symmetric=True,
+            round_method="half_even",
+            scale_type="float",
+        )
         assert spec.observer_cls is RegistryTestObserver
     finally:
         OBSERVER_MAP.pop("RegistryTestObserver")
 
 
 def test_unknown_observer_name_lists_the_allowed_ones() -> None:
-    with pytest.raises(ValueError, match="observer_cls='NoSuchObserver' is not an observer; allowed: .*PerTensorMinMaxObserver"):
+    with pytest.raises(
+        ValueError, match="observer_cls='NoSuchObserver' is not an observer; allowed: .*PerTensorMinMaxObserver"
+    ):
         QuantizationSpec(dtype="int8", qscheme="per_tensor", observer_cls="NoSuchObserver")
     with pytest.raises(ValueError, match="is not an observer"):
         observer_class(int)
@@ -87,9 +99,21 @@ class _UnregisteredConfig(AlgoConfig):
 
 
 def test_an_unregistered_algorithm_config_gets_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"_UnregisteredConfig is not registered; allowed: \[.*'GPTQConfig'.*register_algorithm"):
+    with pytest.raises(
+        ValueError, match=r"_UnregisteredConfig is not registered; allowed: \[.*'GPTQConfig'.*register_algorithm"
+    ):
         algorithm_stage(_UnregisteredConfig())
     with pytest.raises(ValueError, match="_UnregisteredConfig is not registered"):
-        Config(global_quant_config={"weight": {"dtype": "int8", "qscheme": "per_tensor", "observer_cls": "PerTensorMinMaxObserver",
-                                               "symmetric": True, "round_method": "half_even", "scale_type": "float"}},
-               algo_config=_UnregisteredConfig())  # fmt: skip
+        Config(
+            global_quant_config={
+                "weight": {
+                    "dtype": "int8",
+                    "qscheme": "per_tensor",
+                    "observer_cls": "PerTensorMinMaxObserver",
+                    "symmetric": True,
+                    "round_method": "half_even",
+                    "scale_type": "float",
+                }
+            },
+            algo_config=_UnregisteredConfig(),
+        )

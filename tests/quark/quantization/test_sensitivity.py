@@ -28,11 +28,18 @@ from quark.torch.quantization.sensitivity import (
 
 def spec(bits: int, qscheme: str = "per_channel", group: int | None = None, sym: bool = True) -> QuantizationSpec:
     d = {
-        "dtype": f"int{bits}" if sym else f"uint{bits}", "qscheme": qscheme, "symmetric": sym, "is_dynamic": False,
-        "observer_cls": {"per_channel": "PerChannelMinMaxObserver", "per_group": "PerGroupMinMaxObserver",
-                         "per_tensor": "PerTensorMinMaxObserver"}[qscheme],
-        "round_method": "half_even", "scale_type": "float",
-    }  # fmt: skip
+        "dtype": f"int{bits}" if sym else f"uint{bits}",
+        "qscheme": qscheme,
+        "symmetric": sym,
+        "is_dynamic": False,
+        "observer_cls": {
+            "per_channel": "PerChannelMinMaxObserver",
+            "per_group": "PerGroupMinMaxObserver",
+            "per_tensor": "PerTensorMinMaxObserver",
+        }[qscheme],
+        "round_method": "half_even",
+        "scale_type": "float",
+    }
     if qscheme == "per_channel":
         d["ch_axis"] = 0
     if qscheme == "per_group":
@@ -47,7 +54,16 @@ def test_weight_bits_count_scales_and_zero_points() -> None:
     assert weight_bits(spec(8), (64, 128)) == 8 + 64 * 32 / (64 * 128)  # one float32 scale per output row
     assert weight_bits(spec(4, "per_group", 32, sym=False), (64, 128)) == 4 + (32 + 4) / 32  # scale + uint4 zero point
     assert weight_bits(spec(8, "per_tensor"), (10, 10)) == 8 + 32 / 100
-    mx = QuantizationSpec.from_dict({"dtype": "mx", "mx_element_dtype": "fp4", "qscheme": "per_group", "ch_axis": 1, "group_size": 32, "is_dynamic": False})
+    mx = QuantizationSpec.from_dict(
+        {
+            "dtype": "mx",
+            "mx_element_dtype": "fp4",
+            "qscheme": "per_group",
+            "ch_axis": 1,
+            "group_size": 32,
+            "is_dynamic": False,
+        }
+    )
     assert weight_bits(mx, (64, 128)) == 4 + 8 / 32  # E8M0 per block of 32
     assert weight_bits(None, (3, 3)) == 32
 
@@ -110,7 +126,9 @@ def test_sensitivity_quantizes_one_layer_at_a_time_and_leaves_the_model_as_it_wa
         assert s.bits["w2"] < s.bits["w4"] < s.bits["w8"]
     assert table["loud"].loss["w4"] > 100 * table["quiet"].loss["w4"]
     # exactly the output error of the model with only that layer quantized, computed independently
-    only_quiet = ModelQuantizer(Config(global_quant_config=QuantizationConfig(), layer_quant_config={"quiet": CANDIDATES["w4"]}))
+    only_quiet = ModelQuantizer(
+        Config(global_quant_config=QuantizationConfig(), layer_quant_config={"quiet": CANDIDATES["w4"]})
+    )
     reference = TwoPaths()
     q = only_quiet.quantize_model(TwoPaths(), batches)
     expected = sum(float((q(b).double() - reference(b).double()).pow(2).mean()) for b in batches) / 3
@@ -147,7 +165,9 @@ def test_hutchinson_trace_matches_the_exact_hessian() -> None:
 def test_hessian_sensitivity_ranks_the_loud_layer_first() -> None:
     model = TwoPaths()
     batches = [torch.randn(8, 32) for _ in range(2)]
-    table = {s.layer: s for s in hessian_sensitivity(model, CANDIDATES, batches, lambda m, b: m(b).pow(2).sum(), samples=8)}
+    table = {
+        s.layer: s for s in hessian_sensitivity(model, CANDIDATES, batches, lambda m, b: m(b).pow(2).sum(), samples=8)
+    }
     assert table["loud"].loss["w4"] > 100 * table["quiet"].loss["w4"]
     assert table["loud"].loss["w8"] < table["loud"].loss["w2"]
 

@@ -32,7 +32,9 @@ from quark.torch.quantization.tensor_quantize import (
 
 
 def per_channel_spec(ch_axis: int = 0, **overrides: Any) -> QuantizationSpec:
-    return int_spec(qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=ch_axis, **overrides)
+    return int_spec(
+        qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=ch_axis, **overrides
+    )
 
 
 def tqt_spec(dtype: Dtype = Dtype.int8, meth: TQTThresholdInitMeth | None = None) -> QuantizationSpec:
@@ -52,7 +54,10 @@ def test_get_fake_quantize_picks_the_class() -> None:
     cases = [
         (int_spec(), ScaledFakeQuantize),
         (per_channel_spec(), ScaledFakeQuantize),
-        (QuantizationSpec(dtype="fp8_e4m3", qscheme="per_tensor", observer_cls=PerTensorMinMaxObserver), ScaledFakeQuantize),
+        (
+            QuantizationSpec(dtype="fp8_e4m3", qscheme="per_tensor", observer_cls=PerTensorMinMaxObserver),
+            ScaledFakeQuantize,
+        ),
         (QuantizationSpec(dtype="bfloat16"), NonScaledFakeQuantize),
         (QuantizationSpec(dtype="float16"), NonScaledFakeQuantize),
         (QuantizationSpec(dtype="mx", mx_element_dtype="fp4", observer_cls=PerBlockMXObserver), NonScaledFakeQuantize),
@@ -238,7 +243,9 @@ def test_switch_methods_chain_and_buffers() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- state_dict / dynamic / frozen
-@pytest.mark.parametrize("spec_fn", [lambda: int_spec(), lambda: per_channel_spec(ch_axis=1, dtype=Dtype.uint4, symmetric=False)])
+@pytest.mark.parametrize(
+    "spec_fn", [lambda: int_spec(), lambda: per_channel_spec(ch_axis=1, dtype=Dtype.uint4, symmetric=False)]
+)
 def test_static_state_dict_reproduces_outputs(spec_fn: Any) -> None:
     fq = ScaledFakeQuantize(spec_fn())
     fq(randn(6, 10, seed=13))
@@ -354,9 +361,14 @@ def test_cast_fake_quantize(dtype: str, torch_dtype: torch.dtype) -> None:
 
 def test_mx_fp4_fake_quantize() -> None:
     spec = QuantizationSpec(
-        dtype=Dtype.mx, mx_element_dtype=Dtype.fp4, observer_cls=PerBlockMXObserver, qscheme="per_group",
-        ch_axis=-1, group_size=32, is_dynamic=True,
-    )  # fmt: skip
+        dtype=Dtype.mx,
+        mx_element_dtype=Dtype.fp4,
+        observer_cls=PerBlockMXObserver,
+        qscheme="per_group",
+        ch_axis=-1,
+        group_size=32,
+        is_dynamic=True,
+    )
     fq = FakeQuantizeBase.get_fake_quantize(spec)
     x = randn(4, 96, seed=29, scale=3)
     y = fq(x)
@@ -469,7 +481,10 @@ def test_lsq_needs_observer_for_init_and_freezes() -> None:
 @pytest.mark.parametrize("method", [RoundType.floor, RoundType.round, RoundType.half_even])
 def test_learnable_quantizers_honour_round_method_and_freeze_identically(method: RoundType) -> None:
     x = randn(2000, seed=50, scale=2)
-    for spec in (int_spec(round_method=method, qat_spec=LSQSpec()), int_spec(round_method=method, scale_type="pof2", qat_spec=TQTSpec())):
+    for spec in (
+        int_spec(round_method=method, qat_spec=LSQSpec()),
+        int_spec(round_method=method, scale_type="pof2", qat_spec=TQTSpec()),
+    ):
         fq = FakeQuantizeBase.get_fake_quantize(spec)
         y = fq(x)
         s = fq.calculate_qparams()[0]
@@ -563,7 +578,9 @@ def test_tqt_default_init_is_3sd() -> None:
     x = randn(1000, seed=46)
     fq = FakeQuantizeBase.get_fake_quantize(tqt_spec(meth=None))
     fq(x)
-    assert fq.log_threshold.item() == pytest.approx(math.log2((x.mean().abs() + 3 * x.std(correction=0)).item()), rel=1e-6)
+    assert fq.log_threshold.item() == pytest.approx(
+        math.log2((x.mean().abs() + 3 * x.std(correction=0)).item()), rel=1e-6
+    )
 
 
 def test_tqt_threshold_trains_and_freezes() -> None:
@@ -595,9 +612,12 @@ def tqt_channel_spec(
     ch_axis: int, dtype: Dtype = Dtype.int4, init: str | None = None, round_method: RoundType = RoundType.half_even
 ) -> QuantizationSpec:
     return per_channel_spec(
-        ch_axis, dtype=dtype, scale_type=ScaleType.pof2, round_method=round_method,
+        ch_axis,
+        dtype=dtype,
+        scale_type=ScaleType.pof2,
+        round_method=round_method,
         qat_spec=TQTSpec(threshold_init_meth=init),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("round_method", [RoundType.half_even, RoundType.round])
@@ -688,7 +708,9 @@ def test_an_empty_input_passes_through_before_and_after_calibration(spec_fn: Any
 
 
 def test_frozen_per_group_quantizers_pass_an_empty_input_through() -> None:
-    spec = int_spec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=-1, group_size=16)
+    spec = int_spec(
+        dtype=Dtype.int4, qscheme=QSchemeType.per_group, observer_cls=PerGroupMinMaxObserver, ch_axis=-1, group_size=16
+    )
     fq = FakeQuantizeBase.get_fake_quantize(spec)
     fq(torch.randn(64, 64))
     frozen = fq.to_frozen()

@@ -14,6 +14,13 @@ from quark.torch.extensions.brevitas.config import (
 )
 
 __all__ = [
-    "Backend", "Config", "ParamType", "QLayerConfig", "QTensorConfig", "QuantizationConfig", "QuantizationSpec",
-    "QuantType", "to_quark_config",
-]  # fmt: skip
+    "Backend",
+    "Config",
+    "ParamType",
+    "QLayerConfig",
+    "QTensorConfig",
+    "QuantizationConfig",
+    "QuantizationSpec",
+    "QuantType",
+    "to_quark_config",
+]

@@ -20,7 +20,9 @@ from quark.torch.quantization.config.type import QSchemeType, ScaleType
 
 
 def _brevitas() -> Any:
-    feature = "the Brevitas backend (or run the same Config on this engine: quark.torch.extensions.brevitas.to_quark_config)"
+    feature = (
+        "the Brevitas backend (or run the same Config on this engine: quark.torch.extensions.brevitas.to_quark_config)"
+    )
     return import_extra("brevitas.nn", "brevitas", feature)
 
 
@@ -35,8 +37,11 @@ def _quantizer(spec: QuantizationSpec, role: str) -> tuple[Any, dict[str, Any]]:
     if spec.quant_type == QuantType.float_quant:
         fmt = {(4, 3): "Fp8e4m3", (5, 2): "Fp8e5m2"}.get((spec.exponent_bit_width, spec.mantissa_bit_width), "Fp8e4m3")  # type: ignore[arg-type]
         name = f"{fmt}{'Weight' if weight else 'Act'}Per{'Channel' if per_channel and weight else 'Tensor'}Float{'MSE' if mse else ''}"
-        extra: dict[str, Any] = {"exponent_bit_width": spec.exponent_bit_width, "mantissa_bit_width": spec.mantissa_bit_width,
-                                 "bit_width": spec.bit_width}  # fmt: skip
+        extra: dict[str, Any] = {
+            "exponent_bit_width": spec.exponent_bit_width,
+            "mantissa_bit_width": spec.mantissa_bit_width,
+            "bit_width": spec.bit_width,
+        }
         return getattr(bq, name), extra
     if weight:
         if not spec.symmetric:
@@ -68,9 +73,13 @@ class ModelQuantizer:
     def __init__(self, config: Config | dict[str, Any]) -> None:
         self.config = config if isinstance(config, Config) else Config.from_dict(config)
         if self.config.pre_quant_opt_config or self.config.algo_config:
-            raise ValueError("the Brevitas backend runs no pre_quant_opt_config / algo_config; use this engine (to_quark_config)")
+            raise ValueError(
+                "the Brevitas backend runs no pre_quant_opt_config / algo_config; use this engine (to_quark_config)"
+            )
 
-    def quantize_model(self, model: nn.Module, dataloader: Iterable[Any] | None = None, max_batches: int | None = None) -> nn.Module:
+    def quantize_model(
+        self, model: nn.Module, dataloader: Iterable[Any] | None = None, max_batches: int | None = None
+    ) -> nn.Module:
         """A copy of ``model`` with Brevitas layers (same weights), calibrated on ``dataloader`` when activations are
         quantized; the input model is not modified."""
         qnn = _brevitas()
@@ -78,7 +87,9 @@ class ModelQuantizer:
 
         specs = self.config.global_quant_config
         if specs.output_tensors is not None or specs.bias is not None:
-            raise ValueError("the layerwise Brevitas backend quantizes input_tensors and weight; output_tensors / bias are not supported")
+            raise ValueError(
+                "the layerwise Brevitas backend quantizes input_tensors and weight; output_tensors / bias are not supported"
+            )
         quantized = copy.deepcopy(model)
         swapped = 0
         for module in list(quantized.modules()):
@@ -115,8 +126,17 @@ class ModelQuantizer:
             twin = qnn.QuantLinear(layer.in_features, layer.out_features, bias=layer.bias is not None, **kwargs)
         elif type(layer) in (nn.Conv1d, nn.Conv2d):
             cls = qnn.QuantConv1d if type(layer) is nn.Conv1d else qnn.QuantConv2d
-            twin = cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
-                       dilation=layer.dilation, groups=layer.groups, bias=layer.bias is not None, **kwargs)  # fmt: skip
+            twin = cls(
+                layer.in_channels,
+                layer.out_channels,
+                layer.kernel_size,
+                stride=layer.stride,
+                padding=layer.padding,
+                dilation=layer.dilation,
+                groups=layer.groups,
+                bias=layer.bias is not None,
+                **kwargs,
+            )
         else:
             return None
         twin.load_state_dict(layer.state_dict(), strict=False)
@@ -130,5 +150,7 @@ def export_onnx_qcdq(model: nn.Module, path: str | Path, example_input: torch.Te
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    export(model, args=example_input, export_path=str(path), dynamo=False)  # the TorchScript exporter writes the QCDQ ops
+    export(
+        model, args=example_input, export_path=str(path), dynamo=False
+    )  # the TorchScript exporter writes the QCDQ ops
     return path

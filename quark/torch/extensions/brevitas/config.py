@@ -59,7 +59,13 @@ def _enum(owner: str, name: str, cls: type[Enum], value: Any) -> Any:
 
 
 #: (exponent bits, mantissa bits) -> the engine's minifloat dtype
-MINIFLOATS = {(4, 3): Dtype.fp8_e4m3, (5, 2): Dtype.fp8_e5m2, (3, 2): Dtype.fp6_e3m2, (2, 3): Dtype.fp6_e2m3, (2, 1): Dtype.fp4}
+MINIFLOATS = {
+    (4, 3): Dtype.fp8_e4m3,
+    (5, 2): Dtype.fp8_e5m2,
+    (3, 2): Dtype.fp6_e3m2,
+    (2, 3): Dtype.fp6_e2m3,
+    (2, 1): Dtype.fp4,
+}
 
 
 @dataclass(eq=True, frozen=True)
@@ -156,7 +162,9 @@ class Config:
         if isinstance(self.global_quant_config, dict):
             self.global_quant_config = QuantizationConfig.from_dict(self.global_quant_config)
         if not isinstance(self.global_quant_config, QuantizationConfig):
-            raise ValueError(f"Config.global_quant_config={self.global_quant_config!r} must be a QuantizationConfig or a dict")
+            raise ValueError(
+                f"Config.global_quant_config={self.global_quant_config!r} must be a QuantizationConfig or a dict"
+            )
         self.backend = _enum("Config", "backend", Backend, self.backend)
         self.pre_quant_opt_config = list(self.pre_quant_opt_config or [])
         self.algo_config = list(self.algo_config or [])
@@ -188,11 +196,18 @@ def spec_to_quark(spec: QuantizationSpec, role: str) -> quark.QuantizationSpec:
         dtype = MINIFLOATS[(spec.exponent_bit_width, spec.mantissa_bit_width)]  # type: ignore[index]
     if spec.param_type == ParamType.mse:
         if per_channel:
-            raise ValueError(f"{role}: param_type=mse runs per tensor in this engine; use qscheme=per_tensor or param_type=stats")
+            raise ValueError(
+                f"{role}: param_type=mse runs per tensor in this engine; use qscheme=per_tensor or param_type=stats"
+            )
         observer = "PerTensorMSEObserver"
     else:
         observer = "PerChannelMinMaxObserver" if per_channel else "PerTensorMinMaxObserver"
-    data: dict[str, Any] = {"dtype": dtype.name, "qscheme": spec.qscheme.name, "observer_cls": observer, "is_dynamic": False}
+    data: dict[str, Any] = {
+        "dtype": dtype.name,
+        "qscheme": spec.qscheme.name,
+        "observer_cls": observer,
+        "is_dynamic": False,
+    }
     if per_channel:
         data["ch_axis"] = 0 if role in ("weight", "bias") else 1
     if dtype.is_integer:

@@ -130,7 +130,9 @@ def _check_scaling_layers(owner: str, value: Any) -> None:
     for i, entry in enumerate(value):
         unknown = set(entry) - keys
         if unknown:
-            raise ValueError(f"{owner}.scaling_layers[{i}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(keys)}")
+            raise ValueError(
+                f"{owner}.scaling_layers[{i}] has unknown key(s) {sorted(unknown)}; allowed: {sorted(keys)}"
+            )
         if "prev_op" not in entry or "layers" not in entry:
             raise ValueError(f"{owner}.scaling_layers[{i}] needs 'prev_op' and 'layers', got {entry!r}")
 
@@ -150,7 +152,11 @@ class SmoothQuantConfig(PreQuantOptConfig):
         own = "SmoothQuantConfig"
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 <= self.alpha <= 1:
             raise ValueError(f"{own}.alpha={self.alpha!r} must be a number in [0, 1]")
-        if isinstance(self.scale_clamp_min, bool) or not isinstance(self.scale_clamp_min, int | float) or self.scale_clamp_min <= 0:
+        if (
+            isinstance(self.scale_clamp_min, bool)
+            or not isinstance(self.scale_clamp_min, int | float)
+            or self.scale_clamp_min <= 0
+        ):
             raise ValueError(f"{own}.scale_clamp_min={self.scale_clamp_min!r} must be a positive number")
         _check_scaling_layers(own, self.scaling_layers)
         _check_str_list(own, "embedding_layers", self.embedding_layers)
@@ -202,7 +208,11 @@ class GPTQConfig(AlgoConfig):
         _check_positive_int(own, "bit", self.bit)
         _check_positive_int(own, "group_size", self.group_size, allow_minus_one=True)
         _check_positive_int(own, "block_size", self.block_size)
-        if isinstance(self.damp_percent, bool) or not isinstance(self.damp_percent, int | float) or not 0 < self.damp_percent <= 1:
+        if (
+            isinstance(self.damp_percent, bool)
+            or not isinstance(self.damp_percent, int | float)
+            or not 0 < self.damp_percent <= 1
+        ):
             raise ValueError(f"{own}.damp_percent={self.damp_percent!r} must be a number in (0, 1]")
         _check_str_list(own, "inside_layer_modules", self.inside_layer_modules)
         _check_str_list(own, "embedding_layers", self.embedding_layers)
@@ -239,8 +249,12 @@ class CLEConfig(PreQuantOptConfig):
             raise ValueError(f"{own}.high_bias_absorption={self.high_bias_absorption!r} must be true or false")
 
 
-for _type, _stage in ((GPTQConfig, "after_calibration"), (AWQConfig, "before_calibration"),
-                     (SmoothQuantConfig, "before_calibration"), (CLEConfig, "graph")):  # fmt: skip
+for _type, _stage in (
+    (GPTQConfig, "after_calibration"),
+    (AWQConfig, "before_calibration"),
+    (SmoothQuantConfig, "before_calibration"),
+    (CLEConfig, "graph"),
+):
     register_algorithm(_type, stage=_stage)  # the handlers come with their modules
 
 
@@ -295,7 +309,9 @@ class Config(ConfigBase):
         if not isinstance(self.inherit_roles, bool):
             raise ValueError(f"Config.inherit_roles={self.inherit_roles!r} must be true or false")
         self.global_quant_config = _qconfig("Config.global_quant_config", self.global_quant_config)
-        self.layer_type_quant_config = self._mapping("layer_type_quant_config", self.layer_type_quant_config, types=True)
+        self.layer_type_quant_config = self._mapping(
+            "layer_type_quant_config", self.layer_type_quant_config, types=True
+        )
         self.layer_quant_config = self._mapping("layer_quant_config", self.layer_quant_config, types=False)
         if not isinstance(self.exclude, list | tuple) or not all(isinstance(e, str) for e in self.exclude):
             raise ValueError(f"Config.exclude={self.exclude!r} must be a list of layer names or fnmatch patterns")
@@ -310,7 +326,9 @@ class Config(ConfigBase):
         stages = {id(a): algorithm_stage(a) for a in self.algo_configs + self.pre_quant_opt_configs}
         in_algo = [type(a).__name__ for a in self.algo_configs if stages[id(a)] == "graph"]
         if in_algo:
-            raise ValueError(f"Config.algo_config holds a {in_algo[0]}, which runs from pre_quant_opt_config only: move it there")
+            raise ValueError(
+                f"Config.algo_config holds a {in_algo[0]}, which runs from pre_quant_opt_config only: move it there"
+            )
         graph_only = [a.name for a in self.pre_quant_opt_configs if stages[id(a)] == "graph"]  # type: ignore[attr-defined]
         if graph_only and self.quant_mode != QuantizationMode.fx_graph_mode:
             raise ValueError(
@@ -320,20 +338,26 @@ class Config(ConfigBase):
         eager_only = [a.name for a in self.algo_configs + self.pre_quant_opt_configs if stages[id(a)] != "graph"]  # type: ignore[attr-defined]
         if self.quant_mode == QuantizationMode.fx_graph_mode and eager_only:
             names = eager_only
-            raise ValueError(f"Config algorithm(s) {names} run in eager_mode only; fx_graph_mode has pre_quant_opt_config=[CLEConfig()]")
+            raise ValueError(
+                f"Config algorithm(s) {names} run in eager_mode only; fx_graph_mode has pre_quant_opt_config=[CLEConfig()]"
+            )
 
     @staticmethod
     def _mapping(name: str, value: Any, types: bool) -> dict[str, QuantizationConfig]:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise ValueError(f"Config.{name}={value!r} must be a dict of {'layer types' if types else 'layer names'} to QuantizationConfig")
+            raise ValueError(
+                f"Config.{name}={value!r} must be a dict of {'layer types' if types else 'layer names'} to QuantizationConfig"
+            )
         out: dict[str, QuantizationConfig] = {}
         for key, qc in value.items():
             if types and isinstance(key, type):
                 key = key.__name__  # the class is matched by its name, like "Linear"
             if not isinstance(key, str):
-                raise ValueError(f"Config.{name} key {key!r} must be a {'type name or class' if types else 'layer name'}")
+                raise ValueError(
+                    f"Config.{name} key {key!r} must be a {'type name or class' if types else 'layer name'}"
+                )
             out[key] = _qconfig(f"Config.{name}[{key!r}]", qc)
         return out
 

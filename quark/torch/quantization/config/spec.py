@@ -164,7 +164,9 @@ class TQTSpec(QATSpec):
     method = "tqt"
 
     def __post_init__(self) -> None:
-        self.threshold_init_meth = coerce_enum("TQTSpec", "threshold_init_meth", TQTThresholdInitMeth, self.threshold_init_meth)
+        self.threshold_init_meth = coerce_enum(
+            "TQTSpec", "threshold_init_meth", TQTThresholdInitMeth, self.threshold_init_meth
+        )
 
 
 @dataclass(eq=True)
@@ -255,7 +257,9 @@ class QuantizationSpec(ConfigBase):
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"QuantizationSpec.group_size={self.group_size} must be a positive int")
         if self.mx_element_dtype is not None and self.dtype != Dtype.mx:
-            logger.warning("QuantizationSpec.mx_element_dtype is only used with dtype=mx; ignored for %s", self.dtype.name)
+            logger.warning(
+                "QuantizationSpec.mx_element_dtype is only used with dtype=mx; ignored for %s", self.dtype.name
+            )
 
     def _check_scale_format(self) -> None:
         """Validate ``scale_format`` / ``scale_calculation_mode`` and read amd-quark's MX spelling (a minifloat,
@@ -271,7 +275,9 @@ class QuantizationSpec(ConfigBase):
         if self.scale_calculation_mode is not None:
             self.scale_calculation_mode = str(self.scale_calculation_mode).lower()
             if self.scale_calculation_mode not in MX_SCALE_MODES:
-                raise ValueError(f"{own}.scale_calculation_mode={self.scale_calculation_mode!r}; allowed: {list(MX_SCALE_MODES)} or None")
+                raise ValueError(
+                    f"{own}.scale_calculation_mode={self.scale_calculation_mode!r}; allowed: {list(MX_SCALE_MODES)} or None"
+                )
         if self.scale_format == "e8m0" and self.dtype in MX_ELEMENT_DTYPES and self.dtype != Dtype.int8:
             if self.qscheme not in (None, QSchemeType.per_group):
                 raise ValueError(f"{own}.scale_format='e8m0' (OCP MX) needs qscheme=per_group, got {self.qscheme.name}")
@@ -286,7 +292,9 @@ class QuantizationSpec(ConfigBase):
                 f"({[d.name for d in MX_ELEMENT_DTYPES if d != Dtype.int8]}) with qscheme=per_group"
             )
         if self.scale_format == "float32" and self.dtype in BLOCK_FORMATS:
-            raise ValueError(f"{own}.scale_format='float32': a block format's scales are shared exponents; allowed: 'e8m0' or None")
+            raise ValueError(
+                f"{own}.scale_format='float32': a block format's scales are shared exponents; allowed: 'e8m0' or None"
+            )
         if self.scale_calculation_mode is not None and self.dtype not in BLOCK_FORMATS:
             raise ValueError(
                 f"{own}.scale_calculation_mode={self.scale_calculation_mode!r} applies to OCP MX scales only; "
@@ -298,7 +306,11 @@ class QuantizationSpec(ConfigBase):
         own = f"QuantizationSpec(dtype={self.dtype.name})"
         size = self.block_size
         if size is not None:
-            if not isinstance(size, list | tuple) or len(size) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in size):
+            if (
+                not isinstance(size, list | tuple)
+                or len(size) != 2
+                or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in size)
+            ):
                 raise ValueError(
                     f"{own}.block_size={size!r} must be a list of two positive ints [rows, cols] (e.g. [128, 128]) or None"
                 )
@@ -327,7 +339,9 @@ class QuantizationSpec(ConfigBase):
                 f"block_size={self.block_size}; leave group_size None"
             )
         if self.ch_axis is not None:
-            logger.warning("QuantizationSpec.ch_axis=%s is not used with qscheme=per_block (tiles of block_size)", self.ch_axis)
+            logger.warning(
+                "QuantizationSpec.ch_axis=%s is not used with qscheme=per_block (tiles of block_size)", self.ch_axis
+            )
 
     @property
     def mx_scale_mode(self) -> str | None:
@@ -377,7 +391,11 @@ class QuantizationSpec(ConfigBase):
         if isinstance(fmt, IntFormat):
             for name in ("symmetric", "round_method", "scale_type"):
                 if getattr(self, name) is None:
-                    allowed = {"symmetric": [True, False], "round_method": RoundType.choices(), "scale_type": ScaleType.choices()}
+                    allowed = {
+                        "symmetric": [True, False],
+                        "round_method": RoundType.choices(),
+                        "scale_type": ScaleType.choices(),
+                    }
                     raise ValueError(f"{own}.{name} is required for integer dtypes; allowed: {allowed[name]}")
         if self.qscheme in (QSchemeType.per_channel, QSchemeType.per_group) and self.ch_axis is None:
             raise ValueError(f"{own}.ch_axis is required with qscheme={self.qscheme.name} (an int, e.g. 0 or -1)")

@@ -34,10 +34,21 @@ ROUND_METHODS = {"round": RoundType.round, "floor": RoundType.floor, "half_even"
 ZERO_POINT_TYPES = {"int32": ZeroPointType.int32, "float32": ZeroPointType.float32}
 
 REQUIRED = MISSING
-_MX_KW = {"qscheme": "per_group", "group_size": 32, "scale_format": "e8m0", "observer_cls": "PerBlockMXObserver",
-          "scale_type": ScaleType.float, "round_method": RoundType.half_even}
-_PER_GROUP_FLOAT_FIELDS = {"ch_axis": REQUIRED, "group_size": REQUIRED, "scale_format": "float32",
-                           "scale_calculation_mode": None, "is_dynamic": True}  # fmt: skip
+_MX_KW = {
+    "qscheme": "per_group",
+    "group_size": 32,
+    "scale_format": "e8m0",
+    "observer_cls": "PerBlockMXObserver",
+    "scale_type": ScaleType.float,
+    "round_method": RoundType.half_even,
+}
+_PER_GROUP_FLOAT_FIELDS = {
+    "ch_axis": REQUIRED,
+    "group_size": REQUIRED,
+    "scale_format": "float32",
+    "scale_calculation_mode": None,
+    "is_dynamic": True,
+}
 
 
 def _lookup(helper: str, field: str, table: dict[str, Any], value: Any) -> Any:
@@ -80,18 +91,35 @@ class DataTypeSpec:
 
 
 def _per_tensor(symmetric: bool) -> dict[str, Any]:
-    return {"observer_method": "min_max", "symmetric": symmetric, "scale_type": "float", "round_method": "half_even",
-            "is_dynamic": False}  # fmt: skip
+    return {
+        "observer_method": "min_max",
+        "symmetric": symmetric,
+        "scale_type": "float",
+        "round_method": "half_even",
+        "is_dynamic": False,
+    }
 
 
 def _per_channel(symmetric: bool, is_dynamic: bool | None = False, **extra: Any) -> dict[str, Any]:
-    return {"ch_axis": REQUIRED, "symmetric": symmetric, "scale_type": "float", "round_method": "half_even",
-            "is_dynamic": is_dynamic, **extra}  # fmt: skip
+    return {
+        "ch_axis": REQUIRED,
+        "symmetric": symmetric,
+        "scale_type": "float",
+        "round_method": "half_even",
+        "is_dynamic": is_dynamic,
+        **extra,
+    }
 
 
 def _per_group(symmetric: bool) -> dict[str, Any]:
-    return {"ch_axis": REQUIRED, "group_size": REQUIRED, "symmetric": symmetric, "scale_type": "float",
-            "round_method": "half_even", "is_dynamic": False}  # fmt: skip
+    return {
+        "ch_axis": REQUIRED,
+        "group_size": REQUIRED,
+        "symmetric": symmetric,
+        "scale_type": "float",
+        "round_method": "half_even",
+        "is_dynamic": False,
+    }
 
 
 _CHANNEL = ("per_channel", {"observer_cls": "PerChannelMinMaxObserver"})
@@ -117,7 +145,8 @@ _HELPERS: dict[str, tuple[Dtype, tuple[str | None, dict[str, Any]], dict[str, An
     "Int8PerChannelSpec": (Dtype.int8, _CHANNEL, _per_channel(False)),
     "Int8PerGroupSpec": (Dtype.int8, _GROUP, _per_group(True)),
     "FP8E4M3PerTensorSpec": (
-        Dtype.fp8_e4m3, ("per_tensor", {"symmetric": True, "round_method": RoundType.half_even}),
+        Dtype.fp8_e4m3,
+        ("per_tensor", {"symmetric": True, "round_method": RoundType.half_even}),
         {"observer_method": "min_max", "scale_type": None, "is_dynamic": False},
     ),
     "FP8E5M2PerTensorSpec": (Dtype.fp8_e5m2, _TENSOR, _per_tensor(True)),
@@ -139,7 +168,7 @@ _HELPERS: dict[str, tuple[Dtype, tuple[str | None, dict[str, Any]], dict[str, An
     "MX6Spec": (Dtype.mx6, (None, {}), {"ch_axis": REQUIRED, "block_size": REQUIRED, "scale_calculation_mode": "even"}),
     "MX9Spec": (Dtype.mx9, (None, {}), {"ch_axis": REQUIRED, "block_size": REQUIRED, "scale_calculation_mode": "even"}),
     "BFP16Spec": (Dtype.bfp16, (None, {"group_size": 8}), {"ch_axis": REQUIRED, "scale_calculation_mode": "even"}),
-}  # fmt: skip
+}
 
 
 def _make(name: str, dtype: Dtype, scheme: tuple[str | None, dict[str, Any]], fields: dict[str, Any]) -> type:

@@ -119,7 +119,13 @@ class Dtype(_LenientEnum):
 
     @classmethod
     def _aliases(cls) -> dict[str, str]:
-        return {"fp4_e2m1": "fp4", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "bf16": "bfloat16", "fp16": "float16"}
+        return {
+            "fp4_e2m1": "fp4",
+            "float8_e4m3fn": "fp8_e4m3",
+            "float8_e5m2": "fp8_e5m2",
+            "bf16": "bfloat16",
+            "fp16": "float16",
+        }
 
     @staticmethod
     def from_str(s: str) -> Dtype:
@@ -132,7 +138,9 @@ class Dtype(_LenientEnum):
         name = f"{'' if signed else 'u'}int{bits}"
         if name not in Dtype.__members__:
             allowed = "2..16 or 32 (signed), 2..16 (unsigned)"
-            raise ValueError(f"No integer dtype of {bits} bits ({'signed' if signed else 'unsigned'}); allowed: {allowed}")
+            raise ValueError(
+                f"No integer dtype of {bits} bits ({'signed' if signed else 'unsigned'}); allowed: {allowed}"
+            )
         return Dtype[name]
 
     @property
@@ -172,7 +180,12 @@ class ScaleType(_LenientEnum):
         """The torch dtype a scale of this type is stored in (amd-quark's method); ``float`` and ``pof2`` have none."""
         import torch
 
-        dtypes = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float8_e8m0fnu": "float8_e8m0fnu"}
+        dtypes = {
+            "float32": "float32",
+            "float16": "float16",
+            "bfloat16": "bfloat16",
+            "float8_e8m0fnu": "float8_e8m0fnu",
+        }
         if self.name not in dtypes:
             raise ValueError(
                 f"ScaleType.{self.name} is held in the model's float dtype, not one torch dtype; "

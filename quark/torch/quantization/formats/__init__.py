@@ -156,7 +156,9 @@ def elementwise_quantizer(dtype: Dtype | str, round_method: RoundType | None = N
             return lambda x, s, z: cast_forward(x, s, fmt.max_normal, torch_dtype)
         grid_core = grid_forward.__wrapped__
         return lambda x, s, z: grid_core(x, s, fmt)
-    raise ValueError(f"dtype {Dtype(dtype).value} has no scale: elementwise_quantizer serves integer and minifloat dtypes")
+    raise ValueError(
+        f"dtype {Dtype(dtype).value} has no scale: elementwise_quantizer serves integer and minifloat dtypes"
+    )
 
 
 def is_scaled(dtype: Dtype) -> bool:
@@ -187,15 +189,28 @@ def fake_quantize(
         if scale is None or zero_point is None:
             raise ValueError(f"dtype={dtype.name} needs a scale and a zero_point")
         return fake_quantize_int(
-            x, scale, zero_point, fmt.qmin, fmt.qmax,
-            round_method=round_method or RoundType.half_even, qscheme=qscheme or QSchemeType.per_tensor,
-            axis=axis, group_size=group_size, block_size=block_size,
-        )  # fmt: skip
+            x,
+            scale,
+            zero_point,
+            fmt.qmin,
+            fmt.qmax,
+            round_method=round_method or RoundType.half_even,
+            qscheme=qscheme or QSchemeType.per_tensor,
+            axis=axis,
+            group_size=group_size,
+            block_size=block_size,
+        )
     if isinstance(fmt, FloatFormat):
         return fake_quantize_minifloat(
-            x, fmt, scale, qscheme=qscheme or QSchemeType.per_tensor, axis=axis, group_size=group_size,
-            torch_dtype=TORCH_FLOAT8.get(dtype), block_size=block_size,
-        )  # fmt: skip
+            x,
+            fmt,
+            scale,
+            qscheme=qscheme or QSchemeType.per_tensor,
+            axis=axis,
+            group_size=group_size,
+            torch_dtype=TORCH_FLOAT8.get(dtype),
+            block_size=block_size,
+        )
     if isinstance(fmt, CastFormat):
         return fake_cast(x, fmt.torch_dtype)
     block = group_size or fmt.default_block
@@ -231,9 +246,18 @@ def fake_quantize_grad(
     qscheme = qscheme or QSchemeType.per_tensor
     if isinstance(fmt, IntFormat):
         return fake_quantize_int_grad(
-            grad, x, scale, zero_point, fmt.qmin, fmt.qmax, round_method=round_method or RoundType.half_even,
-            qscheme=qscheme, axis=axis, group_size=group_size, block_size=block_size,
-        )  # fmt: skip
+            grad,
+            x,
+            scale,
+            zero_point,
+            fmt.qmin,
+            fmt.qmax,
+            round_method=round_method or RoundType.half_even,
+            qscheme=qscheme,
+            axis=axis,
+            group_size=group_size,
+            block_size=block_size,
+        )
     if isinstance(fmt, FloatFormat):
         return fake_quantize_minifloat_grad(
             grad, x, fmt, scale, qscheme=qscheme, axis=axis, group_size=group_size, block_size=block_size

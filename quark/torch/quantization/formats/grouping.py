@@ -210,7 +210,11 @@ class TileLayout:
 
 def tile_layout(shape: Sequence[int], block_size: Sequence[int] | None) -> TileLayout:
     """The tiling of a 2-D ``shape`` by ``block_size`` = [rows, cols], with a clear error for anything else."""
-    if block_size is None or len(block_size) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size):
+    if (
+        block_size is None
+        or len(block_size) != 2
+        or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size)
+    ):
         raise ValueError(f"qscheme=per_block needs block_size=[rows, cols] of two positive ints, got {block_size!r}")
     if len(shape) != 2:
         raise ValueError(f"qscheme=per_block quantizes 2-D tensors [rows, cols] only, got one of shape {tuple(shape)}")

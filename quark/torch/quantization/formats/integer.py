@@ -124,12 +124,19 @@ def int_forward(
 ) -> torch.Tensor:
     """Fake-quantized ``x`` (computed in float32, returned in x's dtype), qparams broadcastable to it: one fused pass
     when compiled."""
-    return saturate_to((_int_codes(x.float(), scale, zero_point, method).clamp(qmin, qmax) - zero_point) * scale, x.dtype)
+    return saturate_to(
+        (_int_codes(x.float(), scale, zero_point, method).clamp(qmin, qmax) - zero_point) * scale, x.dtype
+    )
 
 
 @compilable
 def _int_grad(
-    grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    qmin: int,
+    qmax: int,
     method: RoundType,
 ) -> torch.Tensor:
     """The straight-through gradient: ``grad`` where ``qmin <= q <= qmax``, else 0 (the mask recomputed from ``x``
@@ -244,13 +251,19 @@ def fake_quantize_int(
         xb, layout = to_blocks(xf, axis, _require_group(group_size))  # [..., G, g]
         if fast:
             rows = xb.reshape(-1, layout.block)  # every group a row: per-group == per-channel on axis 0
-            outb = torch.fake_quantize_per_channel_affine(rows, scale.reshape(-1), zero_point.reshape(-1), 0, qmin, qmax).reshape(xb.shape)
+            outb = torch.fake_quantize_per_channel_affine(
+                rows, scale.reshape(-1), zero_point.reshape(-1), 0, qmin, qmax
+            ).reshape(xb.shape)
         else:
-            outb = _fake_quantize_elementwise(xb, scale.unsqueeze(-1), zero_point.unsqueeze(-1), qmin, qmax, round_method)
+            outb = _fake_quantize_elementwise(
+                xb, scale.unsqueeze(-1), zero_point.unsqueeze(-1), qmin, qmax, round_method
+            )
         out = from_blocks(outb, layout, xf.shape)
     elif qscheme == QSchemeType.per_block:
         xt, tiles = to_tiles(xf, block_size)  # [n_rows, rows, n_cols, cols]; qparams [n_rows, 1, n_cols, 1]
-        outt = _fake_quantize_elementwise(xt, tile_view(scale, tiles), tile_view(zero_point, tiles), qmin, qmax, round_method)
+        outt = _fake_quantize_elementwise(
+            xt, tile_view(scale, tiles), tile_view(zero_point, tiles), qmin, qmax, round_method
+        )
         out = from_tiles(outt, tiles)
     else:
         raise ValueError(f"qscheme={qscheme!r} is not one of {QSchemeType.choices()}")

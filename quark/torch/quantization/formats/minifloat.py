@@ -135,7 +135,9 @@ def fake_quantize_minifloat_grad(
     return out.to(grad.dtype)
 
 
-def _scaled_round(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, torch_dtype: torch.dtype | None) -> torch.Tensor:
+def _scaled_round(
+    x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, torch_dtype: torch.dtype | None
+) -> torch.Tensor:
     if torch_dtype is not None and not compiled_kernels_active(x) and not torch.compiler.is_compiling():
         # the cast: the fastest eager rounding (compiled, the grid rounding vectorizes and the cast does not)
         return _CastSTE.apply(x, scale, fmt, torch_dtype)

@@ -147,7 +147,9 @@ def element_emax(element: Dtype) -> int:
     return FLOAT_FORMATS[element].emax
 
 
-def bits_per_element(dtype: Dtype | str, mx_element_dtype: Dtype | str | None = None, block: int | None = None) -> float:
+def bits_per_element(
+    dtype: Dtype | str, mx_element_dtype: Dtype | str | None = None, block: int | None = None
+) -> float:
     """Storage bits per element, the block formats' shared scales included (mx6: 6, mx9: 9, mxfp4/32: 4.25)."""
     dtype = Dtype(dtype)
     fmt = format_of(dtype)

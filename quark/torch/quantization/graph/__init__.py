@@ -24,7 +24,24 @@ from quark.torch.quantization.graph.passes import (
 from quark.torch.quantization.graph.prepare import QUANTIZERS, prepare_graph
 
 __all__ = [
-    "GraphModeError", "EAGER_FALLBACK", "capture", "is_graph_module", "normalize", "prepare_graph", "QUANTIZERS", "fold_batch_norms",
-    "equalize_graph", "find_cle_pairs", "fold_and_equalize", "is_folded_state", "freeze_bn_stats", "fold_conv_bn", "QuantActivation", "QuantFunctionalWeight",
-    "SharedFakeQuantize", "QuantConvBn1d", "QuantConvBn2d", "QuantConvBn3d",
-]  # fmt: skip
+    "GraphModeError",
+    "EAGER_FALLBACK",
+    "capture",
+    "is_graph_module",
+    "normalize",
+    "prepare_graph",
+    "QUANTIZERS",
+    "fold_batch_norms",
+    "equalize_graph",
+    "find_cle_pairs",
+    "fold_and_equalize",
+    "is_folded_state",
+    "freeze_bn_stats",
+    "fold_conv_bn",
+    "QuantActivation",
+    "QuantFunctionalWeight",
+    "SharedFakeQuantize",
+    "QuantConvBn1d",
+    "QuantConvBn2d",
+    "QuantConvBn3d",
+]

@@ -164,7 +164,11 @@ def _batch_norm_module(gm: fx.GraphModule, node: fx.Node) -> str | None:
         bn.weight, bn.bias = fetch_attr(gm, weight), fetch_attr(gm, bias)
     bn.running_mean, bn.running_var = fetch_attr(gm, mean), fetch_attr(gm, var)
     tracked = getattr(holder, "num_batches_tracked", None)
-    bn.num_batches_tracked = tracked if isinstance(tracked, torch.Tensor) else torch.tensor(0, dtype=torch.long, device=bn.running_mean.device)
+    bn.num_batches_tracked = (
+        tracked
+        if isinstance(tracked, torch.Tensor)
+        else torch.tensor(0, dtype=torch.long, device=bn.running_mean.device)
+    )
     for child_name, child in holder.named_children():
         bn.add_module(child_name, child)
     _set_submodule(gm, path, bn)
@@ -206,7 +210,11 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(graph.nodes):  # BatchNorm's counter update: the module counts itself now
         if node.op == "call_function" and node.target is aten.add_.Tensor and not node.users:
             target = node.args[0]
-            if isinstance(target, fx.Node) and target.op == "get_attr" and str(target.target).endswith("num_batches_tracked"):
+            if (
+                isinstance(target, fx.Node)
+                and target.op == "get_attr"
+                and str(target.target).endswith("num_batches_tracked")
+            ):
                 graph.erase_node(node)
     graph.eliminate_dead_code()
     _drop_unused_get_attrs(graph)

@@ -88,7 +88,9 @@ def _trace(gm: fx.GraphModule, example: Example) -> dict[str, Any]:
     """Every node's float output on ``example``."""
     tracer = _Trace(gm)
     with _float_function(gm):
-        bound = inspect.signature(gm.forward).bind(*example[0], **example[1])  # keywords by position, as forward takes them
+        bound = inspect.signature(gm.forward).bind(
+            *example[0], **example[1]
+        )  # keywords by position, as forward takes them
         bound.apply_defaults()
         tracer.run(*bound.args)
     return tracer.values
@@ -103,7 +105,11 @@ def _node_label(node: fx.Node) -> str:
 
 
 def _first_divergence(
-    gm: fx.GraphModule, before: dict[str, Any], after: dict[str, Any], rescaled: set[str], label: Callable[[fx.Node], str]
+    gm: fx.GraphModule,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    rescaled: set[str],
+    label: Callable[[fx.Node], str],
 ) -> tuple[str, Any, Any] | None:
     """(label, before, after) of the first node, in graph order, whose output differs beyond float noise; nodes in
     ``rescaled`` (values a pass changes on purpose, e.g. between the two layers of a CLE pair) are not compared."""
@@ -119,9 +125,14 @@ def _first_divergence(
 
 
 def checked(
-    transform: str, gm: nn.Module, apply: Callable[[], T], undo: Callable[[], None],
-    rescaled: set[str] | None = None, label: Callable[[fx.Node], str] = _node_label, reference: Any = None,
-) -> T:  # fmt: skip
+    transform: str,
+    gm: nn.Module,
+    apply: Callable[[], T],
+    undo: Callable[[], None],
+    rescaled: set[str] | None = None,
+    label: Callable[[fx.Node], str] = _node_label,
+    reference: Any = None,
+) -> T:
     """``apply()`` a pass that must keep ``gm``'s float function, then compare on the captured example (against
     ``reference`` when given: the float output before any pass). On a difference beyond float noise, or on any
     error in ``apply``, ``undo()`` and raise: EquivalenceError naming ``transform`` and the first differing layer."""

@@ -103,9 +103,11 @@ Bounds = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 def equalize(
-    pairs: list[tuple[nn.Module, nn.Module]], iterations: int = 1, threshold: float | None = None,
+    pairs: list[tuple[nn.Module, nn.Module]],
+    iterations: int = 1,
+    threshold: float | None = None,
     bounds: list[Bounds] | None = None,
-) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
+) -> tuple[int, list[torch.Tensor]]:
     """Equalize all pairs in order, up to `iterations` times (chains converge over passes); stop early once the
     largest |log s| of a pass is below `threshold`. ``bounds``: per pair, (low, high) on its cumulative scale (None:
     unbounded). Returns (passes run, cumulative scale per pair)."""
@@ -117,9 +119,11 @@ def equalize(
         worst = 0.0
         for k, ((first, second), (low, high)) in enumerate(zip(pairs, limits, strict=True)):
             step = equalize_pair(
-                first, second, None if low is None else low.to(scales[k]) / scales[k],
+                first,
+                second,
+                None if low is None else low.to(scales[k]) / scales[k],
                 None if high is None else high.to(scales[k]) / scales[k],
-            )  # fmt: skip
+            )
             scales[k] = scales[k] * step
             worst = max(worst, float(step.log().abs().max()) if step.numel() else 0.0)
         if threshold is not None and worst < threshold:

@@ -45,7 +45,14 @@ class GraphLoss:
     """Forward hooks of a captured graph that take the loss keywords the graph was not captured with and, where the
     model's loss is known (``loss_function`` set), add the loss to the output as the model would."""
 
-    def __init__(self, name: str, accepted: frozenset[str], loss_function: Any = None, vocab_size: int | None = None, why: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        accepted: frozenset[str],
+        loss_function: Any = None,
+        vocab_size: int | None = None,
+        why: str = "",
+    ) -> None:
         self.name = name  # the model's class, for messages
         self.accepted = accepted  # keywords the graph takes
         self.loss_function = loss_function
@@ -53,7 +60,9 @@ class GraphLoss:
         self.why = why  # why the loss is not computed here (empty when it is)
         self._pending: list[dict[str, Any]] = []
 
-    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Take the loss keywords the graph does not accept out of the call."""
         taken = {k: kwargs.pop(k) for k in LOSS_KEYWORDS if k in kwargs and k not in self.accepted}
         if taken.get("labels") is not None and self.loss_function is None:
@@ -113,11 +122,15 @@ def attach_loss(gm: fx.GraphModule, model: nn.Module, args: tuple[Any, ...], kwa
     loss_type = getattr(model, "loss_type", None)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     if loss_type not in _LM_LOSSES or vocab_size is None:
-        GraphLoss(name, accepted, why=f"its loss_type {loss_type!r} is not one computed outside the graph: {list(_LM_LOSSES)}").register(gm)
+        GraphLoss(
+            name, accepted, why=f"its loss_type {loss_type!r} is not one computed outside the graph: {list(_LM_LOSSES)}"
+        ).register(gm)
         return
     loss_function = model.loss_function
     if not _same_loss(model, kwargs, loss_function, vocab_size):
-        GraphLoss(name, accepted, why="its forward's loss is not loss_function(logits, labels) on the example").register(gm)
+        GraphLoss(
+            name, accepted, why="its forward's loss is not loss_function(logits, labels) on the example"
+        ).register(gm)
         return
     GraphLoss(name, accepted, loss_function, vocab_size).register(gm)
 

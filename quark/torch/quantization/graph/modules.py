@@ -137,7 +137,9 @@ class QuantConvBnNd(QuantMixin):
         return cls._slots
 
     @classmethod
-    def from_conv_bn(cls, conv: nn.Module, bn: nn.modules.batchnorm._BatchNorm, qconfig: QuantizationConfig) -> QuantConvBnNd:
+    def from_conv_bn(
+        cls, conv: nn.Module, bn: nn.modules.batchnorm._BatchNorm, qconfig: QuantizationConfig
+    ) -> QuantConvBnNd:
         twin = cls.from_float(conv, qconfig)
         object.__setattr__(twin, "_bn", bn)
         twin.bn_frozen = False
@@ -177,7 +179,9 @@ class QuantConvBnNd(QuantMixin):
         bn = self.bn
         if not (bn.training and not self.bn_frozen):
             w, b = self.folded()
-            return self._conv_forward(input, self._quantize(self._weight_quantizer, w), self._quantize(self._bias_quantizer, b))  # type: ignore[attr-defined]
+            return self._conv_forward(
+                input, self._quantize(self._weight_quantizer, w), self._quantize(self._bias_quantizer, b)
+            )  # type: ignore[attr-defined]
         scale, gamma, beta = self._bn_scale()
         weight: torch.Tensor = self.weight  # type: ignore[assignment]
         w = self._quantize(self._weight_quantizer, weight * scale.reshape(self._channel_shape(weight.ndim, 0)))
@@ -190,7 +194,9 @@ class QuantConvBnNd(QuantMixin):
         return _batch_norm_train(bn, y, gamma, beta)
 
 
-def _batch_norm_train(bn: nn.modules.batchnorm._BatchNorm, y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+def _batch_norm_train(
+    bn: nn.modules.batchnorm._BatchNorm, y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
     """BatchNorm in training mode with nn.BatchNorm's running-statistics update (momentum, or the cumulative average
     when momentum is None)."""
     factor = 0.0 if bn.momentum is None else bn.momentum

@@ -190,9 +190,24 @@ def find_cle_pairs(gm: fx.GraphModule) -> list[CLEPair]:
             kind = _step(gm, cur, user, act, linear)
             if kind is None:
                 second = _equalizable(gm, user)
-                if second is not None and user.args[:1] == (cur,) and isinstance(second, QuantLinear) == linear and second is not first:
+                if (
+                    second is not None
+                    and user.args[:1] == (cur,)
+                    and isinstance(second, QuantLinear) == linear
+                    and second is not first
+                ):
                     quantized = any(_quantizer_node(gm, n) for n in between)
-                    pairs.append(CLEPair(str(node.target), str(user.target), act, [n.name for n in between], bounded, padded, quantized))
+                    pairs.append(
+                        CLEPair(
+                            str(node.target),
+                            str(user.target),
+                            act,
+                            [n.name for n in between],
+                            bounded,
+                            padded,
+                            quantized,
+                        )
+                    )
                 break
             if kind in ("act", "bounded"):
                 act, bounded = user, kind == "bounded"
@@ -280,7 +295,9 @@ class _Plan:
             setattr(layer, name, param)
 
 
-def _measure(gm: fx.GraphModule, pairs: list[CLEPair], example: Example | None) -> tuple[object, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def _measure(
+    gm: fx.GraphModule, pairs: list[CLEPair], example: Example | None
+) -> tuple[object, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """The float output on the example and each first layer's per-channel output (min, max) on it."""
     if example is None:
         return None, {}
@@ -317,7 +334,9 @@ def _absorbable(pair: CLEPair, first: nn.Module, second: nn.Module) -> bool:
     padded border would not get the absorbed constant), from a first layer with folded BatchNorm statistics."""
     padding = getattr(second, "padding", 0)
     unpadded = not pair.padded and (padding == 0 or (isinstance(padding, tuple) and not any(padding)))
-    return unpadded and pair.act is not None and second.bias is not None and getattr(first, "folded_bn", None) is not None
+    return (
+        unpadded and pair.act is not None and second.bias is not None and getattr(first, "folded_bn", None) is not None
+    )
 
 
 def _apply(plan: _Plan, cle: CLEConfig) -> tuple[int, float]:
@@ -343,7 +362,11 @@ def _label(plan: _Plan) -> Callable[[fx.Node], str]:
 
     def label(node: fx.Node) -> str:
         pair = seconds.get(str(node.target)) if node.op == "call_module" else None
-        return f"layer '{pair.second}' (pair '{pair.first}' -> '{pair.second}')" if pair else f"node '{node.name}' ({node.target})"
+        return (
+            f"layer '{pair.second}' (pair '{pair.first}' -> '{pair.second}')"
+            if pair
+            else f"node '{node.name}' ({node.target})"
+        )
 
     return label
 
@@ -353,8 +376,15 @@ def equalize_graph(gm: fx.GraphModule, cle: CLEConfig, check: bool = True) -> di
     ``check``: compare the float function on the captured example and keep CLE only where the quantized error on it
     does not grow. Returns what was done (pairs found / across pads / skipped / equalized, passes, absorbed bias)."""
     pairs = find_cle_pairs(gm)
-    info = {"pairs": len(pairs), "padded": sum(p.padded for p in pairs), "bounded": sum(p.bounded for p in pairs),
-            "equalized": 0, "iterations": 0, "absorbed": 0.0, "kept": 1}  # fmt: skip
+    info = {
+        "pairs": len(pairs),
+        "padded": sum(p.padded for p in pairs),
+        "bounded": sum(p.bounded for p in pairs),
+        "equalized": 0,
+        "iterations": 0,
+        "absorbed": 0.0,
+        "kept": 1,
+    }
     if info["bounded"]:
         logger.info("CLE: %d pair(s) with ReLU6 between left alone (not scalable exactly)", info["bounded"])
     example = example_for(gm) if check else None
@@ -364,15 +394,25 @@ def equalize_graph(gm: fx.GraphModule, cle: CLEConfig, check: bool = True) -> di
         why = "none whose first layer has per-tensor weights" if len(pairs) > info["bounded"] else "no ReLU pair"
         logger.info("CLE: %d pair(s) found, %s: nothing to equalize", len(pairs), why)
         return info
-    rescaled = {n for p in plan.pairs for n in [gm.graph.find_nodes(op="call_module", target=p.first)[0].name, *p.between]}
+    rescaled = {
+        n for p in plan.pairs for n in [gm.graph.find_nodes(op="call_module", target=p.first)[0].name, *p.between]
+    }
     before = quantized_error(gm, example, reference) if example is not None else None
-    passes, absorbed = checked(_CLE, gm, lambda: _apply(plan, cle), plan.undo, rescaled, _label(plan), reference) if check else _apply(plan, cle)
+    passes, absorbed = (
+        checked(_CLE, gm, lambda: _apply(plan, cle), plan.undo, rescaled, _label(plan), reference)
+        if check
+        else _apply(plan, cle)
+    )
     info.update(equalized=len(plan.pairs), iterations=passes, absorbed=absorbed)
     if before is not None:
         after = quantized_error(gm, example, reference)  # type: ignore[arg-type]
         if after > before:
             plan.undo()
-            logger.info("CLE: undone, it made the quantized output error on the example batch worse (%.4g -> %.4g)", before, after)
+            logger.info(
+                "CLE: undone, it made the quantized output error on the example batch worse (%.4g -> %.4g)",
+                before,
+                after,
+            )
             info.update(equalized=0, iterations=0, absorbed=0.0, kept=0)
             return info
     logger.info("CLE: %d of %d pair(s) equalized in %d pass(es)", len(plan.pairs), len(pairs), passes)

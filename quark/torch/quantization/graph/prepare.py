@@ -84,7 +84,9 @@ class GraphUnit:
 
 
 # ----------------------------------------------------------------------------------------------- resolution
-def resolve_node(config: Config, name: str, type_names: list[str], roles: tuple[str, ...], explicit_only: bool = False) -> tuple[QuantizationConfig | None, dict[str, str]]:
+def resolve_node(
+    config: Config, name: str, type_names: list[str], roles: tuple[str, ...], explicit_only: bool = False
+) -> tuple[QuantizationConfig | None, dict[str, str]]:
     """The QuantizationConfig of one op: layer name (exact, then patterns) > layer type > global, combined as in
     eager mode (``merge_levels``, the levels of ``resolve``); None when excluded or nothing applies."""
     if excluded(config, name):
@@ -115,7 +117,9 @@ def _float_module(gm: fx.GraphModule, unit: GraphUnit) -> nn.Module:
     if unit.op == "embedding":
         weight = fetch_attr(gm, node.args[0])
         padding_idx = _arg(node, 2, -1)
-        layer = nn.Embedding(weight.shape[0], weight.shape[1], padding_idx=None if padding_idx == -1 else padding_idx, device="meta")
+        layer = nn.Embedding(
+            weight.shape[0], weight.shape[1], padding_idx=None if padding_idx == -1 else padding_idx, device="meta"
+        )
         layer.weight = weight
         return layer
     weight, bias = fetch_attr(gm, node.args[1]), fetch_attr(gm, _arg(node, 2, None))
@@ -124,10 +128,16 @@ def _float_module(gm: fx.GraphModule, unit: GraphUnit) -> nn.Module:
     else:
         groups = int(_arg(node, 6, 1))
         layer = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[weight.ndim - 3](
-            weight.shape[1] * groups, weight.shape[0], tuple(weight.shape[2:]), stride=_hyper(_arg(node, 3, 1)),
-            padding=_hyper(_arg(node, 4, 0)), dilation=_hyper(_arg(node, 5, 1)), groups=groups, bias=bias is not None,
+            weight.shape[1] * groups,
+            weight.shape[0],
+            tuple(weight.shape[2:]),
+            stride=_hyper(_arg(node, 3, 1)),
+            padding=_hyper(_arg(node, 4, 0)),
+            dilation=_hyper(_arg(node, 5, 1)),
+            groups=groups,
+            bias=bias is not None,
             device="meta",
-        )  # fmt: skip
+        )
     layer.weight = weight
     if bias is not None:
         layer.bias = bias
@@ -167,7 +177,9 @@ def _check_rules(gm: fx.GraphModule) -> None:
             path, type_name = module_path(node)
             inside = weighted_ops_in_body(node, gm)
             why = f", whose body has weighted ops that would stay float: {inside}" if inside else ""
-            missing.append(f"{node.target} (node '{node.name}' in {f'{path!r} ({type_name})' if path else 'the top-level forward'}{why})")
+            missing.append(
+                f"{node.target} (node '{node.name}' in {f'{path!r} ({type_name})' if path else 'the top-level forward'}{why})"
+            )
     if missing:
         raise GraphModeError(
             f"quant_mode=fx_graph_mode has no quantization rule for {len(missing)} op(s): {missing[:8]}"
@@ -184,7 +196,10 @@ def _find_units(gm: fx.GraphModule, config: Config, prefix: str) -> list[GraphUn
             continue
         op = COMPUTE[node.target]
         name, type_name = module_path(node)
-        roles = {"embedding": ("weight", "output_tensors"), "matmul": ("input_tensors", "output_tensors", "weight")}.get(op, QuantizationConfig.ROLES)
+        roles = {
+            "embedding": ("weight", "output_tensors"),
+            "matmul": ("input_tensors", "output_tensors", "weight"),
+        }.get(op, QuantizationConfig.ROLES)
         types = [type_name, *_MODULE_TYPES.get(op, ())]
         qconfig, source = resolve_node(config, prefix + name, types, roles, explicit_only=op in _EXPLICIT_ONLY_OPS)
         unit = GraphUnit(node, op, name, type_name, qconfig, source)
@@ -207,7 +222,9 @@ def _swap_unit(gm: fx.GraphModule, unit: GraphUnit) -> None:
     if unit.twin_path is None or unit.qconfig is None or not (unit.qconfig.weight or unit.qconfig.bias or unit.bn):
         return
     float_layer = _float_module(gm, unit)
-    params = QuantizationConfig(weight=unit.qconfig.weight, bias=unit.qconfig.bias, target_device=unit.qconfig.target_device)
+    params = QuantizationConfig(
+        weight=unit.qconfig.weight, bias=unit.qconfig.bias, target_device=unit.qconfig.target_device
+    )
     where = f"layer '{unit.name}' ({type(float_layer).__name__}{' + BatchNorm' if unit.bn else ''}"
     if unit.bn is not None:
         bn = gm.get_submodule(str(unit.bn.target))
@@ -242,7 +259,9 @@ def _functional_weights(gm: fx.GraphModule, unit: GraphUnit, holders: nn.Module)
         if not isinstance(arg, fx.Node) or (unit.op == "matmul" and arg.op != "get_attr"):
             continue
         holder = QuantFunctionalWeight.from_float(nn.Identity(), QuantizationConfig(weight=unit.qconfig.weight))
-        holder._weight_quantizer.where = f"layer '{unit.name}' ({unit.type_name}, weight '{arg.target}' used by {unit.node.target})"  # type: ignore[union-attr]
+        holder._weight_quantizer.where = (
+            f"layer '{unit.name}' ({unit.type_name}, weight '{arg.target}' used by {unit.node.target})"  # type: ignore[union-attr]
+        )
         name = f"{arg.name}_{unit.node.name}"
         holders.add_module(name, holder)
         with gm.graph.inserting_before(unit.node):
@@ -253,7 +272,12 @@ def _functional_weights(gm: fx.GraphModule, unit: GraphUnit, holders: nn.Module)
 
 # ----------------------------------------------------------------------------------------------- activations
 def _per_tensor_static(spec: QuantizationSpec) -> bool:
-    return spec.qscheme == QSchemeType.per_tensor and not spec.is_dynamic and is_scaled(spec.dtype) and spec.dtype not in BLOCK_FORMATS
+    return (
+        spec.qscheme == QSchemeType.per_tensor
+        and not spec.is_dynamic
+        and is_scaled(spec.dtype)
+        and spec.dtype not in BLOCK_FORMATS
+    )
 
 
 class _Placer:
@@ -271,10 +295,17 @@ class _Placer:
         if spec is None or not float_tensor(producer):
             return
         self.needs.setdefault(producer, []).append((consumer, spec))
-        if producer in self.passthrough and _per_tensor_static(spec) and producer.args and float_tensor(producer.args[0]):
+        if (
+            producer in self.passthrough
+            and _per_tensor_static(spec)
+            and producer.args
+            and float_tensor(producer.args[0])
+        ):
             self.need(producer.args[0], producer, spec)
 
-    def _holder(self, name: str, spec: QuantizationSpec | None, where: str, quantizer: FakeQuantizeBase | None = None) -> str:
+    def _holder(
+        self, name: str, spec: QuantizationSpec | None, where: str, quantizer: FakeQuantizeBase | None = None
+    ) -> str:
         holder = QuantActivation.from_float(nn.Identity(), QuantizationConfig(output_tensors=spec))
         if quantizer is not None:
             holder.set_quantizer(holder._quant_slots[0], quantizer)
@@ -355,7 +386,9 @@ class _Placer:
 def _on_graph_device(holders: nn.Module, graph: fx.GraphModule) -> None:
     """The inserted quantizers (built parameter-less, so on the CPU) on the device of the graph's Parameters, so a
     graph captured on a GPU runs there."""
-    device = next((t.device for t in itertools.chain(graph.parameters(), graph.buffers()) if t.device.type != "meta"), None)
+    device = next(
+        (t.device for t in itertools.chain(graph.parameters(), graph.buffers()) if t.device.type != "meta"), None
+    )
     if device is not None:
         holders.to(device)
 
@@ -370,7 +403,9 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     carry_hf_attributes(graph_module, gm)  # a captured Hugging Face model's config and loss hooks (deepcopy drops them)
     normalize(gm)
     if any(isinstance(m, QuantMixin) for m in gm.modules()):
-        raise GraphModeError("the graph is already prepared for quantization (it holds quantized layers); prepare a captured float graph")
+        raise GraphModeError(
+            "the graph is already prepared for quantization (it holds quantized layers); prepare a captured float graph"
+        )
     _check_rules(gm)
     units = _find_units(gm, config, name_prefix)
     holders = nn.Module()
@@ -386,7 +421,11 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     unit_tails = {u.tail: u for u in units}
     data_path = _data_path(gm, {u.node for u in units})
     for node in list(gm.graph.nodes):
-        kind = kind_of(node, gm) if node.op != "call_module" or not str(node.target).startswith(QUANTIZERS) else "quantizer"
+        kind = (
+            kind_of(node, gm)
+            if node.op != "call_module" or not str(node.target).startswith(QUANTIZERS)
+            else "quantizer"
+        )
         unit = next((u for u in units if u.node is node), None)
         if unit is not None and unit.qconfig is not None:
             if unit.op == "matmul":
@@ -395,7 +434,11 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
                         placer.need(arg, node, unit.qconfig.input_tensors)
             elif unit.op != "embedding":
                 placer.need(node.args[0], node, unit.qconfig.input_tensors)
-        if node in unit_tails and unit_tails[node].qconfig is not None and unit_tails[node].qconfig.output_tensors is not None:  # type: ignore[union-attr]
+        if (
+            node in unit_tails
+            and unit_tails[node].qconfig is not None
+            and unit_tails[node].qconfig.output_tensors is not None
+        ):  # type: ignore[union-attr]
             placer.own[node] = unit_tails[node].qconfig.output_tensors  # type: ignore[union-attr]
         if kind == "quantized_output" and node in data_path:
             _quantized_output(gm, placer, node, config, name_prefix)
@@ -405,7 +448,9 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     gm.graph.lint()
     gm.recompile()
     gm.quant_config = config
-    gm._graph_units = [UnitPlan(u.name, u.type_name, u.op, u.qconfig, dict(u.source)) for u in units]  # no fx nodes: copyable
+    gm._graph_units = [
+        UnitPlan(u.name, u.type_name, u.op, u.qconfig, dict(u.source)) for u in units
+    ]  # no fx nodes: copyable
     gm._graph_float_layers = _graph_float_layers(gm, units, config, name_prefix, data_path)
     return gm
 
@@ -423,7 +468,11 @@ def _data_path(gm: fx.GraphModule, compute: set[fx.Node]) -> set[fx.Node]:
         elif node.op in ("call_function", "call_module"):
             kind = kind_of(node, gm)
             tensors = [a for a in node.all_input_nodes if float_tensor(a) or a.op == "get_attr"]
-            on = kind in ("quantized_output", "passthrough", "activation", "batch_norm") and bool(tensors) and all(a in path for a in tensors)
+            on = (
+                kind in ("quantized_output", "passthrough", "activation", "batch_norm")
+                and bool(tensors)
+                and all(a in path for a in tensors)
+            )
         else:
             on = False
         if on:
@@ -465,7 +514,8 @@ def _quantized_as_weight(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether every use of ``node`` is a weight quantizer: a weight computed from Parameters (weight_norm's
     ``_weight_norm(v, g)``) that the op reading it sees quantized."""
     return bool(node.users) and all(
-        user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), QuantFunctionalWeight) for user in node.users
+        user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), QuantFunctionalWeight)
+        for user in node.users
     )
 
 
@@ -476,20 +526,39 @@ def _graph_float_layers(
     out: list[FloatLayer] = []
     for unit in units:
         if unit.qconfig is None or (unit.twin_path is not None and unit.qconfig.weight is None and unit.op != "matmul"):
-            if unit.op == "matmul" and unit.qconfig is None and not any(isinstance(a, fx.Node) and a.op == "get_attr" for a in unit.node.args[:2]):
+            if (
+                unit.op == "matmul"
+                and unit.qconfig is None
+                and not any(isinstance(a, fx.Node) and a.op == "get_attr" for a in unit.node.args[:2])
+            ):
                 continue
-            reason = "excluded by Config.exclude" if excluded(config, prefix + unit.name) else (
-                "embeddings are quantized only when named in layer_type_quant_config or layer_quant_config"
-                if unit.op == "embedding" else "no QuantizationSpec for its weight at any config level"
-            )  # fmt: skip
+            reason = (
+                "excluded by Config.exclude"
+                if excluded(config, prefix + unit.name)
+                else (
+                    "embeddings are quantized only when named in layer_type_quant_config or layer_quant_config"
+                    if unit.op == "embedding"
+                    else "no QuantizationSpec for its weight at any config level"
+                )
+            )
             out.append(FloatLayer(unit.name or "<top>", unit.type_name or unit.op, reason))
     seen = {f.name for f in out} | {u.name for u in units}
     for node in gm.graph.nodes:
         if node.op == "call_module" and kind_of(node, gm) == "batch_norm" and str(node.target) not in seen:
             seen.add(str(node.target))
-            out.append(FloatLayer(str(node.target), type(gm.get_submodule(str(node.target))).__name__, "BatchNorm not after a conv (kept float, not folded)"))
+            out.append(
+                FloatLayer(
+                    str(node.target),
+                    type(gm.get_submodule(str(node.target))).__name__,
+                    "BatchNorm not after a conv (kept float, not folded)",
+                )
+            )
         elif node.op == "call_function" and tensor_valued(node) and _runs_float(gm, node, data_path):
-            params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(fetch_attr(gm, a), nn.Parameter)]
+            params = [
+                a
+                for a in node.args
+                if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(fetch_attr(gm, a), nn.Parameter)
+            ]
             path, type_name = module_path(node)
             if params and path not in seen and not _quantized_as_weight(gm, node):
                 seen.add(path)
@@ -506,7 +575,9 @@ def _runs_float(gm: fx.GraphModule, node: fx.Node, data_path: set[fx.Node]) -> b
 def _float_reason(gm: fx.GraphModule, node: fx.Node, params: list[fx.Node], data_path: set[fx.Node]) -> str:
     """Why a layer whose Parameters ``node`` reads stays float: the ops that compute with them (through casts and
     layout ops; never bookkeeping such as ``_assert_tensor_metadata``), which run in float."""
-    ops = [str(u.target) for p in params for u in computing_users(p) if _runs_float(gm, u, data_path)] or [str(node.target)]
+    ops = [str(u.target) for p in params for u in computing_users(p) if _runs_float(gm, u, data_path)] or [
+        str(node.target)
+    ]
     names = list(dict.fromkeys(ops))
     verb = "runs" if len(names) == 1 else "run"
     return f"{', '.join(names)} {verb} in float (graph mode quantizes conv/linear/matmul/embedding weights)"

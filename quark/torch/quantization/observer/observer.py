@@ -177,13 +177,17 @@ class MinMaxPlan:
             return (*dims, -(-length // self.group_size))  # type: ignore[operator]
         return ()
 
-    def fold(self, prev_min: torch.Tensor, prev_max: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fold(
+        self, prev_min: torch.Tensor, prev_max: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The statistics after this batch: running extremes, or this batch's alone when dynamic."""
         if self.dynamic:
             return mn, mx
         return torch.minimum(prev_min, mn), torch.maximum(prev_max, mx)
 
-    def qparams(self, min_val: torch.Tensor, max_val: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def qparams(
+        self, min_val: torch.Tensor, max_val: torch.Tensor, model_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return minmax_qparams(
             min_val, max_val, self.fmt, self.symmetric, self.eps, self.scale_type, self.zero_point_type, model_dtype
         )
@@ -332,16 +336,25 @@ class UniformScalingObserver(ObserverBase):
     def has_statistics(self) -> bool:
         return bool(torch.isfinite(self.min_val).all())
 
-    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def calculate_qparams(
+        self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero point of the range [min_val, max_val] (by default the observed one), extended to include 0."""
         if min_val is None or max_val is None:
             if not self.has_statistics:
                 raise RuntimeError(f"{self.who} has observed no data yet; run calibration batches first")
             min_val, max_val = self.min_val, self.max_val
         return minmax_qparams(
-            min_val, max_val, self.fmt, self.symmetric, self.eps, self.scale_type, self.zero_point_type,
-            self.model_dtype, self.who,
-        )  # fmt: skip
+            min_val,
+            max_val,
+            self.fmt,
+            self.symmetric,
+            self.eps,
+            self.scale_type,
+            self.zero_point_type,
+            self.model_dtype,
+            self.who,
+        )
 
     def minmax_plan(self) -> MinMaxPlan | None:
         """This observer as a ``MinMaxPlan`` when its forward is exactly the plan's statistics and fold (the per-tensor,
@@ -350,9 +363,16 @@ class UniformScalingObserver(ObserverBase):
         if qscheme is None:
             return None
         return _minmax_plan(
-            qscheme, getattr(self, "ch_axis", None), getattr(self, "group_size", None), self.is_dynamic, self.fmt,
-            self.symmetric, self.eps, self.scale_type, self.zero_point_type,
-        )  # fmt: skip
+            qscheme,
+            getattr(self, "ch_axis", None),
+            getattr(self, "group_size", None),
+            self.is_dynamic,
+            self.fmt,
+            self.symmetric,
+            self.eps,
+            self.scale_type,
+            self.zero_point_type,
+        )
 
     def sync(self, group: Any = None) -> None:
         import torch.distributed as dist
@@ -383,8 +403,10 @@ class UniformScalingObserver(ObserverBase):
         if largest[0] < 0:
             return  # no rank has observed anything
         if largest != smallest:
-            raise ValueError(f"{self.who}: the ranks observed statistics of different shapes ({largest} / {smallest} as "
-                             "[ndim, dims...]); every rank must quantize the same tensor layout")  # fmt: skip
+            raise ValueError(
+                f"{self.who}: the ranks observed statistics of different shapes ({largest} / {smallest} as "
+                "[ndim, dims...]); every rank must quantize the same tensor layout"
+            )
         shape = tuple(largest[1 : largest[0] + 1])
         if own is None and tuple(self.min_val.shape) != shape:
             self.min_val = torch.full(shape, float("inf"), device=self.min_val.device)
@@ -728,7 +750,9 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver, method="percentile
             raise ValueError(f"percentile={percentile} must be between 0 and 100")
         self.percentile = percentile
 
-    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def calculate_qparams(
+        self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if min_val is None or max_val is None:
             hist, edges = self.histogram()
             if hist.sum() == 0:  # only zeros (or nothing) seen
@@ -737,7 +761,9 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver, method="percentile
             min_val, max_val = self._within_observed(min_val, max_val)
         return super().calculate_qparams(min_val, max_val)
 
-    def get_min_max_by_percentile(self, histogram: torch.Tensor, bin_edges: torch.Tensor, percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_min_max_by_percentile(
+        self, histogram: torch.Tensor, bin_edges: torch.Tensor, percentile: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Calculate the minimum and maximum values of a histogram at a specified percentile.
 
         Parameters:
@@ -757,7 +783,9 @@ class PerTensorPercentileObserver(PerTensorHistogramObserver, method="percentile
         if histogram is None or bin_edges is None or histogram.numel() == 0 or float(histogram.sum()) <= 0:
             raise ValueError("no data available")
         if bin_edges.numel() != histogram.numel() + 1:
-            raise ValueError(f"bin_edges must have one more element than histogram ({histogram.numel() + 1}), got {bin_edges.numel()}")
+            raise ValueError(
+                f"bin_edges must have one more element than histogram ({histogram.numel() + 1}), got {bin_edges.numel()}"
+            )
         hist, edges = histogram.double(), bin_edges.double()
         if float(edges[0]) >= 0:  # a histogram of magnitudes
             return torch.zeros((), dtype=torch.float32), _quantile(hist, edges, percentile / 100).float()
@@ -775,7 +803,9 @@ class PerTensorMSEObserver(PerTensorHistogramObserver, method="MSE"):
 
     search_points = 64
 
-    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def calculate_qparams(
+        self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if min_val is None or max_val is None:
             hist, edges = self.histogram()
             if hist.sum() == 0:
@@ -785,7 +815,9 @@ class PerTensorMSEObserver(PerTensorHistogramObserver, method="MSE"):
             best = self._best_candidate(hist, edges, torch.arange(coarse - 1, n, coarse))
             fine = max(1, coarse // self.search_points)
             idx = torch.arange(max(0, best - coarse), min(n, best + coarse + 1), fine)
-            min_val, max_val = self._candidate_ranges(hist, edges, torch.tensor([self._best_candidate(hist, edges, idx)]))
+            min_val, max_val = self._candidate_ranges(
+                hist, edges, torch.tensor([self._best_candidate(hist, edges, idx)])
+            )
             min_val, max_val = self._within_observed(min_val[0], max_val[0])
         return super().calculate_qparams(min_val, max_val)
 
@@ -808,7 +840,9 @@ class PerTensorMSEObserver(PerTensorHistogramObserver, method="MSE"):
         return mins[0], maxs[0]
 
     @staticmethod
-    def _candidate_ranges(hist: torch.Tensor, edges: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidate_ranges(
+        hist: torch.Tensor, edges: torch.Tensor, idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mins, maxs) of the candidates ending at bin ``idx``: [0, edge] for |x| histograms; for signed ones
         the non-empty range [lo, hi] shrunk by (idx + 1) / n."""
         edges = edges.double()
@@ -832,8 +866,16 @@ class PerTensorMSEObserver(PerTensorHistogramObserver, method="MSE"):
         scale, zp = super().calculate_qparams(mins, maxs)  # [K]
         grid = centers.expand(idx.numel(), n)  # every candidate quantizes every centre: [K, n]
         if isinstance(self.fmt, IntFormat):
-            q = fake_quantize_int(grid, scale, zp, self.fmt.qmin, self.fmt.qmax, round_method=self.qspec.round_method,
-                                  qscheme=QSchemeType.per_channel, axis=0)  # fmt: skip
+            q = fake_quantize_int(
+                grid,
+                scale,
+                zp,
+                self.fmt.qmin,
+                self.fmt.qmax,
+                round_method=self.qspec.round_method,
+                qscheme=QSchemeType.per_channel,
+                axis=0,
+            )
         else:
             q = fake_quantize_minifloat(grid, self.fmt, scale, qscheme=QSchemeType.per_channel, axis=0)
         # float64 from the difference on: its square overflows float32 once |x| passes ~1.8e19 (every candidate
@@ -860,7 +902,9 @@ class PerTensorHistogramObserverPro(UniformScalingObserver, method="histogrampro
             raise ValueError("PerTensorHistogramObserverPro only supports per_tensor")
         fmt = self.fmt
         if not isinstance(fmt, IntFormat) or fmt.bits > 8:
-            raise ValueError(f"PerTensorHistogramObserverPro supports integer dtypes of at most 8 bits, got {qspec.dtype.name}")
+            raise ValueError(
+                f"PerTensorHistogramObserverPro supports integer dtypes of at most 8 bits, got {qspec.dtype.name}"
+            )
         self.histogram = torch.ao.quantization.HistogramObserver(
             bins=bins,
             dtype=torch.qint8 if fmt.signed else torch.quint8,
@@ -895,7 +939,9 @@ class PerTensorHistogramObserverPro(UniformScalingObserver, method="histogrampro
             self.histogram(x_orig.detach().float())
         return x_orig
 
-    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def calculate_qparams(
+        self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if min_val is not None and max_val is not None:
             return super().calculate_qparams(min_val, max_val)
         if not self.has_statistics:
@@ -1003,7 +1049,9 @@ class _PowOf2Mixin:
     def _record(self, scale: torch.Tensor, zp: torch.Tensor) -> None:
         self.records.append((tuple(scale.reshape(-1).tolist()), tuple(zp.reshape(-1).tolist())))
 
-    def calculate_qparams(self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def calculate_qparams(
+        self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if min_val is not None and max_val is not None:  # an explicit range: its own pow2 qparams
             return self._pow2_qparams(min_val, max_val)
         if not self.records:
@@ -1011,7 +1059,9 @@ class _PowOf2Mixin:
         (scales, zps), _ = Counter(self.records).most_common(1)[0]
         shape = self.min_val.shape
         device = self.min_val.device
-        return torch.tensor(scales, device=device).reshape(shape), torch.tensor(zps, dtype=torch.int32, device=device).reshape(shape)
+        return torch.tensor(scales, device=device).reshape(shape), torch.tensor(
+            zps, dtype=torch.int32, device=device
+        ).reshape(shape)
 
     def reset_state(self) -> None:
         super().reset_state()  # type: ignore[misc]
@@ -1040,7 +1090,9 @@ class PerTensorPowOf2MinMSEObserver(PerTensorPowOf2MinMaxObserver):
         best, best_err = scale, float("inf")
         for offset in range(-2, 3):
             s = torch.exp2(-(pos + offset))
-            err = float((((torch.round(x / s) + zp).clamp(self.fmt.qmin, self.fmt.qmax) - zp) * s - x).double().pow(2).sum())
+            err = float(
+                (((torch.round(x / s) + zp).clamp(self.fmt.qmin, self.fmt.qmax) - zp) * s - x).double().pow(2).sum()
+            )
             if err < best_err:
                 best, best_err = s, err
         self._record(best, zp)

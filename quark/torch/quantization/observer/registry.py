@@ -22,8 +22,10 @@ def register_observer(cls: type[ObserverBase], method: str | None = None) -> Non
     so a name always means one observer."""
     known = OBSERVER_MAP.get(cls.__name__)
     if known is not None and known is not cls and known.__qualname__ != cls.__qualname__:
-        raise ValueError(f"observer name {cls.__name__!r} is taken by {known.__module__}.{known.__qualname__}; "
-                         f"rename {cls.__module__}.{cls.__qualname__}")  # fmt: skip
+        raise ValueError(
+            f"observer name {cls.__name__!r} is taken by {known.__module__}.{known.__qualname__}; "
+            f"rename {cls.__module__}.{cls.__qualname__}"
+        )
     OBSERVER_MAP[cls.__name__] = cls
     if method is not None:
         _METHODS[method] = cls.__name__

@@ -43,16 +43,30 @@ def _cases() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     z = torch.tensor(3, dtype=torch.int32)
     s_c = torch.linspace(0.01, 0.05, ROWS)
     z_c = torch.zeros(ROWS, dtype=torch.int32)
-    s_g, z_g = torch.full((ROWS, COLS // 16), 0.1), torch.zeros(ROWS, COLS // 16, dtype=torch.int32)  # built here: on the device
+    s_g, z_g = (
+        torch.full((ROWS, COLS // 16), 0.1),
+        torch.zeros(ROWS, COLS // 16, dtype=torch.int32),
+    )  # built here: on the device
     return {
         "int8 per-tensor": lambda t: fake_quantize_int(t, s, z, -128, 127),
-        "int8 per-channel": lambda t: fake_quantize_int(t, s_c, z_c, -128, 127, qscheme=QSchemeType.per_channel, axis=0),
+        "int8 per-channel": lambda t: fake_quantize_int(
+            t, s_c, z_c, -128, 127, qscheme=QSchemeType.per_channel, axis=0
+        ),
         "int8 round half away": lambda t: fake_quantize_int(t, s, z, -128, 127, round_method=RoundType.round),
         "int4 floor per-group": lambda t: fake_quantize_int(
-            t, s_g, z_g, -8, 7,
-            round_method=RoundType.floor, qscheme=QSchemeType.per_group, axis=1, group_size=16,
+            t,
+            s_g,
+            z_g,
+            -8,
+            7,
+            round_method=RoundType.floor,
+            qscheme=QSchemeType.per_group,
+            axis=1,
+            group_size=16,
         ),
-        "fp8_e4m3": lambda t: fake_quantize_minifloat(t, FLOAT_FORMATS[Dtype.fp8_e4m3], s, torch_dtype=TORCH_FLOAT8[Dtype.fp8_e4m3]),
+        "fp8_e4m3": lambda t: fake_quantize_minifloat(
+            t, FLOAT_FORMATS[Dtype.fp8_e4m3], s, torch_dtype=TORCH_FLOAT8[Dtype.fp8_e4m3]
+        ),
         "fp4 per-channel": lambda t: fake_quantize_minifloat(
             t, FLOAT_FORMATS[Dtype.fp4], s_c, qscheme=QSchemeType.per_channel, axis=0
         ),
@@ -96,7 +110,9 @@ def test_compiled_equals_eager(name: str, compiler: None) -> None:
     assert not torch.equal(outs[0][0], x)  # it did quantize
 
 
-@pytest.mark.parametrize("name", ["bfp16", "bfp16 blocks of 16 along rows", "mx6", "mx9", "mx6 blocks of 32 along rows"])
+@pytest.mark.parametrize(
+    "name", ["bfp16", "bfp16 blocks of 16 along rows", "mx6", "mx9", "mx6 blocks of 32 along rows"]
+)
 def test_block_kernels_compiled_equal_eager_at_the_ends_of_float32(name: str, compiler: None) -> None:
     """The compiled block kernels build their powers of two per block and scale in two factors: blocks of float32
     subnormals (MX6 steps down to 2^-134), tiny normals and values near float32's max give eager's bits."""
@@ -113,7 +129,11 @@ def test_block_kernels_compiled_equal_eager_at_the_ends_of_float32(name: str, co
         finally:
             set_compile(before)
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
-    assert torch.isfinite(outs[1]).all() and (outs[1] != 0).any() and (outs[1].abs() < 1e-38).logical_and(outs[1] != 0).any()
+    assert (
+        torch.isfinite(outs[1]).all()
+        and (outs[1] != 0).any()
+        and (outs[1].abs() < 1e-38).logical_and(outs[1] != 0).any()
+    )
 
 
 def test_bit_helpers_match_torch_when_compiled(compiler: None) -> None:
@@ -285,7 +305,9 @@ def test_block_formats_inside_a_users_torch_compile_give_eager_bits(name: str, c
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["int8 per-channel", "fp8_e4m3", "mxfp4", "mx6", "bfp16"])
-def test_half_precision_inputs_are_read_and_written_in_their_dtype(name: str, dtype: torch.dtype, compiler: None) -> None:
+def test_half_precision_inputs_are_read_and_written_in_their_dtype(
+    name: str, dtype: torch.dtype, compiler: None
+) -> None:
     """A bfloat16 / float16 tensor goes into the kernel as it is (computed in float32 inside, saturated on the way
     out): the same bits as quantizing its float32 copy and casting back with saturation, compiled and eager, and the
     straight-through gradient in the input's dtype."""

@@ -139,17 +139,26 @@ def _mx_units(element: str):
     mids = (grid[1:] + grid[:-1]) / 2
     top = grid[grid >= 2.0**emax]
     # anchors: magnitudes in [2^emax, 2^(emax+1)): grid values, midpoints there and beyond max (saturation)
-    anchor_pool = np.concatenate([top, mids[mids >= 2.0**emax], [vmax + (2.0 ** (emax + 1) - vmax) / 2],
-                                  np.nextafter(2.0 ** (emax + 1), 0) * np.ones(1)])  # fmt: skip
+    anchor_pool = np.concatenate(
+        [
+            top,
+            mids[mids >= 2.0**emax],
+            [vmax + (2.0 ** (emax + 1) - vmax) / 2],
+            np.nextafter(2.0 ** (emax + 1), 0) * np.ones(1),
+        ]
+    )
 
     def fn(rng, n, block, valid):
         pick = rng.integers(0, 4, (n, block))
         sign = rng.choice([-1.0, 1.0], (n, block))
-        u = np.select(
-            [pick == 0, pick == 1, pick == 2],
-            [rng.choice(grid, (n, block)), rng.choice(mids, (n, block)), rng.uniform(0, vmax, (n, block))],
-            np.exp2(rng.uniform(-12, emax, (n, block))),
-        ) * sign  # fmt: skip
+        u = (
+            np.select(
+                [pick == 0, pick == 1, pick == 2],
+                [rng.choice(grid, (n, block)), rng.choice(mids, (n, block)), rng.uniform(0, vmax, (n, block))],
+                np.exp2(rng.uniform(-12, emax, (n, block))),
+            )
+            * sign
+        )
         anchors = rng.choice(anchor_pool, n) * rng.choice([-1.0, 1.0], n)
         anchors[::7] = rng.uniform(2.0**emax, 2.0 ** (emax + 1), len(anchors[::7]))  # random in the top binade
         return _place_anchor(rng, u, anchors, valid)
@@ -285,17 +294,20 @@ def _micro_units(m: int):
         pick = rng.integers(0, 6, (n, block))
         sign = rng.choice([-1.0, 1.0], (n, block))
         k = rng.integers(0, 2**m, (n, block)).astype(np.float64)
-        u = np.select(
-            [pick == 0, pick == 1, pick == 2, pick == 3, pick == 4],
-            [
-                rng.uniform(0, 2, (n, block)),
-                (k + 0.5) * 2.0 ** -(m - 1),  # ties on the unshifted step (values up to 2)
-                ((k % 2 ** (m - 1)) + 0.5) * 2.0**-m,  # ties on the shifted step (below 1)
-                np.ones((n, block)),  # exactly 2^E: its pair does not shift
-                np.nextafter(np.ones((n, block)), 0),  # just below 2^E
-            ],
-            rng.uniform(0, 1, (n, block)),
-        ) * sign  # fmt: skip
+        u = (
+            np.select(
+                [pick == 0, pick == 1, pick == 2, pick == 3, pick == 4],
+                [
+                    rng.uniform(0, 2, (n, block)),
+                    (k + 0.5) * 2.0 ** -(m - 1),  # ties on the unshifted step (values up to 2)
+                    ((k % 2 ** (m - 1)) + 0.5) * 2.0**-m,  # ties on the shifted step (below 1)
+                    np.ones((n, block)),  # exactly 2^E: its pair does not shift
+                    np.nextafter(np.ones((n, block)), 0),  # just below 2^E
+                ],
+                rng.uniform(0, 1, (n, block)),
+            )
+            * sign
+        )
         top = 2.0 - 2.0**-m  # rounds to 2^m, clamped to 2^m - 1
         anchors = rng.choice([1.0, 1.5, top, 2.0 - 2.0 ** -(m + 2), (2**m - 1.5) * 2.0 ** -(m - 1)], n)
         anchors[::5] = rng.uniform(1, 2, len(anchors[::5]))
@@ -377,7 +389,7 @@ def _bfp_units(rng, n, block, valid):
         [pick == 0, pick == 1],
         [rng.integers(-128, 128, (n, block)) + 0.5, rng.integers(-128, 128, (n, block)).astype(np.float64)],
         rng.uniform(-128, 128, (n, block)),
-    )  # fmt: skip
+    )
     # anchors in [64, 128) code units: 127.5 rounds to 128 (overflow: the step doubles), 127.49 does not,
     # -127.5 rounds to -128 (no overflow)
     anchors = rng.choice([127.5, 127.49, 127.75, -127.5, -127.75, 64.0, 100.5, 101.5, -64.0, 127.0], n)

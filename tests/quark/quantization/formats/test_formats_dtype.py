@@ -20,14 +20,38 @@ from quark.torch.quantization.formats import (
 
 # documented ranges, written out by hand
 DOCUMENTED = {
-    "int2": (-2, 1), "int3": (-4, 3), "int4": (-8, 7), "int5": (-16, 15), "int6": (-32, 31), "int7": (-64, 63),
-    "int8": (-128, 127), "int9": (-256, 255), "int10": (-512, 511), "int11": (-1024, 1023), "int12": (-2048, 2047),
-    "int13": (-4096, 4095), "int14": (-8192, 8191), "int15": (-16384, 16383), "int16": (-32768, 32767),
+    "int2": (-2, 1),
+    "int3": (-4, 3),
+    "int4": (-8, 7),
+    "int5": (-16, 15),
+    "int6": (-32, 31),
+    "int7": (-64, 63),
+    "int8": (-128, 127),
+    "int9": (-256, 255),
+    "int10": (-512, 511),
+    "int11": (-1024, 1023),
+    "int12": (-2048, 2047),
+    "int13": (-4096, 4095),
+    "int14": (-8192, 8191),
+    "int15": (-16384, 16383),
+    "int16": (-32768, 32767),
     "int32": (-2147483648, 2147483647),
-    "uint2": (0, 3), "uint3": (0, 7), "uint4": (0, 15), "uint5": (0, 31), "uint6": (0, 63), "uint7": (0, 127),
-    "uint8": (0, 255), "uint9": (0, 511), "uint10": (0, 1023), "uint11": (0, 2047), "uint12": (0, 4095),
-    "uint13": (0, 8191), "uint14": (0, 16383), "uint15": (0, 32767), "uint16": (0, 65535),
-}  # fmt: skip
+    "uint2": (0, 3),
+    "uint3": (0, 7),
+    "uint4": (0, 15),
+    "uint5": (0, 31),
+    "uint6": (0, 63),
+    "uint7": (0, 127),
+    "uint8": (0, 255),
+    "uint9": (0, 511),
+    "uint10": (0, 1023),
+    "uint11": (0, 2047),
+    "uint12": (0, 4095),
+    "uint13": (0, 8191),
+    "uint14": (0, 16383),
+    "uint15": (0, 32767),
+    "uint16": (0, 65535),
+}
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
@@ -86,8 +110,18 @@ def test_every_dtype_has_a_format():
 
 
 def test_bits_of_the_other_formats():
-    expected = {Dtype.fp8_e4m3: 8, Dtype.fp8_e5m2: 8, Dtype.fp6_e3m2: 6, Dtype.fp6_e2m3: 6, Dtype.fp4: 4,
-                Dtype.bfloat16: 16, Dtype.float16: 16, Dtype.mx6: 6, Dtype.mx9: 9, Dtype.bfp16: 9}  # fmt: skip
+    expected = {
+        Dtype.fp8_e4m3: 8,
+        Dtype.fp8_e5m2: 8,
+        Dtype.fp6_e3m2: 6,
+        Dtype.fp6_e2m3: 6,
+        Dtype.fp4: 4,
+        Dtype.bfloat16: 16,
+        Dtype.float16: 16,
+        Dtype.mx6: 6,
+        Dtype.mx9: 9,
+        Dtype.bfp16: 9,
+    }
     for dtype, bits in expected.items():
         assert bits_per_element(dtype) == bits
     assert bits_per_element(Dtype.mx, Dtype.fp4) == 4.25

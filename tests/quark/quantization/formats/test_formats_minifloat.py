@@ -128,9 +128,17 @@ def test_round_to_grid_saturates_beyond_max(name):
     grid = positive_grid(name)
     virtual_next = grid[-1] + (grid[-1] - grid[-2])  # the value after max if the format went on
     big = np.array(
-        [np.nextafter(np.float32(spec.max_normal), np.float32(np.inf)), (grid[-1] + virtual_next) / 2, virtual_next,
-         2 * spec.max_normal, 1e10, 3.4e38, np.inf], dtype=np.float32,
-    )  # fmt: skip
+        [
+            np.nextafter(np.float32(spec.max_normal), np.float32(np.inf)),
+            (grid[-1] + virtual_next) / 2,
+            virtual_next,
+            2 * spec.max_normal,
+            1e10,
+            3.4e38,
+            np.inf,
+        ],
+        dtype=np.float32,
+    )
     x = torch.from_numpy(np.concatenate([big, -big]))
     expected = torch.tensor([spec.max_normal] * len(big) + [-spec.max_normal] * len(big))
     assert_bitwise_equal(round_to_grid(x, _fmt(name)), expected)
@@ -146,11 +154,13 @@ def test_small_minifloat_outputs_are_table_values_and_nearest(name):
     spec = SPECS[name]
     rng = np.random.default_rng(3)
     grid = positive_grid(name)
-    v = np.concatenate([
-        rng.uniform(-1.3 * spec.max_normal, 1.3 * spec.max_normal, 200_000),
-        np.exp2(rng.uniform(-12, np.log2(spec.max_normal), 50_000)) * rng.choice([-1, 1], 50_000),
-        rng.uniform(-grid[2**spec.mbits], grid[2**spec.mbits], 20_000),  # subnormal range
-    ]).astype(np.float32)  # fmt: skip
+    v = np.concatenate(
+        [
+            rng.uniform(-1.3 * spec.max_normal, 1.3 * spec.max_normal, 200_000),
+            np.exp2(rng.uniform(-12, np.log2(spec.max_normal), 50_000)) * rng.choice([-1, 1], 50_000),
+            rng.uniform(-grid[2**spec.mbits], grid[2**spec.mbits], 20_000),  # subnormal range
+        ]
+    ).astype(np.float32)
     out = round_to_grid(torch.from_numpy(v), _fmt(name))
     _, values = enumerate_codes(name)
     assert np.isin(out.double().numpy(), values).all()
@@ -225,8 +235,9 @@ def _scaled_reference(x: torch.Tensor, s_full: torch.Tensor, name: str) -> tuple
     v = x / s_full
     inside = v.abs() <= spec.max_normal
     if name in FP8:
-        r = torch.where(inside, v.clamp(-spec.max_normal, spec.max_normal).to(FP8[name][1]).float(),
-                        torch.sign(v) * spec.max_normal)  # fmt: skip
+        r = torch.where(
+            inside, v.clamp(-spec.max_normal, spec.max_normal).to(FP8[name][1]).float(), torch.sign(v) * spec.max_normal
+        )
     else:
         r = f32(round_to_table(v.double().numpy(), name))
     return r * s_full, inside
@@ -241,10 +252,13 @@ def _scaled_inputs(name: str, s_full: torch.Tensor, seed: int) -> torch.Tensor:
     pick = rng.integers(0, 4, s_full.shape)
     units = np.select(
         [pick == 0, pick == 1, pick == 2],
-        [rng.choice(values, s_full.shape), rng.choice(mids, s_full.shape),
-         rng.uniform(-spec.max_normal, spec.max_normal, s_full.shape)],
+        [
+            rng.choice(values, s_full.shape),
+            rng.choice(mids, s_full.shape),
+            rng.uniform(-spec.max_normal, spec.max_normal, s_full.shape),
+        ],
         rng.uniform(-3 * spec.max_normal, 3 * spec.max_normal, s_full.shape),
-    )  # fmt: skip
+    )
     x = torch.from_numpy((units * s_full.double().numpy()).astype(np.float32))
     flat = x.view(-1)
     flat[:4] = torch.tensor([1.0, -1.0, 1.0, -1.0]) * spec.max_normal * s_full.reshape(-1)[:4]  # exactly at +-max

@@ -127,15 +127,23 @@ class QuantMultiheadAttention(QuantMixin, nn.MultiheadAttention):
         src_len = k.size(1)
         if key_padding_mask is not None:
             if key_padding_mask.shape != (bsz, src_len):
-                raise ValueError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected {(bsz, src_len)}")
-            merged = key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, heads, -1, -1).reshape(bsz * heads, 1, src_len)
+                raise ValueError(
+                    f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected {(bsz, src_len)}"
+                )
+            merged = (
+                key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, heads, -1, -1).reshape(bsz * heads, 1, src_len)
+            )
             attn_mask = merged if attn_mask is None else attn_mask + merged
         dropout_p = self.dropout if self.training else 0.0
 
         weights = None
         if need_weights:
             scores = q * math.sqrt(1.0 / head_dim)
-            scores = torch.bmm(scores, k.transpose(-2, -1)) if attn_mask is None else torch.baddbmm(attn_mask, scores, k.transpose(-2, -1))
+            scores = (
+                torch.bmm(scores, k.transpose(-2, -1))
+                if attn_mask is None
+                else torch.baddbmm(attn_mask, scores, k.transpose(-2, -1))
+            )
             scores = F.softmax(scores, dim=-1)
             if dropout_p > 0.0:
                 scores = F.dropout(scores, p=dropout_p)
@@ -146,7 +154,9 @@ class QuantMultiheadAttention(QuantMixin, nn.MultiheadAttention):
                 weights = weights.squeeze(0)
         else:
             if attn_mask is not None:
-                attn_mask = attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 else attn_mask.view(bsz, heads, -1, src_len)
+                attn_mask = (
+                    attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 else attn_mask.view(bsz, heads, -1, src_len)
+                )
             q4, k4, v4 = (t.view(bsz, heads, -1, head_dim) for t in (q, k, v))
             context = F.scaled_dot_product_attention(q4, k4, v4, attn_mask, dropout_p, is_causal=sdpa_causal)
             context = context.permute(2, 0, 1, 3).contiguous().view(bsz * tgt_len, embed_dim)

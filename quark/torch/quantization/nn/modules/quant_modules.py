@@ -116,9 +116,10 @@ class QuantMixin(nn.Module):
     def slots_for(cls, module: nn.Module) -> tuple[QuantSlot, ...]:
         """The quantizer slots a twin of ``module`` has: one per role in ``roles``; no bias slot without a bias."""
         return tuple(
-            s for s in DEFAULT_SLOTS
+            s
+            for s in DEFAULT_SLOTS
             if s.role in cls.roles and (s.tensor is None or isinstance(getattr(module, s.tensor, None), torch.Tensor))
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_float(cls, module: nn.Module, qconfig: QuantizationConfig) -> QuantMixin:
@@ -311,7 +312,9 @@ def twin_of_foreign_class(float_class: type[nn.Module], base: type[QuantMixin]) 
     twin = QUANT_MODULE_MAP.get(float_class)
     if twin is None:
         name = f"Quant{float_class.__name__}"
-        twin = type(name, (base, float_class), {"_float_class": float_class, "__module__": __name__, "__qualname__": name})
+        twin = type(
+            name, (base, float_class), {"_float_class": float_class, "__module__": __name__, "__qualname__": name}
+        )
         globals()[name] = twin
         register_quant_module(float_class, twin)
     return twin
@@ -370,7 +373,9 @@ class QuantEmbedding(QuantMixin, nn.Embedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight, _ = self.quantized_weight_and_bias()
-        out = F.embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        out = F.embedding(
+            input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
         return self._quantize(self._output_quantizer, out)
 
 
@@ -383,9 +388,18 @@ class QuantEmbeddingBag(QuantMixin, nn.EmbeddingBag):
     ) -> torch.Tensor:
         weight, _ = self.quantized_weight_and_bias()
         out = F.embedding_bag(
-            input, weight, offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
-            per_sample_weights, self.include_last_offset, self.padding_idx,
-        )  # fmt: skip
+            input,
+            weight,
+            offsets,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.mode,
+            self.sparse,
+            per_sample_weights,
+            self.include_last_offset,
+            self.padding_idx,
+        )
         return self._quantize(self._output_quantizer, out)
 
 

@@ -40,8 +40,11 @@ class _QuantRNNBase(QuantMixin):
     def slots_for(cls, module: nn.Module) -> tuple[QuantSlot, ...]:
         layers = [QuantSlot("input_tensors", "_input_quantizer")]
         layers += [QuantSlot("input_tensors", f"_input_quantizer_l{k}") for k in range(1, module.num_layers)]  # type: ignore[arg-type]
-        return (*layers, QuantSlot("output_tensors", "_output_quantizer"),
-                *(_param_slot(n) for n in rnn_flat_weight_names(module)))  # fmt: skip
+        return (
+            *layers,
+            QuantSlot("output_tensors", "_output_quantizer"),
+            *(_param_slot(n) for n in rnn_flat_weight_names(module)),
+        )
 
     def _layer_input_quantizer(self, layer: int) -> nn.Module | None:
         return getattr(self, "_input_quantizer" if layer == 0 else f"_input_quantizer_l{layer}", None)
@@ -70,7 +73,11 @@ class _QuantRNNBase(QuantMixin):
             batch = x.size(0 if self.batch_first else 1)  # type: ignore[attr-defined]
         if hx is None:
             hidden = self.proj_size or self.hidden_size if lstm else self.hidden_size  # type: ignore[attr-defined]
-            hx = (self._zeros(batch, hidden, x), self._zeros(batch, self.hidden_size, x)) if lstm else self._zeros(batch, self.hidden_size, x)  # type: ignore[attr-defined]
+            hx = (
+                (self._zeros(batch, hidden, x), self._zeros(batch, self.hidden_size, x))
+                if lstm
+                else self._zeros(batch, self.hidden_size, x)
+            )  # type: ignore[attr-defined]
         elif not is_batched:
             hx = (hx[0].unsqueeze(1), hx[1].unsqueeze(1)) if lstm else hx.unsqueeze(1)
         else:
@@ -81,7 +88,9 @@ class _QuantRNNBase(QuantMixin):
         x, hidden = self._layers(x, hx, batch_sizes)
         x = self._quantize(self._output_quantizer, x)
         if packed:
-            return PackedSequence(x, batch_sizes, sorted_indices, unsorted_indices), self.permute_hidden(hidden, unsorted_indices)  # type: ignore[attr-defined]
+            return PackedSequence(x, batch_sizes, sorted_indices, unsorted_indices), self.permute_hidden(
+                hidden, unsorted_indices
+            )  # type: ignore[attr-defined]
         if self.batch_first:  # type: ignore[attr-defined]
             x = x.transpose(0, 1)
         if not is_batched:
@@ -128,8 +137,11 @@ class _QuantCellBase(QuantMixin):
     @classmethod
     def slots_for(cls, module: nn.Module) -> tuple[QuantSlot, ...]:
         params = [n for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh") if getattr(module, n, None) is not None]
-        return (QuantSlot("input_tensors", "_input_quantizer"), QuantSlot("output_tensors", "_output_quantizer"),
-                *(_param_slot(n) for n in params))  # fmt: skip
+        return (
+            QuantSlot("input_tensors", "_input_quantizer"),
+            QuantSlot("output_tensors", "_output_quantizer"),
+            *(_param_slot(n) for n in params),
+        )
 
     def forward(self, input: torch.Tensor, hx: Any = None) -> Any:
         lstm = isinstance(self, nn.LSTMCell)
@@ -142,8 +154,10 @@ class _QuantCellBase(QuantMixin):
             hx = (zeros, zeros) if lstm else zeros
         elif not is_batched:
             hx = (hx[0].unsqueeze(0), hx[1].unsqueeze(0)) if lstm else hx.unsqueeze(0)
-        weights = [self._quantize(getattr(self, f"_{n}_quantizer", None), getattr(self, n))
-                   for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]  # fmt: skip
+        weights = [
+            self._quantize(getattr(self, f"_{n}_quantizer", None), getattr(self, n))
+            for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+        ]
         kernel = rnn_kernel(_CELL_KERNELS[getattr(self, "nonlinearity", type(self)._float_class.__name__)])
         out = kernel(self._quantize(self._input_quantizer, x), hx, *weights)
         if lstm:
@@ -166,6 +180,12 @@ class QuantRNNCell(_QuantCellBase, nn.RNNCell):
     _float_class = nn.RNNCell
 
 
-for _float, _twin in ((nn.LSTM, QuantLSTM), (nn.GRU, QuantGRU), (nn.RNN, QuantRNN),
-                      (nn.LSTMCell, QuantLSTMCell), (nn.GRUCell, QuantGRUCell), (nn.RNNCell, QuantRNNCell)):  # fmt: skip
+for _float, _twin in (
+    (nn.LSTM, QuantLSTM),
+    (nn.GRU, QuantGRU),
+    (nn.RNN, QuantRNN),
+    (nn.LSTMCell, QuantLSTMCell),
+    (nn.GRUCell, QuantGRUCell),
+    (nn.RNNCell, QuantRNNCell),
+):
     register_quant_module(_float, _twin)
