@@ -16,7 +16,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from quark.torch import ModelQuantizer  # noqa: E402
-from quark.torch.export.onnx import _Constants, export_onnx  # noqa: E402
+from quark.torch.export.onnx import Constants, export_onnx  # noqa: E402
 from quark.torch.quantization.graph import capture  # noqa: E402
 from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT  # noqa: E402
 
@@ -73,7 +73,7 @@ def _codes(path: Path, x: torch.Tensor, option: str) -> np.ndarray:
 def _output_scale(path: Path) -> np.ndarray:
     graph = onnx.load(str(path)).graph
     last = next(n for n in reversed(graph.node) if n.op_type == "DequantizeLinear")
-    return _Constants(graph).value(last.input[1])
+    return Constants(graph).value(last.input[1])
 
 
 def _torch_codes(path: Path, model: nn.Module, x: torch.Tensor) -> np.ndarray:
