@@ -46,7 +46,7 @@ EPS = torch.finfo(torch.float32).eps
 
 
 def is_scaled(dtype: Dtype) -> bool:
-    """Whether ``dtype`` quantizes with a scale (an integer or a minifloat format), which the min-max observers serve."""
+    """Whether ``dtype`` quantizes with a scale (an integer or minifloat format): what min-max observers serve."""
     return isinstance(format_of(dtype), IntFormat | FloatFormat)
 
 
@@ -79,9 +79,9 @@ def minmax_qparams(
     model_dtype: torch.dtype,
     who: str = "a quantizer",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point of the range [min_val, max_val] extended to include 0 (the conventions of ``observer.py``), held as
-    ``scale_type`` says. Pure tensor arithmetic: the observers' ``calculate_qparams`` and the fused observe-and-quantize
-    kernel (which traces it) share it."""
+    """Scale and zero point of the range [min_val, max_val] extended to include 0 (the conventions of ``observer.py``),
+    held as ``scale_type`` says. Pure tensor arithmetic: the observers' ``calculate_qparams`` and the fused
+    observe-and-quantize kernel (which traces it) share it."""
     min_neg = torch.clamp(min_val.float(), max=0.0)
     max_pos = torch.clamp(max_val.float(), min=0.0)
     if isinstance(fmt, FloatFormat):

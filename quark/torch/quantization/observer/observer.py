@@ -18,9 +18,10 @@ from __future__ import annotations
 
 # isort: off
 # the families in the order they register (base first: the others subclass it)
-from quark.torch.quantization.observer.base import ObserverBase, PlaceholderObserver
-from quark.torch.quantization.observer.base import (  # noqa: F401 - importable here as before (engine use)
+from quark.torch.quantization.observer.base import (
     MinMaxPlan,
+    ObserverBase,
+    PlaceholderObserver,
     channel_minmax,
     group_minmax,
     minmax_qparams,
@@ -71,6 +72,11 @@ __all__ = [
     "threshold_kl_j",
     "OBSERVER_CLASSES",
     "OBSERVER_MAP",
+    # the min-max arithmetic the fused pass shares (public here before the split; the reference page lists them)
+    "minmax_qparams",
+    "channel_minmax",
+    "group_minmax",
+    "MinMaxPlan",
 ]
 
 register_observer(ObserverBase)  # the base too, as amd-quark's ``observer_cls`` type
