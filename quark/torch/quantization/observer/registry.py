@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from quark.torch.quantization.observer.observer import ObserverBase
+    from quark.torch.quantization.observer.base import ObserverBase
 
 __all__ = ["register_observer", "observer_class", "observer_names", "observer_methods", "OBSERVER_MAP"]
 
