@@ -15,7 +15,7 @@ pattern, except this project's own temporaries (``.quarkl-tmp.*``, see ``quark.t
 never finished, in the run's places (never through a link). A ``ckpt_path=`` file inside the directory (the run's input)
 stays. Before any of this, ``check_free`` refuses the run when a file it would write under a fixed name (results.json,
 checkpoints/quantized.ckpt, the loggers' phase folders, export/, ...) is there and is not such a recorded file: a file
-of yours is never overwritten. All of this happens under the directory's lock (``run_dir_lock`` below), so never
+of yours is never overwritten. All of this happens under the directory's lock (``run_dir_lock``, in ``lock``), so never
 under a live run's feet, and only once the run's config, Trainer, data and model have passed their checks: a refused
 run leaves the directory as it was.
 
@@ -28,44 +28,43 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import hashlib
-import json
 import logging
 import os
 import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from stat import S_ISREG
 from typing import Any
 
 from omegaconf import DictConfig
 
 from quark.torch.export.files import is_temporary, remove_stale_temporaries, write_atomically, write_text_atomically
-from quark_lightning.app.conf import ConfigError
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: a "running" state cannot be told stale
-    fcntl = None  # type: ignore[assignment]
+from quark_lightning.app.lock import (
+    CLAIMED,
+    KINDS,
+    LOCK,
+    RUN_STATE,
+    SWEEP_STATE,
+    busy_error,
+    check_writable,
+    claim_key,
+    file_logs_held,
+    inside,
+    locked,
+    read_state,
+    run_dir_lock,
+    state_on_disk,
+    write_state,
+)
 
 log = logging.getLogger(__name__)
 
-RUN_STATE = "run_state.json"
-#: a sweep directory's state file: the sweep's files at the top of the directory, as ``run_state.json`` for a run
-SWEEP_STATE = "sweep_state.json"
 #: in a sweep's directory: the float model's test metrics, shared by the jobs that start from one ckpt_path
 FLOAT_TEST_CACHE = "float_test_cache.json"
 #: what a sweep writes at the top of its directory besides its end callback's products: the jobs' float-test cache,
 #: and Hydra's own files (its basic sweeper's multirun.yaml, the Optuna sweeper's optimization_results.yaml)
 SWEEP_FILES = (FLOAT_TEST_CACHE, "multirun.yaml", "optimization_results.yaml")
-#: state file -> what the directory is called in messages, and where to go instead
-_KINDS = {
-    RUN_STATE: ("run", "hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"),
-    SWEEP_STATE: ("sweep", "hydra.sweep.dir=<another dir>"),
-}
-LOCK = ".lock"
 #: the places a run of the app writes to in its directory, besides the loggers' folders (from the config) and
 #: ``.hydra/``: where ``record`` looks for its files (the Hydra log file, appended by every run, is not recorded)
 PRODUCTS = (
@@ -78,29 +77,9 @@ PRODUCTS = (
     "trial.json",
 )
 
-#: the runs (and sweeps) of this process that claimed a directory and have not finished: (resolved directory, state
-#: file) -> its state
-_claimed: dict[tuple[Path, str], dict[str, Any]] = {}
-
-
-def _key(out: Path, state: str) -> tuple[Path, str]:
-    return Path(out).resolve(), state
-
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _inside(out: Path, path: Path) -> bool:
-    """``path`` lies strictly inside ``out`` (``out`` and ``path``'s folder resolved; ``path`` itself may be a link to
-    elsewhere, e.g. checkpoints/ on a larger disk)."""
-    if path.name in ("", ".", ".."):
-        return False
-    try:
-        rel = (path.parent.resolve() / path.name).relative_to(out.resolve())
-    except ValueError:
-        return False
-    return rel != Path(".")
 
 
 def _logger_names(cfg: DictConfig) -> list[str]:
@@ -118,7 +97,7 @@ def _logger_names(cfg: DictConfig) -> list[str]:
 def output_places(cfg: DictConfig, out: Path) -> list[Path]:
     """The files and folders a run of ``cfg`` writes into ``out``: PRODUCTS and the loggers' folders there."""
     places = [out / name for name in (*PRODUCTS, *_logger_names(cfg))]
-    return [p for p in places if _inside(out, p)]
+    return [p for p in places if inside(out, p)]
 
 
 def planned(cfg: DictConfig, mode: str | None, mixed: bool, exporting: bool) -> tuple[list[str], list[str]]:
@@ -140,7 +119,7 @@ def check_free(out: Path, files: Sequence[str], folders: Sequence[str], state: s
     out = Path(out)
     taken = _taken(out, files, folders, state)
     if taken:
-        kind, elsewhere = _KINDS[state]
+        kind, elsewhere = KINDS[state]
         shown = ", ".join(taken[:8]) + (f" and {len(taken) - 8} more" if len(taken) > 8 else "")
         raise ValueError(
             f"the {kind} directory {out} holds {shown}, which no earlier {kind} of this app recorded writing (or which "
@@ -278,7 +257,7 @@ def _removable(out: Path, rel: str, entry: dict[str, Any], keep: set[Path]) -> s
 def remove_temporaries(out: Path, places: Sequence[Path]) -> list[Path]:
     """The stale temporaries (this project's prefix) of writes that never finished (a killed export or checkpoint),
     in ``out`` and ``.hydra`` and anywhere under ``places`` reached without a link."""
-    reachable = [p for p in places if _inside(out, p) and _reach(out, _rel(out, p))[0] is not None]
+    reachable = [p for p in places if inside(out, p) and _reach(out, _rel(out, p))[0] is not None]
     removed = remove_stale_temporaries([out, out / ".hydra"], reachable)
     if removed:
         log.info(
@@ -288,63 +267,6 @@ def remove_temporaries(out: Path, places: Sequence[Path]) -> list[Path]:
             ", ".join(_rel(out, p) for p in removed),
         )
     return removed
-
-
-def read_state(out: Path, name: str = RUN_STATE) -> dict[str, Any] | None:
-    """The directory's ``run_state.json`` (``name``: ``sweep_state.json``; None: there is none, or it is unreadable);
-    a ``"running"`` state whose run no longer holds the lock is returned as ``"stale"`` (the run was killed)."""
-    state = _state_on_disk(Path(out), name)
-    if (
-        state is not None
-        and state.get("state") == "running"
-        and _key(out, name) not in _claimed
-        and not locked(Path(out))
-    ):
-        state["state"] = "stale"
-    return state
-
-
-def _state_on_disk(out: Path, name: str) -> dict[str, Any] | None:
-    """The state file ``out/name`` as written (None: absent, a link, unreadable or not an object)."""
-    path = out / name
-    try:
-        state = None if path.is_symlink() else json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) else None
-
-
-def locked(out: Path) -> bool:
-    """Whether a process holds the directory's lock (unknown without fcntl: assumed held). Never through a link."""
-    if fcntl is None:
-        return True
-    try:
-        fd = os.open(out / LOCK, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops the shared lock just taken
-    return False
-
-
-def check_writable(out: Path) -> None:
-    """ValueError naming ``out`` when the run cannot write there (read-only, or not a folder), before anything is
-    written: creates ``out`` (and its parents) when absent."""
-    try:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        writable = os.access(out, os.W_OK | os.X_OK)
-        problem = "" if writable else "it is read-only"
-    except OSError as err:
-        problem = err.strerror or str(err)
-    if problem:
-        raise ValueError(
-            f"the run directory {out} cannot be written ({problem}): make it writable, or give this run "
-            "another directory: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
-        )
 
 
 def claim(cfg: DictConfig, out: Path, inputs: Sequence[str | None] = ()) -> dict[str, Any]:
@@ -362,7 +284,7 @@ def claim_sweep(out: Path, files: Sequence[str], overrides: Sequence[str] | None
     ``"running"`` (with the sweep's command-line ``overrides``); ``files`` (names at its top) are recorded when
     written. Returns the state written."""
     out = Path(out)
-    places = [out / name for name in files if _inside(out, out / name)]
+    places = [out / name for name in files if inside(out, out / name)]
     return _claim(out, SWEEP_STATE, places, places, set(), overrides)
 
 
@@ -377,7 +299,7 @@ def _claim(
         previous["state"] = "stale"
     removed, kept = _remove_recorded(out, previous, keep)
     remove_temporaries(out, places)
-    kind = _KINDS[name][0]
+    kind = KINDS[name][0]
     who = (
         ""
         if previous is None
@@ -408,7 +330,7 @@ def _claim(
     if previous is not None:
         state["replaced"] = {"previous": _summary(previous), "removed": removed, "kept": kept}
     files, dirs = _scan(out, scan)
-    _claimed[_key(out, name)] = {
+    CLAIMED[claim_key(out, name)] = {
         "state": state,
         "name": name,
         "scan": scan,
@@ -416,7 +338,7 @@ def _claim(
         "dirs_before": dirs,
         "written": {},
     }
-    _write_state(out, state, name)
+    write_state(out, state, name)
     return state
 
 
@@ -455,7 +377,7 @@ def record(out: Path, name: str = RUN_STATE) -> list[str]:
     since the claim; temporaries aside) to its state file, with their size and hash, and the folders it created for
     them; so that a later run removes them even when this one is killed. Returns the recorded paths."""
     out = Path(out)
-    entry = _claimed.get(_key(out, name))
+    entry = CLAIMED.get(claim_key(out, name))
     if entry is None:
         return []
     files, _ = _scan(out, entry["scan"])
@@ -472,21 +394,21 @@ def record(out: Path, name: str = RUN_STATE) -> list[str]:
         written=[{"path": rel, **identity} for rel, (_, identity) in written.items()],
         dirs=sorted(created - entry["dirs_before"]),
     )
-    _write_state(out, entry["state"], name)
+    write_state(out, entry["state"], name)
     return list(written)
 
 
 def add_job(out: Path, job: Path) -> None:
     """List ``job`` (a job's folder) in the ``jobs`` of the sweep that claimed ``out`` in this process: the sweep's
     summary reads those folders only, not an earlier sweep's left beside them."""
-    entry = _claimed.get(_key(out, SWEEP_STATE))
+    entry = CLAIMED.get(claim_key(out, SWEEP_STATE))
     if entry is None:
         return
     rel = os.path.relpath(Path(job).resolve(), Path(out).resolve())
     jobs = entry["state"].setdefault("jobs", [])
     if rel not in jobs:
         jobs.append(Path(rel).as_posix())
-        _write_state(out, entry["state"], SWEEP_STATE)
+        write_state(out, entry["state"], SWEEP_STATE)
 
 
 def write_recorded(out: Path, name: str, content: str | Callable[[str], None], state_name: str = RUN_STATE) -> bool:
@@ -495,9 +417,9 @@ def write_recorded(out: Path, name: str, content: str | Callable[[str], None], s
     summary, the float-test cache); False, with an error logged, when a file there is not one a run of this app
     recorded (a file of the user's is never written over)."""
     out = Path(out)
-    state = _state_on_disk(out, state_name)
+    state = state_on_disk(out, state_name)
     if os.path.lexists(out / name) and not _owned(out, name, _recorded(state)):
-        kind = _KINDS[state_name][0]
+        kind = KINDS[state_name][0]
         log.error(
             "%s directory %s: %s is not a file a %s of this app recorded: not written over", kind, out, name, kind
         )
@@ -509,7 +431,7 @@ def write_recorded(out: Path, name: str, content: str | Callable[[str], None], s
     if state is not None:  # else: no run claimed the directory (refused on a first try): the file stays unrecorded
         written = [e for e in state.get("written") or [] if not (isinstance(e, dict) and e.get("path") == name)]
         state["written"] = [*written, {"path": name, **_identity(out / name)}]
-        _write_state(out, state, state_name)
+        write_state(out, state, state_name)
     return True
 
 
@@ -517,7 +439,7 @@ def read_recorded(out: Path, name: str, state_name: str = RUN_STATE) -> str | No
     """The text of ``out/name`` when it is a file the state file records, unchanged (what this app wrote there); None
     when it is absent, a link, changed since, or not recorded (a file of the user's is never read as the app's)."""
     out = Path(out)
-    if not _owned(out, name, _recorded(_state_on_disk(out, state_name))):
+    if not _owned(out, name, _recorded(state_on_disk(out, state_name))):
         return None
     try:
         return (out / name).read_text()
@@ -529,10 +451,6 @@ def _overrides() -> list[str] | None:
     from hydra.core.hydra_config import HydraConfig
 
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
-
-
-def _write_state(out: Path, state: dict[str, Any], name: str = RUN_STATE) -> None:
-    write_text_atomically(out / name, json.dumps(state, indent=2, default=str) + "\n")
 
 
 def run_files(out: Path) -> dict[str, list[str]]:
@@ -547,7 +465,7 @@ def run_files(out: Path) -> dict[str, list[str]]:
         found[kind].append(rel)
     for handler in logging.getLogger().handlers:  # Hydra's job log (train.log), when it lies in the directory
         name = getattr(handler, "baseFilename", None)
-        if name and _inside(out, Path(name)) and Path(name).is_file():
+        if name and inside(out, Path(name)) and Path(name).is_file():
             found["logs"].append(Path(name).resolve().relative_to(out.resolve()).as_posix())
     return found
 
@@ -557,7 +475,7 @@ def finish(out: Path, error: BaseException | None, name: str = RUN_STATE) -> Non
     ``"complete"`` with its files, or ``"failed"`` with the error. Nothing when this process did not claim it (a config
     error before the claim leaves the previous run's state as it was)."""
     out = Path(out)
-    entry = _claimed.get(_key(out, name))
+    entry = CLAIMED.get(claim_key(out, name))
     if entry is None:
         return
     try:
@@ -571,9 +489,9 @@ def finish(out: Path, error: BaseException | None, name: str = RUN_STATE) -> Non
         else:
             text = str(error).strip().splitlines()
             state.update(state="failed", error=f"{type(error).__name__}: {text[0] if text else ''}"[:2000])
-        _write_state(out, state, name)
+        write_state(out, state, name)
     finally:
-        _claimed.pop(_key(out, name), None)
+        CLAIMED.pop(claim_key(out, name), None)
 
 
 @contextlib.contextmanager
@@ -591,99 +509,31 @@ def recording(out: Path) -> Iterator[None]:
     finish(out, None)
 
 
-class _Held(logging.Handler):
-    """Keeps the records it gets, to hand them to the file handlers they were meant for once the run may write."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@contextlib.contextmanager
-def file_logs_held(out: Path) -> Iterator[Callable[[], None]]:
-    """Hold back what the root logger's file handlers would write into ``out`` (Hydra's train.log) until the run has
-    claimed it (call the yielded function then): a refused run leaves no log file there (the console still shows
-    everything). Without a claim the held records are dropped."""
-    root = logging.getLogger()
-    files = [h for h in root.handlers if isinstance(h, logging.FileHandler) and _inside(out, Path(h.baseFilename))]
-    if not files:
-        yield lambda: None
-        return
-    held = _Held()
-    for handler in files:
-        root.removeHandler(handler)
-    root.addHandler(held)
-
-    def release() -> None:
-        if held in root.handlers:
-            root.removeHandler(held)
-            for handler in files:
-                root.addHandler(handler)
-                for record in held.records:
-                    handler.handle(record)
-            held.records.clear()
-
-    try:
-        yield release
-    finally:
-        if held in root.handlers:  # never claimed: the records were shown on the console, the file stays as it was
-            held.records.clear()
-            release()
-
-
-# ----------------------------------------------------------------------------------------------- the lock
-def run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
-    """An exclusive ``flock`` on ``<out>/.lock`` for the whole run, so that two runs never mix their files in one
-    directory. Taken without waiting: if another live run holds it, ConfigError. The OS drops the lock when its
-    process ends, so a crashed run leaves nothing stale. The ``.lock`` file is created when absent and never written
-    (nor truncated); it is opened without following a link (a link there: ConfigError)."""
-    if fcntl is None:
-        return contextlib.nullcontext()
-    return _flock(out)
-
-
-@contextlib.contextmanager
-def _flock(out: Path) -> Iterator[None]:
-    fd = _open_lock(out / LOCK)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise busy_error(out) from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def busy_error(out: Path) -> ConfigError:
-    """The refusal of a run whose directory another live run holds (named by its pid once it has claimed it)."""
-    holder = read_state(out) or {}
-    by = f" (pid {holder.get('pid')})" if holder.get("state") == "running" and holder.get("pid") else ""
-    return ConfigError(
-        f"the run directory {out} is in use by another run{by}, which holds {out / LOCK}; this run stops before "
-        "training or writing results there. Wait for that run to finish, or give this one a directory of its "
-        "own: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
-    )
-
-
-def _open_lock(path: Path) -> int:
-    """The lock file, opened without following a link, created when absent, never written (read-write only because
-    an exclusive lock on NFS needs it); ConfigError when it is a link or not a regular file."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as err:
-        what = "a symbolic link" if err.errno == errno.ELOOP else f"not usable ({err.strerror})"
-        raise ConfigError(
-            f"{path}, the run directory's lock file, is {what}: the app never writes through a link there. Remove "
-            "it, or give this run another directory: hydra.run.dir=<another dir>"
-        ) from None
-    if not S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ConfigError(
-            f"{path}, the run directory's lock file, is not a regular file: remove it, or give this run another "
-            "directory: hydra.run.dir=<another dir>"
-        )
-    return fd
+#: what this module offers, the lock's part (``quark_lightning.app.lock``) included, importable from here as before
+__all__ = [
+    "FLOAT_TEST_CACHE",
+    "LOCK",
+    "PRODUCTS",
+    "RUN_STATE",
+    "SWEEP_FILES",
+    "SWEEP_STATE",
+    "add_job",
+    "busy_error",
+    "check_free",
+    "check_writable",
+    "claim",
+    "claim_sweep",
+    "file_logs_held",
+    "finish",
+    "locked",
+    "output_places",
+    "planned",
+    "read_recorded",
+    "read_state",
+    "record",
+    "recording",
+    "remove_temporaries",
+    "run_dir_lock",
+    "run_files",
+    "write_recorded",
+]
