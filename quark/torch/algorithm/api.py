@@ -86,9 +86,18 @@ def weight_specs(model: nn.Module) -> dict[str, QuantizationSpec]:
     }
 
 
+def _with_data(context: AlgorithmContext | None, algo: Any) -> AlgorithmContext:
+    """The handler's calibration context; a stage that gives none (e.g. graph mode's) is refused by name."""
+    if context is None:
+        raise ValueError(
+            f"{type(algo).__name__} ({algo.name}) needs calibration batches; it was run at a stage without data"
+        )
+    return context
+
+
 def run_smoothquant(model: nn.Module, algo: SmoothQuantConfig, context: AlgorithmContext | None) -> None:
     """SmoothQuant's handler: smooth each decoder layer of the float ``model``."""
-    assert context is not None
+    context = _with_data(context, algo)
     with no_kv_cache(model):
         _per_decoder_layer(
             model,
@@ -102,7 +111,7 @@ def run_smoothquant(model: nn.Module, algo: SmoothQuantConfig, context: Algorith
 
 def run_awq(model: nn.Module, algo: AWQConfig, context: AlgorithmContext | None) -> None:
     """AWQ's handler: search and apply the scales of each decoder layer of the float ``model``."""
-    assert context is not None
+    context = _with_data(context, algo)
     spec_of = context.weight_spec_of or weight_specs(model).get
     with no_kv_cache(model):
         _per_decoder_layer(
@@ -117,7 +126,7 @@ def run_awq(model: nn.Module, algo: AWQConfig, context: AlgorithmContext | None)
 
 def run_gptq(model: nn.Module, algo: GPTQConfig, context: AlgorithmContext | None) -> None:
     """GPTQ's handler: on the prepared, calibrated ``model``."""
-    assert context is not None
+    context = _with_data(context, algo)
     apply_gptq(model, algo, context.batches, context.run)
 
 
