@@ -45,6 +45,7 @@ from quark.torch.quantization.api import activation_axes_to_check, check_activat
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
+from quark.torch.quantization.state import quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
@@ -273,11 +274,13 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
             if not self._table_logged:
                 rank_zero_info(f"QuantCallback ({self.mode}): quantizing {len(plans)} layer(s)\n{format_plans(plans)}")
                 self._table_logged = True
-        if not getattr(pl_module, "_quant_load_hook", False):  # a float checkpoint restores into the quantized model
+        state = quant_state(pl_module, create=True)
+        assert state is not None
+        if not state.load_hooks:  # a float checkpoint restores into the quantized model
             if self.quantizer.graph_mode:  # a checkpoint written after PTQ folded BatchNorm: fold before loading
                 pl_module.register_load_state_dict_pre_hook(FoldForCheckpoint(self.config))
             pl_module.register_load_state_dict_pre_hook(fill_float_checkpoint)
-            pl_module._quant_load_hook = True
+            state.load_hooks = True
         if self.mode == "ptq" and (stage == TrainerFn.FITTING or (swap and not self.calibrated)):
             # train (and validate during fit) in float, every fit: its end calibrates the weights it leaves
             self._set_all(pl_module, observe=False, fake_quant=False)
@@ -494,7 +497,7 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if isinstance(state, dict) and "batches_seen" not in state:
             self._batches_seen = int(checkpoint.get("global_step", 0))  # written before batches were counted
-        if getattr(pl_module, "_quant_float_start", False):
+        if (record := quant_state(pl_module)) is not None and record.float_start:
             self._check_float_optimizer_state(trainer, pl_module, checkpoint)
             self._take_float_start(pl_module)
         elif isinstance(state, dict) and state.get("calibrated"):

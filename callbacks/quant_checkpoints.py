@@ -23,6 +23,7 @@ from quark.torch.quantization.api import uncalibrated_layers
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.resolve import config_from_stored
+from quark.torch.quantization.state import quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 # Written into the state_dict of every checkpoint of a quantized model: a plain ``Model.load_from_checkpoint`` (no
@@ -63,7 +64,9 @@ def fill_float_checkpoint(
     current = module.state_dict(prefix=prefix)
     for key in quant_keys:
         state_dict[key] = current[key].detach().clone()
-    module._quant_float_start = True  # read (once) by the callback
+    state = quant_state(module, create=True)
+    assert state is not None
+    state.float_start = True  # taken (once) by the callback
 
 
 def _checkpoint_safe_globals() -> list[Any]:
@@ -234,8 +237,10 @@ class FloatCheckpointStart:
         """After a float checkpoint was loaded into the quantized module (see ``fill_float_checkpoint``): the
         quantizers start over: PTQ calibrates before evaluating (or at the end of fit), QAT observes from its first
         batch."""
-        if not pl_module.__dict__.pop("_quant_float_start", False):
+        state = quant_state(pl_module)
+        if state is None or not state.float_start:
             return
+        state.float_start = False
         self.calibrated = False
         self._calibrated_for = None
         for _, q in iter_quantizers(pl_module):

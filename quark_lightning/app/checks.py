@@ -45,6 +45,7 @@ from quark.torch.export import check_exportable, export_formats, get_format
 from quark.torch.extras import MissingExtraError, require_extra
 from quark.torch.quantization.api import activation_axes_to_check, check_activation_shapes, run_batch, unmatched_names
 from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
+from quark.torch.quantization.state import quant_state
 from quark_lightning.app.conf import ConfigError, QuantConfigError, QuantFlow, spec_bits
 from quark_lightning.app.mixed import candidate_configs, check_before_training, with_candidate
 from quark_lightning.app.trainer import build_trainer
@@ -359,7 +360,7 @@ def graph_layers(config: Config, model: LightningModule) -> dict[str, dict[str, 
     plans = [
         dataclasses.replace(plan, name=f"{name}.{plan.name}")
         for name, child in model.named_children()
-        if hasattr(child, "_graph_units")
+        if (state := quant_state(child)) is not None and state.graph_units is not None
         for plan in quantizer.resolve(child)
     ]
     return _layer_table(plans)

@@ -262,7 +262,7 @@ def decode_weight(tensors: dict[str, torch.Tensor], key: str, info: dict[str, An
 # ----------------------------------------------------------------------------------------------- slots and keys
 def quant_slots(m: QuantMixin) -> tuple[QuantSlot, ...]:
     """Every quantizer slot of a twin, those without a quantizer included."""
-    return tuple(getattr(m, "_quant_slots", ()))
+    return tuple(m.quant_slots)
 
 
 #: the stored name of an activation slot's qparams (before ``_scale`` / ``_zero_point``)

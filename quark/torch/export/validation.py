@@ -473,9 +473,5 @@ def unreached_layers(model: nn.Module) -> list[str]:
     ``ModelQuantizer.freeze``. Both exports write them in float and add them to the stored config's ``exclude``."""
     return sorted(
         uncalibrated_layers(model)
-        | {
-            name
-            for name, m in quantized_modules(model)
-            if getattr(m, "_quant_unreached", False) and not list(m.quantizer_slots())
-        }
+        | {name for name, m in quantized_modules(model) if m.unreached and not list(m.quantizer_slots())}
     )

@@ -72,7 +72,7 @@ from quark.torch.quantization.resolve import (
     type_names,
     unmatched_names,
 )
-from quark.torch.quantization.state import preserve_modes
+from quark.torch.quantization.state import QuantState, preserve_modes, quant_state
 from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuantizeBase
 
 logger = logging.getLogger(__name__)
@@ -166,14 +166,19 @@ class ModelQuantizer:
                 warnings.warn(message, stacklevel=3)
 
     def _graph_plans(self, model: nn.Module) -> list[LayerPlan]:
-        prepared = (
-            model if hasattr(model, "_graph_units") else graph.prepare_graph(self._require_graph(model), self.config)
-        )
         return [
             LayerPlan(u.name or "<top>", u.type_name or u.op, u.qconfig, u.source)
-            for u in prepared._graph_units  # type: ignore[union-attr]
+            for u in self._graph_state(model).graph_units or []
             if u.qconfig is not None
         ]
+
+    def _graph_state(self, model: nn.Module) -> QuantState:
+        """The graph-mode record of ``model``: its own once prepared, else that of a preparation of it (not kept)."""
+        state = quant_state(model)
+        if state is None or state.graph_units is None:
+            state = quant_state(graph.prepare_graph(self._require_graph(model), self.config))
+        assert state is not None  # prepare_graph records its plans
+        return state
 
     def _require_graph(self, model: nn.Module) -> Any:
         if not graph.is_graph_module(model):
@@ -188,14 +193,10 @@ class ModelQuantizer:
         """Modules holding Parameters that stay float, each with the reason (excluded, unsupported type, ...); on a
         calibrated model also the Parameters a forward used functionally, outside any quantizer."""
         if self.graph_mode:
-            prepared = (
-                model
-                if hasattr(model, "_graph_float_layers")
-                else graph.prepare_graph(self._require_graph(model), self.config)
-            )
-            return list(prepared._graph_float_layers)  # type: ignore[arg-type]
+            return list(self._graph_state(model).graph_float_layers or [])
         plans = self.resolve(model, warn=False)
-        uses: dict[str, list[str]] = getattr(model, "_quant_functional_uses", {})
+        state = quant_state(model)
+        uses = state.functional_uses if state is not None else {}
         out = []
         for f in float_layers(self.config, model, {p.name for p in plans}):
             if f.reason.startswith("no quantized twin") and f.name in uses:
@@ -223,7 +224,7 @@ class ModelQuantizer:
         names are under in the Config (``"net."`` for a captured ``self.net`` of a LightningModule)."""
         if self.graph_mode:
             prepared = graph.prepare_graph(self._require_graph(model), self.config, name_prefix)
-            warn_float_layers(prepared._graph_float_layers, stacklevel=3)  # type: ignore[arg-type]
+            warn_float_layers(self._graph_state(prepared).graph_float_layers or [], stacklevel=3)
             return prepared
         return self._prepare(model, self.resolve(model))
 
@@ -442,7 +443,7 @@ class ModelQuantizer:
             if name in unreached:
                 for slot, _ in list(module.quantizer_slots()):
                     module.set_quantizer(slot, None)
-                module._quant_unreached = True
+                module.unreached = True
                 continue
             for slot, q in list(module.quantizer_slots()):
                 frozen = q.to_frozen()

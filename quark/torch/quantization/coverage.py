@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules.quant_modules import EXPLICIT_ONLY, QUANT_MODULE_MAP, QuantMixin
 from quark.torch.quantization.resolve import excluded, explicit_levels, float_type, owners, submodule
+from quark.torch.quantization.state import quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
@@ -168,7 +169,7 @@ def unreached_layers(model: nn.Module, reached: set[str]) -> list[str]:
     out = []
     for name, m in model.named_modules():
         if isinstance(m, QuantMixin):
-            m._quant_unreached = name not in reached
+            m.unreached = name not in reached
             if name not in reached:
                 out.append(name)
     return out
@@ -280,7 +281,7 @@ def report_coverage(model: nn.Module, record: dict[str, Any]) -> None:
     for param, op in record["functional"].items():
         owner, _, attr = param.rpartition(".")
         uses.setdefault(owner, []).append(f"'{attr}' ({op})")
-    model._quant_functional_uses = uses
+    quant_state(model, create=True).functional_uses = uses  # type: ignore[union-attr]
     tied = [f for f in functional_float(model, uses) if f.layer_type.startswith("Quant")]
     warn_float_layers(tied, stacklevel=4)
 

@@ -43,7 +43,7 @@ def weight_sqnr(model: nn.Module) -> dict[str, float]:
     out = {}
     with paused_quantizers(model):
         for name, m in model.named_modules():
-            if not isinstance(m, QuantMixin) or getattr(m, "_quant_unreached", False):
+            if not isinstance(m, QuantMixin) or m.unreached:
                 continue
             for slot, q in m.quantizer_slots():
                 if slot.role == "weight" and bool(q.fake_quant_enabled) and not isinstance(q, BakedFakeQuantize):
@@ -88,7 +88,7 @@ def model_size_bits(model: nn.Module) -> tuple[int, int]:
     bits: dict[int, float] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         quantized = {}
-        if isinstance(m, QuantMixin) and not getattr(m, "_quant_unreached", False):
+        if isinstance(m, QuantMixin) and not m.unreached:
             for name, q in m.param_quantizers():
                 if bool(q.fake_quant_enabled):
                     quantized[name] = bits_per_element(q.spec.dtype, q.spec.mx_element_dtype, q.spec.group_size)

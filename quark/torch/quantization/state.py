@@ -1,18 +1,55 @@
-"""Model state saved and restored around a measurement: the training flag of every submodule (``preserve_modes``)
-and the observer / fake-quant switches of every quantizer (``paused_quantizers``). One place for both, so every
-code path that evaluates, checks or exports in the middle of training puts back exactly what it found (a BatchNorm
-frozen by ``freeze_bn_stats`` stays in eval; a quantizer switched off by the user stays off), also on error."""
+"""Model state: the one record the engine and the callback keep on a model they prepared (``QuantState``, read
+through ``quant_state``), and the state saved and restored around a measurement: the training flag of every
+submodule (``preserve_modes``) and the observer / fake-quant switches of every quantizer (``paused_quantizers``).
+One place for all of it, so every code path that evaluates, checks or exports in the middle of training puts back
+exactly what it found (a BatchNorm frozen by ``freeze_bn_stats`` stays in eval; a quantizer switched off by the user
+stays off), also on error."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
-__all__ = ["preserve_modes", "paused_quantizers"]
+__all__ = ["QuantState", "quant_state", "preserve_modes", "paused_quantizers"]
+
+#: the one attribute the engine adds to a model it prepares (a plain object in ``__dict__``, not in the state_dict)
+_STATE_ATTR = "_quark_state"
+
+
+@dataclass
+class QuantState:
+    """What the engine and the callback learned about a prepared model, kept with it instead of loose attributes.
+
+    - ``functional_uses``: layer name -> Parameters a calibration forward fed to a weight op outside any quantizer
+      (they stay float; ``ModelQuantizer.float_layers`` reports them).
+    - ``graph_units`` / ``graph_float_layers``: graph mode, on the prepared GraphModule: the compute ops found and what
+      each resolved to, and the float layers with their reasons (no fx nodes: the record is copyable).
+    - ``load_hooks``: the load_state_dict pre-hooks that let a float checkpoint restore into the quantized model are
+      registered (once per model).
+    - ``float_start``: a float checkpoint was just loaded into the quantized model, so its quantizers start over
+      (set by the load hook, taken once by the callback).
+    """
+
+    functional_uses: dict[str, list[str]] = field(default_factory=dict)
+    graph_units: list[Any] | None = None
+    graph_float_layers: list[Any] | None = None
+    load_hooks: bool = False
+    float_start: bool = False
+
+
+def quant_state(model: nn.Module, create: bool = False) -> QuantState | None:
+    """``model``'s record (None if the engine never prepared it); ``create``: add an empty one when there is none."""
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is None and create:
+        state = QuantState()
+        model.__dict__[_STATE_ATTR] = state
+    return state
 
 
 @contextmanager

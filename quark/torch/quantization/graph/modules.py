@@ -129,7 +129,7 @@ class QuantConvBnNd(QuantMixin):
     reference to it."""
 
     _plain: type[QuantMixin]
-    _quant_slots: tuple[QuantSlot, ...]
+    quant_slots: tuple[QuantSlot, ...]
     _slots = (QuantSlot("weight", "_weight_quantizer", "weight"), QuantSlot("bias", "_bias_quantizer"))
 
     @classmethod
@@ -236,7 +236,7 @@ def fold_conv_bn(unit: QuantConvBnNd) -> QuantMixin:
     conv.__dict__.pop("_bn", None)
     conv.__dict__.pop("bn_frozen", None)
     plain = unit._plain.from_float(conv, unit.quant_config)  # type: ignore[attr-defined]
-    for slot in plain._quant_slots:
+    for slot in plain.quant_slots:
         if slot.role in ("weight", "bias"):
             plain.set_quantizer(slot, getattr(unit, slot.attr, None))
     gamma, beta = unit._bn_scale()[1:]

@@ -42,6 +42,7 @@ from quark.torch.quantization.graph.rules import (
 )
 from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, QuantMixin
 from quark.torch.quantization.resolve import LayerPlan, check_layer, excluded, merge_levels, name_levels, type_level
+from quark.torch.quantization.state import quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = ["prepare_graph", "GraphUnit", "QUANTIZERS"]
@@ -308,7 +309,7 @@ class _Placer:
     ) -> str:
         holder = QuantActivation.from_float(nn.Identity(), QuantizationConfig(output_tensors=spec))
         if quantizer is not None:
-            holder.set_quantizer(holder._quant_slots[0], quantizer)
+            holder.set_quantizer(holder.quant_slots[0], quantizer)
         holder._output_quantizer.where = where  # type: ignore[union-attr]
         base, k = name, 1
         while hasattr(self.holders, name):
@@ -448,10 +449,10 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     gm.graph.lint()
     gm.recompile()
     gm.quant_config = config
-    gm._graph_units = [
-        UnitPlan(u.name, u.type_name, u.op, u.qconfig, dict(u.source)) for u in units
-    ]  # no fx nodes: copyable
-    gm._graph_float_layers = _graph_float_layers(gm, units, config, name_prefix, data_path)
+    state = quant_state(gm, create=True)
+    assert state is not None
+    state.graph_units = [UnitPlan(u.name, u.type_name, u.op, u.qconfig, dict(u.source)) for u in units]  # no fx nodes
+    state.graph_float_layers = _graph_float_layers(gm, units, config, name_prefix, data_path)
     return gm
 
 

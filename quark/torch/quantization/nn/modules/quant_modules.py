@@ -103,9 +103,13 @@ class QuantMixin(nn.Module):
     _float_class: type[nn.Module] = nn.Module
     #: roles this layer type can quantize (embeddings take integer indices: no input quantizer)
     roles: tuple[str, ...] = ("input_tensors", "output_tensors", "weight", "bias")
-    _quant_slots: tuple[QuantSlot, ...] = ()
+    #: every quantizer slot of this twin, those holding no quantizer included (set by ``from_float``)
+    quant_slots: tuple[QuantSlot, ...] = ()
     #: children that follow this layer's configuration unless named themselves (an attention's ``out_proj``)
     owned_children: tuple[str, ...] = ()
+    #: no calibration or training forward reached this layer: its quantizers saw no data, so size reports and exports
+    #: count it as float (set by the engine after calibration)
+    unreached: bool = False
 
     _input_quantizer: FakeQuantizeBase | None
     _weight_quantizer: FakeQuantizeBase | None
@@ -132,7 +136,7 @@ class QuantMixin(nn.Module):
             twin.register_module(slot.attr, None)
         for slot in slots:
             twin.register_module(slot.attr, _make_quantizer(cls.slot_spec(slot, getattr(qconfig, slot.role)), device))
-        twin._quant_slots = slots
+        twin.quant_slots = slots
         twin.quant_config = qconfig
         for slot, q in twin.quantizer_slots():
             axis = getattr(q, "axis", None)
@@ -163,12 +167,12 @@ class QuantMixin(nn.Module):
     def to_float(self) -> nn.Module:
         """The float module again (same Parameters, same parametrizations), quantizers dropped."""
         float_class = getattr(self, "_parametrized_class", None) or self._float_class
-        attrs = {s.attr for s in DEFAULT_SLOTS} | {s.attr for s in self._quant_slots}
-        return module_twin(self, float_class, drop=[*attrs, "quant_config", "_quant_slots"])
+        attrs = {s.attr for s in DEFAULT_SLOTS} | {s.attr for s in self.quant_slots}
+        return module_twin(self, float_class, drop=[*attrs, "quant_config", "quant_slots"])
 
     def quantizer_slots(self) -> Iterator[tuple[QuantSlot, FakeQuantizeBase]]:
         """(slot, quantizer) for every slot that holds a quantizer."""
-        for slot in self._quant_slots:
+        for slot in self.quant_slots:
             q = getattr(self, slot.attr, None)
             if q is not None:
                 yield slot, q
