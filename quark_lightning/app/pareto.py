@@ -10,6 +10,7 @@ recorded too; at the end of the multirun it reads those and the jobs' ``results.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -56,7 +57,7 @@ class ParetoFront(SweepFiles):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         out = Path(str(config.hydra.runtime.output_dir))
         status = getattr(job_return.status, "name", str(job_return.status))
-        value = job_return._return_value  # return_value would raise the job's exception
+        value = _job_value(job_return)
         record: dict[str, Any] = {
             "job": int(config.hydra.job.num),
             "overrides": list(job_return.overrides or []),
@@ -298,3 +299,13 @@ if __name__ == "__main__":
     if not found:
         sys.exit(f"no trials under {sweep}")
     print(*write_pareto(found, sweep) or ["nothing written (see the error above)"])
+
+
+def _job_value(job_return: Any) -> Any:
+    """A job's return value, or its exception when it failed: Hydra's public ``return_value`` re-raises that after
+    writing an "Error executing job" line, which the sweeper writes again when it checks the job (kept out here)."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return job_return.return_value
+    except Exception as err:  # noqa: BLE001 - a failed trial is recorded, not raised: the sweeper decides
+        return err
