@@ -1,0 +1,135 @@
+"""The common base of the fake-quant modules (spec, switches, the class for a spec) and ``apply_format``."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from quark.torch.quantization.buffers import ResizableBuffersMixin
+from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
+from quark.torch.quantization.config.type import RoundType
+from quark.torch.quantization.formats import fake_quantize, is_scaled
+
+__all__ = ["FakeQuantizeBase", "apply_format"]
+
+
+def _spec_kind(spec: QuantizationSpec) -> str:
+    """The family of fake-quant module that realises ``spec`` (the ``kind`` its class registers under)."""
+    if isinstance(spec.qat_spec, TQTSpec):
+        return "tqt"
+    if isinstance(spec.qat_spec, LSQSpec):
+        return "lsq"
+    return "scaled" if is_scaled(spec.dtype) else "non_scaled"
+
+
+class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
+    """Common state: the spec and the observer / fake-quant switches (buffers, so they travel in the state_dict)."""
+
+    observer_enabled: torch.Tensor
+    fake_quant_enabled: torch.Tensor
+    _where: str = "a quantizer"
+    #: the class ``get_fake_quantize`` builds for each kind of spec, filled as the classes are defined
+    _by_kind: ClassVar[dict[str, type[FakeQuantizeBase]]] = {}
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
+        """``class TQTFakeQuantize(LearnableFakeQuantize, kind="tqt")``: the class ``get_fake_quantize`` builds for
+        that kind of spec (``"tqt"``, ``"lsq"``, ``"scaled"``, ``"non_scaled"``)."""
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            FakeQuantizeBase._by_kind[kind] = cls
+
+    @property
+    def where(self) -> str:
+        """Which layer and tensor this quantizer serves (set by ModelQuantizer.prepare; used in error messages, its
+        observer's included)."""
+        return self._where
+
+    @where.setter
+    def where(self, value: str) -> None:
+        self._where = value
+        observer = self._modules.get("observer")
+        if observer is not None:
+            observer.where = value
+
+    def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.register_buffer("observer_enabled", torch.tensor(1, dtype=torch.uint8, device=device))
+        self.register_buffer("fake_quant_enabled", torch.tensor(1, dtype=torch.uint8, device=device))
+
+    @staticmethod
+    def get_fake_quantize(spec: QuantizationSpec, device: torch.device | None = None) -> FakeQuantizeBase:
+        """The fake-quant module that realises ``spec``: TQT or LSQ for those QAT specs, else scaled or non-scaled by
+        the dtype (the classes register their kind where they are defined; ``tensor_quantize`` imports them all)."""
+        kind = _spec_kind(spec)
+        cls = FakeQuantizeBase._by_kind.get(kind)
+        if cls is None:
+            raise RuntimeError(
+                f"no fake-quant module is registered for {kind!r} specs: import quark.torch.quantization.tensor_quantize"
+            )
+        return cls(spec, device)
+
+    def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
+        self.observer_enabled.fill_(int(enabled))
+        return self
+
+    def disable_observer(self) -> FakeQuantizeBase:
+        return self.enable_observer(False)
+
+    def enable_fake_quant(self, enabled: bool = True) -> FakeQuantizeBase:
+        self.fake_quant_enabled.fill_(int(enabled))
+        return self
+
+    def disable_fake_quant(self) -> FakeQuantizeBase:
+        return self.enable_fake_quant(False)
+
+    @property
+    def is_dynamic(self) -> bool:
+        return bool(self.spec.is_dynamic)
+
+    @property
+    def round_method(self) -> RoundType:
+        """The rounding of ``x / scale`` to codes: the spec's (half_even when unset), shared with the frozen form and
+        used by the exports."""
+        return self.spec.round_method or RoundType.half_even
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (scale, zero_point) in use."""
+        raise NotImplementedError(f"{type(self).__name__} has no scale and zero point")
+
+    def to_frozen(self) -> nn.Module:
+        """A module that applies the current quantization with nothing left to observe or learn."""
+        return self
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        parts = [f"dtype={s.dtype.name}", f"qscheme={s.qscheme.name if s.qscheme else None}"]
+        if s.ch_axis is not None:
+            parts.append(f"ch_axis={s.ch_axis}")
+        if s.group_size is not None:
+            parts.append(f"group_size={s.group_size}")
+        if s.block_size is not None:
+            parts.append(f"block_size={list(s.block_size)}")
+        parts.append("dynamic" if self.is_dynamic else "static")
+        return ", ".join(parts)
+
+
+def apply_format(
+    x: torch.Tensor, spec: QuantizationSpec, scale: torch.Tensor | None, zp: torch.Tensor | None
+) -> torch.Tensor:
+    """``x`` fake-quantized in the spec's format with the given qparams (the one call every quantizer makes)."""
+    return fake_quantize(
+        x,
+        spec.dtype,
+        scale,
+        zp,
+        qscheme=spec.qscheme,
+        axis=spec.ch_axis,
+        group_size=spec.group_size,
+        round_method=spec.round_method,
+        mx_element_dtype=spec.mx_element_dtype,
+        mx_scale_mode=spec.mx_scale_mode,
+        block_size=spec.block_size,
+    )
