@@ -10,10 +10,24 @@ default for users) are checked bit for bit against eager, forward and backward, 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("QUARK_COMPILE", "0")  # before quark is imported: Backend reads it once
+
+#: test folders whose every test runs the Hydra app (or a task's whole training loop) end to end: ``integration``
+INTEGRATION_DIRS = ("app", "tasks")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the app's and the tasks' tests ``integration`` (other files mark themselves with ``pytestmark``), so that
+    ``pytest -m "not slow and not integration"`` is the quick unit tier while writing code."""
+    root = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
+        if parts and parts[0] in INTEGRATION_DIRS:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,7 @@ def _private(owner: Any, name: str, feature: str, what: str | None = None) -> An
 
 
 def rnn_kernel(name: str) -> Callable[..., Any]:
-    """torch's fused recurrent kernel ``torch._VF.<name>`` (``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu`` and their
+    """Torch's fused recurrent kernel ``torch._VF.<name>`` (``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu`` and their
     ``*_cell`` forms), which the quantized LSTM/GRU/RNN twins call one layer at a time on fake-quantized weights, as
     ``nn.LSTM`` & co. call it for all layers. Checked on torch 2.11, 2.13."""
     vf = _private(torch, "_VF", "QuantLSTM/QuantGRU/QuantRNN", "torch._VF")

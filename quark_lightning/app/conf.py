@@ -125,7 +125,7 @@ def spec_names(spec_dir: Path = SPEC_DIR) -> list[str]:
 
 
 def candidate_specs(names: Iterable[str], spec_dir: Path = SPEC_DIR) -> dict[str, dict[str, Any]]:
-    """name -> the spec dict of ``conf/quant/spec/<name>.yaml``, for each mixed-precision candidate; QuantConfigError
+    """Name -> the spec dict of ``conf/quant/spec/<name>.yaml``, for each mixed-precision candidate; QuantConfigError
     naming ``quant.candidates`` and the allowed names when one is not a spec preset."""
     allowed = spec_names(spec_dir)
     out: dict[str, dict[str, Any]] = {}

@@ -53,7 +53,7 @@ def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]
 
 @contextlib.contextmanager
 def _rng_kept() -> Iterator[None]:
-    """torch's (CPU and CUDA), Python's and numpy's random states as they were before the block."""
+    """Torch's (CPU and CUDA), Python's and numpy's random states as they were before the block."""
     import random
 
     import numpy as np

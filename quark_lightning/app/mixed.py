@@ -79,7 +79,7 @@ _METHOD_TEXT = {
 
 
 def candidate_configs(config: Config, flow: QuantFlow) -> dict[str, QuantizationConfig]:
-    """name -> the global QuantizationConfig of ``config`` with the candidate's spec as its weight (the activation
+    """Name -> the global QuantizationConfig of ``config`` with the candidate's spec as its weight (the activation
     specs of the preset are part of what is measured)."""
     assert flow.candidates is not None
     specs = candidate_specs(flow.candidates)

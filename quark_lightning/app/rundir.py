@@ -79,7 +79,7 @@ PRODUCTS = (
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _logger_names(cfg: DictConfig) -> list[str]:

@@ -23,9 +23,12 @@ from quark.torch.quantization.config.config import Config
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-)
+pytestmark = [
+    pytest.mark.integration,  # two processes per test
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

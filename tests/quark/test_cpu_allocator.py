@@ -10,6 +10,8 @@ import pytest
 
 from quark.torch.cpu_allocator import _glibc
 
+pytestmark = pytest.mark.integration  # a child process
+
 CHILD = r"""
 import ctypes, torch
 from quark.torch.cpu_allocator import _glibc, keep_freed_memory

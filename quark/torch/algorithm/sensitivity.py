@@ -313,7 +313,6 @@ def hessian_sensitivity(
     """HAWQ's predicted loss of each layer under each candidate: ``Tr(H_l) / n_l * ||Q(W_l) - W_l||^2``, with the
     weight quantized round-to-nearest by the candidate's weight spec (its own observer). No calibration, one backward
     pass per probe: far cheaper than ``measure_sensitivity`` on large models, blind to activation quantization."""
-
     base = base_config or Config(global_quant_config=QuantizationConfig())
     first = _with_global(base, next(iter(candidates.values())))
     names = _weight_layers(model, first, layers)

@@ -93,7 +93,7 @@ def warn_float_layers(layers: list[FloatLayer], stacklevel: int = 3) -> None:
 
 
 def is_norm(module: nn.Module) -> bool:
-    """torch's normalization layers, and a model's own (``LlamaRMSNorm``, T5's ``T5LayerNorm``): a class whose name
+    """Torch's normalization layers, and a model's own (``LlamaRMSNorm``, T5's ``T5LayerNorm``): a class whose name
     ends in ``Norm`` holding only a 1-D scale (and bias)."""
     if isinstance(module, _NORMS):
         return True

@@ -61,7 +61,7 @@ def is_hf_conv1d(module: nn.Module) -> bool:
 
 
 def hf_conv1d_class(cls: type) -> type | None:
-    """transformers' ``Conv1D`` class when ``cls`` is it or derives from it (a quantized twin does), else None."""
+    """Transformers' ``Conv1D`` class when ``cls`` is it or derives from it (a quantized twin does), else None."""
     return next((c for c in cls.__mro__ if c.__name__ == "Conv1D" and c.__module__.startswith("transformers")), None)
 
 

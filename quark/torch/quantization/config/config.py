@@ -58,11 +58,12 @@ def _spec(owner: str, value: Any) -> QuantizationSpec | None:
 class QuantizationConfig(ConfigBase):
     """The specs of one module's tensors; a role left None falls back to the next level of the hierarchy.
 
-    :param Optional[QuantizationSpec] input_tensors: Input tensors quantization specification.
-    :param Optional[QuantizationSpec] output_tensors: Output tensors quantization specification.
-    :param Optional[QuantizationSpec] weight: The weights tensors quantization specification.
-    :param Optional[QuantizationSpec] bias: The bias tensors quantization specification.
-    :param Optional[DeviceType] target_device: The target device of the quantized model.
+    Args:
+        input_tensors (Optional[QuantizationSpec]): Input tensors quantization specification.
+        output_tensors (Optional[QuantizationSpec]): Output tensors quantization specification.
+        weight (Optional[QuantizationSpec]): The weights tensors quantization specification.
+        bias (Optional[QuantizationSpec]): The bias tensors quantization specification.
+        target_device (Optional[DeviceType]): The target device of the quantized model.
     """
 
     input_tensors: QuantizationSpec | None = None
@@ -227,12 +228,13 @@ class CLEConfig(PreQuantOptConfig):
     activation between a pair keeps its range, and CLE is undone when it makes the quantized error worse (see
     ``quark.torch.quantization.graph.passes``).
 
-    :param int iterations: Passes over all chains (a chain of three layers converges over several passes).
-    :param float threshold: Stop early once no channel scale of a pass differs from 1 by more than this (relative).
-    :param bool high_bias_absorption: Also move the part of a bias that ReLU never cuts (beta - 3 gamma of the folded
-        BatchNorm, at most the captured batch's smallest pre-activation) into the next layer's bias (section 4.2 of
-        the paper; ReLU chains into an unpadded layer with a bias only). An approximation: values below that bound
-        on other data are computed differently, so it is off by default.
+    Args:
+        iterations (int): Passes over all chains (a chain of three layers converges over several passes).
+        threshold (float): Stop early once no channel scale of a pass differs from 1 by more than this (relative).
+        high_bias_absorption (bool): Also move the part of a bias that ReLU never cuts (beta - 3 gamma of the folded
+            BatchNorm, at most the captured batch's smallest pre-activation) into the next layer's bias (section 4.2 of
+            the paper; ReLU chains into an unpadded layer with a bias only). An approximation: values below that bound
+            on other data are computed differently, so it is off by default.
     """
 
     name: str = "cle"
@@ -284,16 +286,17 @@ def _algo(owner: str, value: Any, base: type[AlgoConfig]) -> Any:
 class Config(ConfigBase):
     """Quantization configuration of a whole model, hierarchical: layer name > layer type > global.
 
-    :param QuantizationConfig global_quant_config: Applied to every layer unless overridden.
-    :param Dict[str, QuantizationConfig] layer_type_quant_config: By layer type ("Linear", "Conv2d" or the class).
-    :param Dict[str, QuantizationConfig] layer_quant_config: By layer name (fnmatch patterns such as ``"*.fc2"``).
-    :param List[str] exclude: Layer names (fnmatch patterns) left in float.
-    :param Optional[AlgoConfig] algo_config: GPTQ / AWQ / SmoothQuant (amd-quark 0.13 places it here), one or a list applied in order.
-    :param Optional[PreQuantOptConfig] pre_quant_opt_config: SmoothQuant (eager mode) or CLE (graph mode), one or a list.
-    :param QuantizationMode quant_mode: eager_mode (module swapping) or fx_graph_mode.
-    :param bool inherit_roles: False (amd-quark's rule): the most specific entry that matches a layer (name, then
-        type, then global) is its whole QuantizationConfig, and a role left None there is not quantized. True (ours,
-        opt-in): a role left None in an entry is taken from the next level, so an entry can override one role.
+    Args:
+        global_quant_config (QuantizationConfig): Applied to every layer unless overridden.
+        layer_type_quant_config (Dict[str, QuantizationConfig]): By layer type ("Linear", "Conv2d" or the class).
+        layer_quant_config (Dict[str, QuantizationConfig]): By layer name (fnmatch patterns such as ``"*.fc2"``).
+        exclude (List[str]): Layer names (fnmatch patterns) left in float.
+        algo_config (Optional[AlgoConfig]): GPTQ / AWQ / SmoothQuant (amd-quark 0.13 places it here), one or a list applied in order.
+        pre_quant_opt_config (Optional[PreQuantOptConfig]): SmoothQuant (eager mode) or CLE (graph mode), one or a list.
+        quant_mode (QuantizationMode): eager_mode (module swapping) or fx_graph_mode.
+        inherit_roles (bool): False (amd-quark's rule): the most specific entry that matches a layer (name, then
+            type, then global) is its whole QuantizationConfig, and a role left None there is not quantized. True (ours,
+            opt-in): a role left None in an entry is taken from the next level, so an entry can override one role.
     """
 
     global_quant_config: QuantizationConfig

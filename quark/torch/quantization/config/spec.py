@@ -181,30 +181,31 @@ class LSQSpec(QATSpec):
 class QuantizationSpec(ConfigBase):
     """A data class that defines the specifications for quantizing tensors within a model.
 
-    :param Dtype dtype: The data type for quantization (e.g., int8, int4).
-    :param Optional[bool] is_dynamic: Dynamic (qparams per call) or static quantization; None means static.
-    :param Optional[Type[ObserverBase]] observer_cls: The observer that determines the qparams (or its class name).
-    :param Optional[QSchemeType] qscheme: per_tensor, per_channel, per_group or per_block (2-D weights only).
-    :param Optional[int] ch_axis: The channel axis for per-channel and per-group quantization (unused by per_block).
-    :param Optional[int] group_size: The size of a group for per-group quantization (also the block of MX formats).
-    :param Optional[List[int]] block_size: The tile ``[rows, cols]`` of ``qscheme=per_block``: one scale per tile of
-        a 2-D weight ``[out, in]`` (e.g. ``[128, 128]``, DeepSeek-V3's block-wise fp8; edge tiles may be partial);
-        scales of shape ``[ceil(out / rows), ceil(in / cols)]``. Only with per_block; held as a list.
-    :param Optional[bool] symmetric: Symmetric around zero (required for integer dtypes).
-    :param Optional[RoundType] round_method: Rounding of x / scale (required for integer dtypes).
-    :param Optional[ScaleType] scale_type: How the scale is held (required for integer dtypes); ``float8_e8m0fnu``
-        rounds it up to a power of two (UE8M0).
-    :param Optional[Dtype] mx_element_dtype: The element type of ``dtype=mx``.
-    :param Optional[ZeroPointType] zero_point_type: int32 (rounded, clamped) or float32 zero point.
-    :param Optional[QATSpec] qat_spec: A learnable quantizer (TQTSpec or LSQSpec) for quantization-aware training.
-    :param Optional[str] scale_format: How block scales are stored, as amd-quark >= 0.11 spells formats: ``"e8m0"``
-        (OCP MX: a minifloat dtype with ``qscheme=per_group`` and this format is read as ``dtype=mx`` with that
-        element) or ``"float32"`` (a scale in float: what scaled formats have anyway).
-    :param Optional[str] scale_calculation_mode: The E8M0 scale rule of OCP MX: ``"floor"`` (OCP MX v1.0),
-        ``"even"`` (amd-quark's choice: the block max rounded to the element's precision first) or ``"ceil"``.
-        None means ``"floor"`` for ``dtype=mx`` and ``"even"`` for the ``scale_format="e8m0"`` spelling, as each
-        spelling behaves in the Quark release that has it. Accepted and unused for mx6 / mx9 / bfp16, whose
-        exponent rule is fixed (amd-quark 0.13's kernels ignore it there too).
+    Args:
+        dtype (Dtype): The data type for quantization (e.g., int8, int4).
+        is_dynamic (Optional[bool]): Dynamic (qparams per call) or static quantization; None means static.
+        observer_cls (Optional[Type[ObserverBase]]): The observer that determines the qparams (or its class name).
+        qscheme (Optional[QSchemeType]): per_tensor, per_channel, per_group or per_block (2-D weights only).
+        ch_axis (Optional[int]): The channel axis for per-channel and per-group quantization (unused by per_block).
+        group_size (Optional[int]): The size of a group for per-group quantization (also the block of MX formats).
+        block_size (Optional[List[int]]): The tile ``[rows, cols]`` of ``qscheme=per_block``: one scale per tile of
+            a 2-D weight ``[out, in]`` (e.g. ``[128, 128]``, DeepSeek-V3's block-wise fp8; edge tiles may be partial);
+            scales of shape ``[ceil(out / rows), ceil(in / cols)]``. Only with per_block; held as a list.
+        symmetric (Optional[bool]): Symmetric around zero (required for integer dtypes).
+        round_method (Optional[RoundType]): Rounding of x / scale (required for integer dtypes).
+        scale_type (Optional[ScaleType]): How the scale is held (required for integer dtypes); ``float8_e8m0fnu``
+            rounds it up to a power of two (UE8M0).
+        mx_element_dtype (Optional[Dtype]): The element type of ``dtype=mx``.
+        zero_point_type (Optional[ZeroPointType]): int32 (rounded, clamped) or float32 zero point.
+        qat_spec (Optional[QATSpec]): A learnable quantizer (TQTSpec or LSQSpec) for quantization-aware training.
+        formats (Optional[str] scale_format: How block scales are stored, as amd-quark >= 0.11 spells): ``"e8m0"``
+            (OCP MX: a minifloat dtype with ``qscheme=per_group`` and this format is read as ``dtype=mx`` with that
+            element) or ``"float32"`` (a scale in float: what scaled formats have anyway).
+        MX (Optional[str] scale_calculation_mode: The E8M0 scale rule of OCP): ``"floor"`` (OCP MX v1.0),
+            ``"even"`` (amd-quark's choice: the block max rounded to the element's precision first) or ``"ceil"``.
+            None means ``"floor"`` for ``dtype=mx`` and ``"even"`` for the ``scale_format="e8m0"`` spelling, as each
+            spelling behaves in the Quark release that has it. Accepted and unused for mx6 / mx9 / bfp16, whose
+            exponent rule is fixed (amd-quark 0.13's kernels ignore it there too).
     """
 
     dtype: Dtype

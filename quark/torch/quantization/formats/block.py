@@ -36,7 +36,7 @@ def mx_mantissa_bits(element: Dtype) -> int:
 
 
 def mx_shared_exponent(xb: torch.Tensor, element: Dtype, mode: str = "floor") -> torch.Tensor:
-    """MX shared exponent per block from ``a = max|V|``, minus ``emax_elem``, clamped to E8M0's [-127, 127]:
+    """MX shared exponent per block from ``a = max|V|``, minus ``emax_elem``, clamped to [-127, 127]; three rules.
 
     - ``floor``: ``floor(log2 a)``, OCP MX v1.0's rule (the block max may saturate the element's largest value);
     - ``ceil``: ``ceil(log2 a)`` (never saturates; coarser);

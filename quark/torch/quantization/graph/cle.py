@@ -44,20 +44,20 @@ def _compute_dtype(w: torch.Tensor) -> torch.dtype:
 
 
 def _grouped_view(layer: nn.Module) -> torch.Tensor:
-    """second's weight as [groups, out/groups, in/groups, kernel]: input channel i is [i // (in/g), :, i % (in/g)]."""
+    """Second's weight as [groups, out/groups, in/groups, kernel]: input channel i is [i // (in/g), :, i % (in/g)]."""
     w = layer.weight.data
     g = _groups(layer)
     return w.to(_compute_dtype(w)).reshape(g, w.shape[0] // g, w.shape[1], -1)
 
 
 def _out_ranges(layer: nn.Module) -> torch.Tensor:
-    """max |W[i, ...]| per output channel i (row i, also for grouped convs)."""
+    """Max |W[i, ...]| per output channel i (row i, also for grouped convs)."""
     w = layer.weight.data
     return w.to(_compute_dtype(w)).reshape(w.shape[0], -1).abs().amax(1)
 
 
 def _in_ranges(layer: nn.Module) -> torch.Tensor:
-    """max |W[:, i, ...]| per input channel i, taken over the output rows of i's group only."""
+    """Max |W[:, i, ...]| per input channel i, taken over the output rows of i's group only."""
     return _grouped_view(layer).abs().amax(dim=(1, 3)).reshape(-1)
 
 

@@ -117,7 +117,7 @@ class SharedFakeQuantize(FakeQuantizeBase):
 
 # ----------------------------------------------------------------------------------------------- conv + BatchNorm
 class QuantConvBnNd(QuantMixin):
-    """Conv followed by its BatchNorm as one unit (Jacob et al. 2018, Krishnamoorthi 2018, section 3.2):
+    """Conv followed by its BatchNorm as one unit (Jacob et al. 2018, Krishnamoorthi 2018, section 3.2); two regimes.
 
     - training with live statistics: the weight folded with the *running* std is fake-quantized, the conv output is
       scaled back and normalised by the batch statistics (which also update the running ones), so the network
@@ -154,7 +154,7 @@ class QuantConvBnNd(QuantMixin):
         return {("bias", 0): self.out_channels}  # type: ignore[attr-defined]
 
     def _bn_scale(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gamma / sqrt(running_var + eps), gamma and beta."""
+        """Gamma / sqrt(running_var + eps), gamma and beta."""
         bn = self.bn
         var = bn.running_var
         gamma = bn.weight if bn.weight is not None else torch.ones_like(var)

@@ -115,7 +115,7 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
 
 
 def _quantized_output(gm: fx.GraphModule, placer: Placer, node: fx.Node, config: Config, prefix: str) -> None:
-    """add / mul / cat / mean / average pooling: quantized inputs, a quantized output (after a following ReLU)."""
+    """Add / mul / cat / mean / average pooling: quantized inputs, a quantized output (after a following ReLU)."""
     name, type_name = module_path(node)
     qconfig, _ = resolve_node(config, prefix + name, [type_name], ("input_tensors", "output_tensors"))
     if qconfig is None:

@@ -226,7 +226,7 @@ def computed_tensor(module: nn.Module, name: str) -> bool:
 
 
 def shared_tensors(model: nn.Module) -> set[int]:
-    """ids of the Parameters that more than one module of ``model`` holds (an ``lm_head`` tied to the input
+    """Ids of the Parameters that more than one module of ``model`` holds (an ``lm_head`` tied to the input
     embeddings): writing quantized values into one changes what the other computes with."""
     holders: dict[int, set[int]] = {}
     for module in model.modules():
