@@ -62,8 +62,8 @@ from quark.torch.algorithm.smoothquant import fold_scales
 from quark.torch.algorithm.structure import ScalingGroup, scaling_groups
 from quark.torch.quantization.config.config import AWQConfig, QuantizationSpec
 from quark.torch.quantization.config.type import QSchemeType
-from quark.torch.quantization.formats import fake_quantize
 from quark.torch.quantization.hf import is_linear, linear_weight
+from quark.torch.quantization.tensor_quantize import apply_format
 
 N_GRID = 20  # scale ratios i / N_GRID, i = 0 .. N_GRID - 1
 CLIP_GRID = 20  # clipping ranges 1 - i / CLIP_GRID of the max ...
@@ -81,19 +81,7 @@ def rtn(weight: torch.Tensor, spec: QuantizationSpec | None) -> torch.Tensor:
     scale = zero_point = None
     if spec.observer_cls is not None and getattr(spec.observer_cls, "__name__", "") not in ("PlaceholderObserver",):
         scale, zero_point = observer_qparams(spec, weight)
-    return fake_quantize(
-        weight,
-        spec.dtype,
-        scale,
-        zero_point,
-        qscheme=spec.qscheme,
-        axis=spec.ch_axis,
-        group_size=spec.group_size,
-        round_method=spec.round_method,
-        mx_element_dtype=spec.mx_element_dtype,
-        mx_scale_mode=spec.mx_scale_mode,
-        block_size=spec.block_size,
-    )
+    return apply_format(weight, spec, scale, zero_point)
 
 
 # ----------------------------------------------------------------------------------------------- input statistics

@@ -111,6 +111,25 @@ def _stored_scale(scale: torch.Tensor, spec: QuantizationSpec) -> torch.Tensor:
     return scale
 
 
+def int_codes(
+    w: torch.Tensor, q: FakeQuantizeBase, scale: torch.Tensor, zp: torch.Tensor, fmt: IntFormat
+) -> torch.Tensor:
+    """The integer codes of weight ``w`` under quantizer ``q`` with the given qparams, in w's layout (int32)."""
+    spec = q.spec
+    return quantize_int(
+        w.detach(),
+        scale,
+        zp,
+        fmt.qmin,
+        fmt.qmax,
+        round_method=q.round_method,
+        qscheme=spec.qscheme,
+        axis=spec.ch_axis,
+        group_size=spec.group_size,
+        block_size=spec.block_size,
+    )
+
+
 def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The stored tensors of one weight (codes, scales) and how to read them back."""
     shape = list(w.shape)
@@ -131,18 +150,7 @@ def encode_weight(w: torch.Tensor, q: FakeQuantizeBase | None) -> tuple[dict[str
             info["block_size"] = list(spec.block_size)
         stored_scale = _stored_scale(scale, spec)
         if isinstance(fmt, IntFormat):
-            codes = quantize_int(
-                w.detach(),
-                scale,
-                zp,
-                fmt.qmin,
-                fmt.qmax,
-                round_method=q.round_method,
-                qscheme=spec.qscheme,
-                axis=spec.ch_axis,
-                group_size=spec.group_size,
-                block_size=spec.block_size,
-            )
+            codes = int_codes(w, q, scale, zp, fmt)
             stored = _store_int(codes, fmt)
             info["encoding"] = "int_nibbles" if fmt.bits <= 4 else "int"
             return {"": stored, "_scale": stored_scale, "_zero_point": zp.detach()}, info

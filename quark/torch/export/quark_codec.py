@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from quark.torch.export.codec import (
-    scale_view,
-)
+from quark.torch.export.codec import int_codes, scale_view
 from quark.torch.export.packing import (
     pack_int4,
     pack_nibbles,
@@ -28,7 +26,6 @@ from quark.torch.quantization.formats import (
     encode,
     format_of,
     microexponent_codes,
-    quantize_int,
     quantize_mx,
     round_to_grid,
     to_blocks,
@@ -173,18 +170,7 @@ def encode_quark_weight(w: torch.Tensor, q: FakeQuantizeBase, pack_method: str, 
         rows = round_to_grid(q(w).float() / view, ffmt).reshape(w.shape[0], -1)
         return {"": _pack_rows(encode(rows, ffmt), ffmt.bits), "_scale": scale}
     fmt = _int_format(spec, where)
-    codes = quantize_int(
-        w,
-        scale,
-        zp,
-        fmt.qmin,
-        fmt.qmax,
-        round_method=q.round_method,
-        qscheme=spec.qscheme,
-        axis=spec.ch_axis,
-        group_size=spec.group_size,
-        block_size=spec.block_size,
-    )
+    codes = int_codes(w, q, scale, zp, fmt)
     if layout == "int_group":  # transposed: [in, out], scales and zero points [in / g, out]
         codes, scale, zp = codes.t(), scale.t().contiguous(), zp.t()
         if fmt.bits == 4:
