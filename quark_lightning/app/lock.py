@@ -179,12 +179,20 @@ def _open_lock(path: Path) -> int:
 class _Held(logging.Handler):
     """Keeps the records it gets, to hand them to the file handlers they were meant for once the run may write."""
 
-    def __init__(self) -> None:
+    def __init__(self, files: list[logging.FileHandler]) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
+        self.files = files  # the handlers held back
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+def log_files(out: Path) -> list[Path]:
+    """The files in ``out`` that the root logger's file handlers write to (Hydra's job log), held back or not."""
+    handlers = [h for held in logging.getLogger().handlers for h in getattr(held, "files", [held])]
+    names = [Path(h.baseFilename) for h in handlers if isinstance(h, logging.FileHandler)]
+    return [name for name in names if inside(out, name)]
 
 
 @contextlib.contextmanager
@@ -197,7 +205,7 @@ def file_logs_held(out: Path) -> Iterator[Callable[[], None]]:
     if not files:
         yield lambda: None
         return
-    held = _Held()
+    held = _Held(files)
     for handler in files:
         root.removeHandler(handler)
     root.addHandler(held)

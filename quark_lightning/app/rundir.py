@@ -52,6 +52,7 @@ from quark_lightning.app.lock import (
     file_logs_held,
     inside,
     locked,
+    log_files,
     read_state,
     run_dir_lock,
     state_on_disk,
@@ -66,7 +67,7 @@ FLOAT_TEST_CACHE = "float_test_cache.json"
 #: and Hydra's own files (its basic sweeper's multirun.yaml, the Optuna sweeper's optimization_results.yaml)
 SWEEP_FILES = (FLOAT_TEST_CACHE, "multirun.yaml", "optimization_results.yaml")
 #: the places a run of the app writes to in its directory, besides the loggers' folders (from the config) and
-#: ``.hydra/``: where ``record`` looks for its files (the Hydra log file, appended by every run, is not recorded)
+#: ``.hydra/``: where ``record`` looks for its files (the Hydra log file, appended by every run, is named in "logs")
 PRODUCTS = (
     "results.json",
     "checkpoints",
@@ -136,6 +137,9 @@ def _taken(out: Path, files: Sequence[str], folders: Sequence[str], state_name: 
     unreadable = os.path.lexists(out / state_name) and (state is None or (out / state_name).is_symlink())
     taken = [state_name] if unreadable else []
     taken += [rel for rel in files if os.path.lexists(out / rel) and not _owned(out, rel, recorded)]
+    if state_name == RUN_STATE:  # the Hydra log file, appended by every run: there before any run of ours = a user's
+        ours = [] if state is None else state.get("logs", job_logs(out))  # a state without "logs": an older run's
+        taken += [rel for rel in job_logs(out) if os.path.lexists(out / rel) and rel not in ours]
     for folder in folders:
         if os.path.lexists(out / folder) and not (out / folder).is_dir():
             taken.append(folder)
@@ -326,6 +330,7 @@ def _claim(
         "outputs": [_rel(out, p) for p in places],
         "written": [],
         "dirs": [],
+        "logs": job_logs(out) if name == RUN_STATE else [],  # appended by each run, so not hashed: named as ours
     }
     if previous is not None:
         state["replaced"] = {"previous": _summary(previous), "removed": removed, "kept": kept}
@@ -463,11 +468,13 @@ def run_files(out: Path) -> dict[str, list[str]]:
         top = rel.split("/", 1)[0]
         kind = top if top in ("checkpoints", "export") else "other" if top in PRODUCTS or top == ".hydra" else "logs"
         found[kind].append(rel)
-    for handler in logging.getLogger().handlers:  # Hydra's job log (train.log), when it lies in the directory
-        name = getattr(handler, "baseFilename", None)
-        if name and inside(out, Path(name)) and Path(name).is_file():
-            found["logs"].append(Path(name).resolve().relative_to(out.resolve()).as_posix())
+    found["logs"] += [rel for rel in job_logs(out) if (out / rel).is_file()]
     return found
+
+
+def job_logs(out: Path) -> list[str]:
+    """The files in ``out`` the root logger's file handlers write to (Hydra's job log, train.log), relative to it."""
+    return [name.resolve().relative_to(out.resolve()).as_posix() for name in log_files(out)]
 
 
 def finish(out: Path, error: BaseException | None, name: str = RUN_STATE) -> None:

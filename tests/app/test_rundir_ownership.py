@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -114,6 +115,43 @@ def test_a_users_file_where_the_run_writes_stops_it_untouched(tmp_path: Path) ->
     for name in ("results.json", "checkpoints/quantized.ckpt", "logs/fp32/metrics.csv", "hydra.run.dir=<another dir>"):
         assert name in str(err.value)
     assert _tree(out) == before
+
+
+@pytest.fixture
+def job_log(request: pytest.FixtureRequest) -> Any:
+    """Hydra's job log as the app sees it: a root-logger file handler (opened at its first record) into a folder."""
+    handlers: list[logging.Handler] = []
+
+    def add(folder: Path) -> Path:
+        handler = logging.FileHandler(folder / "train.log", delay=True)
+        logging.getLogger().addHandler(handler)
+        handlers.append(handler)
+        return folder / "train.log"
+
+    yield add
+    for handler in handlers:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def test_a_users_train_log_stops_the_run_and_a_runs_own_log_is_appended(job_log: Any, tmp_path: Path) -> None:
+    """A train.log of the user's where Hydra's job log goes: the run stops untouched (nothing appended); a directory
+    whose train.log an earlier run of the app started: the log is that run's, and the next run appends to it."""
+    out = tmp_path / "mine"
+    _write(out, {"train.log": "my own notes\n"})
+    job_log(out)
+    before = _tree(out)
+    with pytest.raises(ConfigError, match=r"holds train\.log"):
+        run(compose_cfg(*SMOKE), out)
+    assert _tree(out) == before
+
+    ours = tmp_path / "ours"
+    log_file = job_log(ours)
+    run(compose_cfg(*SMOKE), ours)
+    assert _state(ours)["logs"] == ["train.log"] and log_file.stat().st_size > 0
+    size = log_file.stat().st_size
+    run(compose_cfg(*SMOKE), ours)
+    assert log_file.stat().st_size > size and _state(ours)["state"] == "complete"
 
 
 def test_run_dir_dot_in_a_git_repository_keeps_tracked_files(tmp_path: Path) -> None:
