@@ -50,6 +50,7 @@ class SweepFiles(Callback):
         ``error:`` line (SystemExit: Hydra turns a callback's exceptions into warnings)."""
         out = Path(str(config.hydra.sweep.dir))
         try:
+            check_job_folders(config)
             self._take(out, [*self.products, *SWEEP_FILES], _overrides(config))
         except ValueError as err:
             self._held.close()
@@ -107,3 +108,16 @@ def claimed_sweep(folder: Path) -> bool:
     jobs share the float-test cache there only then."""
     state = read_state(folder, SWEEP_STATE)
     return state is not None and state.get("state") == "running"
+
+
+def check_job_folders(config: DictConfig) -> None:
+    """ValueError when ``hydra.sweep.subdir`` names one folder for every job (no interpolation, e.g. ``.``): the jobs
+    would share a run directory (the sweep's own, for ``.``), so each would replace the one before it."""
+    subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")  # type: ignore[union-attr]
+    if isinstance(subdir, str) and "${" not in subdir:
+        raise ValueError(
+            f"hydra.sweep.subdir={subdir!r} puts every job of the sweep into the same folder"
+            f"{' (the sweep directory itself)' if Path(subdir) == Path('.') else ''}, so each job would replace the "
+            "results of the one before it: give each job a folder of its own, e.g. hydra.sweep.subdir='${hydra.job.num}' "
+            "(the default) or '${hydra.job.override_dirname}'"
+        )

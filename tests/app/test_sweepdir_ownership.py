@@ -78,6 +78,21 @@ def test_a_users_file_in_the_sweep_dir_stops_the_sweep_untouched(name: str, tmp_
     assert _tree(sweep) == before  # no job folder, no multirun.yaml, no lock file
 
 
+@pytest.mark.parametrize("subdir", [".", "same"])
+def test_one_folder_for_every_job_is_refused_before_the_first(subdir: str, tmp_path: Path) -> None:
+    """``hydra.sweep.subdir=.`` (or any name without interpolation) would put every job into one folder, each job
+    replacing the one before it: refused with one error line naming the setting, before anything is written."""
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        "-m", "quant.weight_bits=4,8", *SMOKE, f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={subdir}", cwd=tmp_path
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"hydra.sweep.subdir='{subdir}'" in errors[0] and "${hydra.job.num}" in errors[0]
+    assert ("sweep directory itself" in errors[0]) == (subdir == ".")
+    assert not sweep.exists() and "Traceback" not in proc.stderr
+
+
 def test_a_users_pareto_csv_stops_the_search_untouched(tmp_path: Path) -> None:
     """The same for a search (Hydra's Optuna sweeper): pareto.csv of the user's, refused before the first trial."""
     sweep = tmp_path / "mine"
