@@ -13,6 +13,7 @@ from torch import nn
 from quark.torch.algorithm.awq import rtn
 from quark.torch.algorithm.gptq import HessianAccumulator, check_gptq_spec, gptq_quantize, layer_input_rows
 from quark.torch.quantization.config.config import QuantizationSpec
+from quark.torch.quantization.tensor_quantize import apply_format
 
 ROWS, COLUMNS = 24, 128
 
@@ -282,3 +283,16 @@ def test_minifloat_fp8_weights(problem, qscheme: str, desc_act: bool) -> None:
     assert torch.equal((result.weight / s).to(torch.float8_e4m3fn).float() * s, result.weight)
     rtn_weight = (w / s).to(torch.float8_e4m3fn).float() * s
     assert output_error(x, result.weight, w) < 0.3 * output_error(x, rtn_weight, w)
+
+
+@pytest.mark.parametrize("round_method", ["half_even", "round", "floor"])
+@pytest.mark.parametrize("scheme", ["per_channel_int4", "per_group32_int3"])
+def test_gptq_weights_are_fixed_points_of_the_layers_quantizer(problem, scheme: str, round_method: str) -> None:
+    """GPTQ leaves weights on the grid of the spec's own rounding: the layer's quantizer (same qparams) returns them
+    unchanged, for floor too (where a bare floor of ``w * (1 / s)`` used to drop some codes a step)."""
+    w, _, h = problem
+    bits, qscheme, group, sym = SCHEMES[scheme]
+    spec = QuantizationSpec.from_dict({**make_spec(bits, qscheme, group, sym).to_dict(), "round_method": round_method})
+    result = gptq_quantize(w, h, spec)
+    assert torch.equal(apply_format(result.weight, spec, result.scale, result.zero_point), result.weight)
+    assert not torch.equal(result.weight, w)

@@ -111,11 +111,19 @@ def ceil_pow2(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _int_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, method: RoundType) -> torch.Tensor:
-    """``round(x * (1 / scale)) + zp`` (an integer zero point) or ``round(x * (1 / scale) + zp)`` (a float one)."""
+    """``round(x * (1 / scale)) + zp`` (an integer zero point) or ``round(x * (1 / scale) + zp)`` (a float one).
+
+    ``floor`` is the largest code whose dequantized value ``(q - zp) * scale`` is at most ``x``: ``x * (1 / scale)``
+    of a value on the grid can land an ulp below its integer, which a bare floor would drop a step, so quantizing a
+    quantized tensor (GPTQ's result, a frozen weight) would not give it back."""
     v = x * torch.reciprocal(scale)
     if zero_point.is_floating_point():
-        return round_to_int(v + zero_point, method)
-    return round_to_int(v, method) + zero_point
+        q = round_to_int(v + zero_point, method)
+        return q + ((q + 1 - zero_point) * scale <= x) if method == RoundType.floor else q
+    q = round_to_int(v, method)
+    if method == RoundType.floor:
+        q = q + ((q + 1) * scale <= x)
+    return q + zero_point
 
 
 @compilable
@@ -309,9 +317,7 @@ def quantize_int(
     xf = x.float()
     xv, back = _qparam_layout(xf, qscheme, axis, group_size, block_size)
     s, z = _broadcast_qparams(xf, scale.float(), zero_point, qscheme, axis, group_size, block_size)
-    v = xv * torch.reciprocal(s)
-    q = round_to_int(v + z, round_method) if z.is_floating_point() else round_to_int(v, round_method) + z
-    return back(q.clamp(qmin, qmax)).to(torch.int32)
+    return back(_int_codes(xv, s, z, round_method).clamp(qmin, qmax)).to(torch.int32)
 
 
 def dequantize_int(
