@@ -11,9 +11,9 @@ Per decoder layer, for every scaling group (``prev_op`` -> ``layers`` reading in
   lowest error wins; ratio 0 (``s = 1``, plain RTN) is a candidate, so the result is never worse than RTN on the
   calibration data. ``s`` is folded into ``prev_op`` (its output channels divided, bias too; a ``(1 + w)`` norm as
   ``smoothquant.fold_scales`` says) and into the layers (input channels multiplied): the float function does not
-  change. That is checked once all groups are folded, before clipping: the layer's output on its calibration calls
-  must be the one before to float noise (``quark.torch.quantization.equivalence``), else EquivalenceError names AWQ
-  and the layer.
+  change (a fused producer: only the rows that feed the layers, ``fused_rows``). That is checked once all groups
+  are folded, before clipping: the layer's output on its calibration calls must be the one before to float noise
+  (``quark.torch.quantization.equivalence``), else EquivalenceError names AWQ and the layer.
 * Clipping search, once all groups are scaled, for every weight-quantized linear with integer per-channel or
   per-group weights except those producing attention queries or keys (``_NO_CLIP``). The candidates per output row
   and input group are the ranges ``max|w| * (1 - i / CLIP_GRID)``, ``i = 0 .. CLIP_STEPS - 1`` (1.0 .. 0.55 of the
@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from quark.torch.algorithm.capture import LayerInputs, capture_calls, check_layer_kept, collect_inputs, hidden_of
+from quark.torch.algorithm.fused_rows import producer_rows, tie_scales
 from quark.torch.algorithm.gptq import observer_qparams
 from quark.torch.algorithm.smoothquant import fold_scales
 from quark.torch.algorithm.structure import ScalingGroup, scaling_groups
@@ -346,8 +347,9 @@ def awq_layer(
         done.append(g)
         if group_stats is None or not group_stats.tokens:
             continue  # the group's input never ran (an expert no calibration token reached)
-        ratio, s = _search_scale(g, modules, specs, group_stats, group_calls)
-        fold_scales(modules[g.prev_op], [modules[n] for n in g.layers], s, f"AWQ {g.prev_op} -> {g.layers}")
+        rows = producer_rows(g.rows, modules, g.prev_op, g.layers)
+        ratio, s = _search_scale(g, modules, specs, group_stats, group_calls, rows)
+        fold_scales(modules[g.prev_op], [modules[n] for n in g.layers], s, f"AWQ {g.prev_op} -> {g.layers}", rows=rows)
         ratios[g.prev_op] = ratio
         for n in g.layers:
             scaled[n] = scaled[n] * s if n in scaled else s
@@ -369,8 +371,10 @@ def _search_scale(
     specs: list[QuantizationSpec | None],
     stats: _InputStats,
     calls: LayerInputs | None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[float, torch.Tensor]:
-    """(ratio, scale) of the grid point with the least output error."""
+    """(ratio, scale) of the grid point with the least output error; the channels that read one row of a fused
+    producer (``rows``) tied to one scale (``fused_rows.tie_scales``) in every candidate."""
     linears = [modules[n] for n in group.layers]
     originals = [linear_weight(m).detach().clone() for m in linears]
     inspect = modules[group.module2inspect] if group.module2inspect else None
@@ -381,7 +385,7 @@ def _search_scale(
         for i in range(N_GRID):
             ratio = i / N_GRID
             s = x_mean.pow(ratio).clamp(min=1e-4)
-            s = s / (s.max() * s.min()).sqrt()
+            s = tie_scales(s / (s.max() * s.min()).sqrt(), rows)
             quantized = []
             for w, spec in zip(originals, specs, strict=True):
                 sw = s.reshape(1, -1).to(w.dtype)

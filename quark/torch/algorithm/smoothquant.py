@@ -11,16 +11,26 @@ import torch
 from torch import nn
 
 from quark.torch.algorithm.capture import LayerInputs, check_layer_kept, collect_inputs, run_layer
+from quark.torch.algorithm.fused_rows import producer_rows, row_scales, tie_scales
 from quark.torch.algorithm.structure import norm_offset, scaling_groups
 from quark.torch.quantization.config.config import SmoothQuantConfig
 from quark.torch.quantization.hf import is_linear, linear_weight
 
 
 @torch.no_grad()
-def fold_scales(prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, where: str) -> None:
+def fold_scales(
+    prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, where: str, rows: torch.Tensor | None = None
+) -> None:
     """Divide ``prev``'s output channels by ``scales`` and multiply the linears' input channels by them (weights
     seen as [out, in] whatever their storage). A norm computing ``normalised(x) * (offset + w)`` (offset 1: Gemma)
-    gets ``w = (offset + w) / s - offset``; a norm of any other form is refused by name."""
+    gets ``w = (offset + w) / s - offset``; a norm of any other form is refused by name.
+
+    ``rows`` (``fused_rows.producer_rows``): the output row of a fused ``prev`` each input channel reads; only those
+    rows are divided, each by the scale of its channels tied to one (``fused_rows.tie_scales``: with grouped-query
+    attention several channels read one row), and the channels are multiplied by the tied scales."""
+    channel_scales = tie_scales(scales, rows)
+    if rows is not None:  # what each output row of prev is divided by (1: the rows that feed no channel)
+        scales = row_scales(scales, rows, _output_rows(prev, where))
     if is_linear(prev):
         linear_weight(prev).div_(scales.reshape(-1, 1).to(prev.weight.dtype))
     elif isinstance(getattr(prev, "weight", None), torch.Tensor) and prev.weight.ndim == 1:  # LayerNorm, RMSNorm
@@ -43,7 +53,17 @@ def fold_scales(prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, 
     if isinstance(bias, torch.Tensor):
         bias.div_(scales.to(bias.dtype))
     for layer in layers:
-        linear_weight(layer).mul_(scales.reshape(1, -1).to(layer.weight.dtype))
+        linear_weight(layer).mul_(channel_scales.reshape(1, -1).to(layer.weight.dtype))
+
+
+def _output_rows(prev: nn.Module, where: str) -> int:
+    """How many output channels ``prev`` (a Linear or a norm) has."""
+    weight = linear_weight(prev) if is_linear(prev) else getattr(prev, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(
+            f"{where}: cannot fold a scale into {type(prev).__name__} (needs a Linear or a norm with a weight)"
+        )
+    return weight.shape[0]
 
 
 @torch.no_grad()
@@ -68,7 +88,9 @@ def smooth_layer(
         w_max = torch.stack([linear_weight(m).detach().abs().amax(dim=0).float() for m in linears]).amax(dim=0)
         x_max = absmax[g.inp]
         s = (x_max.pow(config.alpha) / w_max.clamp(min=1e-8).pow(1 - config.alpha)).clamp(min=config.scale_clamp_min)
-        fold_scales(modules[g.prev_op], linears, s, f"SmoothQuant {g.prev_op} -> {g.layers}")
+        rows = producer_rows(g.rows, modules, g.prev_op, g.layers)
+        s = tie_scales(s, rows)
+        fold_scales(modules[g.prev_op], linears, s, f"SmoothQuant {g.prev_op} -> {g.layers}", rows=rows)
         scales[g.prev_op] = s
     if scales:
         check_layer_kept("SmoothQuant", where, layer, inputs, reference)

@@ -1,7 +1,9 @@
 """Where the algorithms act in a model: its decoder stack, and per decoder layer which linears share an input and
 which op feeds them. Given explicitly in the algorithm configs (``model_decoder_layers``, ``scaling_layers``: they
 win), or derived from ``MODEL_FAMILIES``, a table of layer layouts kept as data (LLaMA/Mistral/Qwen2, Gemma,
-Gemma2/3, Phi, OPT, GPT-2, Falcon, BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks.
+Gemma2/3, Phi, Phi-3, GPT-NeoX, the attention of mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE), OPT, GPT-2,
+Falcon, BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks. A fused producer (Phi-3's ``qkv_proj``)
+feeds a group through some of its rows only: the group says which (``fused_rows.FusedRows``).
 
 A family is its module names, where its norms sit (Gemma2/3: a norm after the attention output, another before the
 MLP) and the form of its norms: ``normalised(x) * (offset + weight)``, offset 0 for LayerNorm/RMSNorm/LLaMA, 1 for
@@ -14,7 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from quark.torch.algorithm.fused_rows import FusedRows, producer_rows
 from quark.torch.quantization.hf import is_linear, linear_weight
+from quark.torch.quantization.observer import ObserverBase
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 
 @dataclass
@@ -22,7 +27,8 @@ class ScalingGroup:
     """Linears that read the same input, and the op whose output that input is (its scale can be folded into it).
 
     ``prev_op``, ``layers`` and ``inp`` are names relative to the decoder layer, as in Quark's ``scaling_layers``;
-    ``module2inspect`` (optional) is the module whose output AWQ compares (default: the layers themselves).
+    ``module2inspect`` (optional) is the module whose output AWQ compares (default: the layers themselves);
+    ``rows`` (optional): the rows of a fused ``prev_op`` that feed the layers (default: all its rows, one per channel).
     """
 
     prev_op: str
@@ -30,6 +36,7 @@ class ScalingGroup:
     inp: str
     module2inspect: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
+    rows: FusedRows | None = None
 
 
 def find_decoder_layers(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList] | None:
@@ -147,8 +154,10 @@ class ModelFamily:
         return True
 
 
-def _g(prev_op: str, layers: list[str], module2inspect: str | None = None) -> ScalingGroup:
-    return ScalingGroup(prev_op, layers, layers[0], module2inspect)
+def _g(
+    prev_op: str, layers: list[str], module2inspect: str | None = None, rows: FusedRows | None = None
+) -> ScalingGroup:
+    return ScalingGroup(prev_op, layers, layers[0], module2inspect, rows=rows)
 
 
 _QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
@@ -160,6 +169,49 @@ _LLAMA_GROUPS = (
     _g("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"),
     _g("mlp.up_proj", ["mlp.down_proj"]),
 )
+#: Phi-3: q, k and v in one Linear (``[q | k | v]``, v last: the kv heads' rows), gate and up in one (``[gate | up]``)
+_PHI3 = (
+    "input_layernorm",
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+)
+_PHI3_GROUPS = (
+    _g("input_layernorm", ["self_attn.qkv_proj"], "self_attn"),
+    _g("self_attn.qkv_proj", ["self_attn.o_proj"], rows=FusedRows(("all", "kv", "kv"), 2, "self_attn.head_dim")),
+    _g("post_attention_layernorm", ["mlp.gate_up_proj"], "mlp"),
+    _g("mlp.gate_up_proj", ["mlp.down_proj"], rows=FusedRows(("all", "all"), 1)),
+)
+#: GPT-NeoX / Pythia: LayerNorms with bias, q, k and v fused and interleaved per head (``[q_h | k_h | v_h]``), a gelu
+#: MLP (nothing folds into its output projection); with use_parallel_residual both norms read the residual stream, each
+#: feeding only its block, so both folds hold either way
+_NEOX = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "attention.query_key_value",
+    "attention.dense",
+    "mlp.dense_h_to_4h",
+    "mlp.dense_4h_to_h",
+)
+_NEOX_GROUPS = (
+    _g("input_layernorm", ["attention.query_key_value"], "attention"),
+    _g(
+        "attention.query_key_value",
+        ["attention.dense"],
+        rows=FusedRows(("all", "all", "all"), 2, "attention.head_size", per_head=True),
+    ),
+    _g("post_attention_layernorm", ["mlp.dense_h_to_4h"], "mlp"),
+)
+#: mixture-of-experts layers (transformers 5: the experts fused in one module of 3-D Parameters, a router ``mlp.gate``):
+#: the attention side as LLaMA's. The MLP side is left out for now: post_attention_layernorm feeds the router and
+#: every expert, so its scale would have to go into the router's weight and each expert's slice of gate_up_proj
+#: (3-D Parameters, not Linears), and each expert's up -> down fold into slices of gate_up_proj / down_proj: both need
+#: the quantized twin of the fused experts, not there yet. A shared expert (Qwen2-MoE) is a plain gated MLP of
+#: Linears: its up -> down folds.
+_MOE = ("input_layernorm", *_QKV, "self_attn.o_proj", "post_attention_layernorm", "mlp.gate", "mlp.experts")
+_MOE_GROUPS = (_g("input_layernorm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.o_proj"]))
 #: norms around both blocks (Gemma2/3): post_attention_layernorm normalises the attention OUTPUT (it feeds the residual
 #: stream, nothing folds into it) and pre_feedforward_layernorm feeds the MLP
 _SANDWICH = (*_LLAMA, "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -175,6 +227,15 @@ MODEL_FAMILIES: list[ModelFamily] = [
     ModelFamily("gemma", _LLAMA, _LLAMA_GROUPS, norm_offset=1.0, absent=("pre_feedforward_layernorm",)),
     # LLaMA, Mistral, Qwen2: pre-norm attention, gated MLP, norms x * w
     ModelFamily("llama", _LLAMA, _LLAMA_GROUPS, absent=("pre_feedforward_layernorm",)),
+    ModelFamily("phi3", _PHI3, _PHI3_GROUPS),  # Phi-3, Phi-3.5 (fused qkv_proj and gate_up_proj)
+    ModelFamily("gpt-neox", _NEOX, _NEOX_GROUPS),  # GPT-NeoX, Pythia
+    # Qwen2-MoE: routed experts and a shared expert
+    ModelFamily(
+        "qwen2-moe",
+        (*_MOE, "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),
+        (*_MOE_GROUPS, _g("mlp.shared_expert.up_proj", ["mlp.shared_expert.down_proj"])),
+    ),
+    ModelFamily("moe", _MOE, _MOE_GROUPS),  # Mixtral, Qwen3-MoE, OLMoE and other routed experts without a shared one
     ModelFamily(  # Phi-1/1.5/2: one norm feeds attention and MLP in parallel
         "phi",
         ("input_layernorm", *_QKV, "self_attn.dense", "mlp.fc1", "mlp.fc2"),
@@ -275,25 +336,35 @@ def derive_scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
     """The scaling groups of one layer from its entry in ``MODEL_FAMILIES``; ValueError listing its modules otherwise.
 
     A linear -> linear pair (v_proj -> o_proj) is kept only when the shapes allow folding a per-channel scale (the
-    producer's output features are the consumer's input features: not the case with grouped-query attention)."""
+    producer's output features are the consumer's input features: not the case with grouped-query attention), or
+    when the group says which rows of a fused producer feed the consumer (``FusedRows``: those must fit its shapes,
+    else ValueError)."""
     family = model_family(layer)
     if family is None:
         raise ValueError(
             f"cannot derive scaling_layers for layer {type(layer).__name__}: it fits none of the known model families "
             f"{[f.name for f in MODEL_FAMILIES]} (quark.torch.algorithm.structure.MODEL_FAMILIES: module names and "
-            f"norm form); its modules: {[n for n, _ in layer.named_modules() if n]}{_norm_forms(layer)}. Give "
-            f"scaling_layers explicitly, or add a ModelFamily."
+            f"norm form); its modules: {own_modules(layer)}{_norm_forms(layer)}. Give scaling_layers explicitly, or "
+            "add a ModelFamily."
         )
     modules = dict(layer.named_modules())
     groups = []
     for g in family.groups:
         prev = modules[g.prev_op]
-        if is_linear(prev) and any(
+        if g.rows is not None:
+            producer_rows(g.rows, modules, g.prev_op, g.layers)  # the layout fits the shapes, else ValueError
+        elif is_linear(prev) and any(
             linear_weight(modules[n]).shape[1] != linear_weight(prev).shape[0] for n in g.layers
         ):
             continue
         groups.append(g)
     return groups
+
+
+def own_modules(layer: nn.Module) -> list[str]:
+    """The names of ``layer``'s submodules but the quantizers and observers this library attaches to them."""
+    ours = [n for n, m in layer.named_modules() if isinstance(m, FakeQuantizeBase | ObserverBase)]
+    return [n for n, _ in layer.named_modules() if n and not any(n == o or n.startswith(o + ".") for o in ours)]
 
 
 def _norm_forms(layer: nn.Module) -> str:
@@ -307,10 +378,14 @@ def _norm_forms(layer: nn.Module) -> str:
 
 
 def scaling_groups(layer: nn.Module, explicit: list[dict] | None) -> list[ScalingGroup]:
-    """``explicit`` (Quark's ``scaling_layers`` dicts) checked against the layer, else derived."""
+    """``explicit`` (Quark's ``scaling_layers`` dicts) checked against the layer, else derived. An explicit group with
+    the ``prev_op`` and layers of a group of the layer's family takes that group's ``rows`` (Quark's Phi-3 map
+    names ``qkv_proj -> o_proj``: only the v rows of qkv_proj feed o_proj)."""
     if explicit is None:
         return derive_scaling_groups(layer)
     modules = dict(layer.named_modules())
+    family = model_family(layer)
+    known = {(g.prev_op, tuple(g.layers)): g.rows for g in family.groups} if family is not None else {}
     groups = []
     for i, entry in enumerate(explicit):
         names = [entry["prev_op"], *entry["layers"], entry.get("inp") or entry["layers"][0]]
@@ -320,7 +395,7 @@ def scaling_groups(layer: nn.Module, explicit: list[dict] | None) -> list[Scalin
         if missing:
             raise ValueError(
                 f"scaling_layers[{i}] names {missing}, not modules of the decoder layer; its modules: "
-                f"{[n for n, _ in layer.named_modules() if n]}"
+                f"{own_modules(layer)}"
             )
         groups.append(
             ScalingGroup(
@@ -328,6 +403,7 @@ def scaling_groups(layer: nn.Module, explicit: list[dict] | None) -> list[Scalin
                 list(entry["layers"]),
                 entry.get("inp") or entry["layers"][0],
                 entry.get("module2inspect"),
+                rows=known.get((entry["prev_op"], tuple(entry["layers"]))),
             )
         )
     return groups

@@ -351,9 +351,11 @@ def test_a_failure_in_a_later_layer_puts_the_earlier_layers_back(monkeypatch: py
     fold = smoothquant.fold_scales
     seen: list[int] = []
 
-    def fold_layer_1_wrong(prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, where: str) -> None:
+    def fold_layer_1_wrong(
+        prev: nn.Module, layers: list[nn.Module], scales: torch.Tensor, where: str, rows: torch.Tensor | None = None
+    ) -> None:
         seen.append(id(prev))
-        fold(prev, layers, scales, where)
+        fold(prev, layers, scales, where, rows=rows)
         if len(seen) > 4:  # 4 groups per layer: layer 1's consumers get twice the scale their producer lost
             with torch.no_grad():
                 linear_weight(layers[0]).mul_(2)
