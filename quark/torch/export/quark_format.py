@@ -31,6 +31,14 @@ stored as the equivalent ``nn.Linear``: the rows above apply to its transposed w
 the state_dict is stored as it is. Not
 expressible here (a ValueError before anything is written; ``custom_mode=None`` stores them): bfp16, per-group
 minifloats, quantized biases and the extra slots of LSTMs and attention.
+
+Fused MoE experts (transformers 5's ``gate_up_proj`` / ``down_proj`` stacks) are stored per expert, each projection
+as a Linear with the rows above (``weight``, ``weight_scale``, ``weight_zero_point``, ``input_scale``; gate and up
+carry their expert's one input scale), under the names of the family's hub checkpoints that transformers' own
+conversion gives (``checkpoint_names``: Mixtral ``block_sparse_moe.experts.{e}.w1|w3|w2`` and
+``block_sparse_moe.gate``, the Qwen2-MoE group ``mlp.experts.{e}.gate_proj|up_proj|down_proj``), which is what vLLM's
+loaders map; the whole file then uses those names, and so do exact layer names in the stored config. The import
+maps them back and decodes each expert into its block of the stacked Parameters.
 """
 
 from __future__ import annotations
@@ -44,9 +52,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.export.checkpoint_names import CheckpointNames, checkpoint_names
 from quark.torch.export.codec import (
     decoded_weight_quantizer,
     first_of_its_storage,
+    is_quantizer_state,
+    quantizer_prefixes,
     require_safetensors,
     stored_quantizer,
 )
@@ -86,8 +97,10 @@ from quark.torch.quantization.hf import is_hf_conv1d, linear_weight, transpose_w
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import (
     DEFAULT_SLOTS,
+    QuantSlot,
     shared_tensors,
     slot_label,
+    slot_tensor,
 )
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
 
@@ -128,6 +141,7 @@ def export_quark_dir(
     if config is None:
         raise ValueError("export needs a model prepared by ModelQuantizer (it has no quant_config)")
     check_quark_exportable(model)
+    names = checkpoint_names(model)  # experts stored per expert: the family's hub names (a ValueError without them)
     floated = _unreached_for_export(model)
     tensors: dict[str, torch.Tensor] = {}
     for name, m in quantized_modules(model):
@@ -140,20 +154,25 @@ def export_quark_dir(
             for suffix, value in encode_quark_weight(weight, wq, pack_method, f"layer '{name}'").items():  # type: ignore[arg-type]
                 tensors[prefix + "weight" + suffix] = value.detach().contiguous()
         for role in ("input", "output"):
-            q = getattr(m, f"_{role}_quantizer", None)
-            if q is None or q.is_dynamic or not hasattr(q, "calculate_qparams") or q.spec.dtype in BLOCK_DTYPES:
-                continue
-            scale, zp = q.calculate_qparams()
-            tensors[f"{prefix}{role}_scale"] = scale.detach().float().clone()
-            fmt = format_of(q.spec.dtype)
-            if isinstance(fmt, IntFormat):
-                tensors[f"{prefix}{role}_zero_point"] = zp.detach().to(int_container(fmt)).clone()
+            tensors.update(_activation_qparams(getattr(m, f"_{role}_quantizer", None), f"{prefix}{role}"))
+        for part, weight_slot, input_slot in m.linear_parts():
+            where = f"layer '{name}' ({part})"
+            view, wq = slot_tensor(m, weight_slot), _stored_part_quantizer(m, weight_slot)
+            for suffix, value in encode_quark_weight(view, wq, pack_method, where).items():  # type: ignore[arg-type]
+                tensors[f"{prefix}{part}.weight{suffix}"] = value.detach().contiguous()
+            source = getattr(m, input_slot.attr, None) if input_slot is not None else None
+            tensors.update(_activation_qparams(source, f"{prefix}{part}.input"))
+    prefixes = quantizer_prefixes(model)
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for key, value in model.state_dict(keep_vars=True).items():  # the rest as it is (quantized weights are stored)
-        if key in tensors or "_quantizer." in key:  # quantizer state is never stored
+        if key in tensors or is_quantizer_state(key, prefixes):  # quantizer state is never stored
             continue
+        if names is not None and key in names.stacked and not _floated_stack(key, floated):
+            continue  # stored per expert above
         if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding): stored once
             tensors[key] = value.detach().contiguous()
+    if names is not None:
+        tensors = {_hub_key(names, key, floated): value for key, value in tensors.items()}
     hf = getattr(model, "config", None)
     document = hf.to_dict() if hasattr(hf, "to_dict") else {}
     if document and not document.get("architectures") and type(model).__module__.startswith("transformers."):
@@ -165,6 +184,8 @@ def export_quark_dir(
         stored = dataclasses.replace(
             stored, exclude=list(stored.exclude) + [n for n in floated if n not in stored.exclude]
         )
+    if names is not None:
+        stored = _renamed_config(stored, names)
     document["quantization_config"] = to_quark_dict(stored, weight_format, pack_method)
     out = Path(output_dir)
     write_atomically(
@@ -176,6 +197,42 @@ def export_quark_dir(
         out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
     )
     return out
+
+
+def _activation_qparams(q: FakeQuantizeBase | None, name: str) -> dict[str, torch.Tensor]:
+    """``<name>_scale`` (and ``_zero_point`` for integers) of a static activation quantizer; nothing for none, a
+    dynamic one or a block format."""
+    if q is None or q.is_dynamic or not hasattr(q, "calculate_qparams") or q.spec.dtype in BLOCK_DTYPES:
+        return {}
+    scale, zp = q.calculate_qparams()
+    out = {f"{name}_scale": scale.detach().float().clone()}
+    fmt = format_of(q.spec.dtype)
+    if isinstance(fmt, IntFormat):
+        out[f"{name}_zero_point"] = zp.detach().to(int_container(fmt)).clone()
+    return out
+
+
+def _floated_stack(key: str, floated: list[str]) -> bool:
+    """Whether the stacked Parameter ``key`` belongs to a layer exported in float (stored as it is)."""
+    return key.rpartition(".")[0] in floated
+
+
+def _hub_key(names: CheckpointNames, key: str, floated: list[str]) -> str:
+    """The hub name of a stored key; a floated layer's stacked Parameter keeps its layer's hub name."""
+    if key in names.stacked:
+        layer, _, leaf = key.rpartition(".")
+        return f"{names.layer(layer)}.{leaf}"
+    return names.hub_key(key)
+
+
+def _renamed_config(config: Config, names: CheckpointNames, inverse: bool = False) -> Config:
+    """``config`` with the exact layer names of ``exclude`` and ``layer_quant_config`` in the hub checkpoint's names
+    (``inverse``: back to the model's); patterns are left as they are."""
+    return dataclasses.replace(
+        config,
+        exclude=[names.layer(n, inverse) for n in config.exclude],
+        layer_quant_config={names.layer(k, inverse): v for k, v in config.layer_quant_config.items()},
+    )
 
 
 def _unreached_for_export(model: nn.Module) -> list[str]:
@@ -223,6 +280,11 @@ def _as_linear(m: nn.Module, wq: Any) -> tuple[torch.Tensor, Any]:
 _WEIGHT_SLOT = next(s for s in DEFAULT_SLOTS if s.attr == "_weight_quantizer")
 
 
+def _stored_part_quantizer(m: QuantMixin, slot: QuantSlot) -> FakeQuantizeBase | None:
+    """``stored_quantizer`` of a part's weight (one expert's projection)."""
+    return stored_quantizer(slot_tensor(m, slot), getattr(m, slot.attr, None))  # type: ignore[arg-type]
+
+
 def _stored_weight_quantizer(m: QuantMixin) -> FakeQuantizeBase | None:
     """The quantizer whose codes the directory stores for ``m``'s weight (``stored_quantizer``: with fake quant
     switched off, a pass-through one when the weight is on its grid); None: no quantized weight to store."""
@@ -248,19 +310,26 @@ def check_quark_exportable(model: nn.Module) -> None:
     config.json names is applied by the model: fake quant on, or a weight on its quantizer's grid, which is stored as
     its codes (a ValueError names the first layer and slot that fails)."""
     for name, m in quantized_modules(model):
+        parts = {s.attr: s for _, w, i in m.linear_parts() for s in (w, i) if s is not None}
         for slot, q in m.quantizer_slots():
             where = f"layer '{name}' ({slot_label(slot)})"
-            if slot.attr not in _STORED_SLOTS:
+            if slot.attr not in _STORED_SLOTS and slot.attr not in parts:
                 raise ValueError(
                     f"{where}: amd-quark's layout stores the weight, input and output quantizers of a layer "
                     "only; custom_mode=None writes this project's single-file format, which stores every slot"
                 )
-            stored = _stored_weight_quantizer(m) if slot.attr == "_weight_quantizer" else q
+            if slot.attr in parts and slot.tensor is not None:
+                stored = _stored_part_quantizer(m, slot)
+            else:
+                stored = _stored_weight_quantizer(m) if slot.attr == "_weight_quantizer" else q
             if not bool(q.fake_quant_enabled) and stored is q:
                 raise _switched_off(where, f"{slot.role.removesuffix('_tensors')}s")
             if stored is None:
                 raise _switched_off(where, "weight, which is not on the grid of its quantizer's qparams")
-            if slot.attr == "_weight_quantizer":
+            if slot.attr in parts and slot.tensor is not None:
+                if weight_layout(stored.spec, slot_tensor(m, slot)) is None:  # type: ignore[arg-type]
+                    raise unsupported_layout(where, stored.spec)
+            elif slot.attr == "_weight_quantizer":
                 weight, wq = _as_linear(m, stored)
                 if weight_layout(wq.spec, weight) is None:
                     raise unsupported_layout(where, wq.spec)
@@ -318,6 +387,10 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
             t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
     except Exception as err:  # a truncated or corrupt file: the reader's own errors vary
         raise ValueError(f"{root / WEIGHTS_FILE} is not a readable safetensors file: {err}") from err
+    names = checkpoint_names(model)  # a model with experts: the file uses the family's hub names
+    if names is not None:
+        t = {_our_key(names, key): value for key, value in t.items()}
+        config = _renamed_config(config, names, inverse=True)
     check_before_import(model, config, t, root / WEIGHTS_FILE)  # every problem found before the model is touched
     materialize(model, device, set(t))  # a skeleton's meta Parameters get storage (every one is filled below)
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
@@ -343,5 +416,45 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
                     s = t[f"{prefix}{role}_scale"].float()
                     z = t.get(f"{prefix}{role}_zero_point", torch.zeros_like(s)).to(torch.int32)
                     setattr(m, f"_{role}_quantizer", FrozenScaledFakeQuantize(aq.spec, s, z))
+            _load_parts(m, prefix, t, pack_method, shared, plain)
     model.load_state_dict(plain, strict=False)  # check_before_import made sure every key has its place
     return ModelQuantizer.freeze(model).eval()
+
+
+def _our_key(names: CheckpointNames, hub: str) -> str:
+    """The model's name of a key of the file (``_hub_key`` reversed)."""
+    layer, _, leaf = hub.rpartition(".")
+    back = names.layer(layer, inverse=True)
+    if back != layer and f"{back}.{leaf}" in names.stacked:
+        return f"{back}.{leaf}"
+    return names.our_key(hub)
+
+
+def _load_parts(
+    m: QuantMixin,
+    prefix: str,
+    t: dict[str, torch.Tensor],
+    pack_method: str,
+    shared: set[int],
+    plain: dict[str, torch.Tensor],
+) -> None:
+    """Decode each stored part (one expert's projection) into its block of the stacked Parameter, with the quantizer
+    ``decoded_weight_quantizer`` gives, and freeze its input quantizer with the stored scale (gate and up of an
+    expert share one: ``check_before_import`` made sure their stored scales agree)."""
+    for part, weight_slot, input_slot in m.linear_parts():
+        key = f"{prefix}{part}.weight"
+        wq = getattr(m, weight_slot.attr, None)
+        if wq is not None and key in t:
+            view = slot_tensor(m, weight_slot)
+            values, scale, zp = decode_quark_weight(t, key, view.shape, wq.spec, pack_method)  # type: ignore[union-attr]
+            view.copy_(values.to(view.dtype))  # type: ignore[union-attr]
+            plain.pop(key, None)
+            quantizer = decoded_weight_quantizer(m, weight_slot, wq.spec, scale, zp, shared)
+            if quantizer is not None:
+                m.set_quantizer(weight_slot, quantizer)
+        aq = getattr(m, input_slot.attr, None) if input_slot is not None else None
+        if aq is None or f"{prefix}{part}.input_scale" not in t:
+            continue
+        s = t[f"{prefix}{part}.input_scale"].float()
+        z = t.get(f"{prefix}{part}.input_zero_point", torch.zeros_like(s)).to(torch.int32)
+        m.set_quantizer(input_slot, FrozenScaledFakeQuantize(aq.spec, s, z))  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ import's rule for the rest."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from quark.torch.quantization.formats import (
 from quark.torch.quantization.formats.grouping import tile_layout
 from quark.torch.quantization.formats.table import MXINT8_QMAX
 from quark.torch.quantization.hf import linear_weight
+from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.nn.modules.quant_modules import QUANT_MODULE_MAP, slot_tensor
+from quark.torch.quantization.resolve import float_type
 
 
 def _stored_weight(spec: QuantizationSpec, shape: torch.Size) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]] | None:
@@ -72,39 +76,99 @@ def check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Ten
     for plan in ModelQuantizer(config).resolve(model):
         module = model.get_submodule(plan.name)
         prefix = f"{plan.name}." if plan.name else ""
-        spec = plan.qconfig.weight  # as configured: for Linear's [out, in] view, which a Conv1D is stored as
+        twin = type(module) if isinstance(module, QuantMixin) else QUANT_MODULE_MAP[float_type(module)]  # type: ignore[index]
+        parts = twin.linear_parts_for(module)
+        _check_shared_inputs(path, prefix, parts, t)
+        for part, weight_slot, _ in parts:  # each a Linear of its own (one expert's projection)
+            weight = slot_tensor(module, weight_slot)
+            where = f"{plan.name}.{part}" if plan.name else part
+            _check_linear(
+                check,
+                path,
+                f"{prefix}{part}.",
+                where,
+                weight.shape,
+                plan.qconfig.weight,
+                plan.qconfig.input_tensors,
+                None,
+            )  # type: ignore[union-attr]
+            owned.add(prefix + weight_slot.tensor)  # type: ignore[operator]
+        if parts:
+            continue
+        # the configured weight spec is for Linear's [out, in] view, which a Conv1D is stored as
         weight = linear_weight(module) if isinstance(getattr(module, "weight", None), torch.Tensor) else None
-        if spec is not None and isinstance(weight, torch.Tensor):
-            key = prefix + "weight"
-            expected = _stored_weight(spec, weight.shape)
-            if expected is None:
-                raise unsupported_layout(f"{path}: '{key}'", spec)
-            for need in (key, key + "_scale") if spec.dtype not in (Dtype.bfloat16, Dtype.float16) else (key,):
-                if need not in t:
-                    raise ValueError(
-                        f"{path}: tensor '{need}' is missing (the config quantizes '{plan.name}' as {spec.dtype.name})"
-                    )
-            dtypes, shape = expected
-            if t[key].dtype not in dtypes or tuple(t[key].shape) != shape:
-                raise ValueError(
-                    f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(shape)}, found {t[key].dtype} of shape {list(t[key].shape)}"
-                )
-            if spec.dtype not in (*BLOCK_DTYPES, Dtype.bfloat16, Dtype.float16):
-                _check_scale(path, key + "_scale", t[key + "_scale"])
-            check.expected.add(key)
-            _check_weight_values(check, key, spec, weight.shape)  # reads (and expects) the companions it has
-            owned.add(key)
-        for role, spec_a in (("input", plan.qconfig.input_tensors), ("output", plan.qconfig.output_tensors)):
-            if spec_a is None or spec_a.is_dynamic or spec_a.dtype in BLOCK_DTYPES:
-                continue
-            key = f"{prefix}{role}_scale"
-            if key not in t:
-                raise ValueError(
-                    f"{path}: tensor '{key}' is missing (the config quantizes the {role} of '{plan.name}' statically)"
-                )
-            _check_scale(path, key, t[key])
-            _check_activation_qparams(check, f"{prefix}{role}", spec_a)
+        spec, inputs, outputs = plan.qconfig.weight, plan.qconfig.input_tensors, plan.qconfig.output_tensors
+        shape = weight.shape if isinstance(weight, torch.Tensor) else None
+        owned |= _check_linear(check, path, prefix, plan.name, shape, spec, inputs, outputs)
     check_model_tensors(check, model, owned)  # the float tensors and nothing extra: the single-file import's rule
+
+
+def _check_shared_inputs(
+    path: Path, prefix: str, parts: tuple[tuple[str, Any, Any], ...], t: dict[str, torch.Tensor]
+) -> None:
+    """Parts that read one input (an expert's gate and up projections) have one input quantizer in the model: their
+    stored input scales (and zero points) must be equal."""
+    first: dict[str, str] = {}
+    for part, _, source in parts:
+        if source is None:
+            continue
+        seen = first.setdefault(source.attr, part)
+        for leaf in ("input_scale", "input_zero_point"):
+            a, b = t.get(f"{prefix}{seen}.{leaf}"), t.get(f"{prefix}{part}.{leaf}")
+            if seen != part and a is not None and b is not None and not torch.equal(a, b):
+                raise ValueError(
+                    f"{path}: '{prefix}{seen}.{leaf}' and '{prefix}{part}.{leaf}' differ ({a.tolist()} vs "
+                    f"{b.tolist()}), but the two projections read the same input: the model has one input quantizer "
+                    "for them"
+                )
+
+
+def _check_linear(
+    check: Checker,
+    path: Path,
+    prefix: str,
+    name: str,
+    shape: torch.Size | None,
+    spec: QuantizationSpec | None,
+    inputs: QuantizationSpec | None,
+    outputs: QuantizationSpec | None,
+) -> set[str]:
+    """The tensors of one quantized Linear-like layer stored under ``prefix`` (``name`` in messages): its weight of
+    ``shape`` (None: it has none) with ``spec`` and its static input / output qparams. Returns the model's keys it
+    stores (the weight's)."""
+    owned = set()
+    if spec is not None and shape is not None:
+        key = prefix + "weight"
+        expected = _stored_weight(spec, shape)
+        if expected is None:
+            raise unsupported_layout(f"{path}: '{key}'", spec)
+        for need in (key, key + "_scale") if spec.dtype not in (Dtype.bfloat16, Dtype.float16) else (key,):
+            if need not in check.tensors:
+                raise ValueError(
+                    f"{path}: tensor '{need}' is missing (the config quantizes '{name}' as {spec.dtype.name})"
+                )
+        dtypes, stored = expected
+        t = check.tensors[key]
+        if t.dtype not in dtypes or tuple(t.shape) != stored:
+            raise ValueError(
+                f"{path}: tensor '{key}': expected {[str(d) for d in dtypes]} of shape {list(stored)}, found {t.dtype} of shape {list(t.shape)}"
+            )
+        if spec.dtype not in (*BLOCK_DTYPES, Dtype.bfloat16, Dtype.float16):
+            _check_scale(path, key + "_scale", check.tensors[key + "_scale"])
+        check.expected.add(key)
+        _check_weight_values(check, key, spec, shape)  # reads (and expects) the companions it has
+        owned.add(key)
+    for role, spec_a in (("input", inputs), ("output", outputs)):
+        if spec_a is None or spec_a.is_dynamic or spec_a.dtype in BLOCK_DTYPES:
+            continue
+        key = f"{prefix}{role}_scale"
+        if key not in check.tensors:
+            raise ValueError(
+                f"{path}: tensor '{key}' is missing (the config quantizes the {role} of '{name}' statically)"
+            )
+        _check_scale(path, key, check.tensors[key])
+        _check_activation_qparams(check, f"{prefix}{role}", spec_a)
+    return owned
 
 
 def _check_scale(path: Path, key: str, scale: torch.Tensor) -> None:

@@ -39,6 +39,8 @@ from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import (
     shared_tensors,
+    slot_tensor,
+    slot_tensor_name,
 )
 from quark.torch.quantization.resolve import config_from_stored
 from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
@@ -80,14 +82,15 @@ def write_single_file(model: nn.Module, output_dir: str | Path, filename: str = 
         for slot in quant_slots(m):
             q = getattr(m, slot.attr, None)
             if slot.tensor is not None:
-                tensor = getattr(m, slot.tensor, None)
+                tensor = slot_tensor(m, slot)
                 if not isinstance(tensor, torch.Tensor):
                     continue
-                skip.add(prefix + slot.tensor)
+                skip.add(prefix + slot.tensor)  # the Parameter (a stacked one: all of its parts are stored)
+                key = prefix + slot_tensor_name(slot)  # type: ignore[operator]
                 stored, meta = encode_weight(tensor, stored_quantizer(tensor, q))
                 for suffix, value in stored.items():
-                    put(prefix + slot.tensor + suffix, value)
-                info[prefix + slot.tensor] = meta
+                    put(key + suffix, value)
+                info[key] = meta
             elif q is not None and not bool(q.fake_quant_enabled):
                 info[prefix + activation_key(slot)] = {"encoding": "float"}  # the model runs it unquantized
             elif has_qparams(q):
@@ -167,13 +170,13 @@ def _load_layer(
     slot frozen with its stored qparams, or emptied where the exported model ran it unquantized."""
     for slot in quant_slots(m):
         q = getattr(m, slot.attr, None)
-        key = prefix + (slot.tensor if slot.tensor is not None else activation_key(slot))
+        key = prefix + (slot_tensor_name(slot) if slot.tensor is not None else activation_key(slot))  # type: ignore[operator]
         meta = info.get(key)
         if meta is None:
             continue
         encoding = meta["encoding"]
         if slot.tensor is not None:
-            getattr(m, slot.tensor).copy_(decode_weight(tensors, key, meta))
+            slot_tensor(m, slot).copy_(decode_weight(tensors, key, meta))  # type: ignore[union-attr]
         if q is None:
             continue
         if encoding == "float" and "dtype" not in meta:

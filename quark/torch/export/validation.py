@@ -40,6 +40,8 @@ from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import (
     QUANT_MODULE_MAP,
     QuantSlot,
+    slot_tensor,
+    slot_tensor_name,
 )
 
 
@@ -353,12 +355,12 @@ def check_import(
     for prefix, module, slots in _quant_layers(model, config):
         for slot, spec in slots:
             if slot.tensor is not None:
-                tensor = getattr(module, slot.tensor, None)
+                tensor = slot_tensor(module, slot)
                 if isinstance(tensor, torch.Tensor):
-                    key = prefix + slot.tensor
-                    skip.add(key)
+                    key = prefix + slot_tensor_name(slot)  # type: ignore[operator]
+                    skip.add(prefix + slot.tensor)  # the Parameter (a stacked one: stored as its parts)
                     described.add(key)
-                    check.weight(key, tensor, spec, info.get(key), key in params)
+                    check.weight(key, tensor, spec, info.get(key), prefix + slot.tensor in params)
             elif spec is not None and info.get(prefix + activation_key(slot)) == {"encoding": "float"}:
                 described.add(prefix + activation_key(slot))  # the exported model ran it unquantized: nothing stored
             elif (

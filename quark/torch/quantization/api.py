@@ -54,6 +54,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     refresh_computed_tensors,
     shared_tensors,
     slot_label,
+    slot_tensor,
 )
 from quark.torch.quantization.resolve import (
     LayerPlan,
@@ -450,7 +451,7 @@ class ModelQuantizer:
                 if not q.is_dynamic:
                     frozen.enable_observer(False)  # block formats and casts: nothing left to record
                 if bake_weights and bakeable(module, slot, shared):
-                    tensor = getattr(module, slot.tensor)
+                    tensor = slot_tensor(module, slot)
                     with torch.no_grad():
                         tensor.copy_(frozen(tensor))
                     frozen = BakedFakeQuantize.of(frozen)
@@ -470,8 +471,8 @@ def _observe_params(model: nn.Module) -> None:
     refresh_computed_tensors(model)
     for m in model.modules():
         if isinstance(m, QuantMixin):
-            for param, q in m.param_quantizers():
-                tensor = getattr(m, param, None)
+            for slot, q in m.quantizer_slots():
+                tensor = slot_tensor(m, slot)
                 if isinstance(tensor, torch.Tensor):
                     observer = getattr(q, "observer", None)
                     if observer is not None:

@@ -15,7 +15,13 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from quark.torch.quantization.config.config import Config
-from quark.torch.quantization.nn.modules.quant_modules import EXPLICIT_ONLY, QUANT_MODULE_MAP, QuantMixin
+from quark.torch.quantization.nn.modules.quant_modules import (
+    EXPLICIT_ONLY,
+    QUANT_MODULE_MAP,
+    QuantMixin,
+    float_rule_reason,
+    structural_twin,
+)
 from quark.torch.quantization.resolve import excluded, explicit_levels, float_type, owners, submodule
 from quark.torch.quantization.state import quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
@@ -32,6 +38,7 @@ __all__ = [
     "uncalibrated_layers",
     "report_coverage",
     "functional_float",
+    "finish_calibration",
 ]
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
@@ -181,13 +188,23 @@ def unreached_layers(model: nn.Module, reached: set[str]) -> list[str]:
 _NOT_LAYERS = (QuantMixin, FakeQuantizeBase, parametrize.ParametrizationList)
 
 
-def float_reason(config: Config, name: str, module: nn.Module, owner: tuple[str, nn.Module] | None) -> str:
-    """Why a module with Parameters of its own is not quantized (it resolved to no plan)."""
+def float_reason(
+    config: Config,
+    name: str,
+    module: nn.Module,
+    owner: tuple[str, nn.Module] | None,
+    parent: nn.Module | None = None,
+) -> str:
+    """Why a module with Parameters of its own is not quantized (it resolved to no plan). ``parent``: the module
+    holding it, for the registered float rules that look at its neighbours (an MoE router beside its experts)."""
     base = next((c for c in type(module).__mro__ if c in QUANT_MODULE_MAP), None)
     if excluded(config, name):
         return "excluded by Config.exclude"
     if owner is not None and excluded(config, owner[0]):
         return f"excluded with its owner '{owner[0]}'"
+    rule = float_rule_reason(name, module, parent)
+    if rule is not None:
+        return rule
     if base is not None and float_type(module) is None:
         return f"subclass of {base.__name__} with its own forward (a quantized twin would drop it)"
     if base in EXPLICIT_ONLY:
@@ -198,6 +215,9 @@ def float_reason(config: Config, name: str, module: nn.Module, owner: tuple[str,
         return "no QuantizationSpec for any of its tensors at any config level"
     if is_norm(module):
         return "normalization layer (kept float)"
+    _, layout = structural_twin(module)
+    if layout is not None:
+        return layout
     params = own_parameters(module)
     return f"no quantized twin for {type(module).__name__}: its Parameters {params} are used in its own forward"
 
@@ -211,7 +231,9 @@ def float_layers(config: Config, model: nn.Module, planned: set[str]) -> list[Fl
             continue
         if not own_parameters(module):
             continue
-        out.append(FloatLayer(name, type(module).__name__, float_reason(config, name, module, owned.get(name))))
+        parent = submodule(model, name.rpartition(".")[0]) if name else None
+        reason = float_reason(config, name, module, owned.get(name), parent)
+        out.append(FloatLayer(name, type(module).__name__, reason))
     return out
 
 
@@ -234,9 +256,12 @@ _ACTIVATION_ROLES = ("input_tensors", "output_tensors")
 def uncalibrated_layers(model: nn.Module) -> set[str]:
     """Names of the quantized layers that calibration (or QAT) never reached: none of their static activation
     quantizers has qparams (their weight quantizers may have them: PTQ observes weights directly, QAT in the forward).
+    Reached layers first give their parts that saw no data the qparams they define (``finish_calibration``: an MoE
+    expert no token reached takes its siblings' input scales, named in a warning).
 
     Raises a ValueError naming the layer and role for a layer that was reached (an activation quantizer has qparams)
     but has a quantizer without them, and when no quantizer of the model has qparams (it was never calibrated)."""
+    finish_calibration(model)
     unreached, calibrated = set(), False
     for name, module in model.named_modules():
         if not isinstance(module, QuantMixin):
@@ -266,10 +291,26 @@ def uncalibrated_layers(model: nn.Module) -> set[str]:
     return unreached
 
 
+def finish_calibration(model: nn.Module, stacklevel: int = 3) -> list[str]:
+    """Ask every reached quantized layer to give the quantizers its data left without qparams what the layer defines
+    for them (``QuantMixin.finish_calibration``: an MoE expert no token reached takes its siblings' input scales);
+    one warning names them. Returns the layers' sentences, ``"layer: sentence"``."""
+    notes = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantMixin) and not module.unreached:
+            note = module.finish_calibration()
+            if note is not None:
+                notes.append(f"{name or '<model>'}: {note}")
+    if notes:
+        warnings.warn("; ".join(notes), stacklevel=stacklevel)
+    return notes
+
+
 def report_coverage(model: nn.Module, record: dict[str, Any]) -> None:
     """After calibration: warn about quantized layers no forward reached (marked so size reports count them as
-    float) and about Parameters that a forward fed to a weight op with no quantizer between (kept on the model for
-    ``float_layers``)."""
+    float), about the parts of reached layers that saw no data (``finish_calibration``: MoE experts no token was
+    routed to) and about Parameters that a forward fed to a weight op with no quantizer between (kept on the model
+    for ``float_layers``)."""
     unreached = unreached_layers(model, record["reached"])
     if unreached:
         warnings.warn(
@@ -277,6 +318,7 @@ def report_coverage(model: nn.Module, record: dict[str, Any]) -> None:
             f"not counted as quantized): {unreached}",
             stacklevel=4,
         )
+    finish_calibration(model, stacklevel=4)
     uses: dict[str, list[str]] = {}
     for param, op in record["functional"].items():
         owner, _, attr = param.rpartition(".")

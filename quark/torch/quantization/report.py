@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from quark.torch.quantization.formats import bits_per_element
-from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
+from quark.torch.quantization.nn.modules.quant_modules import QuantMixin, slot_tensor, slot_tensor_name
 from quark.torch.quantization.state import paused_quantizers
 from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuantizeBase
 
@@ -47,8 +47,9 @@ def weight_sqnr(model: nn.Module) -> dict[str, float]:
                 continue
             for slot, q in m.quantizer_slots():
                 if slot.role == "weight" and bool(q.fake_quant_enabled) and not isinstance(q, BakedFakeQuantize):
-                    key = name if slot.tensor == "weight" else f"{name}.{slot.tensor}"
-                    out[key] = sqnr_db(getattr(m, slot.tensor), q(getattr(m, slot.tensor)))  # type: ignore[arg-type]
+                    tensor = slot_tensor(m, slot)
+                    key = name if slot.tensor == "weight" else f"{name}.{slot_tensor_name(slot)}"
+                    out[key] = sqnr_db(tensor, q(tensor))  # type: ignore[arg-type]
     return out
 
 

@@ -31,6 +31,9 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     QuantLinear,
     QuantMixin,
     iter_quantizers,
+    slot_tensor,
+    slot_tensor_name,
+    structural_twin,
     twin_of_foreign_class,
 )
 from quark.torch.quantization.state import paused_quantizers, preserve_modes
@@ -152,7 +155,9 @@ def type_names(module: nn.Module) -> list[str]:
 
 
 def float_type(module: nn.Module) -> type[nn.Module] | None:
-    """The supported float class ``module`` is (or subclasses without its own forward), else None."""
+    """The supported float class ``module`` is (or subclasses without its own forward), else None. A class without a
+    twin whose module has a structure a twin is registered for (``register_structural_twin``: fused MoE experts) gets
+    its twin here, made on first sight."""
     conv1d, linear = hf_conv1d_class(type(module)), hf_linear_equivalent(type(module))
     if conv1d is not None and conv1d not in QUANT_MODULE_MAP and is_hf_conv1d(module):
         twin_of_foreign_class(conv1d, QuantHFConv1DMixin)  # transformers' Conv1D: its twin is made on first sight
@@ -161,6 +166,10 @@ def float_type(module: nn.Module) -> type[nn.Module] | None:
     for cls in type(module).__mro__:
         if cls in QUANT_MODULE_MAP:
             return cls if type(module).forward is cls.forward else None
+    base, _ = structural_twin(module)
+    if base is not None:
+        twin_of_foreign_class(type(module), base)
+        return type(module)
     return None
 
 
@@ -234,10 +243,10 @@ def check_layer(plan: LayerPlan, module: nn.Module) -> None:
     twin = QUANT_MODULE_MAP[float_type(module)]  # type: ignore[index]
     for slot in twin.slots_for(module):
         spec: QuantizationSpec | None = twin.slot_spec(slot, getattr(plan.qconfig, slot.role))
-        tensor = getattr(module, slot.tensor, None) if slot.tensor else None
+        tensor = slot_tensor(module, slot)
         if spec is None or not isinstance(tensor, torch.Tensor):
             continue
-        where = f"layer '{plan.name}' ({plan.layer_type}, {slot.tensor} of shape {tuple(tensor.shape)})"
+        where = f"layer '{plan.name}' ({plan.layer_type}, {slot_tensor_name(slot)} of shape {tuple(tensor.shape)})"
         if spec.qscheme == QSchemeType.per_block and tensor.ndim != 2:
             raise ValueError(
                 f"{where}: qscheme=per_block (block_size={spec.block_size}) quantizes 2-D weights [out, in] only; use "

@@ -11,7 +11,8 @@ from torch import nn
 
 from quark.torch.quantization.config.type import Dtype, QSchemeType, ZeroPointType
 from quark.torch.quantization.nn.modules import QuantMixin
-from quark.torch.quantization.nn.modules.quant_modules import slot_label, slot_name
+from quark.torch.quantization.nn.modules.quant_modules import slot_label, slot_name, slot_tensor_name
+from quark.torch.quantization.nn.modules.quant_modules import slot_tensor as parameter_or_part
 
 FILENAME = "quark_model.onnx"  # amd-quark's name
 #: the int8 / uint8 ranges torch's fused fake-quant ops (and QuantizeLinear) take
@@ -77,7 +78,7 @@ def named_quantizer_slots(model: nn.Module) -> Iterator[tuple[QuantMixin, Any, n
     for name, m in model.named_modules():
         if isinstance(m, QuantMixin):
             for slot, q in list(m.quantizer_slots()):  # every slot: layers with several weights / inputs included
-                label = slot.tensor or slot_name(slot)
+                label = slot_tensor_name(slot) or slot_name(slot)
                 yield m, slot, q, f"layer '{name}' ({slot_label(slot)})", f"{name}.{label}" if name else label
 
 
@@ -104,7 +105,7 @@ def functional_weights(model: nn.Module) -> dict[int, torch.Tensor]:
 def slot_tensor(layer: QuantMixin, slot: Any, functional: dict[int, torch.Tensor]) -> torch.Tensor | None:
     """The weight / bias a slot quantizes (a functionally used Parameter included); None for an activation slot."""
     if slot.tensor is not None:
-        return getattr(layer, slot.tensor)
+        return parameter_or_part(layer, slot)
     return functional.get(id(layer))
 
 
@@ -115,8 +116,14 @@ def _ndim(layer: QuantMixin, slot: Any, functional: dict[int, torch.Tensor]) -> 
 
 
 def _required_opset(model: nn.Module) -> tuple[int, str]:
-    """Check every quantizer of ``model`` (ValueError naming the first Q/DQ cannot express); the opset the model needs
-    and the quantizer that sets it."""
+    """Check every quantizer of ``model`` (ValueError naming the first Q/DQ cannot express, or the first layer without
+    a fixed graph); the opset the model needs and the quantizer that sets it."""
+    for name, m in model.named_modules():
+        if isinstance(m, QuantMixin) and m.data_dependent is not None:
+            raise ValueError(
+                f"export_onnx: layer '{name}' ({type(m).__name__}) has no fixed graph to export: {m.data_dependent}; "
+                "export_safetensors writes it"
+            )
     needed, why = 0, ""
     functional = functional_weights(model)
     for layer, slot, q, where, _ in named_quantizer_slots(model):
@@ -129,7 +136,9 @@ def _required_opset(model: nn.Module) -> tuple[int, str]:
 
 def check_onnx_exportable(model: nn.Module) -> int:
     """Before any work: every quantizer of the prepared ``model`` must be expressible as Q/DQ (names the first that is
-    not); returns the lowest opset the model's quantizers need (13 for int8, 19 with fp8, 21 with int4 or groups)."""
+    not) and every quantized layer must have a fixed graph (a layer whose ``data_dependent`` says why not, as fused
+    MoE experts, is refused); returns the lowest opset the model's quantizers need (13 for int8, 19 with fp8, 21 with
+    int4 or groups)."""
     return _required_opset(model)[0]
 
 

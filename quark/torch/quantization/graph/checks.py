@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from quark.torch.quantization.equivalence import EquivalenceError, check_equivalent, relative_error, tolerance
 from quark.torch.quantization.graph.capture import example_inputs, module_path
-from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
+from quark.torch.quantization.nn.modules.quant_modules import QuantMixin, slot_tensor
 from quark.torch.quantization.state import paused_quantizers, preserve_modes
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
@@ -185,8 +185,8 @@ def quantized_error(gm: nn.Module, example: Example, reference: Any) -> float:
             q.disable_fake_quant()
         for m in trial.modules():
             if isinstance(m, QuantMixin):
-                for param, q in m.param_quantizers():
-                    tensor = getattr(m, param, None)
+                for slot, q in m.quantizer_slots():
+                    tensor = slot_tensor(m, slot)
                     if isinstance(tensor, torch.Tensor):
                         q(tensor)
         trial(*example[0], **example[1])

@@ -1,5 +1,7 @@
-"""Quantized twins of the float layers (importing this package registers the attention and recurrent twins)."""
+"""Quantized twins of the float layers (importing this package registers the attention, recurrent and fused-experts
+twins)."""
 
+from quark.torch.quantization.nn.modules.quant_experts import QuantFusedExperts
 from quark.torch.quantization.nn.modules.quant_mha import QuantMultiheadAttention
 from quark.torch.quantization.nn.modules.quant_modules import (
     QUANT_MODULE_MAP,
@@ -35,6 +37,7 @@ __all__ = [
     "QuantEmbedding",
     "QuantEmbeddingBag",
     "QuantMultiheadAttention",
+    "QuantFusedExperts",
     "QuantLSTM",
     "QuantGRU",
     "QuantRNN",

@@ -9,7 +9,6 @@ them. Quantizer attributes follow Quark: ``_input_quantizer``, ``_weight_quantiz
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +21,15 @@ from torch.nn.utils.weight_norm import WeightNorm
 from quark.torch.compat import forward_pre_hooks, module_twin
 from quark.torch.quantization.config.config import QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.hf import transpose_weight_spec
+from quark.torch.quantization.nn.modules.slots import (
+    DEFAULT_SLOTS,
+    QuantSlot,
+    TensorPart,
+    slot_label,
+    slot_name,
+    slot_tensor,
+    slot_tensor_name,
+)
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
@@ -36,6 +44,7 @@ __all__ = [
     "QuantEmbeddingBag",
     "QUANT_MODULE_MAP",
     "QuantSlot",
+    "TensorPart",
     "bakeable",
     "computed_tensor",
     "iter_quantizers",
@@ -43,8 +52,14 @@ __all__ = [
     "shared_tensors",
     "register_quant_module",
     "register_prepare_hook",
+    "register_structural_twin",
+    "register_float_rule",
+    "structural_twin",
+    "float_rule_reason",
     "slot_label",
     "slot_name",
+    "slot_tensor",
+    "slot_tensor_name",
     "store_computed_tensors",
 ]
 
@@ -54,43 +69,6 @@ QUANTIZER_ROLES = {
     "weight": "_weight_quantizer",
     "bias": "_bias_quantizer",
 }
-
-
-@dataclass(frozen=True)
-class QuantSlot:
-    """One quantizer position of a twin: the tensor role it takes its spec from, the attribute that holds it, and
-    (weights and biases) the name of the Parameter it quantizes. Layers with several weights (LSTM gates, attention
-    projections) have several slots of one role."""
-
-    role: str
-    attr: str
-    tensor: str | None = None
-
-
-DEFAULT_SLOTS = (
-    QuantSlot("input_tensors", "_input_quantizer"),
-    QuantSlot("output_tensors", "_output_quantizer"),
-    QuantSlot("weight", "_weight_quantizer", "weight"),
-    QuantSlot("bias", "_bias_quantizer", "bias"),
-)
-
-
-def slot_name(slot: QuantSlot) -> str:
-    """A slot's attribute without the leading ``_`` and the ``_quantizer`` part (``_input_quantizer`` -> ``input``,
-    ``_key_input_quantizer`` -> ``key_input``, ``_input_quantizer_l1`` -> ``input_l1``): how exports store its qparams."""
-    name = slot.attr.lstrip("_")
-    head, sep, tail = name.rpartition("_quantizer")
-    return f"{head}{tail}" if sep else name
-
-
-def slot_label(slot: QuantSlot) -> str:
-    """How messages name a slot: the tensor it quantizes, its role for the standard activation slots, else its
-    name (``key_input``, ``input_l1``)."""
-    if slot.tensor is not None:
-        return slot.tensor
-    if any(slot.attr == s.attr for s in DEFAULT_SLOTS):
-        return slot.role
-    return slot_name(slot)
 
 
 def _make_quantizer(spec: QuantizationSpec | None, device: torch.device | None) -> FakeQuantizeBase | None:
@@ -110,6 +88,8 @@ class QuantMixin(nn.Module):
     #: no calibration or training forward reached this layer: its quantizers saw no data, so size reports and exports
     #: count it as float (set by the engine after calibration)
     unreached: bool = False
+    #: why the layer's forward has no fixed graph (ONNX export refuses it with this reason), or None: it has one
+    data_dependent: str | None = None
 
     _input_quantizer: FakeQuantizeBase | None
     _weight_quantizer: FakeQuantizeBase | None
@@ -156,7 +136,7 @@ class QuantMixin(nn.Module):
         """How many channels the tensor of ``slot`` has along ``axis``, when the layer's shape fixes it (weights:
         always; activations: where the layer says, else None: known only from data)."""
         if slot.tensor is not None:
-            return getattr(self, slot.tensor).shape[axis]
+            return slot_tensor(self, slot).shape[axis]  # type: ignore[union-attr]
         return self._activation_channels.get((slot.role, axis))
 
     @property
@@ -183,7 +163,8 @@ class QuantMixin(nn.Module):
             yield slot.role, q
 
     def param_quantizers(self) -> Iterator[tuple[str, FakeQuantizeBase]]:
-        """(Parameter name, quantizer) for every quantized weight and bias."""
+        """(Parameter name, quantizer) for every quantized weight and bias (a Parameter quantized in parts, as fused
+        MoE experts are, once per part: ``slot_tensor`` gives the tensor each quantizer takes)."""
         for slot, q in self.quantizer_slots():
             if slot.tensor is not None:
                 yield slot.tensor, q
@@ -191,6 +172,23 @@ class QuantMixin(nn.Module):
     def set_quantizer(self, slot: QuantSlot, quantizer: nn.Module | None) -> None:
         """Put ``quantizer`` (or None: not quantized) in ``slot``."""
         self.register_module(slot.attr, quantizer)
+
+    @classmethod
+    def linear_parts_for(cls, module: nn.Module) -> tuple[tuple[str, QuantSlot, QuantSlot | None], ...]:
+        """The Linear-equivalent parts of a twin of ``module`` that exports write as layers of their own
+        (``(name under the layer, weight slot, input slot)``: one expert's projection of fused MoE experts); empty for
+        a layer stored as itself."""
+        return ()
+
+    def linear_parts(self) -> tuple[tuple[str, QuantSlot, QuantSlot | None], ...]:
+        """``linear_parts_for`` this twin."""
+        return type(self).linear_parts_for(self)
+
+    def finish_calibration(self) -> str | None:
+        """After calibration: give the quantizers that saw no data the qparams this layer's other data implies, where
+        the layer defines them (an MoE expert no token reached takes its sibling experts' input scales). Returns a
+        sentence naming what was given, for the warning, or None (the default: nothing to give)."""
+        return None
 
     @staticmethod
     def _quantize(quantizer: FakeQuantizeBase | None, x: torch.Tensor | None) -> torch.Tensor | None:
@@ -414,6 +412,49 @@ def register_quant_module(float_class: type[nn.Module], twin: type[QuantMixin], 
         EXPLICIT_ONLY.add(float_class)
 
 
+#: a structural test: True for a module a twin base handles, a sentence saying why not for a module of the kind it
+#: handles in a layout it does not, False for an unrelated module
+StructuralFit = Callable[[nn.Module], "bool | str"]
+#: a float rule: (layer name, module, its parent or None) -> why the module stays float, or None when it does not apply
+FloatRule = Callable[[str, nn.Module, "nn.Module | None"], "str | None"]
+
+
+def register_structural_twin(fits: StructuralFit, base: type[QuantMixin]) -> None:
+    """Quantize modules by structure rather than class: a module whose class (or base) has no twin and for which
+    ``fits(module)`` is True gets a twin of its own class with ``base``'s behaviour (``twin_of_foreign_class``); the
+    resolver consults these when no class matches. A sentence from ``fits`` is the reason coverage reports."""
+    if (fits, base) not in STRUCTURAL_TWINS:
+        STRUCTURAL_TWINS.append((fits, base))
+
+
+def structural_twin(module: nn.Module) -> tuple[type[QuantMixin] | None, str | None]:
+    """(twin base whose structure ``module`` has, None) or (None, why a registered structure refused it) or (None, None)."""
+    reason = None
+    for fits, base in STRUCTURAL_TWINS:
+        verdict = fits(module)
+        if verdict is True:
+            return base, None
+        if isinstance(verdict, str) and reason is None:
+            reason = verdict
+    return None, reason
+
+
+def register_float_rule(rule: FloatRule) -> None:
+    """A rule naming why a module without a twin stays float (an MoE router); coverage asks the rules before its
+    generic reasons."""
+    if rule not in FLOAT_RULES:
+        FLOAT_RULES.append(rule)
+
+
+def float_rule_reason(name: str, module: nn.Module, parent: nn.Module | None) -> str | None:
+    """The first registered float rule's reason for ``module``, or None."""
+    for rule in FLOAT_RULES:
+        reason = rule(name, module, parent)
+        if reason is not None:
+            return reason
+    return None
+
+
 def register_prepare_hook(hook: Callable[[nn.Module], Any]) -> None:
     """Run ``hook(model)`` after every prepare (twins that need more than a swap, e.g. a container's fused fast path
     that would bypass them)."""
@@ -441,3 +482,5 @@ QUANT_MODULE_MAP: dict[type[nn.Module], type[QuantMixin]] = {
 }
 EXPLICIT_ONLY: set[type[nn.Module]] = {nn.Embedding, nn.EmbeddingBag}
 PREPARE_HOOKS: list[Callable[[nn.Module], Any]] = []
+STRUCTURAL_TWINS: list[tuple[StructuralFit, type[QuantMixin]]] = []
+FLOAT_RULES: list[FloatRule] = []
