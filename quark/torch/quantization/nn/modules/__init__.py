@@ -1,5 +1,6 @@
 """Quantized twins of the float layers (importing this package registers the attention and recurrent twins)."""
 
+from quark.torch.quantization.nn.modules.quant_attention import QuantAttentionProbs
 from quark.torch.quantization.nn.modules.quant_mha import QuantMultiheadAttention
 from quark.torch.quantization.nn.modules.quant_modules import (
     QUANT_MODULE_MAP,
@@ -35,6 +36,7 @@ __all__ = [
     "QuantEmbedding",
     "QuantEmbeddingBag",
     "QuantMultiheadAttention",
+    "QuantAttentionProbs",
     "QuantLSTM",
     "QuantGRU",
     "QuantRNN",
