@@ -55,25 +55,34 @@ def _layer_to_quark(qc: QuantizationConfig) -> dict[str, Any]:
 def to_quark_dict(
     config: Config, weight_format: str = "real_quantized", pack_method: str = "reorder"
 ) -> dict[str, Any]:
-    """The ``quantization_config`` amd-quark 0.13 writes into config.json for ``config``."""
+    """The ``quantization_config`` amd-quark 0.13 writes into config.json for ``config``.
+
+    KV cache and attention as amd-quark's exporter writes them: ``kv_cache_quant_config``, ``kv_cache_post_rope`` and
+    ``softmax_quant_spec`` beside the layer configs, ``kv_cache_group`` (empty without a KV-cache config) and
+    ``min_kv_scale`` in the ``export`` block. Each KV-cache entry is also the ``layer_quant_config`` entry of its
+    pattern (what its layers get, as amd-quark's LLMTemplate writes it): readers that resolve layers from
+    ``layer_quant_config`` alone (vLLM, transformers' quark integration) find the k/v output quantizers there.
+    """
+    kv = {k: _layer_to_quark(v) for k, v in config.kv_cache_quant_config.items()}
+    layers = {k: _layer_to_quark(v) for k, v in config.layer_quant_config.items()} | kv
     return {
         "algo_config": None,  # already applied to the weights
         "exclude": list(config.exclude),
         "export": {
-            "kv_cache_group": [],
-            "min_kv_scale": 0.0,
+            "kv_cache_group": list(config.kv_cache_group) if kv else [],
+            "min_kv_scale": config.min_kv_scale,
             "pack_method": pack_method,
             "weight_format": weight_format,
             "weight_merge_groups": None,
         },
         "global_quant_config": _layer_to_quark(config.global_quant_config),
-        "kv_cache_post_rope": False,
-        "kv_cache_quant_config": {},
-        "layer_quant_config": {k: _layer_to_quark(v) for k, v in config.layer_quant_config.items()},
+        "kv_cache_post_rope": config.kv_cache_post_rope,
+        "kv_cache_quant_config": kv,
+        "layer_quant_config": layers,
         "layer_type_quant_config": {k: _layer_to_quark(v) for k, v in config.layer_type_quant_config.items()},
         "quant_method": "quark",
         "quant_mode": config.quant_mode.name,
-        "softmax_quant_spec": None,
+        "softmax_quant_spec": _spec_to_quark(config.softmax_quant_spec),
         "version": QUARK_VERSION,
     }
 
@@ -127,11 +136,6 @@ def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
         raise ValueError(
             f"quantization_config.quant_method={q.get('quant_method')!r}; only 'quark' directories are read"
         )
-    for key in ("kv_cache_quant_config", "softmax_quant_spec"):
-        if q.get(key):
-            raise ValueError(
-                f"quantization_config.{key} is set; KV-cache and softmax quantization are not supported here"
-            )
     if "global_quant_config" not in q:
         raise ValueError("quantization_config.global_quant_config is missing (amd-quark writes it in every export)")
     exclude = q.get("exclude") or []
@@ -146,7 +150,15 @@ def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
         "layer_quant_config": _entries_from_quark(q, "layer_quant_config"),
         "layer_type_quant_config": _entries_from_quark(q, "layer_type_quant_config"),
     }
+    attention = {
+        "kv_cache_quant_config": _entries_from_quark(q, "kv_cache_quant_config"),
+        "kv_cache_post_rope": q.get("kv_cache_post_rope", False),
+        "softmax_quant_spec": _spec_from_quark(q.get("softmax_quant_spec"), "quantization_config.softmax_quant_spec"),
+        "kv_cache_group": export.get("kv_cache_group") or [],  # amd-quark keeps these two in the export block
+        "min_kv_scale": export.get("min_kv_scale", 0.0),
+    }
     try:
-        return Config(**layers, exclude=list(exclude), quant_mode=q.get("quant_mode", "eager_mode")), export
+        config = Config(**layers, **attention, exclude=list(exclude), quant_mode=q.get("quant_mode", "eager_mode"))
+        return config, export
     except (ValueError, TypeError, KeyError) as err:  # the Config's own checks name the field
         raise ValueError(f"quantization_config: {err}") from None

@@ -66,6 +66,12 @@ from quark.torch.export.packing import (
     pack_int4,
     unpack_int4,
 )
+from quark.torch.export.quark_attention import (
+    activation_prefix,
+    check_prob_scales,
+    merge_kv_scales,
+    skips_zero_point,
+)
 from quark.torch.export.quark_codec import (
     BLOCK_DTYPES,
     decode_quark_weight,
@@ -95,6 +101,7 @@ from quark.torch.quantization.formats import (
 )
 from quark.torch.quantization.hf import is_hf_conv1d, linear_weight, transpose_weight_spec
 from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.nn.modules.quant_attention import QuantAttentionProbs
 from quark.torch.quantization.nn.modules.quant_modules import (
     DEFAULT_SLOTS,
     QuantSlot,
@@ -102,6 +109,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     slot_label,
     slot_tensor,
 )
+from quark.torch.quantization.resolve import kv_cache_entry
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
 
 __all__ = [
@@ -153,8 +161,10 @@ def export_quark_dir(
             weight, wq = _as_linear(m, wq)
             for suffix, value in encode_quark_weight(weight, wq, pack_method, f"layer '{name}'").items():  # type: ignore[arg-type]
                 tensors[prefix + "weight" + suffix] = value.detach().contiguous()
+        prefix = activation_prefix(name, m)  # an attention's probabilities: <attention>.prob_output_scale
         for role in ("input", "output"):
-            tensors.update(_activation_qparams(getattr(m, f"_{role}_quantizer", None), f"{prefix}{role}"))
+            q = getattr(m, f"_{role}_quantizer", None)
+            tensors.update(_activation_qparams(q, f"{prefix}{role}", m, f"layer '{name}'"))
         for part, weight_slot, input_slot in m.linear_parts():
             where = f"layer '{name}' ({part})"
             view, wq = slot_tensor(m, weight_slot), _stored_part_quantizer(m, weight_slot)
@@ -162,6 +172,7 @@ def export_quark_dir(
                 tensors[f"{prefix}{part}.weight{suffix}"] = value.detach().contiguous()
             source = getattr(m, input_slot.attr, None) if input_slot is not None else None
             tensors.update(_activation_qparams(source, f"{prefix}{part}.input"))
+    merge_kv_scales(model, config, tensors)  # kv_cache_group: k and v written with max(k, v, min_kv_scale)
     prefixes = quantizer_prefixes(model)
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for key, value in model.state_dict(keep_vars=True).items():  # the rest as it is (quantized weights are stored)
@@ -199,15 +210,17 @@ def export_quark_dir(
     return out
 
 
-def _activation_qparams(q: FakeQuantizeBase | None, name: str) -> dict[str, torch.Tensor]:
-    """``<name>_scale`` (and ``_zero_point`` for integers) of a static activation quantizer; nothing for none, a
-    dynamic one or a block format."""
+def _activation_qparams(
+    q: FakeQuantizeBase | None, name: str, module: QuantMixin | None = None, where: str = ""
+) -> dict[str, torch.Tensor]:
+    """``<name>_scale`` (and ``_zero_point`` for integers, unless amd-quark stores none for ``module``: the attention
+    probabilities) of a static activation quantizer; nothing for none, a dynamic one or a block format."""
     if q is None or q.is_dynamic or not hasattr(q, "calculate_qparams") or q.spec.dtype in BLOCK_DTYPES:
         return {}
     scale, zp = q.calculate_qparams()
     out = {f"{name}_scale": scale.detach().float().clone()}
     fmt = format_of(q.spec.dtype)
-    if isinstance(fmt, IntFormat):
+    if isinstance(fmt, IntFormat) and not (module is not None and skips_zero_point(module, zp, where)):
         out[f"{name}_zero_point"] = zp.detach().to(int_container(fmt)).clone()
     return out
 
@@ -337,15 +350,25 @@ def check_quark_exportable(model: nn.Module) -> None:
 
 def _as_amd_quark(config: Config, model: nn.Module) -> Config:
     """``config`` under amd-quark's rule (an entry is a layer's whole config). With ``inherit_roles`` the per-layer
-    and per-type entries become, for each layer whose config differs from the global one, the config it got."""
-    if not config.inherit_roles or not (config.layer_quant_config or config.layer_type_quant_config):
+    and per-type entries become, for each layer whose config differs from the global one, the config it got; a
+    KV-cache layer's goes into ``kv_cache_quant_config`` under its name (the KV-cache fields are kept)."""
+    if not config.inherit_roles or not (
+        config.layer_quant_config or config.layer_type_quant_config or config.kv_cache_quant_config
+    ):
         return config
-    own = {name: m.quant_config for name, m in quantized_modules(model) if m.quant_config != config.global_quant_config}
+    layers = [(name, m) for name, m in quantized_modules(model) if not isinstance(m, QuantAttentionProbs)]
+    kv = {name: m.quant_config for name, m in layers if kv_cache_entry(config, name) is not None}
+    own = {n: m.quant_config for n, m in layers if n not in kv and m.quant_config != config.global_quant_config}
     return Config(
         global_quant_config=config.global_quant_config,
         layer_quant_config=own,
         exclude=list(config.exclude),
         quant_mode=config.quant_mode,
+        kv_cache_quant_config=kv,
+        kv_cache_group=list(config.kv_cache_group),
+        min_kv_scale=config.min_kv_scale,
+        kv_cache_post_rope=config.kv_cache_post_rope,
+        softmax_quant_spec=config.softmax_quant_spec,
     )
 
 
@@ -391,7 +414,10 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     if names is not None:
         t = {_our_key(names, key): value for key, value in t.items()}
         config = _renamed_config(config, names, inverse=True)
-    check_before_import(model, config, t, root / WEIGHTS_FILE)  # every problem found before the model is touched
+    prob_scales = check_prob_scales(model, config, t, root / WEIGHTS_FILE)
+    check_before_import(
+        model, config, t, root / WEIGHTS_FILE, prob_scales
+    )  # every problem found before the model is touched
     materialize(model, device, set(t))  # a skeleton's meta Parameters get storage (every one is filled below)
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
@@ -410,6 +436,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
                 quantizer = decoded_weight_quantizer(m, _WEIGHT_SLOT, wq.spec, scale, zp, shared)
                 if quantizer is not None:
                     m.set_quantizer(_WEIGHT_SLOT, quantizer)
+            prefix = activation_prefix(name, m)
             for role in ("input", "output"):
                 aq = getattr(m, f"_{role}_quantizer", None)
                 if aq is not None and f"{prefix}{role}_scale" in t:

@@ -66,12 +66,16 @@ def _stored_weight(spec: QuantizationSpec, shape: torch.Size) -> tuple[tuple[tor
     return ((torch.int32,), (out, (rest + 7) // 8)) if fmt.bits == 4 else ((int_container(fmt),), dims)
 
 
-def check_before_import(model: nn.Module, config: Config, t: dict[str, torch.Tensor], path: Path) -> None:
+def check_before_import(
+    model: nn.Module, config: Config, t: dict[str, torch.Tensor], path: Path, checked: set[str] | None = None
+) -> None:
     """Every tensor a quantized layer needs is there with amd-quark's dtype and shape, scales finite and positive
     (with the shape of their qscheme), zero points and codes inside the format's range, no companion a layout does
     not have (a zero point of fp8 weights), then the rest by the single-file import's rule (``check_model_tensors``:
-    float tensors as the model's, nothing extra); raises a ValueError naming the tensor otherwise."""
+    float tensors as the model's, nothing extra); raises a ValueError naming the tensor otherwise. ``checked``: keys
+    checked elsewhere (the attention probabilities' scales)."""
     check = Checker(str(path), t)
+    check.expected |= checked or set()
     owned: set[str] = set()
     for plan in ModelQuantizer(config).resolve(model):
         module = model.get_submodule(plan.name)

@@ -24,6 +24,7 @@ from quark.torch.export.packing import (
     unpack_nibbles,
 )
 from quark.torch.quantization.api import ModelQuantizer, uncalibrated_layers
+from quark.torch.quantization.attention import hf_attention_modules
 from quark.torch.quantization.config.config import Config, QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType, ZeroPointType
 from quark.torch.quantization.formats import (
@@ -37,6 +38,7 @@ from quark.torch.quantization.formats import (
 from quark.torch.quantization.formats.grouping import tile_layout
 from quark.torch.quantization.formats.table import MXINT8_QMAX
 from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.nn.modules.quant_attention import ATTENTION_PROBS, QuantAttentionProbs
 from quark.torch.quantization.nn.modules.quant_modules import (
     QUANT_MODULE_MAP,
     QuantSlot,
@@ -317,6 +319,10 @@ def _quant_layers(
         twin = next(QUANT_MODULE_MAP[c] for c in type(module).__mro__ if c in QUANT_MODULE_MAP)
         slots = [(s, twin.slot_spec(s, getattr(plan.qconfig, s.role))) for s in twin.slots_for(module)]
         out.append((f"{plan.name}." if plan.name else "", module, slots))
+    if config.softmax_quant_spec is not None:  # the probabilities' twins prepare adds to each attention
+        slot = QuantAttentionProbs.slots_for(nn.Identity())[0]
+        for name, attention in hf_attention_modules(model):
+            out.append((f"{name}.{ATTENTION_PROBS}.", attention, [(slot, config.softmax_quant_spec)]))
     return out
 
 

@@ -24,6 +24,7 @@ from quark.torch.quantization.algo_registry import (
     check_algorithms,
     run_stage,
 )
+from quark.torch.quantization.attention import check_attention_config, prepare_attention, remove_attention_quantizers
 from quark.torch.quantization.batches import (
     check_calibration_data,
     feed_calibration,
@@ -135,6 +136,7 @@ class ModelQuantizer:
             if plan is not None:
                 check_layer(plan, module)
                 plans.append(plan)
+        check_attention_config(model, self.config)  # KV cache and softmax: patterns, placements, eager attention
         if warn:
             self._warn_unmatched(model, names)
             custom = custom_forward_layers(model)
@@ -245,6 +247,7 @@ class ModelQuantizer:
             _restore(swapped)
             raise
         model.quant_config = self.config
+        prepare_attention(model, self.config)
         for hook in PREPARE_HOOKS:
             hook(model)
         logger.info("prepared %d layer(s) for quantization", len(plans))
@@ -385,6 +388,7 @@ class ModelQuantizer:
             self._prepare(model, plans)
             self.calibrate(model, dataloader, forward_loop, max_batches)
         except BaseException:
+            remove_attention_quantizers(model)
             for name, module in originals.items():
                 parent, attr = parent_of(model, name)
                 setattr(parent, attr, module)

@@ -5,7 +5,9 @@ Per layer, the first of ``layer_quant_config`` (exact name, then fnmatch pattern
 layer's QuantizationConfig (amd-quark's rule). ``levels`` are those entries, most specific first; with
 ``Config.inherit_roles=False`` (amd-quark's rule) the first entry is the layer's whole QuantizationConfig, so a role
 left None there is not quantized. With ``inherit_roles=True`` each role is taken from the first entry that sets it
-(``merge_levels``). ``exclude`` (fnmatch, ``excluded``) leaves a layer float. Also here: the shape checks of the
+(``merge_levels``). ``exclude`` (fnmatch, ``excluded``) leaves a layer float. A ``kv_cache_quant_config`` entry
+(``kv_cache_entry``) comes before all of these, and an excluded layer it matches keeps its output quantizer only
+(amd-quark's ``setup_kv_cache_config``). Also here: the shape checks of the
 specs against the layer's tensors (``check_layer``) and against the activations of one forward
 (``check_activation_shapes``), and the plans as a table (``format_plans``).
 """
@@ -44,6 +46,7 @@ __all__ = [
     "merge_levels",
     "config_from_stored",
     "excluded",
+    "kv_cache_entry",
     "layer_matches",
     "name_levels",
     "type_level",
@@ -114,6 +117,16 @@ def excluded(config: Config, name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.exclude)
 
 
+def kv_cache_entry(config: Config, name: str) -> tuple[str, QuantizationConfig] | None:
+    """The ``kv_cache_quant_config`` entry of the layer ``name`` as ``(pattern, config)``: the last pattern that
+    matches (amd-quark's loop assigns each match in turn), or None."""
+    found = None
+    for pattern, qc in config.kv_cache_quant_config.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            found = (pattern, qc)
+    return found
+
+
 def layer_matches(config: Config, name: str) -> list[str]:
     """Keys of layer_quant_config that match ``name``: the exact name first, then patterns in the order given."""
     exact = [k for k in config.layer_quant_config if k == name]
@@ -174,8 +187,11 @@ def float_type(module: nn.Module) -> type[nn.Module] | None:
 
 
 def _own_float_type(module: nn.Module) -> type[nn.Module] | None:
-    """The float class of a layer, a quantized twin's being the class it was made from."""
-    return module._float_class if isinstance(module, QuantMixin) else float_type(module)
+    """The float class of a layer, a quantized twin's being the class it was made from (None for a twin of no layer
+    type: an attention's probabilities)."""
+    if isinstance(module, QuantMixin):
+        return module._float_class if module._float_class in QUANT_MODULE_MAP else None
+    return float_type(module)
 
 
 def layer_types(model: nn.Module) -> list[str]:
@@ -218,13 +234,18 @@ def resolve_layer(
 ) -> LayerPlan | None:
     """The merged QuantizationConfig of one layer, or None when it stays float."""
     ftype = float_type(module)
-    if ftype is None or isinstance(module, QuantMixin) or excluded(config, name):
+    if ftype is None or isinstance(module, QuantMixin):
         return None
-    by_name, by_type = explicit_levels(config, name, module)
-    levels = list(by_name)
-    if owner is not None:
-        if excluded(config, owner[0]):
+    kv = kv_cache_entry(config, name)
+    if excluded(config, name) or (owner is not None and excluded(config, owner[0])):
+        if kv is None:
             return None
+        only_output = QuantizationConfig(output_tensors=kv[1].output_tensors)
+        return LayerPlan(name, ftype.__name__, only_output, {"output_tensors": f"kv_cache '{kv[0]}' (layer excluded)"})
+    by_name, by_type = explicit_levels(config, name, module)
+    levels = [(f"kv_cache '{kv[0]}'", kv[1])] if kv is not None else []
+    levels += by_name
+    if owner is not None:
         owner_name, owner_type = explicit_levels(config, *owner)
         levels += [(f"{where} (owner)", qc) for where, qc in owner_name + owner_type]
     levels += by_type

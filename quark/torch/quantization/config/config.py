@@ -14,6 +14,12 @@ from typing import Any
 
 from quark.torch.quantization.algo_registry import algorithm_stage, register_algorithm, registered_algorithms
 from quark.torch.quantization.config import spec_helpers
+from quark.torch.quantization.config.attention_fields import (
+    check_kv_cache_group,
+    check_kv_spec,
+    check_min_kv_scale,
+    check_softmax_spec,
+)
 from quark.torch.quantization.config.spec import (
     ConfigBase,
     LSQSpec,
@@ -297,6 +303,17 @@ class Config(ConfigBase):
         inherit_roles (bool): False (amd-quark's rule): the most specific entry that matches a layer (name, then
             type, then global) is its whole QuantizationConfig, and a role left None there is not quantized. True (ours,
             opt-in): a role left None in an entry is taken from the next level, so an entry can override one role.
+        kv_cache_quant_config (Dict[str, QuantizationConfig]): KV cache (amd-quark's): layer-name pattern (``"*k_proj"``)
+            -> the matching layers' whole QuantizationConfig, above every other level; its ``output_tensors`` (per
+            tensor: fp8_e4m3, fp8_e5m2 or int8) quantizes the keys / values. An excluded layer keeps that output
+            quantizer only. See ``quark.torch.quantization.attention``.
+        kv_cache_group (List[str]): Patterns whose matches share one scale in an export (``["*k_proj", "*v_proj"]``:
+            each k_proj with the v_proj named alike), both written as max(k, v, min_kv_scale).
+        min_kv_scale (float): The smallest k/v scale an export writes (through ``kv_cache_group``).
+        kv_cache_post_rope (bool): False: the k/v layers' outputs are quantized (before RoPE). True: the keys and
+            values as the attention sees them, after RoPE (Hugging Face attention modules only).
+        softmax_quant_spec (Optional[QuantizationSpec]): Quantizes the attention probabilities (the softmax output)
+            of every Hugging Face attention module; needs ``attn_implementation="eager"``.
     """
 
     global_quant_config: QuantizationConfig
@@ -307,6 +324,11 @@ class Config(ConfigBase):
     pre_quant_opt_config: PreQuantOptConfig | list[PreQuantOptConfig] | None = None
     quant_mode: QuantizationMode = QuantizationMode.eager_mode
     inherit_roles: bool = False
+    kv_cache_quant_config: dict[str, QuantizationConfig] = field(default_factory=dict)
+    kv_cache_group: list[str] = field(default_factory=list)
+    min_kv_scale: float = 0.0
+    kv_cache_post_rope: bool = False
+    softmax_quant_spec: QuantizationSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.inherit_roles, bool):
@@ -323,6 +345,25 @@ class Config(ConfigBase):
         self.pre_quant_opt_config = _algo("Config.pre_quant_opt_config", self.pre_quant_opt_config, PreQuantOptConfig)
         self.quant_mode = coerce_enum("Config", "quant_mode", QuantizationMode, self.quant_mode, optional=False)  # type: ignore[assignment]
         self._check_stages()
+        self._check_attention_fields()
+
+    def _check_attention_fields(self) -> None:
+        """The KV-cache and softmax fields: types, and the formats each path can hold (see ``attention_fields``)."""
+        self.kv_cache_quant_config = self._mapping("kv_cache_quant_config", self.kv_cache_quant_config, types=False)
+        for pattern, qc in self.kv_cache_quant_config.items():
+            check_kv_spec(f"Config.kv_cache_quant_config[{pattern!r}]", qc.output_tensors)
+        self.kv_cache_group = check_kv_cache_group(self.kv_cache_group)
+        self.min_kv_scale = check_min_kv_scale(self.min_kv_scale)
+        if not isinstance(self.kv_cache_post_rope, bool):
+            raise ValueError(f"Config.kv_cache_post_rope={self.kv_cache_post_rope!r} must be true or false")
+        self.softmax_quant_spec = _spec("Config.softmax_quant_spec", self.softmax_quant_spec)
+        check_softmax_spec(self.softmax_quant_spec)
+        attention = self.kv_cache_quant_config or self.softmax_quant_spec is not None
+        if attention and self.quant_mode == QuantizationMode.fx_graph_mode:
+            raise ValueError(
+                "Config.kv_cache_quant_config / softmax_quant_spec work in eager_mode only (they quantize inside the "
+                "model's attention modules, which a captured graph no longer has)"
+            )
 
     def _check_stages(self) -> None:
         """Graph-stage algorithms (CLE) run from pre_quant_opt_config in fx_graph_mode, the others in eager_mode."""

@@ -1,6 +1,7 @@
 """Quantized twins of the float layers (importing this package registers the attention, recurrent and fused-experts
 twins)."""
 
+from quark.torch.quantization.nn.modules.quant_attention import QuantAttentionProbs
 from quark.torch.quantization.nn.modules.quant_experts import QuantFusedExperts
 from quark.torch.quantization.nn.modules.quant_mha import QuantMultiheadAttention
 from quark.torch.quantization.nn.modules.quant_modules import (
@@ -38,6 +39,7 @@ __all__ = [
     "QuantEmbeddingBag",
     "QuantMultiheadAttention",
     "QuantFusedExperts",
+    "QuantAttentionProbs",
     "QuantLSTM",
     "QuantGRU",
     "QuantRNN",

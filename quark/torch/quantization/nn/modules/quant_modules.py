@@ -274,6 +274,9 @@ def store_computed_tensors(model: nn.Module) -> None:
 
 class QuantLinear(QuantMixin, nn.Linear):
     _float_class = nn.Linear
+    #: the output quantizer is applied by another module, not after this layer's product (a key or value projection
+    #: of a post-RoPE KV cache: its attention quantizes the keys or values after RoPE, ``quantization.attention``)
+    output_applied_elsewhere: bool = False
 
     @property
     def _activation_channels(self) -> dict[tuple[str, int], int]:
@@ -282,7 +285,8 @@ class QuantLinear(QuantMixin, nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
-        return self._quantize(self._output_quantizer, F.linear(x, weight, bias))
+        out = F.linear(x, weight, bias)
+        return out if self.output_applied_elsewhere else self._quantize(self._output_quantizer, out)
 
 
 class QuantHFConv1DMixin(QuantMixin):
