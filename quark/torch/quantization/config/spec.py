@@ -198,10 +198,10 @@ class QuantizationSpec(ConfigBase):
         mx_element_dtype (Optional[Dtype]): The element type of ``dtype=mx``.
         zero_point_type (Optional[ZeroPointType]): int32 (rounded, clamped) or float32 zero point.
         qat_spec (Optional[QATSpec]): A learnable quantizer (TQTSpec or LSQSpec) for quantization-aware training.
-        formats (Optional[str] scale_format: How block scales are stored, as amd-quark >= 0.11 spells): ``"e8m0"``
+        scale_format (Optional[str]): How block scales are stored, as amd-quark >= 0.11 spells formats: ``"e8m0"``
             (OCP MX: a minifloat dtype with ``qscheme=per_group`` and this format is read as ``dtype=mx`` with that
             element) or ``"float32"`` (a scale in float: what scaled formats have anyway).
-        MX (Optional[str] scale_calculation_mode: The E8M0 scale rule of OCP): ``"floor"`` (OCP MX v1.0),
+        scale_calculation_mode (Optional[str]): The E8M0 scale rule of OCP MX: ``"floor"`` (OCP MX v1.0),
             ``"even"`` (amd-quark's choice: the block max rounded to the element's precision first) or ``"ceil"``.
             None means ``"floor"`` for ``dtype=mx`` and ``"even"`` for the ``scale_format="e8m0"`` spelling, as each
             spelling behaves in the Quark release that has it. Accepted and unused for mx6 / mx9 / bfp16, whose
