@@ -10,7 +10,7 @@ in ``spec_helpers``; both are re-exported here, where amd-quark has them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from quark.torch.quantization.algo_registry import algorithm_stage, register_algorithm, registered_algorithms
 from quark.torch.quantization.config import spec_helpers
@@ -189,7 +189,17 @@ class AWQConfig(AlgoConfig):
 @dataclass(eq=True)
 class GPTQConfig(AlgoConfig):
     """GPTQ (Frantar et al. 2022): second-order weight rounding, layer by layer; bit/sym/group_size from the weight spec.
-    ``block_size``: columns per lazy batch update (the paper's B; amd-quark's default 128)."""
+    ``block_size``: columns per lazy batch update (the paper's B; amd-quark's default 128).
+
+    Fused MoE experts get GPTQ per expert and projection, with the Hessian of the tokens routed to that expert. A
+    projection whose expert received fewer than ``MIN_EXPERT_TOKENS_PER_FEATURE`` times its input features
+    calibration tokens keeps round-to-nearest and is named in a warning: its Hessian is singular, and on inputs
+    of full rank GPTQ from so few tokens is worse than RTN on other data (at half the input features ~1.4x RTN's
+    output error, break-even near 0.8x). A class constant, not a field (amd-quark's GPTQConfig has none): set it on
+    the class or on one instance."""
+
+    #: a fused-MoE expert's projection with fewer routed calibration tokens than this times its input features: RTN
+    MIN_EXPERT_TOKENS_PER_FEATURE: ClassVar[float] = 1.0
 
     name: str = "gptq"
     bit: int = 4
