@@ -7,7 +7,11 @@ calibration batch (its own keyword arguments: Gemma2/3's sliding or full attenti
 rotary embeddings), each layer is processed and its outputs become the next layer's hidden states, so only one
 layer's hidden states are held at a time (``capture.layer_by_layer``). GPTQ also runs on models without a decoder
 stack (layer by layer, in forward order). Within a decoder layer, GPTQ's passes stop once the group being collected
-has its inputs, layers that read one input share its Hessian and factorization (see ``_gptq_layer``).
+has its inputs, layers that read one input share its Hessian and factorization (see ``_gptq_layer``). Fused MoE
+experts are quantized per expert and projection, each from the Hessian of the tokens routed to it (the twin's
+Linear-equivalent parts, ``gptq_plan``): every expert's gate and up from one pass, then every expert's down; a
+projection whose expert received too few tokens keeps round-to-nearest (``GPTQConfig.MIN_EXPERT_TOKENS_PER_FEATURE``,
+named in one warning).
 
 SmoothQuant and AWQ's scaling must keep what each decoder layer computes: each checks its layer's output on the
 captured inputs against the one before (``quark.torch.quantization.equivalence``); on EquivalenceError (or any other
@@ -199,14 +203,15 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
                 f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}"
             )
     losses: dict[str, float] = {}
+    kept: dict[str, int] = {}  # expert projections left at round-to-nearest: their routed tokens
     found = find_decoder_layers(model, algo.model_decoder_layers)
     # float activations, no statistics: the weights themselves become GPTQ's values (their flags restored after)
     with paused_quantizers(model, fake_quant=True), no_kv_cache(model):
         if found is None:
-            _gptq_layerwise(model, targets, algo, batches, run, losses)
+            _gptq_layerwise(model, targets, algo, batches, run, losses, kept)
         else:
-            _gptq_decoder(model, found, targets, algo, batches, run, losses)
-    warn_rtn_experts(targets, losses, algo)
+            _gptq_decoder(model, found, targets, algo, batches, run, losses, kept)
+    warn_rtn_experts(kept, algo)
     return losses
 
 
@@ -217,12 +222,15 @@ def _quantize_module(
     algo: GPTQConfig,
     losses: dict[str, float],
     inverses: dict[int, InverseHessian] | None = None,
+    kept: dict[str, int] | None = None,
 ) -> None:
     """GPTQ on one module for its Hessian; ``inverses`` holds the prepared inverse Hessian per accumulator, so
     modules that share an accumulator (the same input) factorize it once. An MoE expert's projection whose expert
-    received too few tokens (``_expert_min_tokens``) keeps its round-to-nearest weights and gets no loss."""
+    received too few tokens (``gptq_plan.expert_min_tokens``) keeps its round-to-nearest weights and gets no loss;
+    ``kept`` gets its name and token count."""
     if hessian.count < expert_min_tokens(module, algo):
-        logger.info("GPTQ: '%s' received %d calibration tokens: round-to-nearest", name, hessian.count)
+        if kept is not None:
+            kept[name] = hessian.count
         return
     quantizer: ScaledFakeQuantize = module._weight_quantizer  # type: ignore[assignment]
     transposed = is_hf_conv1d(module)  # GPTQ works on [out, in]: a Conv1D's weight and spec transposed back
@@ -283,6 +291,7 @@ def _gptq_decoder(
     batches: list[Any],
     run: RunFn,
     losses: dict[str, float],
+    kept: dict[str, int],
 ) -> None:
     prefix, layers = found
     for i, inputs in layer_by_layer(model, layers, batches, run):
@@ -295,11 +304,11 @@ def _gptq_decoder(
                 f"GPTQ inside_layer_modules {missing} are not weight-quantized modules of {prefix}.{i}; found: {list(own)}"
             )
         if order:
-            _gptq_layer(f"{prefix}.{i}", layer, {n: own[n] for n in order}, inputs, algo, losses)
+            _gptq_layer(f"{prefix}.{i}", layer, {n: own[n] for n in order}, inputs, algo, losses, kept)
         logger.info("GPTQ: decoder layer %d/%d done", i + 1, len(layers))
     rest = {n: m for n, m in targets.items() if not n.startswith(prefix + ".")}
     if rest:  # e.g. lm_head: after the stack, one by one on the full model
-        _gptq_layerwise(model, rest, algo, batches, run, losses)
+        _gptq_layerwise(model, rest, algo, batches, run, losses, kept)
 
 
 class _GroupDone(Exception):
@@ -380,6 +389,7 @@ def _gptq_layer(
     inputs: LayerInputs,
     algo: GPTQConfig,
     losses: dict[str, float],
+    kept: dict[str, int] | None = None,
 ) -> None:
     """GPTQ on ``modules`` (in quantization order) of one decoder layer, group by group.
 
@@ -428,7 +438,7 @@ def _gptq_layer(
             collector = _group_pass(layer, {n: modules[n] for n in group}, inputs, calls, share=algo.true_sequential)
         inverses: dict[int, InverseHessian] = {}
         for n in group:
-            _quantize_module(f"{prefix}.{n}", modules[n], collector.accumulators[n], algo, losses, inverses)
+            _quantize_module(f"{prefix}.{n}", modules[n], collector.accumulators[n], algo, losses, inverses, kept)
 
 
 def _group_pass(
@@ -471,6 +481,7 @@ def _gptq_layerwise(
     batches: list[Any],
     run: RunFn,
     losses: dict[str, float],
+    kept: dict[str, int] | None = None,
 ) -> None:
     """One layer at a time in forward order; each sees the outputs of the already quantized layers before it."""
     for name in forward_order(model, targets, batches[0], run):
@@ -479,4 +490,4 @@ def _gptq_layerwise(
         with collect_inputs({name: module}, lambda n, m, x, h=hessian: h.add(layer_input_rows(m, x))):
             for batch in batches:
                 run(model, batch)
-        _quantize_module(name, module, hessian, algo, losses)
+        _quantize_module(name, module, hessian, algo, losses, None, kept)

@@ -70,23 +70,32 @@ def tied_weights(model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, l
 # ----------------------------------------------------------------------------------------------- experts
 def expert_min_tokens(module: nn.Module, algo: GPTQConfig) -> int:
     """The routed calibration tokens an expert's projection needs for GPTQ (``GPTQConfig.MIN_EXPERT_TOKENS_PER_FEATURE``
-    times its input features); 0 for any other layer."""
+    times its input features, at least one: without any, every input column is dead and GPTQ would zero the
+    weight); 0 for any other layer."""
     if not isinstance(module, LinearPart):
         return 0
-    return math.ceil(algo.MIN_EXPERT_TOKENS_PER_FEATURE * linear_weight(module).shape[1])
+    return max(1, math.ceil(algo.MIN_EXPERT_TOKENS_PER_FEATURE * linear_weight(module).shape[1]))
 
 
-def warn_rtn_experts(targets: dict[str, nn.Module], losses: dict[str, float], algo: GPTQConfig) -> None:
-    """One warning naming the expert projections GPTQ left at round-to-nearest (too few routed tokens)."""
-    kept = [n for n, m in targets.items() if isinstance(m, LinearPart) and n not in losses]
-    if kept:
-        logger.warning(
-            "GPTQ: %d expert projection(s) received fewer calibration tokens than %g x their input features and keep "
-            "round-to-nearest (GPTQConfig.MIN_EXPERT_TOKENS_PER_FEATURE): %s",
-            len(kept),
-            algo.MIN_EXPERT_TOKENS_PER_FEATURE,
-            ", ".join(kept),
-        )
+def warn_rtn_experts(kept: dict[str, int], algo: GPTQConfig) -> None:
+    """One warning naming the expert projections GPTQ left at round-to-nearest (``kept``: name -> the tokens routed
+    to its expert), per expert: ``"model.layers.1.mlp.experts.3 (12 tokens): gate_proj, up_proj, down_proj"``."""
+    if not kept:
+        return
+    experts: dict[str, list[str]] = {}
+    for name in kept:
+        expert, _, projection = name.rpartition(".")
+        experts.setdefault(expert, []).append(projection)
+    logger.warning(
+        "GPTQ: %d expert projection(s) received fewer calibration tokens than %g x their input features "
+        "(GPTQConfig.MIN_EXPERT_TOKENS_PER_FEATURE) and keep round-to-nearest: %s",
+        len(kept),
+        algo.MIN_EXPERT_TOKENS_PER_FEATURE,
+        "; ".join(
+            f"{expert} ({kept[f'{expert}.{projections[0]}']} tokens): {', '.join(projections)}"
+            for expert, projections in experts.items()
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------- groups

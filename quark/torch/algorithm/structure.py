@@ -464,10 +464,10 @@ def scaling_groups(layer: nn.Module, explicit: list[dict] | None) -> list[Scalin
             entry.get("module2inspect"),
             rows=known.get((entry["prev_op"], tuple(entry["layers"]))),
         )
-        concrete = expand_experts(group, modules) or [group]  # no expert matches: named as missing below
+        concrete = expand_experts(group, modules) or [group]  # no expert has every {e} name: named below
         for g in concrete:
             names = [g.prev_op, *g.layers, g.inp, *([g.module2inspect] if g.module2inspect else [])]
-            missing = [n for n in names if n not in modules]
+            missing = [n for n in names if n not in modules and not (EXPERT in n and _experts_of(n, modules))]
             if missing:
                 raise ValueError(
                     f"scaling_layers[{i}] names {missing}, not modules of the decoder layer; its modules: "
