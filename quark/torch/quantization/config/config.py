@@ -195,9 +195,9 @@ class GPTQConfig(AlgoConfig):
     projection whose expert received fewer than ``MIN_EXPERT_TOKENS_PER_FEATURE`` times its input features
     calibration tokens (at least one) keeps round-to-nearest and is named in a warning: its Hessian is singular, and
     GPTQ from it can be worse than RTN on other data. Measured (``bench/moe_gptq_tokens.py``, trained tiny Mixtral /
-    Qwen3-MoE, held-out output error per projection): from 0.3 x the input features the median projection has 0.03 to
-    0.06 of RTN's error but the worst 1.1x; from 1 x, the worst 0.25 to 0.7x. A class constant, not a field
-    (amd-quark's GPTQConfig has none): set it on the class or on one instance."""
+    Qwen2-MoE / Qwen3-MoE, held-out output error per projection): from 0.3 x the input features the median projection
+    has 0.03 to 0.06 of RTN's error but the worst up to 1.1x; from 1 x, the worst 0.08 to 0.25x. A class constant,
+    not a field (amd-quark's GPTQConfig has none): set it on the class or on one instance."""
 
     #: a fused-MoE expert's projection with fewer routed calibration tokens than this times its input features: RTN
     MIN_EXPERT_TOKENS_PER_FEATURE: ClassVar[float] = 1.0
