@@ -1,9 +1,11 @@
-"""RTN, GPTQ and AWQ at W4 g128 on the fused-projection families of issue 35: Phi-3 (fused ``qkv_proj`` and
-``gate_up_proj``, grouped-query attention) and GPT-NeoX (q/k/v interleaved per head; ``use_parallel_residual`` on
-and off); LLaMA as the control whose map AWQ has had all along.
+"""RTN, GPTQ and AWQ at W4 g128 on the families of issue 35: Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``,
+grouped-query attention), GPT-NeoX (q/k/v interleaved per head; ``use_parallel_residual`` on and off) and the
+mixture-of-experts layers of transformers 5 (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE: 8 fused experts,
+2 per token, each of intermediate size 256; GPTQ and AWQ per expert on its routed tokens); LLaMA as the control whose
+map AWQ has had all along.
 
-Models: transformers configs (no download) of hidden 256, 2 decoder layers, 64-dimensional heads (Phi-3 and LLaMA: 4
-query heads, 2 kv heads), byte vocabulary (256), untied ``lm_head``. Their weights are not a bare random init: a few
+Models: transformers configs (no download) of hidden 256, 2 decoder layers, 64-dimensional heads (Phi-3, LLaMA and the
+MoE models: 4 query heads, 2 kv heads), byte vocabulary (256), untied ``lm_head``. Their weights are not a bare random init: a few
 channels of every norm weight start large (4..16, about 1 in 64 channels), so the inputs of the projections have
 outlier channels as trained LLMs do, then the model is trained for ``--train-steps`` AdamW steps of 16 x 128 bytes on
 the Python standard library's source (an offline corpus, ``quark_lightning.tasks.char_lm``); the trained weights are
@@ -15,6 +17,8 @@ algorithm; GPTQ and AWQ run with their defaults and the scaling groups of ``MODE
 ``--samples`` windows of 128 bytes from the corpus' validation files (one per batch); held-out: ``--eval`` windows
 from its test files. Printed per family and method: held-out logits mean squared error against the float model, its
 ratio to RTN's, held-out perplexity (float's in the header), the same error on the calibration windows, seconds.
+Training makes the routing non-trivial: the 4096 calibration tokens x 2 choices reach the experts unevenly (56 to
+3910 per expert and layer with the defaults).
 
     python bench/families_w4.py                      # first run trains each model (a minute or two each on 2 cores)
     python bench/families_w4.py --families phi3 --train-steps 0
@@ -36,7 +40,8 @@ import transformers
 from torch import nn
 
 from quark.torch import ModelQuantizer
-from quark.torch.algorithm import derive_scaling_groups, find_decoder_layers
+from quark.torch.algorithm import derive_scaling_groups, find_decoder_layers, model_family
+from quark.torch.algorithm.structure import EXPERT
 from quark.torch.quantization.config.config import Config
 from quark_lightning.tasks.char_lm import load_python_corpus
 
@@ -51,6 +56,8 @@ _COMMON = {
     "tie_word_embeddings": False,
 }
 _IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+EXPERTS = 8
+_MOE = {"num_key_value_heads": 2, "num_experts_per_tok": 2}
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "phi3": lambda: transformers.Phi3ForCausalLM(
         transformers.Phi3Config(**_COMMON, **_IDS, intermediate_size=2 * HIDDEN, num_key_value_heads=2)
@@ -64,7 +71,26 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "llama": lambda: transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**_COMMON, **_IDS, intermediate_size=2 * HIDDEN, num_key_value_heads=2)
     ),
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**_COMMON, **_IDS, **_MOE, intermediate_size=HIDDEN, num_local_experts=EXPERTS)
+    ),
+    "qwen2-moe": lambda: transformers.Qwen2MoeForCausalLM(
+        transformers.Qwen2MoeConfig(
+            **_COMMON,
+            **_IDS,
+            **_MOE,
+            moe_intermediate_size=HIDDEN,
+            shared_expert_intermediate_size=2 * HIDDEN,
+            num_experts=EXPERTS,
+        )
+    ),
+    "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            **_COMMON, **_IDS, **_MOE, head_dim=64, moe_intermediate_size=HIDDEN, num_experts=EXPERTS
+        )
+    ),
 }
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe")
 
 
 def weight_spec(symmetric: bool) -> dict[str, Any]:
@@ -133,6 +159,20 @@ def _without_fused(model: nn.Module) -> list[dict[str, Any]]:
     ]
 
 
+def _without_norm_into_experts(model: nn.Module) -> list[dict[str, Any]]:
+    """The MoE family's scaling groups (``{e}``: every expert) but the norm's into the router and every expert's
+    gate and up (an ablation: what that fold adds to AWQ; amd-quark 0.13 leaves it out)."""
+    _, layers = find_decoder_layers(model)  # type: ignore[misc]
+    family = model_family(layers[0])
+    assert family is not None
+    derived = {(g.prev_op, tuple(g.layers)) for g in derive_scaling_groups(layers[0])}  # the float model's: no experts
+    return [
+        {"prev_op": g.prev_op, "layers": g.layers, "inp": g.inp, "module2inspect": g.module2inspect}
+        for g in family.groups
+        if EXPERT in g.prev_op or (g.prev_op, tuple(g.layers)) in derived
+    ]
+
+
 def outputs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([model(input_ids=ids[i : i + 4]).logits for i in range(0, len(ids), 4)])
@@ -156,11 +196,22 @@ def run(family: str, args: argparse.Namespace, calib: torch.Tensor, held: torch.
         }
         if method == "awq-no-fused":
             config["algo_config"] = {"name": "awq", "scaling_layers": _without_fused(reference)}
+        elif method == "gptq-every-expert":
+            if family not in MOE_FAMILIES:
+                continue
+            config["algo_config"] = {"name": "gptq"}
+        elif method == "awq-no-norm":
+            if family not in MOE_FAMILIES:
+                continue
+            config["algo_config"] = {"name": "awq", "scaling_layers": _without_norm_into_experts(reference)}
         elif method != "rtn":
             config["algo_config"] = {"name": method}
         model = copy.deepcopy(reference)
         start = time.perf_counter()
-        model = ModelQuantizer(Config.from_dict(config)).quantize_model(model, batches)
+        quantizer = ModelQuantizer(Config.from_dict(config))
+        if method == "gptq-every-expert":  # every expert that received a token, however few
+            quantizer.config.algo_configs[0].MIN_EXPERT_TOKENS_PER_FEATURE = 0.0
+        model = quantizer.quantize_model(model, batches)
         seconds = time.perf_counter() - start
         got_held = outputs(model, held)
         rows.append(
@@ -194,7 +245,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=["phi3", "gpt-neox", "gpt-neox-seq"])
+    parser.add_argument(
+        "--families", nargs="+", choices=list(FAMILIES), default=["phi3", "gpt-neox", "gpt-neox-seq", *MOE_FAMILIES]
+    )
     parser.add_argument(
         "--train-steps", type=int, default=150, help="AdamW steps on the stdlib corpus (0: random init)"
     )
@@ -203,9 +256,11 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        choices=["rtn", "gptq", "awq", "awq-no-fused"],
+        choices=["rtn", "gptq", "awq", "awq-no-fused", "awq-no-norm", "gptq-every-expert"],
         default=["rtn", "gptq", "awq"],
-        help="awq-no-fused: AWQ without the folds into fused producers (qkv -> o, gate_up -> down), an ablation",
+        help="ablations: awq-no-fused, AWQ without the folds into fused producers (qkv -> o, gate_up -> down); MoE "
+        "families: awq-no-norm, without the fold of the norm into the router and every expert's gate and up; "
+        "gptq-every-expert, GPTQ on every expert that received a token (GPTQConfig.MIN_EXPERT_TOKENS_PER_FEATURE 0)",
     )
     parser.add_argument("--symmetric", action="store_true", help="int4 symmetric instead of uint4 asymmetric")
     parser.add_argument("--threads", type=int, default=None)

@@ -7,7 +7,11 @@ calibration batch (its own keyword arguments: Gemma2/3's sliding or full attenti
 rotary embeddings), each layer is processed and its outputs become the next layer's hidden states, so only one
 layer's hidden states are held at a time (``capture.layer_by_layer``). GPTQ also runs on models without a decoder
 stack (layer by layer, in forward order). Within a decoder layer, GPTQ's passes stop once the group being collected
-has its inputs, layers that read one input share its Hessian and factorization (see ``_gptq_layer``).
+has its inputs, layers that read one input share its Hessian and factorization (see ``_gptq_layer``). Fused MoE
+experts are quantized per expert and projection, each from the Hessian of the tokens routed to it (the twin's
+Linear-equivalent parts, ``gptq_plan``): every expert's gate and up from one pass, then every expert's down; a
+projection whose expert received too few tokens keeps round-to-nearest (``GPTQConfig.MIN_EXPERT_TOKENS_PER_FEATURE``,
+named in one warning).
 
 SmoothQuant and AWQ's scaling must keep what each decoder layer computes: each checks its layer's output on the
 captured inputs against the one before (``quark.torch.quantization.equivalence``); on EquivalenceError (or any other
@@ -35,6 +39,16 @@ from quark.torch.algorithm.gptq import (
     layer_input_rows,
     prepare_hessian,
 )
+from quark.torch.algorithm.gptq_plan import (
+    COMMON_INPUT,
+    expert_min_tokens,
+    gptq_groups,
+    gptq_targets,
+    linear_spec,
+    share_key,
+    tied_weights,
+    warn_rtn_experts,
+)
 from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.algorithm.structure import MODEL_FAMILIES, find_decoder_layers
 from quark.torch.quantization.algo_registry import AlgorithmContext, check_algorithms, run_stage
@@ -43,6 +57,7 @@ from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.equivalence import restored_on_error
 from quark.torch.quantization.hf import is_hf_conv1d, is_linear, linear_weight, no_kv_cache, transpose_weight_spec
 from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.nn.modules.linear_parts import LinearPart, named_modules_with_parts
 from quark.torch.quantization.state import paused_quantizers
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
@@ -77,12 +92,13 @@ def apply_pre_quant_and_awq(
 
 
 def weight_specs(model: nn.Module) -> dict[str, QuantizationSpec]:
-    """The weight spec of each weight-quantized layer, as for the weight seen [out, in] (a Conv1D's quantizer holds
-    the transposed spec)."""
+    """The weight spec of each weight-quantized layer and Linear-equivalent part of a twin (an MoE expert's
+    projection, ``linear_parts``), as for the weight seen [out, in] (a Conv1D's quantizer holds the transposed
+    spec)."""
     return {
         n: transpose_weight_spec(m._weight_quantizer.spec) if is_hf_conv1d(m) else m._weight_quantizer.spec
-        for n, m in model.named_modules()
-        if isinstance(m, QuantMixin) and m._weight_quantizer is not None
+        for n, m in named_modules_with_parts(model)
+        if isinstance(m, QuantMixin | LinearPart) and m._weight_quantizer is not None
     }
 
 
@@ -165,24 +181,13 @@ def _module_lists(model: nn.Module) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------- GPTQ
-def gptq_targets(model: nn.Module) -> dict[str, nn.Module]:
-    """Quantized layers whose weight quantizer has scales GPTQ can set (integer / minifloat, static)."""
-    return {
-        name: m
-        for name, m in model.named_modules()
-        if isinstance(m, QuantMixin)
-        and isinstance(getattr(m, "_weight_quantizer", None), ScaledFakeQuantize)
-        and (is_linear(m) or isinstance(m, nn.Conv2d))
-    }
-
-
 @torch.no_grad()
 def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunFn) -> dict[str, float]:
     """GPTQ on every weight-quantized Linear/Conv2d of a prepared, calibrated model. Returns the loss per layer."""
     targets = gptq_targets(model)
     if not targets:
         raise ValueError("GPTQ: no layer with a static integer/minifloat weight quantizer to quantize")
-    for name, others in _tied_weights(model, targets).items():
+    for name, others in tied_weights(model, targets).items():
         logger.warning(
             "GPTQ: layer '%s' shares its weight with %s (tied embeddings): GPTQ would rewrite those too, so it keeps "
             "round-to-nearest quantization of its own weight",
@@ -191,20 +196,22 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
         )
         del targets[name]
     for name, m in targets.items():
-        spec = _linear_spec(m)
+        spec = linear_spec(m)
         check_gptq_spec(spec, f"layer '{name}'")
         if m.weight.ndim > 2 and spec.qscheme == QSchemeType.per_group and spec.ch_axis != 1:
             raise ValueError(
                 f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}"
             )
     losses: dict[str, float] = {}
+    kept: dict[str, int] = {}  # expert projections left at round-to-nearest: their routed tokens
     found = find_decoder_layers(model, algo.model_decoder_layers)
     # float activations, no statistics: the weights themselves become GPTQ's values (their flags restored after)
     with paused_quantizers(model, fake_quant=True), no_kv_cache(model):
         if found is None:
-            _gptq_layerwise(model, targets, algo, batches, run, losses)
+            _gptq_layerwise(model, targets, algo, batches, run, losses, kept)
         else:
-            _gptq_decoder(model, found, targets, algo, batches, run, losses)
+            _gptq_decoder(model, found, targets, algo, batches, run, losses, kept)
+    warn_rtn_experts(kept, algo)
     return losses
 
 
@@ -215,12 +222,19 @@ def _quantize_module(
     algo: GPTQConfig,
     losses: dict[str, float],
     inverses: dict[int, InverseHessian] | None = None,
+    kept: dict[str, int] | None = None,
 ) -> None:
     """GPTQ on one module for its Hessian; ``inverses`` holds the prepared inverse Hessian per accumulator, so
-    modules that share an accumulator (the same input) factorize it once."""
+    modules that share an accumulator (the same input) factorize it once. An MoE expert's projection whose expert
+    received too few tokens (``gptq_plan.expert_min_tokens``) keeps its round-to-nearest weights and gets no loss;
+    ``kept`` gets its name and token count."""
+    if hessian.count < expert_min_tokens(module, algo):
+        if kept is not None:
+            kept[name] = hessian.count
+        return
     quantizer: ScaledFakeQuantize = module._weight_quantizer  # type: ignore[assignment]
     transposed = is_hf_conv1d(module)  # GPTQ works on [out, in]: a Conv1D's weight and spec transposed back
-    weight, spec = linear_weight(module), _linear_spec(module)
+    weight, spec = linear_weight(module), linear_spec(module)
     w2d, h, order = weight.reshape(weight.shape[0], -1), hessian.hessian, None
     if weight.ndim > 2 and spec.qscheme == QSchemeType.per_group:
         # a convolution's quantizer groups input channels at each kernel position ([out, kh, kw, in/g, g]): GPTQ's
@@ -261,26 +275,6 @@ def _quantize_module(
         )
 
 
-def _tied_weights(model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, list[str]]:
-    """Targets whose weight Parameter another module also holds (an lm_head tied to the input embeddings), with the
-    names of those modules."""
-    holders: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), []).append(name)
-    return {
-        name: [n for n in holders[id(m.weight)] if n != name]
-        for name, m in targets.items()
-        if len(set(holders.get(id(m.weight), []))) > 1
-    }
-
-
-def _linear_spec(module: nn.Module) -> QuantizationSpec:
-    """The weight spec as for the weight seen [out, in] (a Conv1D's quantizer holds it transposed)."""
-    spec = module._weight_quantizer.spec
-    return transpose_weight_spec(spec) if is_hf_conv1d(module) else spec  # type: ignore[return-value]
-
-
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.dtype == b.dtype
@@ -297,6 +291,7 @@ def _gptq_decoder(
     batches: list[Any],
     run: RunFn,
     losses: dict[str, float],
+    kept: dict[str, int],
 ) -> None:
     prefix, layers = found
     for i, inputs in layer_by_layer(model, layers, batches, run):
@@ -309,11 +304,11 @@ def _gptq_decoder(
                 f"GPTQ inside_layer_modules {missing} are not weight-quantized modules of {prefix}.{i}; found: {list(own)}"
             )
         if order:
-            _gptq_layer(f"{prefix}.{i}", layer, {n: own[n] for n in order}, inputs, algo, losses)
+            _gptq_layer(f"{prefix}.{i}", layer, {n: own[n] for n in order}, inputs, algo, losses, kept)
         logger.info("GPTQ: decoder layer %d/%d done", i + 1, len(layers))
     rest = {n: m for n, m in targets.items() if not n.startswith(prefix + ".")}
     if rest:  # e.g. lm_head: after the stack, one by one on the full model
-        _gptq_layerwise(model, rest, algo, batches, run, losses)
+        _gptq_layerwise(model, rest, algo, batches, run, losses, kept)
 
 
 class _GroupDone(Exception):
@@ -323,44 +318,53 @@ class _GroupDone(Exception):
 class _Collector:
     """The Hessians of one group of modules over a pass of the layer.
 
-    With ``share``, the group's Linear modules read the very same input tensor (q/k/v, gate/up: what
-    ``true_sequential`` groups): they share one accumulator, so ``X^T X`` is computed once per batch. ``valid`` turns
-    False if a batch breaks that (a module called twice, or with another tensor); the caller then collects again
-    without sharing."""
+    With ``share``, the group's Linear modules that read the very same input tensor (q/k/v, gate/up: what
+    ``true_sequential`` groups; an MoE expert's gate and up, each expert its own: ``_share_key``) share one
+    accumulator, so ``X^T X`` is computed once per batch. ``valid`` turns False if a batch breaks that (a module
+    called twice, or with another tensor than the others of its accumulator); the caller then collects again without
+    sharing."""
 
     def __init__(self, modules: dict[str, nn.Module], share: bool) -> None:
         self.modules = modules
-        linears = [n for n, m in modules.items() if is_linear(m)] if share else []
-        devices = {modules[n].weight.device for n in linears}
-        self.shared = linears if len(linears) > 1 and len(devices) == 1 else []
-        common = (
-            HessianAccumulator(_columns(modules[linears[0]]), modules[linears[0]].weight.device)
-            if self.shared
-            else None
-        )
+        classes: dict[Any, list[str]] = {}
+        for n, m in modules.items():
+            if share and is_linear(m):
+                classes.setdefault(share_key(m), []).append(n)
+        self.shared = {  # module name -> its sharing class
+            n: key
+            for key, names in classes.items()
+            if len(names) > 1 and len({modules[n].weight.device for n in names}) == 1
+            for n in names
+        }
+        common: dict[Any, HessianAccumulator] = {}
+        for n, key in self.shared.items():
+            if key not in common:
+                common[key] = HessianAccumulator(_columns(modules[n]), modules[n].weight.device)
         self.accumulators = {
-            n: common if n in self.shared else HessianAccumulator(_columns(m), m.weight.device)
+            n: common[self.shared[n]] if n in self.shared else HessianAccumulator(_columns(m), m.weight.device)
             for n, m in modules.items()
         }
         self.valid = True
-        self._input: torch.Tensor | None = None
+        self._inputs: dict[Any, torch.Tensor] = {}
         self._calls: Counter[str] = Counter()
 
     def start_batch(self) -> None:
         self._check_batch()
-        self._input, self._calls = None, Counter()
+        self._inputs, self._calls = {}, Counter()
 
     def add(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
         if name not in self.modules:
             return
-        if name not in self.shared:
+        key = self.shared.get(name)
+        if key is None:
             self.accumulators[name].add(layer_input_rows(module, x))
             return
         self._calls[name] += 1
-        if self._input is None:
-            self._input = x
+        first = self._inputs.get(key)
+        if first is None:
+            self._inputs[key] = x
             self.accumulators[name].add(layer_input_rows(module, x))
-        elif x is not self._input:
+        elif x is not first:
             self.valid = False
 
     def finish(self) -> _Collector:
@@ -368,8 +372,14 @@ class _Collector:
         return self
 
     def _check_batch(self) -> None:
-        if self._calls and any(self._calls[n] != 1 for n in self.shared):
-            self.valid = False
+        """Each module of a sharing class called once in the batch; an expert's gate and up may both be skipped
+        (no token routed to it)."""
+        if not self._calls:
+            return
+        for key in set(self.shared.values()):
+            counts = {self._calls[n] for n, k in self.shared.items() if k == key}
+            if counts != {1} and not (counts == {0} and key != COMMON_INPUT):
+                self.valid = False
 
 
 def _gptq_layer(
@@ -379,6 +389,7 @@ def _gptq_layer(
     inputs: LayerInputs,
     algo: GPTQConfig,
     losses: dict[str, float],
+    kept: dict[str, int] | None = None,
 ) -> None:
     """GPTQ on ``modules`` (in quantization order) of one decoder layer, group by group.
 
@@ -391,7 +402,6 @@ def _gptq_layer(
     batch where one of them was not called runs in full. Modules quantized so far run without re-quantizing their
     weights (already on their grid, checked bit for bit). The result is that of one full pass per group.
     """
-    names = list(modules)
     first_inputs: dict[str, torch.Tensor] = {}
     pending: list[tuple[str, torch.Tensor]] = []  # batch 0's inputs, until the first group is known
     calls: list[Counter[str]] = []
@@ -413,7 +423,7 @@ def _gptq_layer(
             calls.append(Counter())
             layer(*args, **kwargs)
             if collector is None:
-                groups = _groups(names, first_inputs, algo.true_sequential)
+                groups = gptq_groups(modules, first_inputs, algo.true_sequential)
                 collector = _Collector({n: modules[n] for n in groups[0]}, share=algo.true_sequential)
                 for name, x in pending:
                     collector.add(name, modules[name], x)
@@ -428,22 +438,7 @@ def _gptq_layer(
             collector = _group_pass(layer, {n: modules[n] for n in group}, inputs, calls, share=algo.true_sequential)
         inverses: dict[int, InverseHessian] = {}
         for n in group:
-            _quantize_module(f"{prefix}.{n}", modules[n], collector.accumulators[n], algo, losses, inverses)
-
-
-def _groups(names: list[str], first_inputs: dict[str, torch.Tensor], true_sequential: bool) -> list[list[str]]:
-    """``names`` cut into groups in order: with ``true_sequential`` the first module still to do and the others whose
-    first input is the very same tensor (a module not called stays alone); otherwise one group."""
-    if not true_sequential:
-        return [names]
-    groups, remaining = [], names
-    while remaining:
-        first = remaining[0]
-        x = first_inputs.get(first)
-        group = [first] if x is None else [n for n in remaining if first_inputs.get(n) is x]
-        groups.append(group)
-        remaining = [n for n in remaining if n not in group]
-    return groups
+            _quantize_module(f"{prefix}.{n}", modules[n], collector.accumulators[n], algo, losses, inverses, kept)
 
 
 def _group_pass(
@@ -486,6 +481,7 @@ def _gptq_layerwise(
     batches: list[Any],
     run: RunFn,
     losses: dict[str, float],
+    kept: dict[str, int] | None = None,
 ) -> None:
     """One layer at a time in forward order; each sees the outputs of the already quantized layers before it."""
     for name in forward_order(model, targets, batches[0], run):
@@ -494,4 +490,4 @@ def _gptq_layerwise(
         with collect_inputs({name: module}, lambda n, m, x, h=hessian: h.add(layer_input_rows(m, x))):
             for batch in batches:
                 run(model, batch)
-        _quantize_module(name, module, hessian, algo, losses)
+        _quantize_module(name, module, hessian, algo, losses, None, kept)

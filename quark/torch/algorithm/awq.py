@@ -64,6 +64,7 @@ from quark.torch.algorithm.structure import ScalingGroup, scaling_groups
 from quark.torch.quantization.config.config import AWQConfig, QuantizationSpec
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.hf import is_linear, linear_weight
+from quark.torch.quantization.nn.modules.linear_parts import named_modules_with_parts
 from quark.torch.quantization.tensor_quantize import apply_format
 
 N_GRID = 20  # scale ratios i / N_GRID, i = 0 .. N_GRID - 1
@@ -156,7 +157,7 @@ def _collect(
 ) -> tuple[dict[str, LayerInputs], list[torch.Tensor]]:
     """One pass of ``layer`` over ``calls``: the inputs of the modules named in ``stats`` into their statistics, the
     calls each module of ``inspect`` receives, and the layer's outputs (what the folds must keep)."""
-    modules = dict(layer.named_modules())
+    modules = dict(named_modules_with_parts(layer))
     with ExitStack() as stack, torch.no_grad():
         stack.enter_context(collect_inputs({n: modules[n] for n in stats}, lambda n, m, x: stats[n].add(x)))
         captured = {n: stack.enter_context(capture_calls(m)) for n, m in inspect.items()}
@@ -296,7 +297,7 @@ def awq_layer(
 ) -> dict[str, float]:
     """Scale search and clipping for one decoder layer (``prefix``: its name); returns the chosen ratio per scaling
     group. EquivalenceError when the folded scales changed what the layer computes (the caller restores it)."""
-    modules = dict(layer.named_modules())
+    modules = dict(named_modules_with_parts(layer))
     groups = []
     for g in scaling_groups(layer, config.scaling_layers):
         specs = [weight_spec_of(f"{prefix}.{n}") for n in g.layers]

@@ -15,6 +15,7 @@ from quark.torch.algorithm.fused_rows import producer_rows, row_scales, tie_scal
 from quark.torch.algorithm.structure import norm_offset, scaling_groups
 from quark.torch.quantization.config.config import SmoothQuantConfig
 from quark.torch.quantization.hf import is_linear, linear_weight
+from quark.torch.quantization.nn.modules.linear_parts import named_modules_with_parts
 
 
 @torch.no_grad()
@@ -72,7 +73,7 @@ def smooth_layer(
 ) -> dict[str, torch.Tensor]:
     """Smooth every scaling group of one decoder layer (named ``where`` in errors); returns the scales by ``prev_op``
     name. EquivalenceError when the folded layer no longer computes what it did (the caller restores it)."""
-    modules = dict(layer.named_modules())
+    modules = dict(named_modules_with_parts(layer))
     groups = scaling_groups(layer, config.scaling_layers)
     absmax: dict[str, torch.Tensor] = {}
 
@@ -84,6 +85,8 @@ def smooth_layer(
         reference = run_layer(layer, inputs)  # the float function does not change, so one pass serves every group
     scales = {}
     for g in groups:
+        if g.inp not in absmax:
+            continue  # the group's input never ran (an expert no calibration token reached)
         linears = [modules[n] for n in g.layers]
         w_max = torch.stack([linear_weight(m).detach().abs().amax(dim=0).float() for m in linears]).amax(dim=0)
         x_max = absmax[g.inp]

@@ -1,9 +1,10 @@
 """Where the algorithms act in a model: its decoder stack, and per decoder layer which linears share an input and
 which op feeds them. Given explicitly in the algorithm configs (``model_decoder_layers``, ``scaling_layers``: they
 win), or derived from ``MODEL_FAMILIES``, a table of layer layouts kept as data (LLaMA/Mistral/Qwen2, Gemma,
-Gemma2/3, Phi, Phi-3, GPT-NeoX, the attention of mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE), OPT, GPT-2,
-Falcon, BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks. A fused producer (Phi-3's ``qkv_proj``)
-feeds a group through some of its rows only: the group says which (``fused_rows.FusedRows``).
+Gemma2/3, Phi, Phi-3, GPT-NeoX, mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE), OPT, GPT-2, Falcon,
+BERT/RoBERTa, DistilBERT). Encoder stacks count as layer stacks. A fused producer (Phi-3's ``qkv_proj``) feeds a group
+through some of its rows only: the group says which (``fused_rows.FusedRows``). A name with ``{e}`` stands for every
+expert's (``expand_experts``): fused MoE experts are seen through their twin's Linear-equivalent parts.
 
 A family is its module names, where its norms sit (Gemma2/3: a norm after the attention output, another before the
 MLP) and the form of its norms: ``normalised(x) * (offset + weight)``, offset 0 for LayerNorm/RMSNorm/LLaMA, 1 for
@@ -11,6 +12,7 @@ Gemma's (``norm_offset``); a scale folds into such a norm as ``(offset + w) / s 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 
 from quark.torch.algorithm.fused_rows import FusedRows, producer_rows
 from quark.torch.quantization.hf import is_linear, linear_weight
+from quark.torch.quantization.nn.modules.linear_parts import LinearPart, named_modules_with_parts
 from quark.torch.quantization.observer import ObserverBase
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
@@ -144,6 +147,8 @@ class ModelFamily:
             return False
         offsets = {} if offsets is None else offsets
         for g in self.groups:
+            if EXPERT in g.prev_op:  # an expert's projection: a Linear (expand_experts)
+                continue
             prev = modules[g.prev_op]
             if is_linear(prev):
                 continue
@@ -152,6 +157,51 @@ class ModelFamily:
             if offsets[g.prev_op] != self.norm_offset:
                 return False
         return True
+
+
+#: in a scaling group's module names: every expert of the layer (``expand_experts``)
+EXPERT = "{e}"
+
+
+def expand_experts(group: ScalingGroup, modules: dict[str, nn.Module]) -> list[ScalingGroup]:
+    """``group`` with its ``{e}`` names (``EXPERT``) made concrete for the experts the layer has (``modules``: by
+    name, the parts of twins included, ``linear_parts.named_modules_with_parts``): one group per expert when
+    ``prev_op`` names one (an expert's up -> down), else one group whose layers list every expert's (a norm -> every
+    expert's gate and up, with the other layers it names). ``[group]`` without ``{e}``; ``[]`` when no expert has
+    every name (fused experts left float have no parts: a fold into some consumers of an input only would change
+    the function). ValueError for ``{e}`` in ``inp`` or ``module2inspect`` only."""
+    names = [group.prev_op, *group.layers, group.inp, group.module2inspect or ""]
+    templates = [n for n in names if EXPERT in n]
+    if not templates:
+        return [group]
+    experts = sorted(set.intersection(*(_experts_of(t, modules) for t in templates)))
+    if EXPERT in group.prev_op:
+        return [
+            ScalingGroup(
+                group.prev_op.replace(EXPERT, str(e)),
+                [n.replace(EXPERT, str(e)) for n in group.layers],
+                group.inp.replace(EXPERT, str(e)),
+                group.module2inspect.replace(EXPERT, str(e)) if group.module2inspect else None,
+                rows=group.rows,
+            )
+            for e in experts
+        ]
+    if EXPERT in group.inp or EXPERT in (group.module2inspect or ""):
+        raise ValueError(
+            f"scaling group {group.prev_op} -> {group.layers}: {EXPERT} in inp / module2inspect needs it in prev_op "
+            "too (one group per expert); a group into every expert's layers reads an input they all share"
+        )
+    if not experts:
+        return []
+    layers = [n for n in group.layers if EXPERT not in n]
+    layers += [n.replace(EXPERT, str(e)) for e in experts for n in group.layers if EXPERT in n]
+    return [ScalingGroup(group.prev_op, layers, group.inp, group.module2inspect, rows=group.rows)]
+
+
+def _experts_of(template: str, modules: dict[str, nn.Module]) -> set[int]:
+    """The expert indices for which ``template`` names a module."""
+    pattern = re.compile(re.escape(template).replace(re.escape(EXPERT), r"(\d+)"))
+    return {int(m.group(1)) for m in map(pattern.fullmatch, modules) if m is not None}
 
 
 def _g(
@@ -204,14 +254,28 @@ _NEOX_GROUPS = (
     ),
     _g("post_attention_layernorm", ["mlp.dense_h_to_4h"], "mlp"),
 )
-#: mixture-of-experts layers (transformers 5: the experts fused in one module of 3-D Parameters, a router ``mlp.gate``):
-#: the attention side as LLaMA's. The MLP side is left out for now: post_attention_layernorm feeds the router and
-#: every expert, so its scale would have to go into the router's weight and each expert's slice of gate_up_proj
-#: (3-D Parameters, not Linears), and each expert's up -> down fold into slices of gate_up_proj / down_proj: both need
-#: the quantized twin of the fused experts, not there yet. A shared expert (Qwen2-MoE) is a plain gated MLP of
-#: Linears: its up -> down folds.
+#: mixture-of-experts layers (transformers 5: the experts fused in one module of 3-D Parameters, a router ``mlp.gate``
+#: computing ``F.linear(x, weight)``): the attention side as LLaMA's; each expert's up -> down (``{e}``: every expert;
+#: the experts twin shows each expert's projections as Linears ``mlp.experts.{e}.up_proj`` ..., weights that are
+#: blocks of the stacked Parameters, inputs the tokens routed to it); and post_attention_layernorm -> every consumer
+#: of its output: the router's weight columns (float: it keeps the routing exactly) and every expert's gate and up.
+#: Without the twin (experts excluded) the groups naming experts are left out. A shared expert (Qwen2-MoE) is a plain
+#: gated MLP of Linears behind a one-row Linear gate: both read the norm too.
 _MOE = ("input_layernorm", *_QKV, "self_attn.o_proj", "post_attention_layernorm", "mlp.gate", "mlp.experts")
-_MOE_GROUPS = (_g("input_layernorm", _QKV, "self_attn"), _g("self_attn.v_proj", ["self_attn.o_proj"]))
+_EXPERTS_IN = ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"]
+_MOE_GROUPS = (
+    _g("input_layernorm", _QKV, "self_attn"),
+    _g("self_attn.v_proj", ["self_attn.o_proj"]),
+    _g("post_attention_layernorm", ["mlp.gate", *_EXPERTS_IN], "mlp"),
+    _g("mlp.experts.{e}.up_proj", ["mlp.experts.{e}.down_proj"]),
+)
+_SHARED_EXPERT = ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert_gate"]
+_QWEN2_MOE_GROUPS = (
+    *_MOE_GROUPS[:2],
+    _g("post_attention_layernorm", ["mlp.gate", *_EXPERTS_IN, *_SHARED_EXPERT], "mlp"),
+    _MOE_GROUPS[3],
+    _g("mlp.shared_expert.up_proj", ["mlp.shared_expert.down_proj"]),
+)
 #: norms around both blocks (Gemma2/3): post_attention_layernorm normalises the attention OUTPUT (it feeds the residual
 #: stream, nothing folds into it) and pre_feedforward_layernorm feeds the MLP
 _SANDWICH = (*_LLAMA, "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -230,11 +294,7 @@ MODEL_FAMILIES: list[ModelFamily] = [
     ModelFamily("phi3", _PHI3, _PHI3_GROUPS),  # Phi-3, Phi-3.5 (fused qkv_proj and gate_up_proj)
     ModelFamily("gpt-neox", _NEOX, _NEOX_GROUPS),  # GPT-NeoX, Pythia
     # Qwen2-MoE: routed experts and a shared expert
-    ModelFamily(
-        "qwen2-moe",
-        (*_MOE, "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),
-        (*_MOE_GROUPS, _g("mlp.shared_expert.up_proj", ["mlp.shared_expert.down_proj"])),
-    ),
+    ModelFamily("qwen2-moe", (*_MOE, *_SHARED_EXPERT, "mlp.shared_expert.down_proj"), _QWEN2_MOE_GROUPS),
     ModelFamily("moe", _MOE, _MOE_GROUPS),  # Mixtral, Qwen3-MoE, OLMoE and other routed experts without a shared one
     ModelFamily(  # Phi-1/1.5/2: one norm feeds attention and MLP in parallel
         "phi",
@@ -344,12 +404,12 @@ def derive_scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
         raise ValueError(
             f"cannot derive scaling_layers for layer {type(layer).__name__}: it fits none of the known model families "
             f"{[f.name for f in MODEL_FAMILIES]} (quark.torch.algorithm.structure.MODEL_FAMILIES: module names and "
-            f"norm form); its modules: {own_modules(layer)}{_norm_forms(layer)}. Give scaling_layers explicitly, or "
-            "add a ModelFamily."
+            f"norm form); its modules: {own_modules(layer)}{_norm_forms(layer)}{_expert_parts(layer)}. Give "
+            "scaling_layers explicitly, or add a ModelFamily."
         )
-    modules = dict(layer.named_modules())
+    modules = dict(named_modules_with_parts(layer))
     groups = []
-    for g in family.groups:
+    for g in (concrete for template in family.groups for concrete in expand_experts(template, modules)):
         prev = modules[g.prev_op]
         if g.rows is not None:
             producer_rows(g.rows, modules, g.prev_op, g.layers)  # the layout fits the shapes, else ValueError
@@ -365,6 +425,15 @@ def own_modules(layer: nn.Module) -> list[str]:
     """The names of ``layer``'s submodules but the quantizers and observers this library attaches to them."""
     ours = [n for n, m in layer.named_modules() if isinstance(m, FakeQuantizeBase | ObserverBase)]
     return [n for n, _ in layer.named_modules() if n and not any(n == o or n.startswith(o + ".") for o in ours)]
+
+
+def _expert_parts(layer: nn.Module) -> str:
+    """The Linear-equivalent parts of ``layer``'s twins (its experts' projections, which scaling_layers may name)
+    as ``{e}`` patterns with the expert indices, for errors; empty without any."""
+    names = [n for n, m in named_modules_with_parts(layer) if isinstance(m, LinearPart)]
+    patterns = sorted({re.sub(r"\.\d+\.", f".{EXPERT}.", n) for n in names})
+    experts = sorted({int(e) for n in names for e in re.findall(r"\.(\d+)\.", n)})
+    return f"; its experts' projections, {EXPERT} in {experts}: {patterns}" if names else ""
 
 
 def _norm_forms(layer: nn.Module) -> str:
@@ -383,27 +452,26 @@ def scaling_groups(layer: nn.Module, explicit: list[dict] | None) -> list[Scalin
     names ``qkv_proj -> o_proj``: only the v rows of qkv_proj feed o_proj)."""
     if explicit is None:
         return derive_scaling_groups(layer)
-    modules = dict(layer.named_modules())
+    modules = dict(named_modules_with_parts(layer))
     family = model_family(layer)
     known = {(g.prev_op, tuple(g.layers)): g.rows for g in family.groups} if family is not None else {}
     groups = []
     for i, entry in enumerate(explicit):
-        names = [entry["prev_op"], *entry["layers"], entry.get("inp") or entry["layers"][0]]
-        if entry.get("module2inspect"):
-            names.append(entry["module2inspect"])
-        missing = [n for n in names if n not in modules]
-        if missing:
-            raise ValueError(
-                f"scaling_layers[{i}] names {missing}, not modules of the decoder layer; its modules: "
-                f"{own_modules(layer)}"
-            )
-        groups.append(
-            ScalingGroup(
-                entry["prev_op"],
-                list(entry["layers"]),
-                entry.get("inp") or entry["layers"][0],
-                entry.get("module2inspect"),
-                rows=known.get((entry["prev_op"], tuple(entry["layers"]))),
-            )
+        group = ScalingGroup(
+            entry["prev_op"],
+            list(entry["layers"]),
+            entry.get("inp") or entry["layers"][0],
+            entry.get("module2inspect"),
+            rows=known.get((entry["prev_op"], tuple(entry["layers"]))),
         )
+        concrete = expand_experts(group, modules) or [group]  # no expert has every {e} name: named below
+        for g in concrete:
+            names = [g.prev_op, *g.layers, g.inp, *([g.module2inspect] if g.module2inspect else [])]
+            missing = [n for n in names if n not in modules and not (EXPERT in n and _experts_of(n, modules))]
+            if missing:
+                raise ValueError(
+                    f"scaling_layers[{i}] names {missing}, not modules of the decoder layer; its modules: "
+                    f"{own_modules(layer)}{_expert_parts(layer)}"
+                )
+        groups.extend(concrete)
     return groups

@@ -15,7 +15,10 @@ weights of their own with the layer's weight spec (``TensorPart`` slots: per ten
 projection, as vLLM's ``w13_weight_scale`` [E, 2] / ``w2_weight_scale`` [E]; per channel, rows of that expert; per
 group, groups along its inputs); the tokens routed to expert ``e`` pass ``_e{e}_input_quantizer`` (gate and up read
 the same input) and its down projection's input ``_e{e}_down_input_quantizer``. With every quantizer off the twin
-computes exactly what the float module's eager forward does.
+computes exactly what the float module's eager forward does. The algorithms see each expert's projections as Linears
+``"{e}.gate_proj"`` / ``"{e}.up_proj"`` / ``"{e}.down_proj"`` (``linear_parts.LinearPart``: their weights are views of
+the stacked blocks, their input hooks get exactly the rows the forward multiplies), so GPTQ's Hessians and AWQ's
+statistics are per expert, from the tokens routed to it.
 
 Calibration counts the tokens each expert received (``expert_tokens``). An expert no calibration token reached keeps
 quantized weights; its static input quantizers take the largest scale among its sibling experts'
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quark.torch.quantization.nn.modules.linear_parts import feed_part
 from quark.torch.quantization.nn.modules.quant_modules import (
     QuantMixin,
     register_float_rule,
@@ -168,6 +172,12 @@ class QuantFusedExperts(QuantMixin):
                 out.append((f"{e}.{proj}", weight, source))
         return tuple(out)
 
+    @staticmethod
+    def linear_part_stage(name: str) -> int:
+        """0 for an expert's gate and up projections (they read the routed tokens), 1 for its down projection (it
+        reads what they compute): ``linear_parts.LinearPart.stage``."""
+        return 1 if name.endswith(".down_proj") else 0
+
     @classmethod
     def from_float(cls, module: nn.Module, qconfig: Any) -> QuantMixin:
         twin = super().from_float(module, qconfig)
@@ -210,9 +220,13 @@ class QuantFusedExperts(QuantMixin):
             source = self._quantizer("input", e)
             if source is not None and bool(getattr(source, "observer_enabled", False)):
                 self.expert_tokens[e] += int(token_idx.numel())
-            current_state = self._quantize(source, hidden_states[token_idx])
-            gate, up = F.linear(current_state, self._gate_up_weight(e)).chunk(2, dim=-1)
-            current = self._quantize(self._quantizer("down_input", e), self.act_fn(gate) * up)
+            current_state = hidden_states[token_idx]
+            feed_part(self, f"{e}.gate_proj", current_state)  # the algorithms' hooks (linear_parts)
+            feed_part(self, f"{e}.up_proj", current_state)
+            gate, up = F.linear(self._quantize(source, current_state), self._gate_up_weight(e)).chunk(2, dim=-1)
+            current = self.act_fn(gate) * up
+            feed_part(self, f"{e}.down_proj", current)
+            current = self._quantize(self._quantizer("down_input", e), current)
             current = F.linear(current, self._quantize(self._quantizer("down_weight", e), self.down_proj[e]))
             current = current * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
