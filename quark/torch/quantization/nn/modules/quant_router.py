@@ -286,8 +286,9 @@ def warn_quantized_routers(model: nn.Module) -> None:
         warnings.warn(
             f"MoE router(s) {names} are quantized (named in the Config). vLLM builds MoE routers unquantized "
             "(quant_config=None) and has no place for their weight_scale / input_scale, so an amd-quark export of this "
-            "model will not load there; this project and amd-quark load it. Leave the routers unnamed (or exclude "
-            "them) to serve the model with vLLM.",
+            "model will not load there (nor through transformers' quark loader, which quantizes nn.Linear modules "
+            "only, unless the router is one); this project's import loads it. Leave the routers unnamed (or exclude them) to serve the model "
+            "elsewhere.",
             stacklevel=4,
         )
 
