@@ -169,8 +169,9 @@ def type_names(module: nn.Module) -> list[str]:
 
 def float_type(module: nn.Module) -> type[nn.Module] | None:
     """The supported float class ``module`` is (or subclasses without its own forward), else None. A class without a
-    twin whose module has a structure a twin is registered for (``register_structural_twin``: fused MoE experts) gets
-    its twin here, made on first sight."""
+    twin, or subclassing a supported class with a forward of its own, whose module has a structure a twin is
+    registered for (``register_structural_twin``: fused MoE experts, MoE routers such as Llama4's ``nn.Linear``
+    subclass) gets its twin here, made on first sight."""
     conv1d, linear = hf_conv1d_class(type(module)), hf_linear_equivalent(type(module))
     if conv1d is not None and conv1d not in QUANT_MODULE_MAP and is_hf_conv1d(module):
         twin_of_foreign_class(conv1d, QuantHFConv1DMixin)  # transformers' Conv1D: its twin is made on first sight
@@ -178,7 +179,11 @@ def float_type(module: nn.Module) -> type[nn.Module] | None:
         twin_of_foreign_class(linear, QuantLinear)
     for cls in type(module).__mro__:
         if cls in QUANT_MODULE_MAP:
-            return cls if type(module).forward is cls.forward else None
+            if type(module).forward is cls.forward:
+                return cls
+            if isinstance(module, QuantMixin):
+                return None  # a twin already
+            break  # its own forward: a twin of ``cls`` would drop it; only a structural twin keeps it
     base, _ = structural_twin(module)
     if base is not None:
         twin_of_foreign_class(type(module), base)

@@ -1,5 +1,5 @@
-"""Quantized twins of the float layers (importing this package registers the attention, recurrent and fused-experts
-twins)."""
+"""Quantized twins of the float layers (importing this package registers the attention, recurrent, fused-experts and
+MoE-router twins)."""
 
 from quark.torch.quantization.nn.modules.quant_attention import QuantAttentionProbs
 from quark.torch.quantization.nn.modules.quant_experts import QuantFusedExperts
@@ -25,6 +25,7 @@ from quark.torch.quantization.nn.modules.quant_rnn import (
     QuantRNN,
     QuantRNNCell,
 )
+from quark.torch.quantization.nn.modules.quant_router import QuantMoERouter
 
 __all__ = [
     "QUANT_MODULE_MAP",
@@ -39,6 +40,7 @@ __all__ = [
     "QuantEmbeddingBag",
     "QuantMultiheadAttention",
     "QuantFusedExperts",
+    "QuantMoERouter",
     "QuantAttentionProbs",
     "QuantLSTM",
     "QuantGRU",

@@ -23,8 +23,8 @@ statistics are per expert, from the tokens routed to it.
 Calibration counts the tokens each expert received (``expert_tokens``). An expert no calibration token reached keeps
 quantized weights; its static input quantizers take the largest scale among its sibling experts'
 (``finish_calibration``, named in a warning), which is what vLLM does with differing input scales when it loads
-them. The router (``mlp.gate``: ``F.linear`` on a Parameter of its own) stays float with the reason
-``moe_router_reason`` gives, as vLLM builds it unquantized.
+them. The router (``mlp.gate``: ``F.linear`` on a Parameter of its own) has a twin of its own, quantized only when
+named (``quant_router``; ``moe_router_reason`` is the reason it stays float otherwise, as vLLM builds it unquantized).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from torch import nn
 from quark.torch.quantization.nn.modules.linear_parts import feed_part
 from quark.torch.quantization.nn.modules.quant_modules import (
     QuantMixin,
-    register_float_rule,
     register_structural_twin,
 )
+from quark.torch.quantization.nn.modules.quant_router import MOE_ROUTER_REASON, moe_router_reason
 from quark.torch.quantization.nn.modules.slots import QuantSlot, TensorPart
 
 __all__ = ["QuantFusedExperts", "fused_experts_fit", "moe_router_reason", "MOE_ROUTER_REASON", "SUPPORTED_LAYOUT"]
@@ -50,7 +50,6 @@ SUPPORTED_LAYOUT = (
     "gate_up_proj [E, 2I, H] = [gate; up] and down_proj [E, H, I] without bias, act_fn(gate) * up, "
     "forward(hidden_states, top_k_index, top_k_weights)"
 )
-MOE_ROUTER_REASON = "MoE router: float, as vLLM and amd-quark keep it"
 _FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 #: the projections of one expert: (name in exports, Parameter, gate_up half: 0 gate, 1 up, None the whole tensor)
 PROJECTIONS = (("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1), ("down_proj", "down_proj", None))
@@ -115,20 +114,6 @@ def fused_experts_fit(module: nn.Module) -> bool | str:
         f"fused MoE experts in a layout the experts twin does not handle: {'; '.join(problems)} "
         f"(it handles {SUPPORTED_LAYOUT})"
     )
-
-
-def moe_router_reason(name: str, module: nn.Module, parent: nn.Module | None) -> str | None:
-    """``MOE_ROUTER_REASON`` for an MoE block's router: a module with a 2-D ``weight`` [E, H] beside a module holding
-    3-D expert Parameters [E, ...] (fused experts, in any layout); None for anything else."""
-    weight = getattr(module, "weight", None)
-    if parent is None or not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-        return None
-    for sibling in parent.children():
-        if sibling is not module and any(
-            p.ndim == 3 and p.shape[0] == weight.shape[0] for p in sibling.parameters(recurse=False)
-        ):
-            return MOE_ROUTER_REASON
-    return None
 
 
 def _slots(experts: int, hidden: int, inter: int) -> tuple[QuantSlot, ...]:
@@ -274,4 +259,3 @@ def _has_qparams(q: Any) -> bool:
 
 
 register_structural_twin(fused_experts_fit, QuantFusedExperts)
-register_float_rule(moe_router_reason)

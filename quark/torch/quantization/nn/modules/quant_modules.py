@@ -322,7 +322,7 @@ def twin_of_foreign_class(float_class: type[nn.Module], base: type[QuantMixin]) 
             name, (base, float_class), {"_float_class": float_class, "__module__": __name__, "__qualname__": name}
         )
         globals()[name] = twin
-        register_quant_module(float_class, twin)
+        register_quant_module(float_class, twin, explicit_only=base in EXPLICIT_ONLY_BASES)
     return twin
 
 
@@ -423,12 +423,16 @@ StructuralFit = Callable[[nn.Module], "bool | str"]
 FloatRule = Callable[[str, nn.Module, "nn.Module | None"], "str | None"]
 
 
-def register_structural_twin(fits: StructuralFit, base: type[QuantMixin]) -> None:
+def register_structural_twin(fits: StructuralFit, base: type[QuantMixin], explicit_only: bool = False) -> None:
     """Quantize modules by structure rather than class: a module whose class (or base) has no twin and for which
     ``fits(module)`` is True gets a twin of its own class with ``base``'s behaviour (``twin_of_foreign_class``); the
-    resolver consults these when no class matches. A sentence from ``fits`` is the reason coverage reports."""
+    resolver consults these when no class matches (or when the class matched defines its own forward). A sentence
+    from ``fits`` is the reason coverage reports. ``explicit_only``: those classes are quantized only when configured
+    by type or name, as embeddings are (MoE routers)."""
     if (fits, base) not in STRUCTURAL_TWINS:
         STRUCTURAL_TWINS.append((fits, base))
+    if explicit_only:
+        EXPLICIT_ONLY_BASES.add(base)
 
 
 def structural_twin(module: nn.Module) -> tuple[type[QuantMixin] | None, str | None]:
@@ -485,6 +489,8 @@ QUANT_MODULE_MAP: dict[type[nn.Module], type[QuantMixin]] = {
     nn.EmbeddingBag: QuantEmbeddingBag,
 }
 EXPLICIT_ONLY: set[type[nn.Module]] = {nn.Embedding, nn.EmbeddingBag}
+#: structural twin bases whose float classes join EXPLICIT_ONLY when their twin is made
+EXPLICIT_ONLY_BASES: set[type[QuantMixin]] = set()
 PREPARE_HOOKS: list[Callable[[nn.Module], Any]] = []
 STRUCTURAL_TWINS: list[tuple[StructuralFit, type[QuantMixin]]] = []
 FLOAT_RULES: list[FloatRule] = []
