@@ -45,7 +45,7 @@ from quark.torch.quantization.api import activation_axes_to_check, check_activat
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
-from quark.torch.quantization.state import quant_state
+from quark.torch.quantization.state import ensure_quant_state, quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
@@ -274,8 +274,7 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
             if not self._table_logged:
                 rank_zero_info(f"QuantCallback ({self.mode}): quantizing {len(plans)} layer(s)\n{format_plans(plans)}")
                 self._table_logged = True
-        state = quant_state(pl_module, create=True)
-        assert state is not None
+        state = ensure_quant_state(pl_module)
         if not state.load_hooks:  # a float checkpoint restores into the quantized model
             if self.quantizer.graph_mode:  # a checkpoint written after PTQ folded BatchNorm: fold before loading
                 pl_module.register_load_state_dict_pre_hook(FoldForCheckpoint(self.config))

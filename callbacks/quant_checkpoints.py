@@ -23,7 +23,7 @@ from quark.torch.quantization.api import uncalibrated_layers
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.resolve import config_from_stored
-from quark.torch.quantization.state import quant_state
+from quark.torch.quantization.state import ensure_quant_state, quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 # Written into the state_dict of every checkpoint of a quantized model: a plain ``Model.load_from_checkpoint`` (no
@@ -64,8 +64,7 @@ def fill_float_checkpoint(
     current = module.state_dict(prefix=prefix)
     for key in quant_keys:
         state_dict[key] = current[key].detach().clone()
-    state = quant_state(module, create=True)
-    assert state is not None
+    state = ensure_quant_state(module)
     state.float_start = True  # taken (once) by the callback
 
 

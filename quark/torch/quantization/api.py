@@ -74,7 +74,7 @@ from quark.torch.quantization.resolve import (
     type_names,
     unmatched_names,
 )
-from quark.torch.quantization.state import QuantState, preserve_modes, quant_state
+from quark.torch.quantization.state import QuantState, ensure_quant_state, preserve_modes, quant_state
 from quark.torch.quantization.tensor_quantize import BakedFakeQuantize, FakeQuantizeBase
 
 logger = logging.getLogger(__name__)
@@ -179,8 +179,7 @@ class ModelQuantizer:
         """The graph-mode record of ``model``: its own once prepared, else that of a preparation of it (not kept)."""
         state = quant_state(model)
         if state is None or state.graph_units is None:
-            state = quant_state(graph.prepare_graph(self._require_graph(model), self.config))
-        assert state is not None  # prepare_graph records its plans
+            state = ensure_quant_state(graph.prepare_graph(self._require_graph(model), self.config))
         return state
 
     def _require_graph(self, model: nn.Module) -> Any:

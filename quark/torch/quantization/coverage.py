@@ -23,7 +23,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     structural_twin,
 )
 from quark.torch.quantization.resolve import excluded, explicit_levels, float_type, owners, submodule
-from quark.torch.quantization.state import quant_state
+from quark.torch.quantization.state import ensure_quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 __all__ = [
@@ -323,7 +323,7 @@ def report_coverage(model: nn.Module, record: dict[str, Any]) -> None:
     for param, op in record["functional"].items():
         owner, _, attr = param.rpartition(".")
         uses.setdefault(owner, []).append(f"'{attr}' ({op})")
-    quant_state(model, create=True).functional_uses = uses  # type: ignore[union-attr]
+    ensure_quant_state(model).functional_uses = uses
     tied = [f for f in functional_float(model, uses) if f.layer_type.startswith("Quant")]
     warn_float_layers(tied, stacklevel=4)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
-__all__ = ["QuantState", "quant_state", "preserve_modes", "paused_quantizers"]
+__all__ = ["QuantState", "quant_state", "ensure_quant_state", "preserve_modes", "paused_quantizers"]
 
 #: the one attribute the engine adds to a model it prepares (a plain object in ``__dict__``, not in the state_dict)
 _STATE_ATTR = "_quark_state"
@@ -43,13 +43,14 @@ class QuantState:
     float_start: bool = False
 
 
-def quant_state(model: nn.Module, create: bool = False) -> QuantState | None:
-    """``model``'s record (None if the engine never prepared it); ``create``: add an empty one when there is none."""
-    state = model.__dict__.get(_STATE_ATTR)
-    if state is None and create:
-        state = QuantState()
-        model.__dict__[_STATE_ATTR] = state
-    return state
+def quant_state(model: nn.Module) -> QuantState | None:
+    """``model``'s record, None if the engine never prepared it."""
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def ensure_quant_state(model: nn.Module) -> QuantState:
+    """``model``'s record, an empty one added when there is none."""
+    return model.__dict__.setdefault(_STATE_ATTR, QuantState())
 
 
 @contextmanager

@@ -47,7 +47,7 @@ from quark.torch.quantization.graph.units import (
     single_user,
 )
 from quark.torch.quantization.nn.modules.quant_modules import QuantMixin
-from quark.torch.quantization.state import quant_state
+from quark.torch.quantization.state import ensure_quant_state
 
 __all__ = ["prepare_graph", "GraphUnit", "QUANTIZERS", "UnitPlan", "resolve_node"]
 
@@ -107,8 +107,7 @@ def prepare_graph(graph_module: fx.GraphModule, config: Config, name_prefix: str
     gm.graph.lint()
     gm.recompile()
     gm.quant_config = config
-    state = quant_state(gm, create=True)
-    assert state is not None
+    state = ensure_quant_state(gm)
     state.graph_units = [UnitPlan(u.name, u.type_name, u.op, u.qconfig, dict(u.source)) for u in units]  # no fx nodes
     state.graph_float_layers = graph_float_layers(gm, units, config, name_prefix, data_path)
     return gm
