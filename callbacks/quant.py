@@ -37,6 +37,7 @@ from callbacks.quantizer_lr import follow_schedule
 from callbacks.quantizer_state import is_learnable, is_ready, keep_out_of_ddp_broadcast, pause_quantizers
 from callbacks.report import QuantReport
 from callbacks.schedule import QuantSchedule
+from callbacks.sharded import ShardedTraining
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_formats, export_model, get_format
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
@@ -79,7 +80,9 @@ def _to_config(config: Any) -> Config:
     return Config.from_dict(config)
 
 
-class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCapture, CalibrationData, Callback):
+class QuantCallback(
+    QuantSchedule, QuantReport, ShardedTraining, FloatCheckpointStart, GraphCapture, CalibrationData, Callback
+):
     r"""Quantize the LightningModule with a quark ``Config``: QAT during ``fit`` or PTQ calibration epochs.
 
     Example::
@@ -246,6 +249,7 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Swap the configured layers (once: a second fit or test reuses them)."""
+        self._check_sharding(trainer)  # FSDP2: what it cannot run is refused before the module is sharded
         ensure_atomic_checkpoints(
             trainer, "QuantCallback"
         )  # quantized.ckpt is complete or absent (not a user's plugin)
@@ -358,6 +362,7 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
         if self.mode != "qat":
             return
         self._update_observers(trainer, pl_module, batch)
+        self._note_sharded_init(pl_module)
         if self._lr_splits:
             follow_schedule(self._lr_splits, self.quantizer_lr)  # type: ignore[arg-type]
         self._freeze_batchnorm(trainer, pl_module)
@@ -447,8 +452,10 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
             self._fix_observers(trainer, pl_module, self._first_batch(trainer, pl_module))
         else:
             self._log_report(trainer, pl_module, self._first_batch(trainer, pl_module))
-        if self.export_formats and trainer.is_global_zero:
-            self._export(trainer, pl_module)
+        if self.export_formats:
+            with self._whole_weights(trainer, pl_module) as writer:  # FSDP2: every rank gathers, rank zero writes
+                if writer:
+                    self._export(trainer, pl_module)
 
     def _export(self, trainer: Trainer, pl_module: LightningModule) -> None:
         folder = self.export_dir or os.path.join(trainer.default_root_dir, "export")
