@@ -158,11 +158,14 @@ def write_initial_values(model: nn.Module, group: Any = None) -> int:
     ranks that initialised them (each from its own first batch, as ``sync_learnable`` does under DDP). Call it after
     the forward and before backward: backward gathers the shards again, and the optimizer steps on them. A
     collective over every rank; a rank that did not initialise a quantizer takes the others' value (and marks it
-    initialised). Returns how many quantizers were written.
+    initialised). Every sharded module is resharded first (the root module keeps its gathered Parameters after
+    forward; backward gathers them again). Returns how many quantizers were written.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
+    for m in _fsdp_modules(model):
+        m.reshard()  # type: ignore[operator]  # the root keeps its gathered copy after forward: back to the shards
     quantizers = _pending_learnable(model)
     if not quantizers:
         return 0
