@@ -37,7 +37,7 @@ from callbacks.quantizer_lr import follow_schedule
 from callbacks.quantizer_state import is_learnable, is_ready, keep_out_of_ddp_broadcast, pause_quantizers
 from callbacks.report import QuantReport
 from callbacks.schedule import QuantSchedule
-from callbacks.sharded import ShardedTraining
+from callbacks.sharded import ShardedTraining, uses_fsdp2
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_formats, export_model, get_format
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
@@ -250,9 +250,8 @@ class QuantCallback(
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Swap the configured layers (once: a second fit or test reuses them)."""
         self._check_sharding(trainer)  # FSDP2: what it cannot run is refused before the module is sharded
-        ensure_atomic_checkpoints(
-            trainer, "QuantCallback"
-        )  # quantized.ckpt is complete or absent (not a user's plugin)
+        if not uses_fsdp2(trainer):  # FSDP2 writes sharded directories itself, without a CheckpointIO
+            ensure_atomic_checkpoints(trainer, "QuantCallback")  # quantized.ckpt is complete or absent
         self._datamodule_fit_ready = stage == TrainerFn.FITTING  # Lightning just ran datamodule.setup(stage)
         if stage == TrainerFn.FITTING and (self._counting_for is None or self._counting_for() is not trainer):
             self._batches_seen = 0  # a new trainer counts from its first batch (a checkpoint restores the count)
