@@ -88,7 +88,7 @@ def _initial_weights(kind: str) -> dict[str, torch.Tensor]:
 
 def test_tqt_thresholds_start_from_the_whole_weight_and_train(runs) -> None:
     """Each weight's log2 threshold after the first step is its 3SD initialisation from the whole (gathered) weight
-    plus at most one Adam step (lr 0.05), lm_head too (the root module's): nothing was lost with the gathered copy."""
+    plus one Adam step at quantizer_lr, lm_head too (the root module's): nothing was lost with the gathered copy."""
     pair = runs[1]["tqt"]
     weights = _initial_weights("llama")
     first, final = pair[0]["first"], pair[0]["final"]
@@ -97,7 +97,9 @@ def test_tqt_thresholds_start_from_the_whole_weight_and_train(runs) -> None:
         layer = where.split("'")[1]
         w = weights[f"{layer}.weight"].double()
         init = math.log2(float(w.mean().abs() + 3 * w.std(unbiased=False)))
-        assert abs(float(value) - init) <= 0.05 * 1.001, (where, float(value), init)
+        # Adam's first step moves by its learning rate: quantizer_lr (0.05) found the sharded thresholds, not the
+        # weights' rate (3e-3)
+        assert 0.05 * 0.9 <= abs(float(value) - init) <= 0.05 * 1.001, (where, float(value), init)
         assert not torch.equal(final[where], value), f"{where} did not train"
 
 
