@@ -170,6 +170,23 @@ def _safetensors(path: Path) -> tuple[dict[str, str], dict[str, tuple[torch.dtyp
         return dict(f.metadata() or {}), tensors
 
 
+def test_the_docs_fsdp2_program_runs_as_a_script(tmp_path) -> None:
+    """docs/lightning.md's FSDP2 program, saved as a file and run: two processes, the export, the consolidated
+    checkpoint loaded in one process."""
+    text = (ROOT / "docs" / "lightning.md").read_text()
+    section = text[text.index("## FSDP2") :]
+    code = section[section.index("```python\n") + len("```python\n") : section.index("\n```\n")]
+    (tmp_path / "fsdp2_qat.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    run = subprocess.run(
+        [sys.executable, "fsdp2_qat.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    assert "torch.Size([1, 32, 128])" in run.stdout
+    assert (tmp_path / "export" / "quark" / "config.json").is_file() and (tmp_path / "qat.ckpt").is_file()
+
+
 # ----------------------------------------------------------------------------------------------- no processes
 def _fsdp2_trainer(tmp_path) -> Trainer:
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
