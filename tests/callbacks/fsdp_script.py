@@ -6,11 +6,13 @@ Each rank trains on its half of the data, in order and writes what the tests com
 after the first batch. Modes:
 
 - ``tqt``: a tiny Hugging Face LLaMA, TQT weights (learned log2 thresholds, ``quantizer_lr``) and min-max int8
-  activations fixed after 2 batches; 6 steps, a sharded checkpoint after step 3 (mid-epoch: the loader resumes);
+  activations fixed after 2 batches, the SQNR / size report to a CSV logger; 6 steps, a sharded checkpoint after step 3 (mid-epoch: the loader resumes);
   exports ``safetensors`` and ``quark`` at the end.
 - ``resume``: the ``tqt`` run again from its first checkpoint (``ckpt_path=``, step 3) to step 6.
 - ``lsq``: a plain nn.Module transformer, LSQ per-channel weights and per-tensor LSQ inputs, 4 steps.
-- ``all``: the three in turn, in the same two processes.
+- ``ptq``: the plain transformer trained 2 steps in float, then min-max calibration (2 batches per rank) at the end
+  of fit, ``quantized.ckpt`` written (a directory of shards).
+- ``all``: the four in turn, in the same two processes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from cb_helpers import ResumableLoader
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -60,6 +63,7 @@ LSQ_WEIGHT = {
 LSQ_INPUT = {**LSQ_WEIGHT, "qscheme": "per_tensor", "ch_axis": None, "observer_cls": "PerTensorMinMaxObserver"}
 TQT_CONFIG = {"global_quant_config": {"weight": TQT, "input_tensors": INT8_PER_TENSOR_ACT}}
 LSQ_CONFIG = {"global_quant_config": {"weight": LSQ_WEIGHT, "input_tensors": LSQ_INPUT}}
+PTQ_CONFIG = {"global_quant_config": {"weight": INT8_PER_TENSOR_ACT, "input_tensors": INT8_PER_TENSOR_ACT}}
 
 
 def llama() -> nn.Module:
@@ -185,7 +189,7 @@ class FirstBatch(Callback):
             self.values = learned_values(pl_module)
 
 
-def trainer(out: str, callbacks: list[Callback], steps: int, checkpoint: bool = False) -> Trainer:
+def trainer(out: str, callbacks: list[Callback], steps: int, checkpoint: bool = False, log: bool = False) -> Trainer:
     if checkpoint:
         callbacks = [
             *callbacks,
@@ -197,7 +201,7 @@ def trainer(out: str, callbacks: list[Callback], steps: int, checkpoint: bool = 
         devices=2,
         max_steps=steps,
         callbacks=callbacks,
-        logger=False,
+        logger=CSVLogger(out, name="log", version=0) if log else False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=checkpoint,
@@ -209,7 +213,7 @@ def trainer(out: str, callbacks: list[Callback], steps: int, checkpoint: bool = 
 
 def main(mode: str, out: str) -> None:
     if mode == "all":  # one launch of the two processes for every mode: most of a run is starting them
-        for each in ("tqt", "resume", "lsq"):
+        for each in ("tqt", "resume", "lsq", "ptq"):
             main(each, out)
         return
     data = RankHalf()
@@ -226,7 +230,8 @@ def main(mode: str, out: str) -> None:
             export=export,
             export_dir=os.path.join(out, "export"),
         )
-        run = trainer(out if mode == "tqt" else os.path.join(out, "resumed"), [first, cb], STEPS, checkpoint=True)
+        folder = out if mode == "tqt" else os.path.join(out, "resumed")
+        run = trainer(folder, [first, cb], STEPS, checkpoint=True, log=mode == "tqt")
         ckpt = os.path.join(out, "ckpt", f"epoch=0-step={CKPT_STEP}.ckpt") if mode == "resume" else None
         run.fit(model, datamodule=data, ckpt_path=ckpt)
     elif mode == "lsq":
@@ -234,6 +239,18 @@ def main(mode: str, out: str) -> None:
         cb = QuantCallback(Config.from_dict(LSQ_CONFIG), mode="qat", observer_steps=1, quantizer_lr=2e-3)
         run = trainer(out, [first, cb], 4)
         run.fit(model, datamodule=data)
+    elif mode == "ptq":
+        model = LitLM("plain")
+        cb = QuantCallback(
+            Config.from_dict(PTQ_CONFIG),
+            mode="ptq",
+            calib_batches=2,
+            calib_forward=lambda m, batch: m.model(batch[0]),
+            progress_bar=False,
+        )
+        run = trainer(os.path.join(out, "ptq"), [cb], 2)
+        run.fit(model, datamodule=data)
+        result["quantized_checkpoint"] = cb.quantized_checkpoint
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     result["first"] = first.values

@@ -9,6 +9,7 @@ own half of the data and writes its gathered state for these tests.
 
 from __future__ import annotations
 
+import csv
 import math
 import os
 import subprocess
@@ -31,6 +32,7 @@ from quark.torch import ModelQuantizer
 from quark.torch.export import export_model
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import gathered_parameters, write_initial_values
+from quark.torch.quantization.report import model_size_bits, weight_sqnr
 
 pytest.importorskip("transformers")
 SCRIPT = Path(__file__).with_name("fsdp_script.py")
@@ -61,7 +63,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     )
     assert run.returncode == 0, f"FSDP2 run failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     results = {}
-    for mode in ("tqt", "resume", "lsq"):
+    for mode in ("tqt", "resume", "lsq", "ptq"):
         results[mode] = [torch.load(out / f"{mode}_rank{r}.pt", weights_only=False) for r in (0, 1)]
         assert [r["world_size"] for r in results[mode]] == [2, 2]
     return out, results
@@ -72,11 +74,14 @@ def _different(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-@pytest.mark.parametrize("mode", ["tqt", "lsq"])
+@pytest.mark.parametrize("mode", ["tqt", "lsq", "ptq"])
 def test_every_rank_holds_the_same_weights_qparams_and_quantizer_state(runs, mode) -> None:
     pair = runs[1][mode]
     assert not _different(pair[0]["state"], pair[1]["state"])
-    assert not _different(pair[0]["first"], pair[1]["first"])
+    if mode == "ptq":
+        assert pair[0]["first"] is None  # nothing learned
+    else:
+        assert not _different(pair[0]["first"], pair[1]["first"])
     keys = pair[0]["state"]
     assert any(k.endswith("_input_quantizer.scale") for k in keys)  # activation qparams, reduced over both ranks
     assert all(bool(v) for k, v in keys.items() if k.endswith(".initialized"))
@@ -139,12 +144,43 @@ def test_consolidated_checkpoint_loads_into_one_process(runs, tmp_path) -> None:
         consolidate_checkpoint(tmp_path, tmp_path / "two.ckpt")
 
 
+def test_ptq_calibration_writes_a_sharded_quantized_checkpoint_that_consolidates(runs, tmp_path) -> None:
+    out, results = runs
+    folder = Path(results["ptq"][0]["quantized_checkpoint"])
+    assert (folder / ".metadata").is_file()
+    model = load_quantized_checkpoint(LitLM("plain"), consolidate_checkpoint(folder, tmp_path / "q.ckpt"), freeze=False)
+    assert not _different(results["ptq"][0]["state"], dict(model.state_dict()))
+
+
+def _prepared(kind: str, config: dict, state: dict[str, torch.Tensor]) -> LitLM:
+    """One process: the model with the quantized twins, holding ``state``."""
+    model = LitLM(kind)
+    ModelQuantizer(Config.from_dict(config)).prepare(model)
+    model.load_state_dict(state)
+    return model
+
+
+def test_the_report_reads_the_gathered_weights(runs) -> None:
+    """The SQNR / model-size report logged at the end of the FSDP2 fit equals one process's on the same weights."""
+    out, results = runs
+    with open(out / "log" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("quant/model_size_bits")]
+    last = rows[-1]
+    model = _prepared("llama", TQT_CONFIG, results["tqt"][0]["state"])
+    with pause_quantizers(model):
+        expected = {f"quant/sqnr_weight/{k}": v for k, v in weight_sqnr(model).items()}
+        quantized_bits, float_bits = model_size_bits(model)
+    assert len(expected) == 15
+    for key, value in expected.items():
+        assert float(last[key]) == pytest.approx(value, rel=1e-6), key
+    assert float(last["quant/model_size_bits"]) == quantized_bits
+    assert float(last["quant/fp32_size_bits"]) == float_bits
+
+
 def test_gathered_export_equals_the_single_process_export(runs, tmp_path) -> None:
     """Rank zero's export under FSDP2 against the export of one process holding the same (gathered) state."""
     out, results = runs
-    model = LitLM("llama")
-    ModelQuantizer(Config.from_dict(TQT_CONFIG)).prepare(model)
-    model.load_state_dict(results["tqt"][0]["state"])
+    model = _prepared("llama", TQT_CONFIG, results["tqt"][0]["state"])
     with pause_quantizers(model):
         export_model(model, tmp_path, ["safetensors", "quark"])
     files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
