@@ -189,6 +189,26 @@ class FirstBatch(Callback):
             self.values = learned_values(pl_module)
 
 
+def refusals(model: nn.Module, out: str) -> dict[str, str]:
+    """The errors of the engine's entry points that read or replace whole weights, called on the sharded model."""
+    from quark.torch import ModelQuantizer
+    from quark.torch.export import export_model
+
+    calls = {
+        "freeze": lambda: ModelQuantizer.freeze(model),
+        "export_model": lambda: export_model(model, os.path.join(out, "never"), ["safetensors"]),
+        "prepare": lambda: ModelQuantizer(Config.from_dict(TQT_CONFIG)).prepare(model),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except ValueError as err:
+            errors[name] = str(err)
+    return errors
+
+
 def trainer(out: str, callbacks: list[Callback], steps: int, checkpoint: bool = False, log: bool = False) -> Trainer:
     if checkpoint:
         callbacks = [
@@ -253,6 +273,8 @@ def main(mode: str, out: str) -> None:
         result["quantized_checkpoint"] = cb.quantized_checkpoint
     else:
         raise SystemExit(f"unknown mode {mode!r}")
+    if mode == "tqt":
+        result["refusals"] = refusals(model, out)
     result["first"] = first.values
     result["final"] = learned_values(model)
     result["state"] = full_state(model)

@@ -223,6 +223,17 @@ def test_the_docs_fsdp2_program_runs_as_a_script(tmp_path) -> None:
     assert (tmp_path / "export" / "quark" / "config.json").is_file() and (tmp_path / "qat.ckpt").is_file()
 
 
+@pytest.mark.parametrize("what", ["freeze", "export_model", "prepare"])
+def test_engine_calls_on_the_sharded_model_are_refused_with_what_to_do(runs, what) -> None:
+    out, results = runs
+    message = results["tqt"][0]["refusals"][what]
+    assert "sharded by FSDP2" in message and "DTensor" in message, message
+    assert {"freeze": "consolidate", "export_model": "gathered_parameters", "prepare": "before fully_shard"}[
+        what
+    ] in message
+    assert not (out / "never").exists()
+
+
 # ----------------------------------------------------------------------------------------------- no processes
 def _fsdp2_trainer(tmp_path) -> Trainer:
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)

@@ -32,6 +32,7 @@ __all__ = [
     "has_sharded_parameters",
     "gathered_parameters",
     "write_initial_values",
+    "refuse_sharded",
 ]
 
 
@@ -106,6 +107,17 @@ def is_sharded(tensor: Any) -> bool:
 def has_sharded_parameters(model: nn.Module) -> bool:
     """Whether any Parameter of ``model`` is a DTensor (FSDP2 applied, outside a forward)."""
     return any(is_sharded(p) for p in model.parameters())
+
+
+def refuse_sharded(model: nn.Module, what: str, instead: str) -> None:
+    """ValueError naming ``what`` and one sharded Parameter when FSDP2 has sharded ``model`` (outside a forward its
+    Parameters are DTensor shards), saying what to do ``instead``."""
+    name = next((n for n, p in model.named_parameters() if is_sharded(p)), None)
+    if name is not None:
+        raise ValueError(
+            f"{what}: the model's Parameters are sharded by FSDP2 (fully_shard; e.g. {name} is a DTensor shard). "
+            f"{instead}"
+        )
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
