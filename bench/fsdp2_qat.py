@@ -15,14 +15,15 @@ Printed, as ratios of peers measured in this run:
 - per-rank parameter + optimizer bytes: the rank's local parameter tensors (FSDP2: its shards) plus its optimizer
   state tensors, counted after training, FSDP2-QAT / DDP-QAT and FSDP2 / DDP (about 0.5 is the goal);
 - step time: the median over the steps after ``--warmup`` of rank 0's ``on_train_batch_start`` -> ``_end`` (forward,
-  backward, optimizer step), FSDP2-QAT / FSDP2 (at most 1.3 is the goal);
+  backward, optimizer step), FSDP2-QAT / FSDP2 in the same round (``--rounds`` rounds in one launch of the two
+  processes, the order alternating; the median ratio and each round's are printed; at most 1.3 is the goal);
 - perplexity on ``--eval-batches`` held-out batches after training (eval mode, the quantized model for the QAT runs),
   FSDP2-QAT against DDP-QAT (equal within noise: the same updates, up to the order of float sums).
 
-Each run is a subprocess (this script with ``--run NAME``, which Lightning relaunches for rank 1). The machine this
+Each launch is a subprocess (this script with ``--run NAME``, which Lightning relaunches for rank 1). The machine this
 was measured on: 2 shared CPU cores (other jobs ran beside it); ``OMP_NUM_THREADS=1`` per rank.
 
-    python bench/fsdp2_qat.py                   # about 3 minutes on 2 shared cores
+    python bench/fsdp2_qat.py                   # about 5 minutes on 2 shared cores
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-RUNS = ("fsdp2", "fsdp2-qat", "ddp-qat", "ddp")
+LAUNCHES = ("fsdp2-pair", "ddp-qat", "ddp")  # one launch of the two processes each
 TQT = {
     "dtype": "int8",
     "qscheme": "per_tensor",
@@ -148,8 +149,8 @@ class Measure(Callback):
         self.result = {"param_bytes": params, "optim_bytes": optim, "ppl": math.exp(statistics.fmean(losses))}
 
 
-def run(name: str, args: argparse.Namespace) -> None:
-    """One run (both ranks): writes ``<out>/<name>_rank<r>.json``."""
+def fit_once(name: str, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    """One fit of run ``name`` (both ranks); this rank's (rank, result)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from callbacks.quant import QuantCallback
@@ -181,13 +182,28 @@ def run(name: str, args: argparse.Namespace) -> None:
         default_root_dir=args.out,
     )
     trainer.fit(LitLlama(args), DataLoader(TensorDataset(train), batch_size=args.batch, shuffle=False))
-    result = {**measure.result, "step_s": statistics.median(measure.times[args.warmup :])}
-    Path(args.out, f"{name}_rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    return trainer.global_rank, {**measure.result, "step_s": statistics.median(measure.times[args.warmup :])}
+
+
+def run(name: str, args: argparse.Namespace) -> None:
+    """One launch of the two processes: ``fsdp2-pair`` fits FSDP2 and FSDP2-QAT in ``--rounds`` rounds (the order
+    alternating, so drift of the shared machine hits both), the others one fit. Writes ``<out>/<name>_rank<r>.json``:
+    ``{run: [result per round]}``."""
+    names = ("fsdp2", "fsdp2-qat") if name == "fsdp2-pair" else (name,)
+    rounds = args.rounds if name == "fsdp2-pair" else 1
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    rank = 0
+    for r in range(rounds):
+        for each in names if r % 2 == 0 else reversed(names):
+            rank, result = fit_once(each, args)
+            results[each].append(result)
+    Path(args.out, f"{name}_rank{rank}.json").write_text(json.dumps(results))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", choices=RUNS, help="internal: one run (both ranks)")
+    parser.add_argument("--run", choices=LAUNCHES, help="internal: one launch (both ranks)")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="bench_fsdp2_out")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -208,32 +224,41 @@ def main() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]))
-    results: dict[str, list[dict[str, Any]]] = {}
-    for name in RUNS:
-        argv = [sys.executable, __file__, "--run", name, *sys.argv[1:]]
+    results: dict[str, list[list[dict[str, Any]]]] = {}  # run -> rank -> rounds
+    for launch in LAUNCHES:
+        argv = [sys.executable, __file__, "--run", launch, *sys.argv[1:]]
         done = subprocess.run(argv, cwd=str(root), env=env, capture_output=True, text=True)
         if done.returncode:
-            raise SystemExit(f"{name} failed:\n{done.stderr[-6000:]}")
-        results[name] = [json.loads(Path(args.out, f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
+            raise SystemExit(f"{launch} failed:\n{done.stderr[-6000:]}")
+        per_rank = [json.loads(Path(args.out, f"{launch}_rank{r}.json").read_text()) for r in (0, 1)]
+        for name in per_rank[0]:
+            results[name] = [per_rank[0][name], per_rank[1][name]]
     print(
         f"2 ranks (gloo) on 2 shared CPU cores, OMP_NUM_THREADS=1 per rank; LLaMA {args.layers}x{args.hidden}, "
-        f"vocab {args.vocab}, {args.steps} steps of {args.batch}x{args.seq} tokens per rank"
+        f"vocab {args.vocab}, {args.steps} steps of {args.batch}x{args.seq} tokens per rank; FSDP2 and FSDP2-QAT in "
+        f"{args.rounds} alternating rounds in one launch, DDP runs once each"
     )
-    print(f"{'run':10} {'params+optim B/rank':>20} {'step ms':>9} {'ppl':>9}")
+    print(f"{'run':10} {'params+optim B/rank':>20} {'step ms (median of rounds)':>27} {'ppl':>9}")
     for name, (r0, _) in results.items():
-        print(f"{name:10} {r0['param_bytes'] + r0['optim_bytes']:>20,} {1e3 * r0['step_s']:>9.1f} {r0['ppl']:>9.3f}")
+        step = statistics.median(x["step_s"] for x in r0)
+        print(f"{name:10} {r0[0]['param_bytes'] + r0[0]['optim_bytes']:>20,} {1e3 * step:>27.1f} {r0[0]['ppl']:>9.3f}")
 
     def mem(name: str) -> int:
-        return max(r["param_bytes"] + r["optim_bytes"] for r in results[name])
+        return max(r[0]["param_bytes"] + r[0]["optim_bytes"] for r in results[name])
 
     print(f"per-rank params+optimizer, FSDP2-QAT / DDP-QAT: {mem('fsdp2-qat') / mem('ddp-qat'):.3f}  (goal ~0.5)")
     print(f"per-rank params+optimizer, FSDP2 / DDP:         {mem('fsdp2') / mem('ddp'):.3f}")
-    step = results["fsdp2-qat"][0]["step_s"] / results["fsdp2"][0]["step_s"]
-    print(f"step time, FSDP2-QAT / FSDP2:                  {step:.3f}  (goal <= 1.3)")
-    ppl_f, ppl_d = results["fsdp2-qat"][0]["ppl"], results["ddp-qat"][0]["ppl"]
+    ratios = sorted(
+        q["step_s"] / f["step_s"] for q, f in zip(results["fsdp2-qat"][0], results["fsdp2"][0], strict=True)
+    )
     print(
-        f"perplexity, FSDP2-QAT / DDP-QAT:               {ppl_f / ppl_d:.4f}  ({ppl_f:.3f} vs {ppl_d:.3f}; "
-        f"float FSDP2 {results['fsdp2'][0]['ppl']:.3f}, DDP {results['ddp'][0]['ppl']:.3f})"
+        f"step time, FSDP2-QAT / FSDP2 (same round):     {statistics.median(ratios):.3f}  "
+        f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)}; goal <= 1.3)"
+    )
+    ppl_f, ppl_d = results["fsdp2-qat"][0][0]["ppl"], results["ddp-qat"][0][0]["ppl"]
+    print(
+        f"perplexity, FSDP2-QAT / DDP-QAT:               {ppl_f / ppl_d:.5f}  ({ppl_f:.4f} vs {ppl_d:.4f}; "
+        f"float FSDP2 {results['fsdp2'][0][0]['ppl']:.4f}, DDP {results['ddp'][0][0]['ppl']:.4f})"
     )
 
 

@@ -361,7 +361,7 @@ class QuantCallback(
         if self.mode != "qat":
             return
         self._update_observers(trainer, pl_module, batch)
-        self._note_sharded_init(pl_module)
+        self._note_sharded_init(trainer, pl_module)
         if self._lr_splits:
             follow_schedule(self._lr_splits, self.quantizer_lr)  # type: ignore[arg-type]
         self._freeze_batchnorm(trainer, pl_module)

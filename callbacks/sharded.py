@@ -27,12 +27,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from callbacks.quantizer_state import is_learnable, is_ready
-from quark.torch.quantization.distributed import (
-    gathered_parameters,
-    has_sharded_parameters,
-    is_sharded,
-    write_initial_values,
-)
+from quark.torch.quantization.distributed import gathered_parameters, has_sharded_parameters, write_initial_values
 from quark.torch.quantization.nn.modules import iter_quantizers
 
 
@@ -84,12 +79,13 @@ class ShardedTraining:
                 "(docs/lightning.md, FSDP2)."
             )
 
-    def _note_sharded_init(self, pl_module: LightningModule) -> None:
-        """Before a training batch: whether its forward may initialise a sharded TQT / LSQ quantizer (the same answer
-        on every rank: after ``write_initial_values`` every rank holds the same ``initialized`` flags)."""
-        self._fsdp_init_pending = any(
-            is_learnable(q) and not is_ready(q) and is_sharded(q.learned_parameter)  # type: ignore[attr-defined]
-            for _, q in iter_quantizers(pl_module)
+    def _note_sharded_init(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Before a training batch under FSDP2: whether its forward may initialise a TQT / LSQ quantizer (the same
+        answer on every rank: after ``write_initial_values`` every rank holds the same ``initialized`` flags). Not
+        whether its Parameter is a shard now: the root module keeps its gathered Parameters after an evaluation
+        forward."""
+        self._fsdp_init_pending = uses_fsdp2(trainer) and any(
+            is_learnable(q) and not is_ready(q) for _, q in iter_quantizers(pl_module)
         )
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
