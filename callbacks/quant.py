@@ -301,8 +301,7 @@ class QuantCallback(
             raise ValueError(
                 f"QuantCallback under {type(trainer.strategy).__name__} ({trainer.world_size} processes): per-channel "
                 f"TQT thresholds / LSQ scales of {lazy} would take their shape from the first batch, after DDP has "
-                "laid out its gradient "
-                "buckets. Quantize activations per channel along the layer's feature axis (ch_axis=-1 for a Linear "
+                "laid out its gradient buckets (or FSDP2 has sharded them). Quantize activations per channel along the layer's feature axis (ch_axis=-1 for a Linear "
                 "input or output, ch_axis=1 for a convolution's), or per tensor."
             )
 

@@ -183,15 +183,14 @@ def write_initial_values(model: nn.Module, group: Any = None) -> int:
         return 0
     values = [q.take_initial_value() for q in quantizers]
     params = [q.learned_parameter for q in quantizers]
+    device = quantizers[0].initialized.device  # where the collective runs (the quantizers' buffers)
     flat = torch.cat(
         [
-            (v if v is not None else torch.zeros(p.shape)).reshape(-1).float()
+            (v if v is not None else torch.zeros(p.shape)).reshape(-1).float().to(device)
             for v, p in zip(values, params, strict=True)
         ]
     )
-    counts = torch.tensor([0.0 if v is None else 1.0 for v in values])
-    device = quantizers[0].initialized.device
-    flat, counts = flat.to(device), counts.to(device)
+    counts = torch.tensor([0.0 if v is None else 1.0 for v in values], device=device)
     if is_distributed(group):
         dist.all_reduce(flat, group=group)
         dist.all_reduce(counts, group=group)
