@@ -45,6 +45,15 @@ def uses_fsdp1(trainer: Trainer) -> bool:
     return isinstance(trainer.strategy, FSDPStrategy)
 
 
+def _tensor_parallel_size(trainer: Trainer) -> int:
+    """The size of the strategy's ``tensor_parallel`` mesh dimension (1 when there is none, or no mesh yet)."""
+    try:
+        mesh = trainer.strategy.device_mesh  # set up before the callbacks' setup
+        return int(mesh["tensor_parallel"].size())
+    except (RuntimeError, KeyError, AttributeError):
+        return 1
+
+
 class ShardedTraining:
     """Mixin of QuantCallback: the checks and steps FSDP2 (``ModelParallelStrategy``) needs."""
 
@@ -61,6 +70,11 @@ class ShardedTraining:
         if not uses_fsdp2(trainer):
             return
         refused = []
+        if _tensor_parallel_size(trainer) > 1:
+            refused.append(
+                "tensor_parallel_size > 1 (tensor-parallel layers hand the quantizers DTensor shards in forward; "
+                "use data_parallel_size=N, tensor_parallel_size=1)"
+            )
         if self.quantizer.graph_mode:  # type: ignore[attr-defined]
             refused.append("quant_mode=graph_mode (captures and rewrites the module; use eager mode)")
         algorithms = [a.name for a in self.config.algo_configs + self.config.pre_quant_opt_configs]  # type: ignore[attr-defined]

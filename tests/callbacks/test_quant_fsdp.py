@@ -257,6 +257,13 @@ def test_what_fsdp2_cannot_run_is_refused_in_setup(tmp_path, kwargs, named) -> N
     assert not any(n.endswith("_quantizer") for n, _ in model.named_modules())  # refused before the swap
 
 
+def test_tensor_parallelism_is_refused_in_setup(tmp_path) -> None:
+    trainer = _fsdp2_trainer(tmp_path)
+    trainer.strategy._device_mesh = {"tensor_parallel": types.SimpleNamespace(size=lambda: 2)}  # as set up for TP=2
+    with pytest.raises(ValueError, match="does not support: tensor_parallel_size > 1"):
+        QuantCallback(Config.from_dict(TQT_CONFIG)).setup(trainer, LitLM("plain"), "fit")
+
+
 def test_fsdp1_is_refused_with_the_fsdp2_alternative() -> None:
     """Lightning runs FSDPStrategy on GPUs only; the check needs only the strategy."""
     trainer = types.SimpleNamespace(strategy=FSDPStrategy())
