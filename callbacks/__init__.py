@@ -3,5 +3,12 @@
 from callbacks.checkpoint_io import AtomicCheckpointIO
 from callbacks.mixed_precision import MixedPrecision
 from callbacks.quant import QuantCallback, load_quantized_checkpoint
+from callbacks.sharded_checkpoints import consolidate_checkpoint
 
-__all__ = ["QuantCallback", "MixedPrecision", "load_quantized_checkpoint", "AtomicCheckpointIO"]
+__all__ = [
+    "QuantCallback",
+    "MixedPrecision",
+    "load_quantized_checkpoint",
+    "consolidate_checkpoint",
+    "AtomicCheckpointIO",
+]

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from quark.torch.export.files import write_atomically
 
-__all__ = ["AtomicCheckpointIO", "ensure_atomic_checkpoints"]
+__all__ = ["AtomicCheckpointIO", "ensure_atomic_checkpoints", "save_checkpoint_file"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -38,6 +38,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         write_atomically(local.parent, local.name, lambda tmp: _save(checkpoint, tmp))
+
+
+def save_checkpoint_file(checkpoint: dict[str, Any], path: str | PathLike[str]) -> Path:
+    """``torch.save`` of ``checkpoint`` to a local ``path``, complete under its name or absent (as AtomicCheckpointIO)."""
+    local = Path(path)
+    return write_atomically(local.parent, local.name, lambda tmp: _save(checkpoint, tmp))
 
 
 def _save(checkpoint: dict[str, Any], tmp: str) -> None:

@@ -37,6 +37,7 @@ from callbacks.quantizer_lr import follow_schedule
 from callbacks.quantizer_state import is_learnable, is_ready, keep_out_of_ddp_broadcast, pause_quantizers
 from callbacks.report import QuantReport
 from callbacks.schedule import QuantSchedule
+from callbacks.sharded import ShardedTraining, uses_fsdp2
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_formats, export_model, get_format
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
@@ -79,7 +80,9 @@ def _to_config(config: Any) -> Config:
     return Config.from_dict(config)
 
 
-class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCapture, CalibrationData, Callback):
+class QuantCallback(
+    QuantSchedule, QuantReport, ShardedTraining, FloatCheckpointStart, GraphCapture, CalibrationData, Callback
+):
     r"""Quantize the LightningModule with a quark ``Config``: QAT during ``fit`` or PTQ calibration epochs.
 
     Example::
@@ -246,9 +249,9 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Swap the configured layers (once: a second fit or test reuses them)."""
-        ensure_atomic_checkpoints(
-            trainer, "QuantCallback"
-        )  # quantized.ckpt is complete or absent (not a user's plugin)
+        self._check_sharding(trainer)  # FSDP2: what it cannot run is refused before the module is sharded
+        if not uses_fsdp2(trainer):  # FSDP2 writes sharded directories itself, without a CheckpointIO
+            ensure_atomic_checkpoints(trainer, "QuantCallback")  # quantized.ckpt is complete or absent
         self._datamodule_fit_ready = stage == TrainerFn.FITTING  # Lightning just ran datamodule.setup(stage)
         if stage == TrainerFn.FITTING and (self._counting_for is None or self._counting_for() is not trainer):
             self._batches_seen = 0  # a new trainer counts from its first batch (a checkpoint restores the count)
@@ -298,8 +301,7 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
             raise ValueError(
                 f"QuantCallback under {type(trainer.strategy).__name__} ({trainer.world_size} processes): per-channel "
                 f"TQT thresholds / LSQ scales of {lazy} would take their shape from the first batch, after DDP has "
-                "laid out its gradient "
-                "buckets. Quantize activations per channel along the layer's feature axis (ch_axis=-1 for a Linear "
+                "laid out its gradient buckets (or FSDP2 has sharded them). Quantize activations per channel along the layer's feature axis (ch_axis=-1 for a Linear "
                 "input or output, ch_axis=1 for a convolution's), or per tensor."
             )
 
@@ -358,6 +360,7 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
         if self.mode != "qat":
             return
         self._update_observers(trainer, pl_module, batch)
+        self._note_sharded_init(trainer, pl_module)
         if self._lr_splits:
             follow_schedule(self._lr_splits, self.quantizer_lr)  # type: ignore[arg-type]
         self._freeze_batchnorm(trainer, pl_module)
@@ -447,8 +450,10 @@ class QuantCallback(QuantSchedule, QuantReport, FloatCheckpointStart, GraphCaptu
             self._fix_observers(trainer, pl_module, self._first_batch(trainer, pl_module))
         else:
             self._log_report(trainer, pl_module, self._first_batch(trainer, pl_module))
-        if self.export_formats and trainer.is_global_zero:
-            self._export(trainer, pl_module)
+        if self.export_formats:
+            with self._whole_weights(trainer, pl_module) as writer:  # FSDP2: every rank gathers, rank zero writes
+                if writer:
+                    self._export(trainer, pl_module)
 
     def _export(self, trainer: Trainer, pl_module: LightningModule) -> None:
         folder = self.export_dir or os.path.join(trainer.default_root_dir, "export")

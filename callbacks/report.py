@@ -39,7 +39,10 @@ class QuantReport:
         if not self.log_sqnr or not trainer.loggers:
             return
         with pause_quantizers(pl_module):  # no statistic changes; quantizers without qparams yet are skipped
-            metrics = {f"quant/sqnr_weight/{k}": v for k, v in weight_sqnr(pl_module).items()}
+            with self._whole_weights(trainer, pl_module):  # FSDP2: weights read outside a forward are gathered
+                metrics = {f"quant/sqnr_weight/{k}": v for k, v in weight_sqnr(pl_module).items()}
+                # a quantizer no forward has reached yet (no qparams) is off while paused: its layer counts as float
+                quantized_bits, float_bits = model_size_bits(pl_module)
             if batch is not None:
                 with preserve_modes(pl_module, mode=False):  # per module: a frozen BatchNorm stays in eval
                     batch = trainer.strategy.batch_to_device(as_trained(trainer, batch))
@@ -53,8 +56,6 @@ class QuantReport:
                             metrics.update(
                                 {f"quant/sqnr_act/{k}": v for k, v in activation_sqnr(pl_module, run).items()}
                             )
-            # while paused: a quantizer no forward has reached yet (no qparams) is off, so its layer counts as float
-            quantized_bits, float_bits = model_size_bits(pl_module)
         metrics.update({"quant/model_size_bits": float(quantized_bits), "quant/fp32_size_bits": float(float_bits)})
         self._log(trainer, metrics)
 

@@ -27,6 +27,7 @@ from quark.torch.export.quark_format import WEIGHTS_FILE, check_quark_exportable
 from quark.torch.export.safetensors import import_model_from_safetensors
 from quark.torch.export.single_file import FILENAME, read_single_file, write_single_file
 from quark.torch.quantization.config.config import Config
+from quark.torch.quantization.distributed import refuse_sharded
 
 __all__ = [
     "ExportFormat",
@@ -109,6 +110,12 @@ def export_model(
     """Export ``model`` in each of ``formats`` into ``output_dir``; returns ``{format: {"path": ..., **size_report}}``.
 
     Unknown formats, a missing example input (ONNX) and each format's check raise before anything is written."""
+    refuse_sharded(
+        model,
+        "export_model",
+        "Export inside quark.torch.quantization.distributed.gathered_parameters(model) on every rank (rank 0 "
+        "writing), as QuantCallback(export=...) does, or export the consolidated checkpoint in one process.",
+    )
     formats = check_formats(formats)
     needing = [f for f in formats if _FORMATS[f].needs_example]
     if needing and example_input is None:

@@ -45,6 +45,7 @@ from quark.torch.quantization.coverage import (
     uncalibrated_layers,
     warn_float_layers,
 )
+from quark.torch.quantization.distributed import refuse_sharded
 from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.nn.modules.quant_modules import (
     PREPARE_HOOKS,
@@ -224,6 +225,11 @@ class ModelQuantizer:
         Graph mode: returns a new, quantized graph module (same Parameter objects; conv + BatchNorm units simulate
         the folding for QAT); the captured graph passed in is left as it was. ``name_prefix``: what the graph's module
         names are under in the Config (``"net."`` for a captured ``self.net`` of a LightningModule)."""
+        refuse_sharded(
+            model,
+            "ModelQuantizer.prepare",
+            "Prepare before fully_shard (QuantCallback does it in setup, before configure_model).",
+        )
         if self.graph_mode:
             prepared = graph.prepare_graph(self._require_graph(model), self.config, name_prefix)
             warn_float_layers(self._graph_state(prepared).graph_float_layers or [], stacklevel=3)
@@ -431,6 +437,12 @@ class ModelQuantizer:
         embeddings, which need its float values). Conv + BatchNorm units of graph mode become plain convs with the
         folded weights first.
         """
+        refuse_sharded(
+            model,
+            "ModelQuantizer.freeze",
+            "It replaces the quantizers FSDP2 holds shards of: consolidate the checkpoint (callbacks."
+            "consolidate_checkpoint) and freeze the model load_quantized_checkpoint loads in one process.",
+        )
         graph.fold_batch_norms(model)
         unreached = uncalibrated_layers(model)  # checked before anything is changed
         if unreached:

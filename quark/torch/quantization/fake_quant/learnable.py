@@ -45,6 +45,7 @@ class LearnableFakeQuantize(FakeQuantizeBase):
     _fill: float = 0.0  # the placeholder value of the learned Parameter before initialisation
     _checked: tuple[int, int] | None = None  # (version, data_ptr) of the learned Parameter last found valid
     _what: str = ""  # the learned quantity in error messages
+    initial_value: torch.Tensor | None = None  # what the last initialisation wrote, until ``take_initial_value``
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__(spec, device)
@@ -56,6 +57,19 @@ class LearnableFakeQuantize(FakeQuantizeBase):
     @property
     def _learned_param(self) -> nn.Parameter:
         return getattr(self, self._learned_name)
+
+    @property
+    def learned_parameter(self) -> nn.Parameter:
+        """The learned Parameter (TQT ``log_threshold``, LSQ ``scale``), as the module holds it now: under FSDP2
+        outside a forward, the rank's shard (a DTensor)."""
+        return self._learned_param
+
+    def take_initial_value(self) -> torch.Tensor | None:
+        """The value the last initialisation wrote (then forgotten), or None. Under FSDP2 a forward writes into the
+        gathered copy of the Parameter, which is freed after it: ``quark.torch.quantization.sharded`` writes this
+        value into the shards."""
+        value, self.initial_value = self.initial_value, None
+        return value
 
     @property
     def channels_known(self) -> bool:
@@ -90,6 +104,7 @@ class LearnableFakeQuantize(FakeQuantizeBase):
             )
         with torch.no_grad():
             param.copy_(value.reshape(param.shape).to(param.device))
+        self.initial_value = param.detach().clone()
         self.initialized.fill_(1)
 
     def _per_channel_rows(self, x: torch.Tensor) -> torch.Tensor:
