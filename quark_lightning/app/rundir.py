@@ -55,6 +55,7 @@ from quark_lightning.app.lock import (
     log_files,
     read_state,
     run_dir_lock,
+    state_lock,
     state_on_disk,
     write_state,
 )
@@ -385,6 +386,11 @@ def record(out: Path, name: str = RUN_STATE) -> list[str]:
     entry = CLAIMED.get(claim_key(out, name))
     if entry is None:
         return []
+    with _state_guard(out, name):
+        return _record(out, name, entry)
+
+
+def _record(out: Path, name: str, entry: dict[str, Any]) -> list[str]:
     files, _ = _scan(out, entry["scan"])
     written: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
     for rel, stat in sorted(files.items()):
@@ -399,21 +405,42 @@ def record(out: Path, name: str = RUN_STATE) -> list[str]:
         written=[{"path": rel, **identity} for rel, (_, identity) in written.items()],
         dirs=sorted(created - entry["dirs_before"]),
     )
+    _merge_jobs(out, entry["state"], name)
     write_state(out, entry["state"], name)
     return list(written)
 
 
-def add_job(out: Path, job: Path) -> None:
-    """List ``job`` (a job's folder) in the ``jobs`` of the sweep that claimed ``out`` in this process: the sweep's
-    summary reads those folders only, not an earlier sweep's left beside them."""
-    entry = CLAIMED.get(claim_key(out, SWEEP_STATE))
-    if entry is None:
+def _state_guard(out: Path, name: str) -> contextlib.AbstractContextManager[None]:
+    """A sweep's state is also updated by its jobs in other processes (parallel launchers): under its state lock."""
+    return state_lock(out) if name == SWEEP_STATE else contextlib.nullcontext()
+
+
+def _merge_jobs(out: Path, state: dict[str, Any], name: str = SWEEP_STATE) -> None:
+    """Add to ``state["jobs"]`` the job folders the sweep's state on disk lists (added by jobs in other processes)."""
+    if name != SWEEP_STATE:
         return
-    rel = os.path.relpath(Path(job).resolve(), Path(out).resolve())
-    jobs = entry["state"].setdefault("jobs", [])
-    if rel not in jobs:
-        jobs.append(Path(rel).as_posix())
-        write_state(out, entry["state"], SWEEP_STATE)
+    jobs = state.setdefault("jobs", [])
+    disk = (state_on_disk(out, name) or {}).get("jobs")
+    jobs += [j for j in disk if isinstance(j, str) and j not in jobs] if isinstance(disk, list) else []
+
+
+def add_job(out: Path, job: Path) -> None:
+    """List ``job`` (a job's folder) in the ``jobs`` of the sweep that holds ``out``: claimed in this process, or by
+    the live sweep whose state is on disk (a job that Hydra's joblib or submitit launcher runs in another process).
+    The sweep's summary reads those folders only, not an earlier sweep's left beside them."""
+    out = Path(out)
+    if claim_key(out, SWEEP_STATE) not in CLAIMED and state_on_disk(out, SWEEP_STATE) is None:
+        return  # no sweep of this app holds it: nothing written there
+    rel = Path(os.path.relpath(Path(job).resolve(), out.resolve())).as_posix()
+    with state_lock(out):
+        entry = CLAIMED.get(claim_key(out, SWEEP_STATE))
+        state = entry["state"] if entry is not None else read_state(out, SWEEP_STATE)
+        if state is None or state.get("state") != "running":  # a stale or finished sweep's state stays as it is
+            return
+        _merge_jobs(out, state)
+        if rel not in state["jobs"]:
+            state["jobs"].append(rel)
+            write_state(out, state, SWEEP_STATE)
 
 
 def write_recorded(out: Path, name: str, content: str | Callable[[str], None], state_name: str = RUN_STATE) -> bool:
@@ -422,6 +449,11 @@ def write_recorded(out: Path, name: str, content: str | Callable[[str], None], s
     summary, the float-test cache); False, with an error logged, when a file there is not one a run of this app
     recorded (a file of the user's is never written over)."""
     out = Path(out)
+    with _state_guard(out, state_name):
+        return _write_recorded(out, name, content, state_name)
+
+
+def _write_recorded(out: Path, name: str, content: str | Callable[[str], None], state_name: str) -> bool:
     state = state_on_disk(out, state_name)
     if os.path.lexists(out / name) and not _owned(out, name, _recorded(state)):
         kind = KINDS[state_name][0]
@@ -486,19 +518,24 @@ def finish(out: Path, error: BaseException | None, name: str = RUN_STATE) -> Non
     if entry is None:
         return
     try:
-        with contextlib.suppress(OSError):  # a failed run's files are recorded too (a full disk: as far as it can)
-            record(out, name)
-        state = dict(entry["state"], finished=_now())
-        if error is None:
-            state.update(
-                state="complete", **({"results": "results.json", "files": run_files(out)} if name == RUN_STATE else {})
-            )
-        else:
-            text = str(error).strip().splitlines()
-            state.update(state="failed", error=f"{type(error).__name__}: {text[0] if text else ''}"[:2000])
-        write_state(out, state, name)
+        with _state_guard(out, name):
+            _finish(out, error, name, entry)
     finally:
         CLAIMED.pop(claim_key(out, name), None)
+
+
+def _finish(out: Path, error: BaseException | None, name: str, entry: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # a failed run's files are recorded too (a full disk: as far as it can)
+        record(out, name)
+    state = dict(entry["state"], finished=_now())
+    if error is None:
+        state.update(
+            state="complete", **({"results": "results.json", "files": run_files(out)} if name == RUN_STATE else {})
+        )
+    else:
+        text = str(error).strip().splitlines()
+        state.update(state="failed", error=f"{type(error).__name__}: {text[0] if text else ''}"[:2000])
+    write_state(out, state, name)
 
 
 @contextlib.contextmanager
@@ -542,5 +579,6 @@ __all__ = [
     "remove_temporaries",
     "run_dir_lock",
     "run_files",
+    "state_lock",
     "write_recorded",
 ]
