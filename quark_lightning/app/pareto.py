@@ -4,7 +4,8 @@ front flagged) and ``pareto.png`` (metric against model size: the trials, the fr
 A Hydra callback (``hydra.callbacks.sweep_summary`` of conf/hparams_search/optuna_bits.yaml): after each job it
 writes ``trial.json`` (overrides, status, error, returned values) into the job's folder, so a trial that raised is
 recorded too; at the end of the multirun it reads those and the jobs' ``results.json``. By hand:
-``python -m quark_lightning.app.pareto multirun/2026-11-22/10-00-00``. pareto.csv/png are recorded in the sweep's ``sweep_state.json``
+``python -m quark_lightning.app.pareto multirun/2026-11-22/10-00-00`` (a search sharing a storage: add its URL and
+study name, and every worker's trials are listed). pareto.csv/png are recorded in the sweep's ``sweep_state.json``
 (``quark_lightning.app.sweepdir``): a file of the user's under their names stops the search before its first trial.
 """
 
@@ -184,8 +185,11 @@ def _with_study(rows: list[dict[str, Any]], study: list[dict[str, Any]], sweep_d
             rows.append(_row(folder, sweep_dir))
             continue
         row: dict[str, Any] = {c: None for c in COLUMNS}
-        row.update(trial=t["number"], status="failed", metric_mode=None, params={}, job=where)
-        row["error"] = f"trial {t['number']} is {t['state'].lower()} in the study; no job folder of it was found"
+        state = t["state"].lower()  # running (in another worker), waiting, or a trial whose folder is gone
+        row.update(trial=t["number"], status=state if state in ("running", "waiting") else "failed", job=where)
+        row.update(
+            metric_mode=None, params={}, error=f"trial {t['number']} is {state} in the study; no job folder found"
+        )
         rows.append(row)
     return sorted(rows, key=lambda r: (r["trial"] is None, r["trial"] if r["trial"] is not None else 0))
 
@@ -261,7 +265,8 @@ def write_pareto(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     value differs between trials) and ``pareto.png`` in ``folder``, each complete or absent and recorded in its
     ``sweep_state.json``; returns the paths written (a file of the user's is not written over: an error is logged)."""
     keys = sorted({k for r in rows for k in r["params"]})
-    params = [k for k in keys if "layer_bits" in k or len({r["params"].get(k) for r in rows}) > 1]
+    listed = [r for r in rows if r["params"]]  # a trial of another worker not finished yet has none
+    params = [k for k in keys if "layer_bits" in k or len({r["params"].get(k) for r in listed}) > 1]
     from quark_lightning.app.rundir import SWEEP_STATE, write_recorded  # here: importing quark takes a second
 
     text = io.StringIO()
@@ -345,9 +350,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m quark_lightning.app.pareto SWEEP_DIR [STORAGE_URL STUDY_NAME]
     sweep = Path(sys.argv[1])
-    found = collect(sweep)
+    shared = OmegaConf.create({"hydra": {"sweeper": {"storage": sys.argv[2], "study_name": sys.argv[3]}}})
+    found = collect(sweep, _study_trials(shared) if len(sys.argv) > 3 else None)
     if not found:
         sys.exit(f"no trials under {sweep}")
     print(*write_pareto(found, sweep) or ["nothing written (see the error above)"])

@@ -94,6 +94,28 @@ def check_storage(config: DictConfig) -> None:
             "(conf/hparams_search/common/optuna.yaml): it gives each job its trial number and releases the lock "
             "the workers draw under"
         )
+    _create_study(config, storage)
+
+
+def _create_study(config: DictConfig, storage: str) -> None:
+    """The storage's tables and the study, made (or found) by one worker at a time (two workers creating the tables of
+    a new sqlite database at once: "table studies already exists"); its directions checked against the search's."""
+    import optuna
+
+    direction = OmegaConf.to_container(config.hydra.sweeper, resolve=True).get("direction")  # type: ignore[union-attr]
+    directions = [str(d) for d in direction] if isinstance(direction, list) else [str(direction)]
+    hold_sampling(storage)
+    try:
+        optuna.create_study(
+            study_name=str(config.hydra.sweeper.study_name),
+            storage=storage,
+            directions=directions,
+            load_if_exists=True,
+        )
+    except Exception as err:  # noqa: BLE001 - optuna's and the database's errors: named, before the sweep
+        raise ValueError(f"hydra.sweeper.storage={storage}: the study cannot be created or loaded: {err}") from None
+    finally:
+        release_sampling()
 
 
 def shared_dir_hint(config: DictConfig) -> str:
