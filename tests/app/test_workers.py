@@ -231,3 +231,24 @@ def test_workers_draw_in_turn_and_never_the_same_configuration(tmp_path: Path) -
     trials = optuna.load_study(study_name="s", storage=url).trials
     assert {t.number: t.params["++hparams_search.trial"] for t in trials[1:]} == {1: 1, 2: 2, 3: 3}
     assert {Path(t.user_attrs["sweep_dir"]).name for t in trials[1:]} == {"w0", "w1", "w2"}
+
+
+def test_a_second_worker_on_one_sweep_dir_is_refused(tmp_path: Path) -> None:
+    """Two workers of one study on one sweep directory: the second stops before its first trial, told what to do."""
+    sweep = tmp_path / "w0"
+    url = f"sqlite:///{tmp_path / 'bits.db'}"
+    cfg = _search_cfg(storage=url)
+    cfg.hydra.sweep = {"dir": str(sweep), "subdir": "${hydra.job.num}"}
+    cfg.hydra.overrides = {"task": []}
+    first = SweepSummary()
+    first.on_multirun_start(cfg)  # the first worker holds the directory
+    try:
+        before = (sweep / SWEEP_STATE).read_bytes()
+        with pytest.raises(SystemExit) as stop:
+            SweepSummary().on_multirun_start(cfg)
+        message = str(stop.value.code)
+        assert message.startswith(f"error: the run directory {sweep} is in use by another run")
+        assert f"Workers sharing hydra.sweeper.storage={url} each need a sweep directory of their own" in message
+        assert (sweep / SWEEP_STATE).read_bytes() == before  # the first worker's state untouched
+    finally:
+        first.on_multirun_end(cfg)
