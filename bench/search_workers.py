@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,27 +91,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--float-epochs", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of every configuration, interleaved")
     opts = parser.parse_args()
     import torch
 
     print(f"machine: {os.cpu_count()} CPU cores (shared with other work), torch {torch.__version__}, ", end="")
     print(f"default intra-op threads {torch.get_num_threads()}")
+    configs = [  # (label, workers, OMP_NUM_THREADS per worker: None = torch's default)
+        ("1 worker, default threads", 1, None),
+        ("2 workers, default threads each", 2, None),
+        ("2 workers, 1 thread each", 2, 1),
+    ]
+    times: dict[str, list[float]] = {label: [] for label, _, _ in configs}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         ckpt = float_checkpoint(folder, opts.float_epochs)
-        runs = [  # (label, workers, OMP_NUM_THREADS per worker: None = torch's default)
-            ("1 worker, default threads", 1, None),
-            ("2 workers, default threads each", 2, None),
-            ("2 workers, 1 thread each", 2, 1),
-            ("1 worker, default threads (again)", 1, None),
-        ]
-        times = {label: search(folder, f"run{i}", ckpt, opts.trials, w, t) for i, (label, w, t) in enumerate(runs)}
-    base = (times[runs[0][0]] + times[runs[-1][0]]) / 2  # the single worker before and after: drift on a shared box
+        for round_ in range(opts.repeats):  # interleaved: drift of a shared machine hits every configuration
+            for i, (label, workers, threads) in enumerate(configs):
+                times[label].append(search(folder, f"r{round_}c{i}", ckpt, opts.trials, workers, threads))
+    base = statistics.median(times[configs[0][0]])
     print(f"\n{opts.trials} trials of hparams_search=optuna_bits (digits CNN, PTQ from one float checkpoint)")
-    print("| run | wall s | s per trial | speed-up vs 1 worker (mean of both single runs) |")
-    print("|---|---|---|---|")
+    print("| run | wall s (each round) | median s | median s per trial | speed-up vs 1 worker (medians) |")
+    print("|---|---|---|---|---|")
     for label, seconds in times.items():
-        print(f"| {label} | {seconds:.1f} | {seconds / opts.trials:.2f} | {base / seconds:.2f}x |")
+        median = statistics.median(seconds)
+        rounds = ", ".join(f"{t:.1f}" for t in seconds)
+        print(f"| {label} | {rounds} | {median:.1f} | {median / opts.trials:.2f} | {base / median:.2f}x |")
 
 
 if __name__ == "__main__":

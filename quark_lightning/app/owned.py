@@ -14,7 +14,7 @@ from typing import Any
 from quark.torch.export.files import remove_stale_temporaries
 from quark_lightning.app.lock import inside
 
-log = logging.getLogger("quark_lightning.app.rundir")  # the messages of a claim, as before this module was split off
+log = logging.getLogger(__name__)
 
 
 def rel_path(out: Path, path: Path) -> str:
