@@ -99,6 +99,7 @@ def main() -> None:
     print(f"default intra-op threads {torch.get_num_threads()}")
     configs = [  # (label, workers, OMP_NUM_THREADS per worker: None = torch's default)
         ("1 worker, default threads", 1, None),
+        ("1 worker, 1 thread", 1, 1),
         ("2 workers, default threads each", 2, None),
         ("2 workers, 1 thread each", 2, 1),
     ]
