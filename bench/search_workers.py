@@ -118,6 +118,12 @@ def main() -> None:
         median = statistics.median(seconds)
         rounds = ", ".join(f"{t:.1f}" for t in seconds)
         print(f"| {label} | {rounds} | {median:.1f} | {median / opts.trials:.2f} | {base / median:.2f}x |")
+    for threads in ("default threads", "1 thread"):  # the same threads per worker: what a second worker adds
+        one = statistics.median(times[f"1 worker, {threads}"])
+        two = statistics.median(times[f"2 workers, {threads} each"])
+        print(
+            f"2 workers against 1 worker, {threads} per worker: {one / two:.2f}x (median {two:.1f} s against {one:.1f} s)"
+        )
 
 
 if __name__ == "__main__":
