@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from quark_lightning.app.conf import CONF_DIR, ConfigError, check_overrides, register_role_groups
 from quark_lightning.app.search import check_search_args, objective_values, register_search
+from quark_lightning.app.workers import check_launcher_args
 
 register_role_groups()
 register_search()  # hparams_search=optuna_bits: the resolver of its directions, the sampler uniform_first
@@ -39,7 +40,7 @@ def run_config(cfg: DictConfig) -> float | list[float] | None:
 
 def main() -> None:
     """Check the command line (a mistake: one ``error:`` line, no traceback), then run Hydra's main."""
-    problem = check_overrides(sys.argv[1:]) or check_search_args(sys.argv[1:])
+    problem = check_overrides(sys.argv[1:]) or check_search_args(sys.argv[1:]) or check_launcher_args(sys.argv[1:])
     if problem:
         sys.exit(f"error: {problem}")
     run_config()

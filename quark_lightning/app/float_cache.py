@@ -17,6 +17,7 @@ from quark_lightning.app.rundir import (
     FLOAT_TEST_CACHE,
     SWEEP_STATE,
     read_recorded,
+    state_lock,
     write_recorded,
 )
 
@@ -25,16 +26,12 @@ def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]
     """The float model's test metrics: ``test()``, or what ``cache`` (a JSON file) holds under ``key`` from an earlier
     job of the same sweep, which tested the same model on the same data. The cache is a file of the sweep, recorded in
     its ``sweep_state.json``: read only while it is as recorded, new results added atomically and recorded; an
-    unreadable cache is ignored (the test runs again), one that is not the sweep's is neither read nor written over."""
+    unreadable cache is ignored (the test runs again), one that is not the sweep's is neither read nor written over.
+    Jobs running at once (a parallel launcher) may each test a model the cache does not hold yet; each adds its entry
+    under the sweep directory's state lock, to the cache as it is then: no entry is lost."""
     if cache is None:
         return test()
-    text = read_recorded(cache.parent, cache.name, SWEEP_STATE)
-    try:
-        stored = json.loads(text) if text is not None else {}
-    except ValueError:
-        stored = {}
-    if not isinstance(stored, dict):
-        stored = {}
+    stored = _stored(cache)
     try:
         cached = {str(k): float(v) for k, v in stored[key].items()} if isinstance(stored.get(key), dict) else None
     except (TypeError, ValueError):  # not numbers: tested again
@@ -46,9 +43,20 @@ def float_test(cache: Path | None, key: str, test: Callable[[], dict[str, float]
         return cached
     with _rng_kept():  # a cache hit consumes no randomness: neither does the test that fills it
         metrics = test()
-    stored[key] = metrics
-    write_recorded(cache.parent, cache.name, json.dumps(stored, indent=1, sort_keys=True) + "\n", SWEEP_STATE)
+    with state_lock(cache.parent):  # jobs in other processes add theirs meanwhile: read again, add, write
+        stored = {**_stored(cache), key: metrics}
+        write_recorded(cache.parent, cache.name, json.dumps(stored, indent=1, sort_keys=True) + "\n", SWEEP_STATE)
     return metrics
+
+
+def _stored(cache: Path) -> dict[str, object]:
+    """The cache's entries (empty when it is absent, unreadable or not the sweep's)."""
+    text = read_recorded(cache.parent, cache.name, SWEEP_STATE)
+    try:
+        stored = json.loads(text) if text is not None else {}
+    except ValueError:
+        return {}
+    return stored if isinstance(stored, dict) else {}
 
 
 @contextlib.contextmanager

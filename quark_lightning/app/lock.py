@@ -36,6 +36,9 @@ KINDS = {
     SWEEP_STATE: ("sweep", "hydra.sweep.dir=<another dir>"),
 }
 LOCK = ".lock"
+#: a sweep directory's second lock, waited for: its state file and shared files (the float-test cache) are updated
+#: under it, by the sweep and by its jobs running in other processes (Hydra's joblib or submitit launchers)
+STATE_LOCK = ".state.lock"
 
 #: the runs (and sweeps) of this process that claimed a directory and have not finished: (resolved directory, state
 #: file) -> its state
@@ -133,7 +136,7 @@ def run_dir_lock(out: Path) -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def _flock(out: Path) -> Iterator[None]:
-    fd = _open_lock(out / LOCK)
+    fd = open_lock(out / LOCK)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -142,6 +145,43 @@ def _flock(out: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+#: the state locks this process holds: resolved directory -> depth (taken again inside itself: no second flock, which
+#: would wait for itself)
+_STATE_HELD: dict[Path, int] = {}
+
+
+@contextlib.contextmanager
+def state_lock(out: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<out>/.state.lock``, waited for, around a read-modify-write of the directory's
+    state file or of a file its jobs share (the sweep process and its jobs in other processes or on other hosts of a
+    shared file system take it in turn, so that no update is lost). Re-entrant within a process; the file is created
+    when absent, never written, opened without following a link."""
+    key = Path(out).resolve()
+    if fcntl is None or key in _STATE_HELD:
+        _STATE_HELD[key] = _STATE_HELD.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            _release_depth(key)
+        return
+    fd = open_lock(Path(out) / STATE_LOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _STATE_HELD[key] = 1
+        try:
+            yield
+        finally:
+            _release_depth(key)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _release_depth(key: Path) -> None:
+    _STATE_HELD[key] -= 1
+    if not _STATE_HELD[key]:
+        del _STATE_HELD[key]
 
 
 def busy_error(out: Path) -> ConfigError:
@@ -155,7 +195,7 @@ def busy_error(out: Path) -> ConfigError:
     )
 
 
-def _open_lock(path: Path) -> int:
+def open_lock(path: Path) -> int:
     """The lock file, opened without following a link, created when absent, never written (read-write only because
     an exclusive lock on NFS needs it); ConfigError when it is a link or not a regular file."""
     try:

@@ -4,7 +4,8 @@ front flagged) and ``pareto.png`` (metric against model size: the trials, the fr
 A Hydra callback (``hydra.callbacks.sweep_summary`` of conf/hparams_search/optuna_bits.yaml): after each job it
 writes ``trial.json`` (overrides, status, error, returned values) into the job's folder, so a trial that raised is
 recorded too; at the end of the multirun it reads those and the jobs' ``results.json``. By hand:
-``python -m quark_lightning.app.pareto multirun/2026-11-22/10-00-00``. pareto.csv/png are recorded in the sweep's ``sweep_state.json``
+``python -m quark_lightning.app.pareto multirun/2026-11-22/10-00-00`` (a search sharing a storage: add its URL and
+study name, and every worker's trials are listed). pareto.csv/png are recorded in the sweep's ``sweep_state.json``
 (``quark_lightning.app.sweepdir``): a file of the user's under their names stops the search before its first trial.
 """
 
@@ -16,13 +17,14 @@ import io
 import json
 import logging
 import math
+import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from quark_lightning.app.summary import job_files, natural_key
 from quark_lightning.app.sweepdir import SweepFiles
@@ -60,6 +62,7 @@ class ParetoFront(SweepFiles):
         value = _job_value(job_return)
         record: dict[str, Any] = {
             "job": int(config.hydra.job.num),
+            "trial": OmegaConf.select(config, "hparams_search.trial"),  # Optuna's number (workers.tag_trial)
             "overrides": list(job_return.overrides or []),
             "status": status,
         }
@@ -80,7 +83,7 @@ class ParetoFront(SweepFiles):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        rows = collect(sweep_dir)
+        rows = collect(sweep_dir, _study_trials(config))
         if not rows:
             print(f"pareto: no trials under {sweep_dir}")
         elif written := write_pareto(rows, sweep_dir):
@@ -116,11 +119,15 @@ def pareto_mask(points: Sequence[Sequence[float] | None], directions: Sequence[s
 
 
 # ----------------------------------------------------------------------------------------------- the table
-def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+def collect(sweep_dir: Path, study: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One row per job folder of the sweep (one holding trial.json or results.json; of the sweep that last claimed
-    ``sweep_dir``: ``quark_lightning.app.summary.job_files``), in job order, the front flagged."""
+    ``sweep_dir``: ``quark_lightning.app.summary.job_files``), in job order, the front flagged. ``study``: the trials
+    of a study other workers share (``quark_lightning.app.workers.study_trials``): theirs too, read from their
+    workers' sweep directories, in trial order (one not finished, or whose folder is not found: a row without values)."""
     folders = {p.parent for name in (TRIAL_FILE, "results.json") for p in job_files(sweep_dir, name)}
     rows = [_row(folder, sweep_dir) for folder in sorted(folders, key=lambda p: natural_key(p.relative_to(sweep_dir)))]
+    if study is not None:
+        rows = _with_study(rows, study, sweep_dir)
     modes = {r["metric_mode"] for r in rows if r["metric_mode"]}
     directions = ["maximize" if modes == {"max"} else "minimize", "minimize"]
     points = [(r["value"], r["model_bits"]) if r["status"] == "ok" else None for r in rows]
@@ -133,7 +140,9 @@ def _row(folder: Path, sweep_dir: Path) -> dict[str, Any]:
     trial = _read(folder / TRIAL_FILE) or {}
     results = _read(folder / "results.json")
     row: dict[str, Any] = {c: None for c in COLUMNS}
-    row.update(job=str(folder.relative_to(sweep_dir)), trial=trial.get("job"), metric_mode=None, params=_params(trial))
+    number = trial.get("trial") if trial.get("trial") is not None else trial.get("job")
+    row.update(job=Path(os.path.relpath(folder, sweep_dir)).as_posix(), trial=number, metric_mode=None)
+    row["params"] = _params(trial)
     if results is not None:
         m, size = results["metric"], results["size"]
         value = m["quantized"] if m["quantized"] is not None else m["float"]
@@ -161,6 +170,52 @@ def _row(folder: Path, sweep_dir: Path) -> dict[str, Any]:
     return row
 
 
+def _with_study(rows: list[dict[str, Any]], study: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, Any]]:
+    """``rows`` (this worker's) and a row per other trial of the shared study, in trial order."""
+    own = {r["trial"] for r in rows}
+    found: dict[str, dict[int, Path]] = {}  # another worker's sweep directory -> trial number -> job folder
+    for t in study:
+        if t["number"] in own:
+            continue
+        where = t.get("sweep_dir")
+        if where and where not in found:
+            found[where] = _trial_folders(Path(where))
+        folder = found.get(where or "", {}).get(t["number"])
+        if folder is not None:
+            rows.append(_row(folder, sweep_dir))
+            continue
+        row: dict[str, Any] = {c: None for c in COLUMNS}
+        state = t["state"].lower()  # running (in another worker), waiting, or a trial whose folder is gone
+        row.update(trial=t["number"], status=state if state in ("running", "waiting") else "failed", job=where)
+        row.update(
+            metric_mode=None, params={}, error=f"trial {t['number']} is {state} in the study; no job folder found"
+        )
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["trial"] is None, r["trial"] if r["trial"] is not None else 0))
+
+
+def _trial_folders(sweep_dir: Path) -> dict[int, Path]:
+    """The job folders of a worker's sweep directory by the trial number their trial.json holds."""
+    folders = {}
+    for path in job_files(sweep_dir, TRIAL_FILE):
+        number = (_read(path) or {}).get("trial")
+        if isinstance(number, int):
+            folders[number] = path.parent
+    return folders
+
+
+def _study_trials(config: DictConfig) -> list[dict[str, Any]] | None:
+    """The shared study's trials (``quark_lightning.app.workers.study_trials``); None without a storage, or when it
+    cannot be read (logged: the table is this worker's trials)."""
+    from quark_lightning.app.workers import study_trials
+
+    try:
+        return study_trials(config)
+    except Exception as err:  # noqa: BLE001 - the storage's own errors (sqlalchemy, optuna): this worker's table
+        log.error("pareto: the study in hydra.sweeper.storage could not be read (%s): this worker's trials only", err)
+        return None
+
+
 def value_ok(value: Any) -> bool:
     return value is not None and not math.isnan(float(value))
 
@@ -178,7 +233,8 @@ def _params(trial: dict[str, Any]) -> dict[str, str]:
     for override in trial.get("overrides") or []:
         key, _, value = str(override).partition("=")
         key = key.lstrip("+~")
-        out[key.removeprefix("quant.")] = value
+        if not key.startswith("hparams_search."):  # the trial's number (a column of its own)
+            out[key.removeprefix("quant.")] = value
     return out
 
 
@@ -209,7 +265,8 @@ def write_pareto(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     value differs between trials) and ``pareto.png`` in ``folder``, each complete or absent and recorded in its
     ``sweep_state.json``; returns the paths written (a file of the user's is not written over: an error is logged)."""
     keys = sorted({k for r in rows for k in r["params"]})
-    params = [k for k in keys if "layer_bits" in k or len({r["params"].get(k) for r in rows}) > 1]
+    listed = [r for r in rows if r["params"]]  # a trial of another worker not finished yet has none
+    params = [k for k in keys if "layer_bits" in k or len({r["params"].get(k) for r in listed}) > 1]
     from quark_lightning.app.rundir import SWEEP_STATE, write_recorded  # here: importing quark takes a second
 
     text = io.StringIO()
@@ -293,9 +350,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m quark_lightning.app.pareto SWEEP_DIR [STORAGE_URL STUDY_NAME]
     sweep = Path(sys.argv[1])
-    found = collect(sweep)
+    shared = OmegaConf.create({"hydra": {"sweeper": {"storage": sys.argv[2], "study_name": sys.argv[3]}}})
+    found = collect(sweep, _study_trials(shared) if len(sys.argv) > 3 else None)
     if not found:
         sys.exit(f"no trials under {sweep}")
     print(*write_pareto(found, sweep) or ["nothing written (see the error above)"])

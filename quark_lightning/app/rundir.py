@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import logging
 import os
 import socket
@@ -39,7 +38,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from quark.torch.export.files import is_temporary, remove_stale_temporaries, write_atomically, write_text_atomically
+from quark.torch.export.files import is_temporary, write_atomically, write_text_atomically
 from quark_lightning.app.lock import (
     CLAIMED,
     KINDS,
@@ -55,8 +54,17 @@ from quark_lightning.app.lock import (
     log_files,
     read_state,
     run_dir_lock,
+    state_lock,
     state_on_disk,
     write_state,
+)
+from quark_lightning.app.owned import (
+    identity,
+    owned,
+    recorded_files,
+    rel_path,
+    remove_recorded,
+    remove_temporaries,
 )
 
 log = logging.getLogger(__name__)
@@ -133,10 +141,10 @@ def _taken(out: Path, files: Sequence[str], folders: Sequence[str], state_name: 
     """What of ``files`` and ``folders`` (see ``check_free``) is there and not recorded by the state file (the state
     file itself when it is unreadable or a link)."""
     state = read_state(out, state_name)
-    recorded = _recorded(state)
+    recorded = recorded_files(state)
     unreadable = os.path.lexists(out / state_name) and (state is None or (out / state_name).is_symlink())
     taken = [state_name] if unreadable else []
-    taken += [rel for rel in files if os.path.lexists(out / rel) and not _owned(out, rel, recorded)]
+    taken += [rel for rel in files if os.path.lexists(out / rel) and not owned(out, rel, recorded)]
     if state_name == RUN_STATE:  # the Hydra log file, appended by every run: there before any run of ours = a user's
         ours = [] if state is None else state.get("logs", job_logs(out))  # a state without "logs": an older run's
         taken += [rel for rel in job_logs(out) if os.path.lexists(out / rel) and rel not in ours]
@@ -144,7 +152,7 @@ def _taken(out: Path, files: Sequence[str], folders: Sequence[str], state_name: 
         if os.path.lexists(out / folder) and not (out / folder).is_dir():
             taken.append(folder)
         for rel in _files_under(out, folder):
-            if not _owned(out, rel, recorded):
+            if not owned(out, rel, recorded):
                 taken.append(rel)
     return taken
 
@@ -160,117 +168,7 @@ def _files_under(out: Path, folder: str) -> list[str]:
         dirs[:] = [d for d in dirs if not is_temporary(d)]
         found += [Path(parent, n) for n in names if not is_temporary(n)]
         found += [Path(parent, d) for d in dirs if Path(parent, d).is_symlink()]
-    return sorted(_rel(out, p) for p in found)
-
-
-def _rel(out: Path, path: Path) -> str:
-    return path.relative_to(out).as_posix()
-
-
-# ----------------------------------------------------------------------------------------------- identities
-def _hash(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _identity(path: Path) -> dict[str, Any]:
-    """What a recorded file is: its size and content hash."""
-    return {"size": path.stat().st_size, "sha256": _hash(path)}
-
-
-def _recorded(state: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """The files a run's state lists as written: path (as recorded) -> size and hash (malformed entries dropped)."""
-    entries = (state or {}).get("written")
-    found = {}
-    for entry in entries if isinstance(entries, list) else []:
-        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("size"), int):
-            found[entry["path"]] = entry
-    return found
-
-
-def _relative(rel: str) -> bool:
-    """``rel`` names a place inside the run directory: relative, without ``..``, ``.`` or empty parts."""
-    parts = rel.split("/")
-    return bool(rel) and not os.path.isabs(rel) and "\\" not in rel and all(p not in ("", ".", "..") for p in parts)
-
-
-def _reach(out: Path, rel: str) -> tuple[Path | None, str | None]:
-    """``out/rel`` when every folder on the way is a real folder (not a link): (path, None); else (None, why), why
-    None when the way is simply gone."""
-    path = out
-    for part in rel.split("/")[:-1]:
-        path = path / part
-        if path.is_symlink():
-            return None, f"{_rel(out, path)} is a symbolic link"
-        if not path.is_dir():
-            return None, None
-    return path / rel.rsplit("/", 1)[-1], None
-
-
-def _owned(out: Path, rel: str, recorded: dict[str, dict[str, Any]]) -> bool:
-    """``out/rel`` is a regular file recorded with its size and hash (read through a linked folder such as
-    checkpoints/ on a larger disk: it is only compared here, never removed through the link)."""
-    entry, path = recorded.get(rel), out / rel
-    if entry is None or not _relative(rel) or path.is_symlink() or not path.is_file():
-        return False
-    return path.stat().st_size == entry["size"] and _hash(path) == entry.get("sha256")
-
-
-# ----------------------------------------------------------------------------------------------- removal
-def _remove_recorded(out: Path, state: dict[str, Any] | None, keep: set[Path]) -> tuple[list[str], list[str]]:
-    """Remove the files ``state`` recorded that are still as recorded (see the module's docstring), except ``keep``;
-    then the empty folders it created. Returns what went and what stayed (each with why)."""
-    removed: list[str] = []
-    kept: list[str] = []
-    for rel, entry in _recorded(state).items():
-        why = _removable(out, rel, entry, keep)
-        if why is None:
-            (out / rel).unlink()
-            removed.append(rel)
-        elif why:
-            kept.append(f"{rel} ({why})")
-    dirs = (state or {}).get("dirs")
-    for rel in sorted((d for d in dirs if isinstance(d, str)) if isinstance(dirs, list) else [], reverse=True):
-        path, _ = _reach(out, rel) if _relative(rel) else (None, None)
-        if path is not None and path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
-            path.rmdir()
-            removed.append(rel + "/")
-    return removed, kept
-
-
-def _removable(out: Path, rel: str, entry: dict[str, Any], keep: set[Path]) -> str | None:
-    """None when ``out/rel`` may go; else why it stays ("" when there is nothing to say: it is gone)."""
-    if not _relative(rel):
-        return "refused: a path outside the run directory"
-    path, why = _reach(out, rel)
-    if path is None:
-        return why or ""
-    if path.is_symlink():
-        return "a symbolic link"
-    if not os.path.lexists(path):
-        return ""
-    if not path.is_file():
-        return "not a regular file"
-    if path.resolve() in keep:
-        return "this run's input"
-    if path.stat().st_size != entry["size"] or _hash(path) != entry.get("sha256"):
-        return "changed since that run wrote it"
-    return None
-
-
-def remove_temporaries(out: Path, places: Sequence[Path]) -> list[Path]:
-    """The stale temporaries (this project's prefix) of writes that never finished (a killed export or checkpoint),
-    in ``out`` and ``.hydra`` and anywhere under ``places`` reached without a link."""
-    reachable = [p for p in places if inside(out, p) and _reach(out, _rel(out, p))[0] is not None]
-    removed = remove_stale_temporaries([out, out / ".hydra"], reachable)
-    if removed:
-        log.info(
-            "run directory %s: removed %d temporary file(s) of writes that never finished: %s",
-            out,
-            len(removed),
-            ", ".join(_rel(out, p) for p in removed),
-        )
-    return removed
+    return sorted(rel_path(out, p) for p in found)
 
 
 def claim(cfg: DictConfig, out: Path, inputs: Sequence[str | None] = ()) -> dict[str, Any]:
@@ -301,7 +199,7 @@ def _claim(
     previous = read_state(out, name)
     if previous is not None and previous.get("state") == "running":  # we hold the lock: that run is gone (killed)
         previous["state"] = "stale"
-    removed, kept = _remove_recorded(out, previous, keep)
+    removed, kept = remove_recorded(out, previous, keep)
     remove_temporaries(out, places)
     kind = KINDS[name][0]
     who = (
@@ -327,7 +225,7 @@ def _claim(
         "started": _now(),
         "argv": list(sys.argv),
         "overrides": list(overrides) if overrides is not None else _overrides(),
-        "outputs": [_rel(out, p) for p in places],
+        "outputs": [rel_path(out, p) for p in places],
         "written": [],
         "dirs": [],
         "logs": job_logs(out) if name == RUN_STATE else [],  # appended by each run, so not hashed: named as ours
@@ -361,14 +259,14 @@ def _scan(out: Path, places: Sequence[Path]) -> tuple[dict[str, tuple[int, int, 
     dirs: set[str] = set()
     for place in places:
         if place.is_file() and not place.is_symlink():
-            files[_rel(out, place)] = _stat(place)
+            files[rel_path(out, place)] = _stat(place)
             continue
         for parent, _, names in os.walk(place) if place.is_dir() else ():
-            dirs.add(_rel(out, Path(parent)))
+            dirs.add(rel_path(out, Path(parent)))
             for name in names:
                 path = Path(parent, name)
                 if path.is_file() and not path.is_symlink():
-                    files[_rel(out, path)] = _stat(path)
+                    files[rel_path(out, path)] = _stat(path)
     return files, dirs
 
 
@@ -385,6 +283,11 @@ def record(out: Path, name: str = RUN_STATE) -> list[str]:
     entry = CLAIMED.get(claim_key(out, name))
     if entry is None:
         return []
+    with _state_guard(out, name):
+        return _record(out, name, entry)
+
+
+def _record(out: Path, name: str, entry: dict[str, Any]) -> list[str]:
     files, _ = _scan(out, entry["scan"])
     written: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
     for rel, stat in sorted(files.items()):
@@ -392,28 +295,49 @@ def record(out: Path, name: str = RUN_STATE) -> list[str]:
         if stat == entry["before"].get(rel) or is_temporary(path.name):  # as before the claim (an input, a user's)
             continue
         known = entry["written"].get(rel)
-        written[rel] = known if known is not None and known[0] == stat else (stat, _identity(path))
+        written[rel] = known if known is not None and known[0] == stat else (stat, identity(path))
     entry["written"] = written
     created = {str(parent) for rel in written for parent in Path(rel).parents if str(parent) != "."}
     entry["state"].update(
         written=[{"path": rel, **identity} for rel, (_, identity) in written.items()],
         dirs=sorted(created - entry["dirs_before"]),
     )
+    _merge_jobs(out, entry["state"], name)
     write_state(out, entry["state"], name)
     return list(written)
 
 
-def add_job(out: Path, job: Path) -> None:
-    """List ``job`` (a job's folder) in the ``jobs`` of the sweep that claimed ``out`` in this process: the sweep's
-    summary reads those folders only, not an earlier sweep's left beside them."""
-    entry = CLAIMED.get(claim_key(out, SWEEP_STATE))
-    if entry is None:
+def _state_guard(out: Path, name: str) -> contextlib.AbstractContextManager[None]:
+    """A sweep's state is also updated by its jobs in other processes (parallel launchers): under its state lock."""
+    return state_lock(out) if name == SWEEP_STATE else contextlib.nullcontext()
+
+
+def _merge_jobs(out: Path, state: dict[str, Any], name: str = SWEEP_STATE) -> None:
+    """Add to ``state["jobs"]`` the job folders the sweep's state on disk lists (added by jobs in other processes)."""
+    if name != SWEEP_STATE:
         return
-    rel = os.path.relpath(Path(job).resolve(), Path(out).resolve())
-    jobs = entry["state"].setdefault("jobs", [])
-    if rel not in jobs:
-        jobs.append(Path(rel).as_posix())
-        write_state(out, entry["state"], SWEEP_STATE)
+    jobs = state.setdefault("jobs", [])
+    disk = (state_on_disk(out, name) or {}).get("jobs")
+    jobs += [j for j in disk if isinstance(j, str) and j not in jobs] if isinstance(disk, list) else []
+
+
+def add_job(out: Path, job: Path) -> None:
+    """List ``job`` (a job's folder) in the ``jobs`` of the sweep that holds ``out``: claimed in this process, or by
+    the live sweep whose state is on disk (a job that Hydra's joblib or submitit launcher runs in another process).
+    The sweep's summary reads those folders only, not an earlier sweep's left beside them."""
+    out = Path(out)
+    if claim_key(out, SWEEP_STATE) not in CLAIMED and state_on_disk(out, SWEEP_STATE) is None:
+        return  # no sweep of this app holds it: nothing written there
+    rel = Path(os.path.relpath(Path(job).resolve(), out.resolve())).as_posix()
+    with state_lock(out):
+        entry = CLAIMED.get(claim_key(out, SWEEP_STATE))
+        state = entry["state"] if entry is not None else read_state(out, SWEEP_STATE)
+        if state is None or state.get("state") != "running":  # a stale or finished sweep's state stays as it is
+            return
+        _merge_jobs(out, state)
+        if rel not in state["jobs"]:
+            state["jobs"].append(rel)
+            write_state(out, state, SWEEP_STATE)
 
 
 def write_recorded(out: Path, name: str, content: str | Callable[[str], None], state_name: str = RUN_STATE) -> bool:
@@ -422,8 +346,13 @@ def write_recorded(out: Path, name: str, content: str | Callable[[str], None], s
     summary, the float-test cache); False, with an error logged, when a file there is not one a run of this app
     recorded (a file of the user's is never written over)."""
     out = Path(out)
+    with _state_guard(out, state_name):
+        return _write_recorded(out, name, content, state_name)
+
+
+def _write_recorded(out: Path, name: str, content: str | Callable[[str], None], state_name: str) -> bool:
     state = state_on_disk(out, state_name)
-    if os.path.lexists(out / name) and not _owned(out, name, _recorded(state)):
+    if os.path.lexists(out / name) and not owned(out, name, recorded_files(state)):
         kind = KINDS[state_name][0]
         log.error(
             "%s directory %s: %s is not a file a %s of this app recorded: not written over", kind, out, name, kind
@@ -435,7 +364,7 @@ def write_recorded(out: Path, name: str, content: str | Callable[[str], None], s
         write_atomically(out, name, content)
     if state is not None:  # else: no run claimed the directory (refused on a first try): the file stays unrecorded
         written = [e for e in state.get("written") or [] if not (isinstance(e, dict) and e.get("path") == name)]
-        state["written"] = [*written, {"path": name, **_identity(out / name)}]
+        state["written"] = [*written, {"path": name, **identity(out / name)}]
         write_state(out, state, state_name)
     return True
 
@@ -444,7 +373,7 @@ def read_recorded(out: Path, name: str, state_name: str = RUN_STATE) -> str | No
     """The text of ``out/name`` when it is a file the state file records, unchanged (what this app wrote there); None
     when it is absent, a link, changed since, or not recorded (a file of the user's is never read as the app's)."""
     out = Path(out)
-    if not _owned(out, name, _recorded(state_on_disk(out, state_name))):
+    if not owned(out, name, recorded_files(state_on_disk(out, state_name))):
         return None
     try:
         return (out / name).read_text()
@@ -486,19 +415,24 @@ def finish(out: Path, error: BaseException | None, name: str = RUN_STATE) -> Non
     if entry is None:
         return
     try:
-        with contextlib.suppress(OSError):  # a failed run's files are recorded too (a full disk: as far as it can)
-            record(out, name)
-        state = dict(entry["state"], finished=_now())
-        if error is None:
-            state.update(
-                state="complete", **({"results": "results.json", "files": run_files(out)} if name == RUN_STATE else {})
-            )
-        else:
-            text = str(error).strip().splitlines()
-            state.update(state="failed", error=f"{type(error).__name__}: {text[0] if text else ''}"[:2000])
-        write_state(out, state, name)
+        with _state_guard(out, name):
+            _finish(out, error, name, entry)
     finally:
         CLAIMED.pop(claim_key(out, name), None)
+
+
+def _finish(out: Path, error: BaseException | None, name: str, entry: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # a failed run's files are recorded too (a full disk: as far as it can)
+        record(out, name)
+    state = dict(entry["state"], finished=_now())
+    if error is None:
+        state.update(
+            state="complete", **({"results": "results.json", "files": run_files(out)} if name == RUN_STATE else {})
+        )
+    else:
+        text = str(error).strip().splitlines()
+        state.update(state="failed", error=f"{type(error).__name__}: {text[0] if text else ''}"[:2000])
+    write_state(out, state, name)
 
 
 @contextlib.contextmanager
@@ -542,5 +476,6 @@ __all__ = [
     "remove_temporaries",
     "run_dir_lock",
     "run_files",
+    "state_lock",
     "write_recorded",
 ]

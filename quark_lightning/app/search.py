@@ -85,6 +85,7 @@ def register_search() -> None:
         base: Any = None  # the sampler of the other trials (a _target_ node); None: TPE (multi-objective) with seed
         seed: Any = None
         distinct: bool = True  # redraw a configuration an earlier trial already ran
+        storage: Any = None  # hydra.sweeper.storage: workers sharing an sqlite storage draw one at a time
 
     ConfigStore.instance().store(
         group="hydra/sweeper/sampler", name="uniform_first", node=UniformFirstSamplerConfig, provider="quark-lightning"

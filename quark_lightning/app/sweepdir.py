@@ -20,6 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from quark_lightning.app.conf import ConfigError
 from quark_lightning.app.rundir import (
     SWEEP_FILES,
     SWEEP_STATE,
@@ -48,14 +49,29 @@ class SweepFiles(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Check, lock and claim the sweep directory; a file of the user's in the way ends the process with one
         ``error:`` line (SystemExit: Hydra turns a callback's exceptions into warnings)."""
+        from quark_lightning.app.workers import check_storage, shared_dir_hint
+
         out = Path(str(config.hydra.sweep.dir))
         try:
             check_job_folders(config)
+            check_storage(config)
             self._take(out, [*self.products, *SWEEP_FILES], _overrides(config))
+        except ConfigError as err:  # the directory's lock: another sweep (or search worker) holds it
+            self._held.close()
+            sys.exit(f"error: {err}{shared_dir_hint(config)}")
         except ValueError as err:
             self._held.close()
             sys.exit(f"error: {err}")
         self._dir = out
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a parallel launcher (joblib, submitit) sends to a job's process: the sweep directory, not its lock
+        (the sweep process keeps that; the job updates the sweep's state under the state lock)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_held"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._held = contextlib.ExitStack()
 
     def _take(self, out: Path, files: list[str], overrides: list[str] | None) -> None:
         """Every check before anything is written (a refused sweep leaves the directory as it was), then the lock,
