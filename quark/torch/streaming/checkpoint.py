@@ -15,6 +15,9 @@ from torch import nn
 from quark.torch.compat import parameter_registry
 from quark.torch.export.codec import require_safetensors
 
+#: safetensors' names of the floating-point dtypes
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
 __all__ = ["HFCheckpoint", "free", "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,6 +70,17 @@ class HFCheckpoint:
         st = require_safetensors()
         with st.safe_open(str(single), "pt") as f:
             return dict.fromkeys(f.keys(), SINGLE_FILE)  # noqa: SIM118 - safe_open has no items()
+
+    def float_dtype(self) -> torch.dtype | None:
+        """The dtype of the checkpoint's first floating-point tensor (what ``from_pretrained(dtype="auto")`` loads
+        when config.json names none); None when it has none."""
+        st = require_safetensors()
+        for name, file in self.files.items():
+            with st.safe_open(str(self.root / file), "pt") as f:
+                dtype = _DTYPES.get(f.get_slice(name).get_dtype())
+            if dtype is not None:
+                return dtype
+        return None
 
     def check_covers(self, model: nn.Module) -> None:
         """Every Parameter of ``model`` (tied ones once) has a tensor in the checkpoint.

@@ -16,6 +16,7 @@ directory moved to its final name (``writer``)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -43,7 +44,7 @@ from quark.torch.quantization.state import paused_quantizers
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 from quark.torch.streaming.checkpoint import HFCheckpoint, free
 from quark.torch.streaming.checks import check_config, check_prepared, decoder_stack
-from quark.torch.streaming.writer import DEFAULT_SHARD_BYTES, ShardedExport
+from quark.torch.streaming.writer import DEFAULT_SHARD_BYTES, ShardedExport, check_output_dir
 
 __all__ = ["stream_quantize"]
 
@@ -95,8 +96,9 @@ def stream_quantize(
     batches = list(batches) if batches is not None else None
     check_config(config, batches)
     check_export_options(weight_format, pack_method)
+    check_output_dir(output_dir)
     checkpoint = HFCheckpoint(checkpoint_dir)
-    model = hf_skeleton(checkpoint.root, trust_remote_code, attn_implementation)
+    model = hf_skeleton(checkpoint.root, trust_remote_code, attn_implementation, _config_dtype(checkpoint))
     checkpoint.check_covers(model)
     stack, layers = decoder_stack(model, config)
     if checkpoint_names(model) is not None:
@@ -243,6 +245,13 @@ class _Run:
                 layer.__dict__["forward"] = partial(forward, i)
                 restore.callback(layer.__dict__.pop, "forward", None)
             yield
+
+
+def _config_dtype(checkpoint: HFCheckpoint) -> torch.dtype | None:
+    """The dtype ``from_pretrained`` loads the model in by default: config.json's, else the checkpoint's."""
+    document = json.loads((checkpoint.root / "config.json").read_text())
+    named = document.get("dtype", document.get("torch_dtype"))
+    return getattr(torch, named) if isinstance(named, str) and hasattr(torch, named) else checkpoint.float_dtype()
 
 
 def _outside_stack(model: nn.Module, stack: str) -> tuple[list[str], list[str]]:
