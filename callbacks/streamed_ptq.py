@@ -20,7 +20,7 @@ from torch import nn
 
 from quark.torch.export.front_end import export_root
 from quark.torch.quantization.config.config import Config
-from quark.torch.streaming import HFCheckpoint, check_output_dir, stream_quantize
+from quark.torch.streaming import check_output_dir, check_stream, stream_quantize
 from quark.torch.streaming.checks import check_config
 
 __all__ = ["StreamedPTQ"]
@@ -75,7 +75,7 @@ class StreamedPTQ(Callback):
             raise ValueError(f"`max_shard_bytes={max_shard_bytes!r}` must be a positive int")
         check_config(self.config, [None])  # what cannot stream, before any training (batches are checked at the end)
         if checkpoint_dir is not None:
-            HFCheckpoint(checkpoint_dir)  # its files and index, now
+            check_stream(checkpoint_dir, self.config, [None])  # its files, tensors and family, now (on meta)
         self.calib_batches = calib_batches
         self.calib_dataloader = calib_dataloader
         self.checkpoint_dir = checkpoint_dir

@@ -46,7 +46,7 @@ from quark.torch.streaming.checkpoint import HFCheckpoint, free
 from quark.torch.streaming.checks import check_config, check_prepared, decoder_stack
 from quark.torch.streaming.writer import DEFAULT_SHARD_BYTES, ShardedExport, check_output_dir
 
-__all__ = ["stream_quantize"]
+__all__ = ["stream_quantize", "check_stream"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +91,61 @@ def stream_quantize(
             have, or an output directory that is not new or empty.
     """
     config = Config.from_dict(config) if isinstance(config, dict) else config
+    batches = list(batches) if batches is not None else None
+    checkpoint, model, stack, layers = _checked(
+        checkpoint_dir, config, batches, output_dir, weight_format, pack_method, attn_implementation, trust_remote_code
+    )
+    export = ShardedExport(output_dir, max_shard_bytes)
+    try:
+        with torch.no_grad(), no_kv_cache(model):
+            _Run(model, config, checkpoint, stack, layers, batches or [], export, pack_method).run()
+        return export.finish(quark_document(model, config, None, [], weight_format, pack_method))
+    except BaseException:
+        export.abort()
+        raise
+
+
+def check_stream(
+    checkpoint_dir: str | Path,
+    config: Config | dict[str, Any],
+    batches: Sequence[Any] | None,
+    output_dir: str | Path | None = None,
+    *,
+    weight_format: str = "real_quantized",
+    pack_method: str = "reorder",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> None:
+    """Every check ``stream_quantize`` makes before it reads a weight (the model built on meta and prepared, then
+    dropped), for front ends that check before they commit to a run. ``output_dir`` None: not checked.
+
+    Raises:
+        ValueError: as ``stream_quantize``.
+    """
+    config = Config.from_dict(config) if isinstance(config, dict) else config
+    batches = list(batches) if batches is not None else None
+    _checked(
+        checkpoint_dir, config, batches, output_dir, weight_format, pack_method, attn_implementation, trust_remote_code
+    )
+
+
+def _checked(
+    checkpoint_dir: str | Path,
+    config: Any,
+    batches: list[Any] | None,
+    output_dir: str | Path | None,
+    weight_format: str,
+    pack_method: str,
+    attn_implementation: str,
+    trust_remote_code: bool,
+) -> tuple[HFCheckpoint, nn.Module, str, nn.ModuleList]:
+    """The checks of ``stream_quantize``; returns the checkpoint, the prepared skeleton and its decoder stack."""
     if not isinstance(config, Config):
         raise ValueError(f"stream_quantize needs a Config (or its dict), got {type(config).__name__}")
-    batches = list(batches) if batches is not None else None
     check_config(config, batches)
     check_export_options(weight_format, pack_method)
-    check_output_dir(output_dir)
+    if output_dir is not None:
+        check_output_dir(output_dir)
     checkpoint = HFCheckpoint(checkpoint_dir)
     model = hf_skeleton(checkpoint.root, trust_remote_code, attn_implementation, _config_dtype(checkpoint))
     checkpoint.check_covers(model)
@@ -108,14 +157,7 @@ def stream_quantize(
         )
     ModelQuantizer(config).prepare(model)
     check_prepared(model)
-    export = ShardedExport(output_dir, max_shard_bytes)
-    try:
-        with torch.no_grad(), no_kv_cache(model):
-            _Run(model, config, checkpoint, stack, layers, batches or [], export, pack_method).run()
-        return export.finish(quark_document(model, config, None, [], weight_format, pack_method))
-    except BaseException:
-        export.abort()
-        raise
+    return checkpoint, model, stack, layers
 
 
 class _Run:
