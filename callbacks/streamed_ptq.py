@@ -20,7 +20,7 @@ from torch import nn
 
 from quark.torch.export.front_end import export_root
 from quark.torch.quantization.config.config import Config
-from quark.torch.streaming import check_output_dir, check_stream, stream_quantize
+from quark.torch.streaming import DEFAULT_SHARD_BYTES, check_output_dir, check_stream, stream_quantize
 from quark.torch.streaming.checks import check_config
 
 __all__ = ["StreamedPTQ"]
@@ -64,7 +64,7 @@ class StreamedPTQ(Callback):
         checkpoint_dir: str | None = None,
         save_dir: str | None = None,
         export_dir: str | None = None,
-        max_shard_bytes: int = 512 * 2**20,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     ) -> None:
         self.config = Config.from_dict(config) if isinstance(config, dict) else config
         if not isinstance(self.config, Config):

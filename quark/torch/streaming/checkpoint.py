@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ class HFCheckpoint:
             raise ValueError(f"checkpoint directory {str(self.root)!r} does not exist or is not a directory")
         if not (self.root / "config.json").is_file():
             raise ValueError(f"checkpoint directory {str(self.root)!r} has no config.json (the model's architecture)")
+        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
         self.files = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
@@ -97,17 +99,32 @@ class HFCheckpoint:
             )
 
     def load(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names``, read file by file (each file opened once)."""
-        st = require_safetensors()
+        """The tensors ``names``, each read into memory of its own with plain file reads (no memory map: mapped pages
+        would count in the resident size, and a write into a privately mapped tensor would copy its pages)."""
+        out: dict[str, torch.Tensor] = {}
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self.files[name], []).append(name)
-        out: dict[str, torch.Tensor] = {}
         for file, keys in by_file.items():
-            with st.safe_open(str(self.root / file), "pt") as f:
+            path = self.root / file
+            start, header = self._header(file)
+            with open(path, "rb") as f:
                 for key in keys:
-                    out[key] = f.get_tensor(key)
+                    out[key] = _read_tensor(f, start, header, key, path)
         return out
+
+    def _header(self, file: str) -> tuple[int, dict[str, Any]]:
+        """(where the data starts, the JSON header) of a safetensors file, read once."""
+        if file not in self._headers:
+            path = self.root / file
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                try:
+                    header = json.loads(f.read(size))
+                except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                    raise ValueError(f"{path} is not a safetensors file (its header is not JSON: {err})") from None
+            self._headers[file] = (8 + size, header)
+        return self._headers[file]
 
     def materialize(self, model: nn.Module, prefix: str, device: torch.device) -> None:
         """Read the Parameters of ``model``'s submodule ``prefix`` ('' for every Parameter not yet read) into it,
@@ -136,6 +153,44 @@ class HFCheckpoint:
             for key, p in list(registry.items()):
                 if p is not None and id(p) in new:
                     registry[key] = new[id(p)]
+
+
+#: safetensors' dtype names
+_ALL_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _read_tensor(f: BinaryIO, start: int, header: dict[str, Any], key: str, path: Path) -> torch.Tensor:
+    """Tensor ``key`` of the open safetensors file ``f`` (data from byte ``start``), read into a new tensor.
+
+    Raises:
+        ValueError: a key the header lacks, a dtype not listed, or a byte range that does not match dtype and shape.
+    """
+    entry = header.get(key)
+    if not isinstance(entry, dict) or entry.get("dtype") not in _ALL_DTYPES:
+        raise ValueError(f"{path}: tensor {key!r} is not in its header, or has a dtype not in {sorted(_ALL_DTYPES)}")
+    dtype, shape = _ALL_DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
+    begin, end = (int(x) for x in entry["data_offsets"])
+    out = torch.empty(shape, dtype=dtype)
+    if end - begin != out.numel() * out.element_size():
+        raise ValueError(f"{path}: tensor {key!r} has {end - begin} bytes, {entry['dtype']} {shape} needs {out.nbytes}")
+    f.seek(start + begin)
+    view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    if f.readinto(view) != end - begin:
+        raise ValueError(f"{path}: tensor {key!r} is cut short (the file ends before its {end - begin} bytes)")
+    return out
 
 
 def free(module: nn.Module) -> None:

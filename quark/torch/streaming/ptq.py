@@ -31,6 +31,7 @@ from quark.torch.algorithm.api import checked_gptq_targets, gptq_decoder_layer, 
 from quark.torch.algorithm.awq import awq_layer
 from quark.torch.algorithm.capture import LayerInputs, capture_each_layer_inputs, hidden_of, with_hidden
 from quark.torch.algorithm.smoothquant import smooth_layer
+from quark.torch.cpu_allocator import release_freed_memory
 from quark.torch.export.checkpoint_names import checkpoint_names
 from quark.torch.export.quark_config import check_export_options
 from quark.torch.export.quark_format import check_quark_exportable, quark_document
@@ -245,6 +246,7 @@ class _Run:
         tensors = quark_tensors(layer, self.config, self.pack_method, None, [])
         self.export.add({f"{name}.{k}": v for k, v in tensors.items()})
         free(layer)
+        release_freed_memory()  # this layer's temporaries: not resident while the next one is read
         if i + 1 < len(self.calls):
             self.calls[i] = []  # its arguments are no longer needed
 

@@ -22,7 +22,7 @@ from quark.torch.export.files import TEMP_PREFIX, write_atomically
 __all__ = ["ShardedExport", "check_output_dir", "DEFAULT_SHARD_BYTES"]
 
 #: the default size of one shard: tensors waiting to be written count toward the peak memory of a streamed run
-DEFAULT_SHARD_BYTES = 512 * 2**20
+DEFAULT_SHARD_BYTES = 128 * 2**20
 
 
 def check_output_dir(path: str | Path) -> Path:
@@ -78,7 +78,10 @@ class ShardedExport:
         if again:
             raise ValueError(f"tensor(s) {again[:5]} written twice to the export")
         for key, value in tensors.items():
-            self._pending[key] = value.detach().cpu().contiguous()
+            value = value.detach().cpu().contiguous()
+            if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+                value = value.clone()  # a view (a norm's weight read from a shard) would keep its whole file mapped
+            self._pending[key] = value
             self._keys.add(key)
             size = value.numel() * value.element_size()
             self._pending_bytes += size
