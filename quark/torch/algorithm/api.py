@@ -51,6 +51,7 @@ from quark.torch.algorithm.gptq_plan import (
 )
 from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.algorithm.structure import MODEL_FAMILIES, find_decoder_layers
+from quark.torch.algorithm.structure import check_embedding_layers as check_embedding_layers  # its old home
 from quark.torch.quantization.algo_registry import AlgorithmContext, check_algorithms, run_stage
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig, QuantizationSpec, SmoothQuantConfig
 from quark.torch.quantization.config.type import QSchemeType
@@ -65,17 +66,6 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------- float-model passes
-def check_embedding_layers(model: nn.Module, algo: Any) -> None:
-    """``embedding_layers`` must name modules of the model (full names or suffixes such as ``embed_tokens``).
-
-    Our capture runs the model's own forward up to the first decoder layer, so the embeddings need no special
-    handling; the names are still checked, so a config written for another model is caught."""
-    names = [n for n, _ in model.named_modules() if n]
-    missing = [e for e in algo.embedding_layers or [] if not any(n == e or n.endswith("." + e) for n in names)]
-    if missing:
-        raise ValueError(f"{type(algo).__name__}.embedding_layers {missing} name no module of {type(model).__name__}")
-
-
 def apply_pre_quant_and_awq(
     model: nn.Module,
     config: Config,
