@@ -249,3 +249,22 @@ def test_a_failure_midway_leaves_no_directory_and_no_temporary(
     with pytest.raises(OSError, match="disk gone"):
         stream_quantize(sharded, CONFIGS["gptq"], calibration(), tmp_path / "out", max_shard_bytes=2000)
     assert os.listdir(tmp_path) == []
+
+
+def test_tied_embeddings_stream_as_in_memory(tmp_path: Path) -> None:
+    """lm_head tied to the input embeddings (absent from the checkpoint): read once, GPTQ keeps it at RTN as in memory."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tied", max_shard_size="20KB")
+    assert "lm_head.weight" not in HFCheckpoint(tmp_path / "tied").files
+    reference = in_memory(tmp_path / "tied", CONFIGS["gptq"], tmp_path / "memory")
+    streamed = stream_quantize(tmp_path / "tied", CONFIGS["gptq"], calibration(), tmp_path / "stream")
+    assert_same_export(reference, streamed)
