@@ -1,5 +1,5 @@
 """Streamed PTQ holds one decoder layer, not the model: the peak resident memory of a process that streams a random
-LLaMA checkpoint (8 decoder layers, ~0.4 GB of float32 weights, written layer by layer by ``bench/stream_ptq.py``'s
+LLaMA checkpoint (16 decoder layers, ~0.75 GB of float32 weights, written layer by layer by ``bench/stream_ptq.py``'s
 generator) stays below the model's size, above a process that imports the same libraries and quantizes nothing.
 Each is measured in its own process (``ru_maxrss``)."""
 
@@ -23,7 +23,7 @@ FIELDS = {
     "vocab_size": 4000,
     "hidden_size": 1024,
     "intermediate_size": 2816,
-    "num_hidden_layers": 8,
+    "num_hidden_layers": 16,
     "num_attention_heads": 8,
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
