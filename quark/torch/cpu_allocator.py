@@ -15,7 +15,7 @@ import ctypes
 import ctypes.util
 import sys
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["keep_freed_memory", "release_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -48,3 +48,15 @@ def keep_freed_memory() -> bool:
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     _applied = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     return _applied
+
+
+def release_freed_memory() -> bool:
+    """Give the memory glibc holds freed back to the system now (``malloc_trim(0)``: free pages anywhere in the heap,
+    not only at its top), so that a long run whose working set moves (one decoder layer after another) does not keep
+    each step's freed temporaries resident. Returns whether it applies (glibc on Linux)."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim(0)
+    return True

@@ -64,6 +64,7 @@ from quark_lightning.app.rundir import (
     run_dir_lock,
     run_files,
 )
+from quark_lightning.app.streamed import run_streamed
 from quark_lightning.app.trainer import (
     ScaleLearningRates,
     build_trainer,
@@ -159,6 +160,8 @@ def _run_checked(cfg: DictConfig, out: Path, start: float, take: Callable[..., N
     """Every check (the quant config, the data, the model, the checkpoint, the Trainer, the files in the way), then
     ``take`` the directory (lock and claim), then the run."""
     flow, qconfig = build_quant(cfg.quant)  # first: a bad quant config stops here
+    if cfg.get("ptq_from"):  # a Hugging Face checkpoint quantized one decoder layer at a time: no model built
+        return run_streamed(cfg, out, start, take, flow, qconfig)
     check_plain_keys(cfg)  # seed=abc, trainer.max_epochs=abc, ...: named, before anything is built
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:

@@ -51,6 +51,7 @@ from quark.torch.algorithm.gptq_plan import (
 )
 from quark.torch.algorithm.smoothquant import smooth_layer
 from quark.torch.algorithm.structure import MODEL_FAMILIES, find_decoder_layers
+from quark.torch.algorithm.structure import check_embedding_layers as check_embedding_layers  # its old home
 from quark.torch.quantization.algo_registry import AlgorithmContext, check_algorithms, run_stage
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig, QuantizationSpec, SmoothQuantConfig
 from quark.torch.quantization.config.type import QSchemeType
@@ -65,17 +66,6 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------- float-model passes
-def check_embedding_layers(model: nn.Module, algo: Any) -> None:
-    """``embedding_layers`` must name modules of the model (full names or suffixes such as ``embed_tokens``).
-
-    Our capture runs the model's own forward up to the first decoder layer, so the embeddings need no special
-    handling; the names are still checked, so a config written for another model is caught."""
-    names = [n for n, _ in model.named_modules() if n]
-    missing = [e for e in algo.embedding_layers or [] if not any(n == e or n.endswith("." + e) for n in names)]
-    if missing:
-        raise ValueError(f"{type(algo).__name__}.embedding_layers {missing} name no module of {type(model).__name__}")
-
-
 def apply_pre_quant_and_awq(
     model: nn.Module,
     config: Config,
@@ -184,6 +174,22 @@ def _module_lists(model: nn.Module) -> dict[str, str]:
 @torch.no_grad()
 def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunFn) -> dict[str, float]:
     """GPTQ on every weight-quantized Linear/Conv2d of a prepared, calibrated model. Returns the loss per layer."""
+    targets = checked_gptq_targets(model)
+    losses: dict[str, float] = {}
+    kept: dict[str, int] = {}  # expert projections left at round-to-nearest: their routed tokens
+    found = find_decoder_layers(model, algo.model_decoder_layers)
+    # float activations, no statistics: the weights themselves become GPTQ's values (their flags restored after)
+    with paused_quantizers(model, fake_quant=True), no_kv_cache(model):
+        if found is None:
+            gptq_layerwise(model, targets, algo, batches, run, losses, kept)
+        else:
+            _gptq_decoder(model, found, targets, algo, batches, run, losses, kept)
+    warn_rtn_experts(kept, algo)
+    return losses
+
+
+def checked_gptq_targets(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules GPTQ quantizes (``gptq_targets``, less tied weights, with a warning), their specs checked."""
     targets = gptq_targets(model)
     if not targets:
         raise ValueError("GPTQ: no layer with a static integer/minifloat weight quantizer to quantize")
@@ -202,17 +208,7 @@ def apply_gptq(model: nn.Module, algo: GPTQConfig, batches: list[Any], run: RunF
             raise ValueError(
                 f"layer '{name}': GPTQ needs a convolution's weight groups along its input channels (ch_axis=1), got {spec.ch_axis}"
             )
-    losses: dict[str, float] = {}
-    kept: dict[str, int] = {}  # expert projections left at round-to-nearest: their routed tokens
-    found = find_decoder_layers(model, algo.model_decoder_layers)
-    # float activations, no statistics: the weights themselves become GPTQ's values (their flags restored after)
-    with paused_quantizers(model, fake_quant=True), no_kv_cache(model):
-        if found is None:
-            _gptq_layerwise(model, targets, algo, batches, run, losses, kept)
-        else:
-            _gptq_decoder(model, found, targets, algo, batches, run, losses, kept)
-    warn_rtn_experts(kept, algo)
-    return losses
+    return targets
 
 
 def _quantize_module(
@@ -295,20 +291,33 @@ def _gptq_decoder(
 ) -> None:
     prefix, layers = found
     for i, inputs in layer_by_layer(model, layers, batches, run):
-        layer = layers[i]
-        own = {n[len(f"{prefix}.{i}.") :]: m for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
-        order = list(algo.inside_layer_modules) if algo.inside_layer_modules else list(own)
-        missing = [n for n in order if n not in own]
-        if missing:
-            raise ValueError(
-                f"GPTQ inside_layer_modules {missing} are not weight-quantized modules of {prefix}.{i}; found: {list(own)}"
-            )
-        if order:
-            _gptq_layer(f"{prefix}.{i}", layer, {n: own[n] for n in order}, inputs, algo, losses, kept)
+        gptq_decoder_layer(f"{prefix}.{i}", layers[i], targets, inputs, algo, losses, kept)
         logger.info("GPTQ: decoder layer %d/%d done", i + 1, len(layers))
     rest = {n: m for n, m in targets.items() if not n.startswith(prefix + ".")}
     if rest:  # e.g. lm_head: after the stack, one by one on the full model
-        _gptq_layerwise(model, rest, algo, batches, run, losses, kept)
+        gptq_layerwise(model, rest, algo, batches, run, losses, kept)
+
+
+def gptq_decoder_layer(
+    prefix: str,
+    layer: nn.Module,
+    targets: dict[str, nn.Module],
+    inputs: LayerInputs,
+    algo: GPTQConfig,
+    losses: dict[str, float],
+    kept: dict[str, int] | None = None,
+) -> None:
+    """GPTQ on the decoder layer named ``prefix`` for its captured ``inputs``: its modules among ``targets`` (full
+    names), in ``inside_layer_modules``' order when given (a ValueError names those it does not have)."""
+    own = {n[len(prefix) + 1 :]: m for n, m in targets.items() if n.startswith(prefix + ".")}
+    order = list(algo.inside_layer_modules) if algo.inside_layer_modules else list(own)
+    missing = [n for n in order if n not in own]
+    if missing:
+        raise ValueError(
+            f"GPTQ inside_layer_modules {missing} are not weight-quantized modules of {prefix}; found: {list(own)}"
+        )
+    if order:
+        _gptq_layer(prefix, layer, {n: own[n] for n in order}, inputs, algo, losses, kept)
 
 
 class _GroupDone(Exception):
@@ -474,7 +483,7 @@ def _columns(module: nn.Module) -> int:
     return linear_weight(module)[0].numel()
 
 
-def _gptq_layerwise(
+def gptq_layerwise(
     model: nn.Module,
     targets: dict[str, nn.Module],
     algo: GPTQConfig,

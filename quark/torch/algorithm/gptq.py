@@ -129,19 +129,25 @@ def _column_qparams(
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float, retries: int) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp I)^-1; the damping grows 10x per retry when H is not positive definite."""
-    diag_mean = float(torch.diag(hessian).mean())
+    """Upper Cholesky factor of (H + damp I)^-1; the damping grows 10x per retry when H is not positive definite.
+
+    ``hessian`` is damped in place (it is the caller's own copy) and its diagonal put back bit for bit before a retry,
+    so no further copy of it is held: with the factorizations freed as the next is computed, the peak is three
+    [columns, columns] matrices (GPTQ of a decoder layer streamed from disk is bounded by this)."""
+    diagonal = torch.diag(hessian).clone()
+    diag_mean = float(diagonal.mean())
     damp = damp_percent
     for attempt in range(retries + 1):
-        damped = hessian.clone()
-        damped.diagonal().add_(damp * diag_mean)  # the same float32 sum as H + (damp * mean) * I, without the eye
+        hessian.diagonal().add_(damp * diag_mean)  # the same float32 sum as H + (damp * mean) * I, without the eye
         try:
-            lower = torch.linalg.cholesky(damped)
+            lower = torch.linalg.cholesky(hessian)
             inverse = torch.cholesky_inverse(lower)
+            del lower
             if inverse.device.type == "cpu":  # LAPACK's inverse mirrors its triangle: exactly symmetric, and its
                 inverse = inverse.mT  # transpose is column-major, so the factorization copies it without transposing
             return torch.linalg.cholesky(inverse, upper=True), damp
         except torch.linalg.LinAlgError:
+            hessian.diagonal().copy_(diagonal)
             if attempt == retries:
                 raise ValueError(
                     f"GPTQ: the Hessian is not positive definite even with damp_percent={damp:g}; "
@@ -168,15 +174,19 @@ def prepare_hessian(
     hessian: torch.Tensor, *, damp_percent: float = 0.01, desc_act: bool = True, retries: int = 4
 ) -> InverseHessian:
     """The ``InverseHessian`` of an input Hessian [columns, columns] (float32 Cholesky factorizations)."""
-    h = hessian.detach().float().clone()
-    columns = h.shape[0]
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
+    hessian = hessian.detach()
+    columns = hessian.shape[0]
+    diagonal = torch.diag(hessian).float()
+    dead = diagonal == 0
+    diagonal[dead] = 1.0  # a dead column's diagonal is 1 (set in the matrix below, once it is our copy)
     if desc_act:
-        perm = torch.argsort(torch.diag(h), descending=True)
-        h = h.index_select(0, perm).index_select(1, perm)
+        perm = torch.argsort(diagonal, descending=True)
+        h = hessian.float().index_select(0, perm).index_select(1, perm)  # our copy, in sweep order
     else:
-        perm = torch.arange(columns, device=h.device)
+        perm = torch.arange(columns, device=hessian.device)
+        h = hessian.float().clone()
+    moved = dead.index_select(0, perm)  # the dead columns' positions in sweep order
+    h[moved, moved] = 1.0
     factor, damp = _inverse_hessian_factor(h, damp_percent, retries)
     return InverseHessian(perm, dead, factor, damp)
 

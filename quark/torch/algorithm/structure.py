@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +56,17 @@ def find_decoder_layers(model: nn.Module, path: str | None = None) -> tuple[str,
         if isinstance(module, nn.ModuleList) and len(module) and all(_looks_like_decoder_layer(m) for m in module):
             return name, module
     return None
+
+
+def check_embedding_layers(model: nn.Module, algo: Any) -> None:
+    """``embedding_layers`` must name modules of the model (full names or suffixes such as ``embed_tokens``).
+
+    Our capture runs the model's own forward up to the first decoder layer, so the embeddings need no special
+    handling; the names are still checked, so a config written for another model is caught."""
+    names = [n for n, _ in model.named_modules() if n]
+    missing = [e for e in algo.embedding_layers or [] if not any(n == e or n.endswith("." + e) for n in names)]
+    if missing:
+        raise ValueError(f"{type(algo).__name__}.embedding_layers {missing} name no module of {type(model).__name__}")
 
 
 def _looks_like_decoder_layer(module: nn.Module) -> bool:

@@ -55,11 +55,7 @@ from torch import nn
 from quark.torch.export.checkpoint_names import CheckpointNames, checkpoint_names
 from quark.torch.export.codec import (
     decoded_weight_quantizer,
-    first_of_its_storage,
-    is_quantizer_state,
-    quantizer_prefixes,
     require_safetensors,
-    stored_quantizer,
 )
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import (
@@ -69,14 +65,9 @@ from quark.torch.export.packing import (
 from quark.torch.export.quark_attention import (
     activation_prefix,
     check_prob_scales,
-    merge_kv_scales,
-    skips_zero_point,
 )
 from quark.torch.export.quark_codec import (
-    BLOCK_DTYPES,
     decode_quark_weight,
-    encode_quark_weight,
-    int_container,
     unsupported_layout,
     weight_layout,
 )
@@ -86,6 +77,7 @@ from quark.torch.export.quark_config import (
     json_mapping,
     to_quark_dict,
 )
+from quark.torch.export.quark_tensors import as_linear, quark_tensors, stored_part_quantizer, stored_weight_quantizer
 from quark.torch.export.quark_validation import check_before_import
 from quark.torch.export.skeleton import materialize
 from quark.torch.export.validation import (
@@ -95,25 +87,20 @@ from quark.torch.export.validation import (
 )
 from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config
-from quark.torch.quantization.formats import (
-    IntFormat,
-    format_of,
-)
-from quark.torch.quantization.hf import is_hf_conv1d, linear_weight, transpose_weight_spec
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_attention import QuantAttentionProbs
 from quark.torch.quantization.nn.modules.quant_modules import (
     DEFAULT_SLOTS,
-    QuantSlot,
     shared_tensors,
     slot_label,
     slot_tensor,
 )
 from quark.torch.quantization.resolve import kv_cache_entry
-from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, FrozenScaledFakeQuantize
+from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
 
 __all__ = [
     "export_quark_dir",
+    "quark_document",
     "import_quark_dir",
     "is_quark_dir",
     "to_quark_dict",
@@ -122,16 +109,6 @@ __all__ = [
     "unpack_int4",
 ]
 
-
-__all__ = [
-    "export_quark_dir",
-    "import_quark_dir",
-    "is_quark_dir",
-    "to_quark_dict",
-    "from_quark_dict",
-    "pack_int4",
-    "unpack_int4",
-]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -151,39 +128,31 @@ def export_quark_dir(
     check_quark_exportable(model)
     names = checkpoint_names(model)  # experts stored per expert: the family's hub names (a ValueError without them)
     floated = _unreached_for_export(model)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, m in quantized_modules(model):
-        if name in floated:
-            continue  # its float weights go out with the rest of the state dict; the config excludes it
-        prefix = f"{name}." if name else ""
-        wq = _stored_weight_quantizer(m)
-        if wq is not None:
-            weight, wq = _as_linear(m, wq)
-            for suffix, value in encode_quark_weight(weight, wq, pack_method, f"layer '{name}'").items():  # type: ignore[arg-type]
-                tensors[prefix + "weight" + suffix] = value.detach().contiguous()
-        prefix = activation_prefix(name, m)  # an attention's probabilities: <attention>.prob_output_scale
-        for role in ("input", "output"):
-            q = getattr(m, f"_{role}_quantizer", None)
-            tensors.update(_activation_qparams(q, f"{prefix}{role}", m, f"layer '{name}'"))
-        for part, weight_slot, input_slot in m.linear_parts():
-            where = f"layer '{name}' ({part})"
-            view, wq = slot_tensor(m, weight_slot), _stored_part_quantizer(m, weight_slot)
-            for suffix, value in encode_quark_weight(view, wq, pack_method, where).items():  # type: ignore[arg-type]
-                tensors[f"{prefix}{part}.weight{suffix}"] = value.detach().contiguous()
-            source = getattr(m, input_slot.attr, None) if input_slot is not None else None
-            tensors.update(_activation_qparams(source, f"{prefix}{part}.input"))
-    merge_kv_scales(model, config, tensors)  # kv_cache_group: k and v written with max(k, v, min_kv_scale)
-    prefixes = quantizer_prefixes(model)
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    for key, value in model.state_dict(keep_vars=True).items():  # the rest as it is (quantized weights are stored)
-        if key in tensors or is_quantizer_state(key, prefixes):  # quantizer state is never stored
-            continue
-        if names is not None and key in names.stacked and not _floated_stack(key, floated):
-            continue  # stored per expert above
-        if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding): stored once
-            tensors[key] = value.detach().contiguous()
-    if names is not None:
-        tensors = {_hub_key(names, key, floated): value for key, value in tensors.items()}
+    tensors = quark_tensors(model, config, pack_method, names, floated)
+    document = quark_document(model, config, names, floated, weight_format, pack_method)
+    out = Path(output_dir)
+    write_atomically(
+        out,
+        WEIGHTS_FILE,
+        lambda tmp: st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}),
+    )
+    write_atomically(
+        out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    )
+    return out
+
+
+def quark_document(
+    model: nn.Module,
+    config: Config,
+    names: CheckpointNames | None,
+    floated: list[str],
+    weight_format: str = "real_quantized",
+    pack_method: str = "reorder",
+) -> dict[str, Any]:
+    """config.json of the export directory: the Hugging Face model's config (``architectures`` added as
+    ``save_pretrained`` writes it) and ``quantization_config``, amd-quark's form of ``config`` (``floated`` layers
+    excluded, exact layer names in the hub checkpoint's ``names``). Reads no weight (works on a meta skeleton)."""
     hf = getattr(model, "config", None)
     document = hf.to_dict() if hasattr(hf, "to_dict") else {}
     if document and not document.get("architectures") and type(model).__module__.startswith("transformers."):
@@ -198,44 +167,7 @@ def export_quark_dir(
     if names is not None:
         stored = _renamed_config(stored, names)
     document["quantization_config"] = to_quark_dict(stored, weight_format, pack_method)
-    out = Path(output_dir)
-    write_atomically(
-        out,
-        WEIGHTS_FILE,
-        lambda tmp: st.save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}),
-    )
-    write_atomically(
-        out, CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-    )
-    return out
-
-
-def _activation_qparams(
-    q: FakeQuantizeBase | None, name: str, module: QuantMixin | None = None, where: str = ""
-) -> dict[str, torch.Tensor]:
-    """``<name>_scale`` (and ``_zero_point`` for integers, unless amd-quark stores none for ``module``: the attention
-    probabilities) of a static activation quantizer; nothing for none, a dynamic one or a block format."""
-    if q is None or q.is_dynamic or not hasattr(q, "calculate_qparams") or q.spec.dtype in BLOCK_DTYPES:
-        return {}
-    scale, zp = q.calculate_qparams()
-    out = {f"{name}_scale": scale.detach().float().clone()}
-    fmt = format_of(q.spec.dtype)
-    if isinstance(fmt, IntFormat) and not (module is not None and skips_zero_point(module, zp, where)):
-        out[f"{name}_zero_point"] = zp.detach().to(int_container(fmt)).clone()
-    return out
-
-
-def _floated_stack(key: str, floated: list[str]) -> bool:
-    """Whether the stacked Parameter ``key`` belongs to a layer exported in float (stored as it is)."""
-    return key.rpartition(".")[0] in floated
-
-
-def _hub_key(names: CheckpointNames, key: str, floated: list[str]) -> str:
-    """The hub name of a stored key; a floated layer's stacked Parameter keeps its layer's hub name."""
-    if key in names.stacked:
-        layer, _, leaf = key.rpartition(".")
-        return f"{names.layer(layer)}.{leaf}"
-    return names.hub_key(key)
+    return document
 
 
 def _renamed_config(config: Config, names: CheckpointNames, inverse: bool = False) -> Config:
@@ -265,46 +197,7 @@ def _unreached_for_export(model: nn.Module) -> list[str]:
 _STORED_SLOTS = {"_weight_quantizer", "_input_quantizer", "_output_quantizer"}
 
 
-class _TransposedQuantizer:
-    """A transformers ``Conv1D``'s weight quantizer seen from the equivalent ``nn.Linear``: its spec transposed back,
-    called on [out, in]. Its qparams already have Linear's layout."""
-
-    def __init__(self, quantizer: FakeQuantizeBase) -> None:
-        self.quantizer = quantizer
-        self.spec = transpose_weight_spec(quantizer.spec)
-        self.fake_quant_enabled = quantizer.fake_quant_enabled
-        self.round_method = quantizer.round_method
-
-    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.quantizer.calculate_qparams()
-
-    def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        return self.quantizer(w.t()).t()
-
-
-def _as_linear(m: nn.Module, wq: Any) -> tuple[torch.Tensor, Any]:
-    """(weight, quantizer) as for ``nn.Linear``: a ``Conv1D`` is stored as the equivalent Linear ([out, in] weight,
-    amd-quark's Linear layouts), so every layout rule and reader of Linear weights applies to it unchanged."""
-    if is_hf_conv1d(m):
-        return linear_weight(m), _TransposedQuantizer(wq)
-    return m.weight, wq
-
-
 _WEIGHT_SLOT = next(s for s in DEFAULT_SLOTS if s.attr == "_weight_quantizer")
-
-
-def _stored_part_quantizer(m: QuantMixin, slot: QuantSlot) -> FakeQuantizeBase | None:
-    """``stored_quantizer`` of a part's weight (one expert's projection)."""
-    return stored_quantizer(slot_tensor(m, slot), getattr(m, slot.attr, None))  # type: ignore[arg-type]
-
-
-def _stored_weight_quantizer(m: QuantMixin) -> FakeQuantizeBase | None:
-    """The quantizer whose codes the directory stores for ``m``'s weight (``stored_quantizer``: with fake quant
-    switched off, a pass-through one when the weight is on its grid); None: no quantized weight to store."""
-    wq = getattr(m, "_weight_quantizer", None)
-    if wq is None or not isinstance(getattr(m, "weight", None), torch.Tensor):
-        return None
-    return stored_quantizer(m.weight, wq)
 
 
 def _switched_off(where: str, what: str) -> ValueError:
@@ -332,9 +225,9 @@ def check_quark_exportable(model: nn.Module) -> None:
                     "only; custom_mode=None writes this project's single-file format, which stores every slot"
                 )
             if slot.attr in parts and slot.tensor is not None:
-                stored = _stored_part_quantizer(m, slot)
+                stored = stored_part_quantizer(m, slot)
             else:
-                stored = _stored_weight_quantizer(m) if slot.attr == "_weight_quantizer" else q
+                stored = stored_weight_quantizer(m) if slot.attr == "_weight_quantizer" else q
             if not bool(q.fake_quant_enabled) and stored is q:
                 raise _switched_off(where, f"{slot.role.removesuffix('_tensors')}s")
             if stored is None:
@@ -343,7 +236,7 @@ def check_quark_exportable(model: nn.Module) -> None:
                 if weight_layout(stored.spec, slot_tensor(m, slot)) is None:  # type: ignore[arg-type]
                     raise unsupported_layout(where, stored.spec)
             elif slot.attr == "_weight_quantizer":
-                weight, wq = _as_linear(m, stored)
+                weight, wq = as_linear(m, stored)
                 if weight_layout(wq.spec, weight) is None:
                     raise unsupported_layout(where, wq.spec)
 
@@ -429,8 +322,8 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
             wq = getattr(m, "_weight_quantizer", None)
             key = prefix + "weight"
             if wq is not None and key in t:
-                weight, as_linear = _as_linear(m, wq)
-                values, scale, zp = decode_quark_weight(t, key, weight.shape, as_linear.spec, pack_method)
+                weight, linear_quantizer = as_linear(m, wq)
+                values, scale, zp = decode_quark_weight(t, key, weight.shape, linear_quantizer.spec, pack_method)
                 weight.copy_(values.to(weight.dtype))  # a Conv1D's weight through its [out, in] view
                 plain.pop(key, None)
                 quantizer = decoded_weight_quantizer(m, _WEIGHT_SLOT, wq.spec, scale, zp, shared)
@@ -449,7 +342,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
 
 
 def _our_key(names: CheckpointNames, hub: str) -> str:
-    """The model's name of a key of the file (``_hub_key`` reversed)."""
+    """The model's name of a key of the file (``quark_tensors.hub_key`` reversed)."""
     layer, _, leaf = hub.rpartition(".")
     back = names.layer(layer, inverse=True)
     if back != layer and f"{back}.{leaf}" in names.stacked:

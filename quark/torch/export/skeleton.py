@@ -35,9 +35,13 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def hf_skeleton(
-    model_dir: str | Path, trust_remote_code: bool = False, attn_implementation: str = "eager"
+    model_dir: str | Path,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "eager",
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """The Hugging Face model ``model_dir/config.json`` describes, Parameters on meta (amd-quark's ``model=None``)."""
+    """The Hugging Face model ``model_dir/config.json`` describes, Parameters on meta (amd-quark's ``model=None``),
+    in ``dtype`` when given (else config.json's, or float32)."""
     transformers = import_extra(
         "transformers", "hf", "import_model_from_safetensors(model=None, ...) (it builds a Hugging Face model)"
     )
@@ -47,10 +51,13 @@ def hf_skeleton(
     cls = _architecture(transformers, getattr(config, "architectures", None), Path(model_dir) / "config.json")
     with parameters_on_meta():
         if cls is not None:
-            model = cls._from_config(config, attn_implementation=attn_implementation)
+            model = cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype or config.dtype)
         else:
             model = transformers.AutoModelForCausalLM.from_config(
-                config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+                config,
+                trust_remote_code=trust_remote_code,
+                attn_implementation=attn_implementation,
+                dtype=dtype or config.dtype,
             )
     return model.eval()
 

@@ -321,7 +321,7 @@ class ModelQuantizer:
                 q.enable_observer()
                 q.disable_fake_quant()
             with torch.no_grad():
-                _observe_params(model)
+                observe_params(model)
                 if data_needed:
                     seen, record = feed_calibration(model, dataloader, forward_loop, max_batches)
                     if dataloader is not None and seen == 0:
@@ -481,7 +481,7 @@ def _restore(swapped: list[tuple[nn.Module, str, nn.Module]]) -> None:
         setattr(parent, attr, original)
 
 
-def _observe_params(model: nn.Module) -> None:
+def observe_params(model: nn.Module) -> None:
     """Weights and biases are observed once, directly (no data needed)."""
     refresh_computed_tensors(model)
     for m in model.modules():

@@ -110,7 +110,9 @@ class QuantMixin(nn.Module):
         """The twin of ``module`` sharing its Parameters, buffers, children and hooks, with quantizers of ``qconfig``."""
         twin_class = _parametrized_twin_class(cls, module) if parametrize.is_parametrized(module) else cls
         twin = module_twin(module, twin_class)
-        device = next((p.device for p in module.parameters(recurse=False)), None)
+        # a skeleton's meta Parameters (read later, e.g. by quark.torch.streaming) leave the quantizers on the default
+        # device: on meta they would have no state to observe into
+        device = next((p.device for p in module.parameters(recurse=False) if p.device.type != "meta"), None)
         slots = cls.slots_for(module)
         for slot in DEFAULT_SLOTS:  # the standard attributes always exist (None when not quantized)
             twin.register_module(slot.attr, None)

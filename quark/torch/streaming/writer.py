@@ -1,0 +1,132 @@
+"""amd-quark's export directory written a part at a time: tensors are added as each decoder layer finishes and
+flushed into safetensors shards once a shard is full; ``finish`` names the shards as Hugging Face does
+(``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``; one shard: ``model.safetensors``), writes
+``config.json`` and only then moves the folder to its final name. Everything is built in a temporary folder beside the
+target (``.quarkl-tmp.<name>.<random>``, this project's own prefix), so a directory under the final name is complete
+or absent; on failure the temporary folder, created here, is removed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quark.torch.export.codec import require_safetensors
+from quark.torch.export.files import TEMP_PREFIX, write_atomically
+
+__all__ = ["ShardedExport", "check_output_dir", "DEFAULT_SHARD_BYTES"]
+
+#: the default size of one shard: tensors waiting to be written count toward the peak memory of a streamed run
+DEFAULT_SHARD_BYTES = 128 * 2**20
+
+
+def check_output_dir(path: str | Path) -> Path:
+    """``path`` may become the export directory: absent (its parents are created), or an empty folder that is not a
+    symbolic link. Anything else is refused, so that no file of anybody else's is overwritten.
+
+    Raises:
+        ValueError: naming the path and what is in the way.
+    """
+    out = Path(path)
+    if out.is_symlink():
+        raise ValueError(f"output directory {str(out)!r} is a symbolic link; give a new or empty folder")
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"output directory {str(out)!r} is a file; give a new or empty folder")
+        entries = sorted(p.name for p in out.iterdir())
+        if entries:
+            raise ValueError(
+                f"output directory {str(out)!r} is not empty ({entries[:5]}); the export writes only into a new or "
+                "empty folder (it never overwrites files it did not write): give another path or empty it"
+            )
+    return out
+
+
+class ShardedExport:
+    """The export directory being written (see the module docstring).
+
+    Args:
+        output_dir: the final directory (``check_output_dir``).
+        max_shard_bytes: a shard is written once the tensors added reach this many bytes.
+    """
+
+    def __init__(self, output_dir: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
+        self.out = check_output_dir(output_dir)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{self.out.name}.", dir=self.out.parent))
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[str, list[str]]] = []  # (temporary file name, its keys)
+        self._keys: set[str] = set()
+        self.total_bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Queue ``tensors`` (full key names) for the next shard; a full shard is written at once.
+
+        Raises:
+            ValueError: a key added before.
+        """
+        again = sorted(set(tensors) & self._keys)
+        if again:
+            raise ValueError(f"tensor(s) {again[:5]} written twice to the export")
+        for key, value in tensors.items():
+            value = value.detach().cpu().contiguous()
+            if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+                value = value.clone()  # a view (a norm's weight read from a shard) would keep its whole file mapped
+            self._pending[key] = value
+            self._keys.add(key)
+            size = value.numel() * value.element_size()
+            self._pending_bytes += size
+            self.total_bytes += size
+        if self._pending_bytes >= self.max_shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the queued tensors as one shard (nothing when none is queued)."""
+        if not self._pending:
+            return
+        st = require_safetensors()
+        name = f"part-{len(self._shards):05d}.safetensors"
+        tensors = self._pending
+        write_atomically(self.tmp, name, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
+        self._shards.append((name, sorted(tensors)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self, document: dict[str, Any]) -> Path:
+        """Write the last shard, name the shards, write the index (several shards) and ``config.json``
+        (``document``), then move the folder to its final name. Returns it."""
+        self.flush()
+        count = len(self._shards)
+        weight_map: dict[str, str] = {}
+        for i, (name, keys) in enumerate(self._shards):
+            final = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.tmp / name, self.tmp / final)
+            weight_map.update(dict.fromkeys(keys, final))
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            _write_json(self.tmp, "model.safetensors.index.json", index)
+        _write_json(self.tmp, "config.json", document)
+        check_output_dir(self.out)  # still free: nothing appeared there meanwhile
+        if self.out.exists():
+            self.out.rmdir()  # empty (just checked), so ours to replace
+        os.replace(self.tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        """Remove the temporary folder (created by this object; never a link)."""
+        if self.tmp.is_dir() and not self.tmp.is_symlink():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _write_json(folder: Path, name: str, document: dict[str, Any]) -> None:
+    """``document`` as ``folder/name`` (sorted keys, as ``export_quark_dir`` writes config.json), atomically."""
+    text = json.dumps(document, indent=2, sort_keys=True) + "\n"
+    write_atomically(folder, name, lambda tmp: Path(tmp).write_text(text))
