@@ -37,7 +37,7 @@ from quark.torch.algorithm.gptq import (
     check_gptq_spec,
     gptq_quantize,
     layer_input_rows,
-    prepare_hessian,
+    prepare_accumulated,
 )
 from quark.torch.algorithm.gptq_plan import (
     COMMON_INPUT,
@@ -231,17 +231,21 @@ def _quantize_module(
     quantizer: ScaledFakeQuantize = module._weight_quantizer  # type: ignore[assignment]
     transposed = is_hf_conv1d(module)  # GPTQ works on [out, in]: a Conv1D's weight and spec transposed back
     weight, spec = linear_weight(module), linear_spec(module)
-    w2d, h, order = weight.reshape(weight.shape[0], -1), hessian.hessian, None
+    w2d, h, order = weight.reshape(weight.shape[0], -1), None, None
     if weight.ndim > 2 and spec.qscheme == QSchemeType.per_group:
         # a convolution's quantizer groups input channels at each kernel position ([out, kh, kw, in/g, g]): GPTQ's
         # contiguous column groups are those when the columns go kernel position by kernel position, not [in, kh, kw]
         order = torch.arange(w2d.shape[1], device=w2d.device).reshape(weight.shape[1], -1).T.reshape(-1)
-        w2d, h = w2d[:, order], h[order][:, order]
+        w2d, h = w2d[:, order], hessian.hessian[order][:, order]  # type: ignore[index]
     inverse = None
     if inverses is not None and order is None:
         inverse = inverses.get(id(hessian))
-        if inverse is None:
-            inverse = inverses[id(hessian)] = prepare_hessian(h, damp_percent=algo.damp_percent, desc_act=algo.desc_act)
+        if inverse is None:  # the accumulator's Hessian is taken: modules sharing it reuse this inverse
+            inverse = inverses[id(hessian)] = prepare_accumulated(
+                hessian, damp_percent=algo.damp_percent, desc_act=algo.desc_act
+            )
+    elif order is None:
+        h = hessian.hessian
     result = gptq_quantize(
         w2d,
         h,

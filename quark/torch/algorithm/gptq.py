@@ -10,6 +10,8 @@ bit against the straightforward column-major loop of the paper.
 
 from __future__ import annotations
 
+import logging
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +31,20 @@ from quark.torch.quantization.formats import (
 )
 from quark.torch.quantization.hf import is_linear
 
+logger = logging.getLogger(__name__)
+
 
 class HessianAccumulator:
     """Running ``H = 2/n * sum x x^T`` over the rows of a layer's inputs, in float32 (the GPTQ objective's Hessian)."""
 
     def __init__(self, columns: int, device: torch.device | None = None) -> None:
-        self.hessian = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+        self.hessian: torch.Tensor | None = torch.zeros(columns, columns, dtype=torch.float32, device=device)
         self.count = 0
 
     def add(self, rows: torch.Tensor) -> None:
         """Add inputs given as a [m, columns] matrix (one row per token / output position)."""
+        if self.hessian is None:
+            raise RuntimeError("HessianAccumulator: its Hessian was taken (take()); no inputs can be added")
         rows = rows.detach().reshape(-1, rows.shape[-1]).float()
         m = rows.shape[0]
         if m == 0:
@@ -47,6 +53,17 @@ class HessianAccumulator:
         self.count += m
         rows = rows * (2.0 / self.count) ** 0.5
         self.hessian += rows.T @ rows
+
+    def take(self) -> torch.Tensor:
+        """The Hessian, handed over: the accumulator keeps no reference to it (its memory goes with the caller's).
+
+        Raises:
+            RuntimeError: taken before.
+        """
+        if self.hessian is None:
+            raise RuntimeError("HessianAccumulator: its Hessian was already taken")
+        hessian, self.hessian = self.hessian, None
+        return hessian
 
 
 def layer_input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -128,25 +145,65 @@ def _column_qparams(
     return scale, zero_point
 
 
-def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float, retries: int) -> tuple[torch.Tensor, float]:
+#: a Hessian at least this large (float32 bytes; 4096 columns) is kept in a temporary file, not in memory, while it is
+#: factorized: it is read back only if a factorization fails and is retried with more damping
+SPILL_BYTES = 64 * 2**20
+
+
+class _Spilled:
+    """A CPU tensor written to an anonymous temporary file (removed when closed), read back bit for bit."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.file = tempfile.TemporaryFile()
+        torch.save(tensor, self.file)
+
+    def load(self) -> torch.Tensor:
+        self.file.seek(0)
+        return torch.load(self.file, weights_only=True)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _spill(hessian: torch.Tensor) -> _Spilled | None:
+    """``hessian`` in a temporary file when it is large and on the CPU (None: keep it in memory)."""
+    if hessian.device.type != "cpu" or hessian.numel() * hessian.element_size() < SPILL_BYTES:
+        return None
+    try:
+        return _Spilled(hessian)
+    except OSError as error:  # no room in the temporary folder: the memory it would have saved is used instead
+        logger.debug("GPTQ: Hessian kept in memory while factorized (%s)", error)
+        return None
+
+
+def _inverse_hessian_factor(box: list[torch.Tensor], damp_percent: float, retries: int) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + damp I)^-1; the damping grows 10x per retry when H is not positive definite.
 
-    ``hessian`` is damped in place (it is the caller's own copy) and its diagonal put back bit for bit before a retry,
-    so no further copy of it is held: with the factorizations freed as the next is computed, the peak is three
-    [columns, columns] matrices (GPTQ of a decoder layer streamed from disk is bounded by this)."""
+    ``box`` holds the only reference to H (the caller's own copy, taken out here): it is damped in place and its
+    diagonal put back bit for bit before a retry. Once its Cholesky factor exists, a large H goes to a temporary file
+    (``SPILL_BYTES``) until the factorization is done, so the peak is two [columns, columns] matrices (three for a
+    smaller or non-CPU H): GPTQ of a decoder layer streamed from disk is bounded by this."""
+    hessian = box.pop()
     diagonal = torch.diag(hessian).clone()
     diag_mean = float(diagonal.mean())
     damp = damp_percent
     for attempt in range(retries + 1):
         hessian.diagonal().add_(damp * diag_mean)  # the same float32 sum as H + (damp * mean) * I, without the eye
+        spilled = None
         try:
             lower = torch.linalg.cholesky(hessian)
+            spilled = _spill(hessian)
+            if spilled is not None:
+                del hessian
             inverse = torch.cholesky_inverse(lower)
             del lower
             if inverse.device.type == "cpu":  # LAPACK's inverse mirrors its triangle: exactly symmetric, and its
                 inverse = inverse.mT  # transpose is column-major, so the factorization copies it without transposing
             return torch.linalg.cholesky(inverse, upper=True), damp
         except torch.linalg.LinAlgError:
+            if spilled is not None:
+                inverse = None  # freed before H is read back
+                hessian = spilled.load()
             hessian.diagonal().copy_(diagonal)
             if attempt == retries:
                 raise ValueError(
@@ -154,6 +211,9 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float, retries:
                     "give more calibration data or a larger damp_percent"
                 ) from None
             damp *= 10
+        finally:
+            if spilled is not None:
+                spilled.close()
     raise AssertionError("unreachable")
 
 
@@ -173,28 +233,49 @@ class InverseHessian:
 def prepare_hessian(
     hessian: torch.Tensor, *, damp_percent: float = 0.01, desc_act: bool = True, retries: int = 4
 ) -> InverseHessian:
-    """The ``InverseHessian`` of an input Hessian [columns, columns] (float32 Cholesky factorizations)."""
-    hessian = hessian.detach()
+    """The ``InverseHessian`` of an input Hessian [columns, columns] (float32 Cholesky factorizations); ``hessian``
+    is not changed."""
+    return _prepare([hessian.detach()], False, damp_percent, desc_act, retries)
+
+
+@torch.no_grad()
+def prepare_accumulated(
+    accumulator: HessianAccumulator, *, damp_percent: float = 0.01, desc_act: bool = True, retries: int = 4
+) -> InverseHessian:
+    """``prepare_hessian`` of an accumulator's Hessian, which it takes (``HessianAccumulator.take``): no copy of it is
+    made, so the factorization holds one matrix fewer."""
+    box = [accumulator.take()]
+    return _prepare(box, True, damp_percent, desc_act, retries)
+
+
+def _prepare(box: list[torch.Tensor], owned: bool, damp_percent: float, desc_act: bool, retries: int) -> InverseHessian:
+    """``prepare_hessian`` on the Hessian in ``box`` (taken out); ``owned``: ours to change and to free early."""
+    hessian = box.pop()
     columns = hessian.shape[0]
     diagonal = torch.diag(hessian).float()
     dead = diagonal == 0
     diagonal[dead] = 1.0  # a dead column's diagonal is 1 (set in the matrix below, once it is our copy)
     if desc_act:
         perm = torch.argsort(diagonal, descending=True)
-        h = hessian.float().index_select(0, perm).index_select(1, perm)  # our copy, in sweep order
+        rows = hessian.float().index_select(0, perm)
+        del hessian  # owned: freed here, before the second copy
+        box.append(rows.index_select(1, perm))  # our copy, in sweep order
+        del rows
     else:
         perm = torch.arange(columns, device=hessian.device)
-        h = hessian.float().clone()
+        own = owned and hessian.dtype == torch.float32
+        box.append(hessian if own else hessian.float().clone())
+        del hessian
     moved = dead.index_select(0, perm)  # the dead columns' positions in sweep order
-    h[moved, moved] = 1.0
-    factor, damp = _inverse_hessian_factor(h, damp_percent, retries)
+    box[0][moved, moved] = 1.0
+    factor, damp = _inverse_hessian_factor(box, damp_percent, retries)
     return InverseHessian(perm, dead, factor, damp)
 
 
 @torch.no_grad()
 def gptq_quantize(
     weight: torch.Tensor,
-    hessian: torch.Tensor,
+    hessian: torch.Tensor | None,
     spec: QuantizationSpec,
     *,
     damp_percent: float = 0.01,
@@ -212,9 +293,12 @@ def gptq_quantize(
     format's contiguous input groups, so the result is an ordinary per-group weight.
 
     ``inverse``: ``prepare_hessian(hessian, damp_percent=..., desc_act=..., retries=...)`` computed beforehand, to
-    factorize a Hessian once for several layers that read the same input (``hessian`` is then not read).
+    factorize a Hessian once for several layers that read the same input (``hessian`` is then not read, and may be
+    None).
     """
     if inverse is None:
+        if hessian is None:
+            raise ValueError("gptq_quantize needs the Hessian or its prepared inverse (inverse=), got neither")
         inverse = prepare_hessian(hessian, damp_percent=damp_percent, desc_act=desc_act, retries=retries)
     return gptq_sweep(weight, inverse, spec, static_groups=static_groups, block_size=block_size)
 

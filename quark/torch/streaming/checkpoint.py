@@ -193,10 +193,15 @@ def _read_tensor(f: BinaryIO, start: int, header: dict[str, Any], key: str, path
     return out
 
 
-def free(module: nn.Module) -> None:
-    """Put every Parameter of ``module`` back on the meta device (its memory is released)."""
-    for sub in module.modules():
+def free(module: nn.Module, within: nn.Module | None = None) -> None:
+    """Put every Parameter of ``module`` back on the meta device (its memory is released). ``within``: the model
+    ``module`` belongs to, so that a Parameter tied elsewhere (an lm_head sharing the embeddings) goes too."""
+    owned = {id(p) for p in module.parameters() if p.device.type != "meta"}
+    meta: dict[int, nn.Parameter] = {}
+    for sub in (within or module).modules():
         registry = parameter_registry(sub)
         for key, p in list(registry.items()):
-            if p is not None and p.device.type != "meta":
-                registry[key] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
+            if p is not None and id(p) in owned:
+                if id(p) not in meta:
+                    meta[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
+                registry[key] = meta[id(p)]

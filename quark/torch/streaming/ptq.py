@@ -2,7 +2,8 @@
 
 The model is built from ``config.json`` on the meta device (no weights) and prepared by ``ModelQuantizer`` (quantized
 twins around meta Parameters). The modules before the decoder stack (the embeddings) are read from the checkpoint and
-the calibration batches run up to the first layer, capturing each layer's own arguments (``capture``). Then, per
+the calibration batches run up to the first layer, capturing each layer's own arguments (``capture``); the embeddings
+go back to meta until the end (an algorithm-free run reads them only then). Then, per
 decoder layer: its Parameters are read from the shards, the algorithms run on it as the in-memory path runs them
 (SmoothQuant and AWQ on the float layer with every quantizer off, then the weights observed, then GPTQ with every
 quantizer off), its amd-quark tensors go to the export, and its Parameters go back to meta.
@@ -65,8 +66,8 @@ def stream_quantize(
     trust_remote_code: bool = False,
 ) -> Path:
     """Quantize the Hugging Face checkpoint ``checkpoint_dir`` into amd-quark's export directory ``output_dir``,
-    holding one decoder layer's weights at a time (plus the embeddings, the modules after the stack and the
-    calibration activations).
+    holding one decoder layer's weights at a time, and the calibration activations (the embeddings are read for the
+    first layer's inputs and again, with the modules after the stack, at the end).
 
     The result equals, tensor for tensor, ``ModelQuantizer(config).quantize_model(model, batches)`` followed by
     ``export_quark_dir`` on the model ``from_pretrained`` loads from the same directory (same ``attn_implementation``).
@@ -197,20 +198,22 @@ class _Run:
 
     def run(self) -> None:
         """Everything before the stack, the stack layer by layer, everything after it."""
-        for name in self.head:
-            self.checkpoint.materialize(self.model, name, self.device)
         self.checkpoint.materialize(self.model, f"{self.stack}.0", self.device)  # the capture runs layer 0 once
         if self.before or self.gptq is not None:
+            for name in self.head:
+                self.checkpoint.materialize(self.model, name, self.device)
             with paused_quantizers(self.model, fake_quant=True):  # what each algorithm's own capture sees
                 self.calls = capture_each_layer_inputs(self.model, self.layers, self.batches, self.run_batch)
             first = [hidden_of(args[0] if args else kwargs["hidden_states"]) for args, kwargs in self.calls[0]]
             self.streams = [list(first) for _ in range(len(self.before) + (self.gptq is not None))]
+            for name in self.head:  # not needed again until the end: not resident while the stack is streamed
+                free(self.model.get_submodule(name), within=self.model)
         for i, layer in enumerate(self.layers):
             if i:
                 self.checkpoint.materialize(self.model, f"{self.stack}.{i}", self.device)
             self.layer(i, layer)
             logger.info("streamed PTQ: decoder layer %d/%d done", i + 1, len(self.layers))
-        for name in self.tail:
+        for name in self.head + self.tail:
             self.checkpoint.materialize(self.model, name, self.device)
         self.finish_outside()
 
@@ -245,7 +248,7 @@ class _Run:
         check_quark_exportable(layer)
         tensors = quark_tensors(layer, self.config, self.pack_method, None, [])
         self.export.add({f"{name}.{k}": v for k, v in tensors.items()})
-        free(layer)
+        free(layer, within=self.model)
         release_freed_memory()  # this layer's temporaries: not resident while the next one is read
         if i + 1 < len(self.calls):
             self.calls[i] = []  # its arguments are no longer needed

@@ -141,9 +141,13 @@ def record_gptq(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
         results.append(real_gptq(*args, **kwargs))
         return results[-1]
 
+    taken: dict[int, torch.Tensor] = {}  # the driver takes a shared accumulator's Hessian at its first module
+
     def quantize_module(name: str, module: nn.Module, hessian: Any, *args: Any) -> None:
+        if hessian.hessian is not None:
+            taken[id(hessian)] = hessian.hessian.clone()
         real_quantize(name, module, hessian, *args)
-        records[name] = {"hessian": hessian.hessian.clone(), "count": hessian.count, "result": results[-1]}
+        records[name] = {"hessian": taken[id(hessian)], "count": hessian.count, "result": results[-1]}
 
     monkeypatch.setattr(algo_api, "gptq_quantize", gptq)
     monkeypatch.setattr(algo_api, "_quantize_module", quantize_module)

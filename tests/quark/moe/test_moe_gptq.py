@@ -68,12 +68,16 @@ def record_gptq(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
         results.append(real_gptq(*args, **kwargs))
         return results[-1]
 
+    taken: dict[int, torch.Tensor] = {}  # the driver takes a shared accumulator's Hessian at its first module
+
     def quantize_module(name: str, module: nn.Module, hessian: Any, *args: Any) -> None:
         before, count = len(results), hessian.count
+        if hessian.hessian is not None:
+            taken[id(hessian)] = hessian.hessian.clone()
         original = module.weight.detach().clone()
         real_quantize(name, module, hessian, *args)
         records[name] = {
-            "hessian": hessian.hessian.clone(),
+            "hessian": taken[id(hessian)],
             "count": count,
             "original": original,
             "result": results[-1] if len(results) > before else None,
