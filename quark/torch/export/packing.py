@@ -49,8 +49,24 @@ def unpack_sextets(packed: torch.Tensor) -> torch.Tensor:
 PACK_ORDER = {"reorder": (0, 2, 4, 6, 1, 3, 5, 7), "order": (0, 1, 2, 3, 4, 5, 6, 7)}
 
 
+#: ``pack_int4`` packs this many codes at a time (its int64 temporaries are ~3 x 8 bytes per code: about 100 MB),
+#: so exporting a large weight does not hold several int64 copies of it at once
+PACK_CHUNK = 2**22
+
+
 def pack_int4(codes: torch.Tensor, pack_method: str = "reorder") -> torch.Tensor:
-    """amd-quark's 4-bit packing along the last axis: [..., n] integer codes -> [..., ceil(n/8)] int32."""
+    """amd-quark's 4-bit packing along the last axis: [..., n] integer codes -> [..., ceil(n/8)] int32 (rows packed
+    a chunk at a time: each row's words depend on that row alone)."""
+    if codes.ndim >= 2 and codes.numel() > PACK_CHUNK:
+        rows = codes.reshape(-1, codes.shape[-1])
+        step = max(1, PACK_CHUNK // max(1, codes.shape[-1]))
+        packed = torch.cat([_pack_int4(rows[i : i + step], pack_method) for i in range(0, rows.shape[0], step)])
+        return packed.reshape(*codes.shape[:-1], -1)
+    return _pack_int4(codes, pack_method)
+
+
+def _pack_int4(codes: torch.Tensor, pack_method: str) -> torch.Tensor:
+    """``pack_int4`` of one chunk."""
     order = torch.tensor(PACK_ORDER[pack_method])
     n = codes.shape[-1]
     flat = codes.to(torch.int64) & 0xF

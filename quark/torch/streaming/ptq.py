@@ -80,7 +80,7 @@ def stream_quantize(
         output_dir: a new or empty folder; written as ``writer.ShardedExport`` describes.
         weight_format: ``export_quark_dir``'s.
         pack_method: ``export_quark_dir``'s.
-        max_shard_bytes: the size at which a shard of the export is written.
+        max_shard_bytes: the largest size of a shard of the export (a larger tensor gets a shard of its own).
         attn_implementation: the attention the skeleton is built with (``from_pretrained``'s default is ``"sdpa"``).
         trust_remote_code: passed to transformers' ``AutoConfig``.
 

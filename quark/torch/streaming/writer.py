@@ -1,9 +1,10 @@
-"""amd-quark's export directory written a part at a time: tensors are added as each decoder layer finishes and
-flushed into safetensors shards once a shard is full; ``finish`` names the shards as Hugging Face does
-(``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``; one shard: ``model.safetensors``), writes
-``config.json`` and only then moves the folder to its final name. Everything is built in a temporary folder beside the
-target (``.quarkl-tmp.<name>.<random>``, this project's own prefix), so a directory under the final name is complete
-or absent; on failure the temporary folder, created here, is removed."""
+"""amd-quark's export directory written a part at a time: the tensors of each decoder layer go to disk as the layer
+finishes (one part file each, so they are not held in memory while later layers are quantized); ``finish`` gathers
+the parts into safetensors shards of at most ``max_shard_bytes`` (a tensor larger than that gets a shard of its own),
+names them as Hugging Face does (``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``; one shard:
+``model.safetensors``), writes ``config.json`` and only then moves the folder to its final name. Everything is built in
+a temporary folder beside the target (``.quarkl-tmp.<name>.<random>``, this project's own prefix), so a directory under
+the final name is complete or absent; on failure the temporary folder, created here, is removed."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from quark.torch.export.files import TEMP_PREFIX, write_atomically
 
 __all__ = ["ShardedExport", "check_output_dir", "DEFAULT_SHARD_BYTES"]
 
-#: the default size of one shard: tensors waiting to be written count toward the peak memory of a streamed run
+#: the default largest size of one shard of the export (its tensors are in memory only while ``finish`` writes it)
 DEFAULT_SHARD_BYTES = 128 * 2**20
 
 
@@ -62,14 +63,12 @@ class ShardedExport:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{self.out.name}.", dir=self.out.parent))
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[tuple[str, list[str]]] = []  # (temporary file name, its keys)
+        self._parts: list[tuple[str, dict[str, int]]] = []  # (part file in tmp, its keys and their sizes in bytes)
         self._keys: set[str] = set()
         self.total_bytes = 0
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Queue ``tensors`` (full key names) for the next shard; a full shard is written at once.
+        """Write ``tensors`` (full key names) to a part file at once; ``finish`` puts them into shards.
 
         Raises:
             ValueError: a key added before.
@@ -77,36 +76,57 @@ class ShardedExport:
         again = sorted(set(tensors) & self._keys)
         if again:
             raise ValueError(f"tensor(s) {again[:5]} written twice to the export")
-        for key, value in tensors.items():
-            value = value.detach().cpu().contiguous()
-            if value.untyped_storage().nbytes() > value.numel() * value.element_size():
-                value = value.clone()  # a view (a norm's weight read from a shard) would keep its whole file mapped
-            self._pending[key] = value
-            self._keys.add(key)
-            size = value.numel() * value.element_size()
-            self._pending_bytes += size
-            self.total_bytes += size
-        if self._pending_bytes >= self.max_shard_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write the queued tensors as one shard (nothing when none is queued)."""
-        if not self._pending:
+        if not tensors:
             return
+        stored = {key: value.detach().cpu().contiguous() for key, value in tensors.items()}
+        sizes = {key: value.numel() * value.element_size() for key, value in stored.items()}
+        name = f"part-{len(self._parts):05d}.safetensors"
         st = require_safetensors()
-        name = f"part-{len(self._shards):05d}.safetensors"
-        tensors = self._pending
-        write_atomically(self.tmp, name, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
-        self._shards.append((name, sorted(tensors)))
-        self._pending, self._pending_bytes = {}, 0
+        write_atomically(self.tmp, name, lambda tmp: st.save_file(stored, tmp, metadata={"format": "pt"}))
+        self._parts.append((name, sizes))
+        self._keys.update(stored)
+        self.total_bytes += sum(sizes.values())
+
+    def _shard_plan(self) -> list[list[tuple[str, str]]]:
+        """The shards, in the order the tensors were added: lists of (part file, key), each at most
+        ``max_shard_bytes`` (a larger tensor alone)."""
+        shards: list[list[tuple[str, str]]] = []
+        size = self.max_shard_bytes
+        for part, sizes in self._parts:
+            for key, nbytes in sizes.items():
+                if not shards or size + nbytes > self.max_shard_bytes:
+                    shards.append([])
+                    size = 0
+                shards[-1].append((part, key))
+                size += nbytes
+        return shards
+
+    def _write_shards(self) -> list[tuple[str, list[str]]]:
+        """The shards written from the part files (one shard's tensors in memory at a time), the parts removed."""
+        st = require_safetensors()
+        shards = self._shard_plan()
+        written: list[tuple[str, list[str]]] = []
+        for i, members in enumerate(shards):
+            tensors: dict[str, torch.Tensor] = {}
+            for part in dict.fromkeys(p for p, _ in members):
+                wanted = [k for p, k in members if p == part]
+                with st.safe_open(str(self.tmp / part), framework="pt") as f:
+                    tensors.update({k: f.get_tensor(k) for k in wanted})
+            name = f"shard-{i:05d}.safetensors"
+            write_atomically(self.tmp, name, lambda tmp, t=tensors: st.save_file(t, tmp, metadata={"format": "pt"}))
+            written.append((name, sorted(tensors)))
+            del tensors
+            for part in {p for p, _ in members} - {p for later in shards[i + 1 :] for p, _ in later}:
+                (self.tmp / part).unlink()  # a part file of ours, fully copied
+        return written
 
     def finish(self, document: dict[str, Any]) -> Path:
-        """Write the last shard, name the shards, write the index (several shards) and ``config.json``
-        (``document``), then move the folder to its final name. Returns it."""
-        self.flush()
-        count = len(self._shards)
+        """Write the shards, name them, write the index (several shards) and ``config.json`` (``document``), then
+        move the folder to its final name. Returns it."""
+        shards = self._write_shards()
+        count = len(shards)
         weight_map: dict[str, str] = {}
-        for i, (name, keys) in enumerate(self._shards):
+        for i, (name, keys) in enumerate(shards):
             final = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
             os.replace(self.tmp / name, self.tmp / final)
             weight_map.update(dict.fromkeys(keys, final))

@@ -528,3 +528,16 @@ def test_a_classifier_built_from_its_config_reimports_as_itself(tmp_path: Path) 
     ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         assert torch.allclose(restored(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["reorder", "order"])
+def test_pack_int4_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """Large weights are packed a few rows at a time (bounded int64 temporaries): the same words as one pass."""
+    from quark.torch.export import packing
+
+    codes = torch.randint(-8, 8, (3, 37, 45), generator=torch.Generator().manual_seed(0))
+    whole = packing.pack_int4(codes, method)
+    monkeypatch.setattr(packing, "PACK_CHUNK", 100)  # 2 rows of 45 per chunk
+    chunked = packing.pack_int4(codes, method)
+    assert chunked.shape == whole.shape == (3, 37, 6) and torch.equal(chunked, whole)
+    assert torch.equal(packing.unpack_int4(chunked, 45, True, method), codes.to(torch.int32))
