@@ -112,16 +112,26 @@ def _check_keys(path: Path, held: set[str], names: list[str]) -> None:
 
 
 def _check_same(root: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """ValueError unless ``model.safetensors`` beside the index holds the same tensors, bit for bit."""
-    single = _read_file(root / WEIGHTS_FILE, None)
+    """ValueError unless ``model.safetensors`` beside the index holds the same tensors, bit for bit (compared one
+    tensor at a time: the single file is not read whole)."""
+    st = require_safetensors()
+    path = root / WEIGHTS_FILE
     where = f"{root} holds both {WEIGHTS_FILE} and {INDEX_FILE}"
-    if set(single) != set(tensors):
-        diff = sorted(set(single) ^ set(tensors))
-        raise ValueError(f"{where} with different tensors ({diff[:10]} in one only); remove the stale one")
-    for key, value in tensors.items():
-        other = single[key]
-        if other.dtype != value.dtype or other.shape != value.shape or not _same_bits(other, value):
-            raise ValueError(f"{where} with different content: tensor {key!r} differs; remove the stale one")
+    check_header(path)
+    try:
+        with st.safe_open(str(path), "pt") as f:
+            keys = set(f.keys())
+            if keys != set(tensors):
+                diff = sorted(keys ^ set(tensors))
+                raise ValueError(f"{where} with different tensors ({diff[:10]} in one only); remove the stale one")
+            for key, value in tensors.items():
+                other = f.get_tensor(key)
+                if other.dtype != value.dtype or other.shape != value.shape or not _same_bits(other, value):
+                    raise ValueError(f"{where} with different content: tensor {key!r} differs; remove the stale one")
+    except ValueError:
+        raise
+    except Exception as err:  # a truncated or corrupt file: the reader's own errors vary
+        raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
