@@ -1,20 +1,22 @@
 """The tensors of amd-quark's export directory, read as Hugging Face lays them out: one ``model.safetensors``, or
 shards (``model-0000i-of-0000n.safetensors``) named by ``model.safetensors.index.json`` (what
-``quark.torch.streaming.stream_quantize`` writes for a model above one shard). Both read into the same mapping, tensor
-name -> tensor, one file open at a time; every file is checked first (``check_header``) and every problem is a
-ValueError naming the file and the tensor."""
+``quark.torch.streaming.stream_quantize`` writes for a model above one shard). Both give the same mapping, tensor name
+-> tensor (a shard's tensors read from it when looked up); every file's header is checked first (``check_header``) and
+every problem is a ValueError naming the file and the tensor."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from quark.torch.export.codec import require_safetensors
 from quark.torch.export.validation import check_header
 
-__all__ = ["INDEX_FILE", "WEIGHTS_FILE", "weight_source", "shard_map", "read_weights"]
+__all__ = ["INDEX_FILE", "WEIGHTS_FILE", "weight_source", "shard_map", "read_weights", "ShardedTensors"]
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -59,9 +61,12 @@ def shard_map(root: str | Path) -> dict[str, list[str]]:
     return files
 
 
-def read_weights(root: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the export directory ``root`` by name, read a file at a time (``shard_map``). When both an
-    index and ``model.safetensors`` are present, the single file must hold exactly the index's tensors, bit for bit.
+def read_weights(root: str | Path) -> Mapping[str, torch.Tensor]:
+    """Every tensor of the export directory ``root`` by name (``shard_map``): ``model.safetensors`` read whole, or the
+    shards as a ``ShardedTensors`` mapping that reads each tensor from its shard when it is looked up (so the import's
+    checks and its decoding hold a few tensors at a time, not every shard). Every shard's header is checked first. When
+    both an index and ``model.safetensors`` are present, the single file must hold exactly the index's tensors, bit
+    for bit.
 
     Raises:
         ValueError: ``shard_map``'s; a file that is not readable safetensors; a tensor the index places in a shard
@@ -71,25 +76,65 @@ def read_weights(root: str | Path) -> dict[str, torch.Tensor]:
     root = Path(root)
     files = shard_map(root)
     if WEIGHTS_FILE in files and not files[WEIGHTS_FILE]:
-        return _read_file(root / WEIGHTS_FILE, None)
-    out: dict[str, torch.Tensor] = {}
-    for file, names in files.items():
-        out.update(_read_file(root / file, names))
+        return _read_file(root / WEIGHTS_FILE)
+    tensors = ShardedTensors(root, files)
     if (root / WEIGHTS_FILE).is_file() and WEIGHTS_FILE not in files:
-        _check_same(root, out)
-    return out
+        _check_same(root, tensors)
+    return tensors
 
 
-def _read_file(path: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` of the safetensors file ``path`` (None: all of them), which must hold exactly those."""
+class ShardedTensors(Mapping[str, torch.Tensor]):
+    """The tensors of a sharded directory by name, each read from its shard on lookup (a new tensor each time).
+
+    Args:
+        root: the directory.
+        files: ``shard_map(root)``: file name -> the tensor names the index places in it.
+
+    Raises:
+        ValueError: a shard whose header is not valid safetensors, lacks a tensor the index places in it, or holds one
+            the index does not.
+    """
+
+    def __init__(self, root: Path, files: dict[str, list[str]]) -> None:
+        self.root = root
+        self.file_of = {name: file for file, names in files.items() for name in names}
+        st = require_safetensors()
+        for file, names in files.items():  # headers only: no tensor data is read here
+            path = root / file
+            check_header(path)
+            try:
+                with st.safe_open(str(path), "pt") as f:
+                    held = set(f.keys())
+            except Exception as err:  # the reader's own errors vary
+                raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+            _check_keys(path, held, names)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        path = self.root / self.file_of[key]
+        st = require_safetensors()
+        try:
+            with st.safe_open(str(path), "pt") as f:
+                return f.get_tensor(key)
+        except Exception as err:  # a file changed or corrupt since its header was checked
+            raise ValueError(f"{path}: tensor {key!r} is not readable: {err}") from err
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.file_of)
+
+    def __len__(self) -> int:
+        return len(self.file_of)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.file_of
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``path``."""
     st = require_safetensors()
     check_header(path)  # a tensor whose bytes do not match its dtype and shape, by name
     try:
         with st.safe_open(str(path), "pt") as f:
-            keys = list(f.keys())
-            if names is not None:
-                _check_keys(path, set(keys), names)
-            return {k: f.get_tensor(k) for k in (keys if names is None else names)}
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
     except ValueError:
         raise
     except Exception as err:  # a truncated or corrupt file: the reader's own errors vary
@@ -111,7 +156,7 @@ def _check_keys(path: Path, held: set[str], names: list[str]) -> None:
         )
 
 
-def _check_same(root: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _check_same(root: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     """ValueError unless ``model.safetensors`` beside the index holds the same tensors, bit for bit (compared one
     tensor at a time: the single file is not read whole)."""
     st = require_safetensors()
