@@ -7,8 +7,10 @@ KV heads, vocabulary 8000: about 0.43 GB) is saved under /tmp and quantized weig
 ``model.safetensors.index.json``) and into one ``model.safetensors``. Each directory is then imported in its own
 process by ``import_quark_dir(hf_skeleton(dir), dir)``; each process reports its peak resident memory
 (``ru_maxrss``) above a baseline process that builds the same skeleton without importing, its wall time, and a hash
-of the logits on fixed token ids. Printed: each import's peak above the baseline, the sharded / single ratio of peaks
-and of times, the export's size, and whether the two imports' logits are equal bit for bit. Everything written under
+of the logits on fixed token ids; a third import of the single file reads every tensor up front (as the importer did
+before it read tensors on lookup). Printed: each import's peak above the baseline, the sharded / single ratio of peaks
+and of times, the on-lookup / up-front ratio, the export's size, and whether the imports' logits are equal bit for
+bit. Everything written under
 /tmp is removed at the end.
 
     PYTHONPATH=$PWD python bench/sharded_import.py
@@ -20,14 +22,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+WORK = Path(tempfile.gettempdir()) / f"sharded-import-bench.{os.getpid()}"
 CONFIG = {
     "global_quant_config": {
         "weight": {
@@ -45,11 +51,17 @@ CONFIG = {
 
 
 def child(mode: str, path: Path) -> None:
-    """Import ``path`` (or, for ``mode == "baseline"``, only build the skeleton and give it storage); print JSON."""
+    """Import ``path`` (``mode == "eager"``: with every tensor read up front, as the import did before tensors were
+    read on lookup; ``"baseline"``: only build the skeleton and give it storage); print JSON."""
     import torch
 
+    from quark.torch.export import quark_format
     from quark.torch.export.quark_format import import_quark_dir
     from quark.torch.export.skeleton import hf_skeleton
+
+    if mode == "eager":
+        lazy = quark_format.read_weights
+        quark_format.read_weights = lambda root: dict(lazy(root))  # type: ignore[assignment]
 
     start = time.perf_counter()
     model = hf_skeleton(path, attn_implementation="sdpa")
@@ -66,7 +78,15 @@ def child(mode: str, path: Path) -> None:
     print(json.dumps({"peak": peak, "seconds": seconds, "digest": digest}))
 
 
-def run_child(mode: str, path: Path) -> dict[str, float | str]:
+MODES = {
+    ("import", "sharded"): "sharded import (tensors read on lookup)",
+    ("import", "single"): "single-file import (tensors read on lookup)",
+    ("eager", "single"): "single-file import, every tensor read up front (the import before)",
+}
+
+
+def run_child(mode: str, which: str) -> dict[str, Any]:
+    path = WORK / which
     out = subprocess.run(
         [sys.executable, __file__, "--child", mode, str(path)], capture_output=True, text=True, check=True
     )
@@ -80,17 +100,19 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--shard-mib", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--child", nargs=2, metavar=("MODE", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], Path(args.child[1]))
         return
+    WORK.mkdir()
     import torch
     import transformers
 
     from quark.torch.streaming import stream_quantize
 
-    work = Path(tempfile.mkdtemp(prefix="sharded-import-bench."))
+    work = WORK
     try:
         torch.manual_seed(0)
         config = transformers.LlamaConfig(
@@ -107,20 +129,32 @@ def main() -> None:
         single = stream_quantize(work / "ckpt", CONFIG, None, work / "single", max_shard_bytes=1 << 40)
         shards = len(list(sharded.glob("model-*.safetensors")))
         size = sum(f.stat().st_size for f in single.glob("*.safetensors"))
-        base = run_child("baseline", single)
-        a, b = run_child("import", sharded), run_child("import", single)
-        over_a, over_b = a["peak"] - base["peak"], b["peak"] - base["peak"]
-        print("machine: 2 shared CPU cores (no GPU); one process per import")
+        runs = {m: [run_child(*m) for _ in range(args.repeat)] for m in MODES}  # type: ignore[misc]
+        runs[("baseline", "single")] = [run_child("baseline", single) for _ in range(args.repeat)]
+        base = statistics.median(r["peak"] for r in runs[("baseline", "single")])
+        print(f"machine: 2 shared CPU cores (no GPU); one process per import; median of {args.repeat} runs [min, max]")
         print(
-            f"export: {size / 2**20:.1f} MiB of safetensors; sharded into {shards} files (a shard is closed once it reaches {args.shard_mib} MiB)"
+            f"export: {size / 2**20:.1f} MiB of safetensors; sharded into {shards} files (closed at {args.shard_mib} MiB)"
         )
-        print(f"baseline (skeleton given storage, no import): peak {base['peak'] / 2**20:.0f} MiB")
-        print(f"sharded import: peak +{over_a / 2**20:.0f} MiB above baseline, {a['seconds']:.2f} s")
-        print(f"single-file import: peak +{over_b / 2**20:.0f} MiB above baseline, {b['seconds']:.2f} s")
+        print(f"baseline (skeleton given storage, no import): peak {base / 2**20:.0f} MiB")
+        over: dict[str, float] = {}
+        for (mode, which), results in runs.items():
+            if mode == "baseline":
+                continue
+            peaks = sorted((r["peak"] - base) / 2**20 for r in results)
+            secs = statistics.median(r["seconds"] for r in results)
+            over[f"{mode}/{which}"] = statistics.median(peaks)
+            print(
+                f"{MODES[(mode, which)]}: peak +{over[f'{mode}/{which}']:.0f} MiB [{peaks[0]:.0f}, {peaks[-1]:.0f}], {secs:.2f} s"
+            )
         print(
-            f"ratio sharded/single: peak above baseline {over_a / max(over_b, 1):.2f}, time {a['seconds'] / b['seconds']:.2f}"
+            f"ratio sharded/single (both on lookup): peak above baseline {over['import/sharded'] / over['import/single']:.2f}"
         )
-        print(f"logits bit for bit equal: {a['digest'] == b['digest']}")
+        print(
+            f"ratio on lookup/up front (single file): peak above baseline {over['import/single'] / over['eager/single']:.2f}"
+        )
+        digests = {r["digest"] for m, results in runs.items() if m[0] != "baseline" for r in results}
+        print(f"logits bit for bit equal across all imports: {len(digests) == 1}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

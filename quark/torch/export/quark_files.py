@@ -62,9 +62,9 @@ def shard_map(root: str | Path) -> dict[str, list[str]]:
 
 
 def read_weights(root: str | Path) -> Mapping[str, torch.Tensor]:
-    """Every tensor of the export directory ``root`` by name (``shard_map``): ``model.safetensors`` read whole, or the
-    shards as a ``ShardedTensors`` mapping that reads each tensor from its shard when it is looked up (so the import's
-    checks and its decoding hold a few tensors at a time, not every shard). Every shard's header is checked first. When
+    """Every tensor of the export directory ``root`` by name (``shard_map``), as a ``ShardedTensors`` mapping that
+    reads each tensor from its file (``model.safetensors`` or a shard) when it is looked up, so the import's checks
+    and its decoding hold a few tensors at a time, not every file. Every shard's header is checked first. When
     both an index and ``model.safetensors`` are present, the single file must hold exactly the index's tensors, bit
     for bit.
 
@@ -76,7 +76,7 @@ def read_weights(root: str | Path) -> Mapping[str, torch.Tensor]:
     root = Path(root)
     files = shard_map(root)
     if WEIGHTS_FILE in files and not files[WEIGHTS_FILE]:
-        return _read_file(root / WEIGHTS_FILE)
+        return ShardedTensors(root, {WEIGHTS_FILE: _file_keys(root / WEIGHTS_FILE)})
     tensors = ShardedTensors(root, files)
     if (root / WEIGHTS_FILE).is_file() and WEIGHTS_FILE not in files:
         _check_same(root, tensors)
@@ -84,7 +84,7 @@ def read_weights(root: str | Path) -> Mapping[str, torch.Tensor]:
 
 
 class ShardedTensors(Mapping[str, torch.Tensor]):
-    """The tensors of a sharded directory by name, each read from its shard on lookup (a new tensor each time).
+    """The tensors of an export directory by name, each read from its file on lookup (a new tensor each time).
 
     Args:
         root: the directory.
@@ -128,15 +128,13 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
         return key in self.file_of
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors file ``path``."""
+def _file_keys(path: Path) -> list[str]:
+    """The tensor names of the safetensors file ``path`` (its header checked first)."""
     st = require_safetensors()
     check_header(path)  # a tensor whose bytes do not match its dtype and shape, by name
     try:
         with st.safe_open(str(path), "pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
-    except ValueError:
-        raise
+            return list(f.keys())
     except Exception as err:  # a truncated or corrupt file: the reader's own errors vary
         raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
 

@@ -293,7 +293,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     ``decoded_weight_quantizer`` gives (pass-through: they are on the grid), static activation quantizers frozen with
     the stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first. The
     tensors are read from ``model.safetensors`` or, in a sharded directory (``stream_quantize``'s), from the shards
-    ``model.safetensors.index.json`` names, a shard at a time (``quark_files.read_weights``)."""
+    ``model.safetensors.index.json`` names, each tensor when it is looked up (``quark_files.read_weights``)."""
     root = Path(model_dir)
     config, export = _read_quark_config(root / CONFIG_FILE)
     pack_method = export["pack_method"]
