@@ -77,11 +77,11 @@ from quark.torch.export.quark_config import (
     json_mapping,
     to_quark_dict,
 )
+from quark.torch.export.quark_files import WEIGHTS_FILE, read_weights, weight_source
 from quark.torch.export.quark_tensors import as_linear, quark_tensors, stored_part_quantizer, stored_weight_quantizer
 from quark.torch.export.quark_validation import check_before_import
 from quark.torch.export.skeleton import materialize
 from quark.torch.export.validation import (
-    check_header,
     quantized_modules,
     unreached_layers,
 )
@@ -111,7 +111,6 @@ __all__ = [
 
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 
 
 # ----------------------------------------------------------------------------------------------- export / import
@@ -292,25 +291,20 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     """Rebuild a quantized model from amd-quark's export directory and a float ``model`` of the same architecture:
     prepared with the stored Config, weights set to their dequantized values with the quantizer
     ``decoded_weight_quantizer`` gives (pass-through: they are on the grid), static activation quantizers frozen with
-    the stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first."""
-    st = require_safetensors()
+    the stored qparams, in eval mode. Meta Parameters (a skeleton) are given storage on ``device`` first. The
+    tensors are read from ``model.safetensors`` or, in a sharded directory (``stream_quantize``'s), from the shards
+    ``model.safetensors.index.json`` names, each tensor when it is looked up (``quark_files.read_weights``)."""
     root = Path(model_dir)
     config, export = _read_quark_config(root / CONFIG_FILE)
     pack_method = export["pack_method"]
-    check_header(root / WEIGHTS_FILE)  # a tensor whose bytes do not match its dtype and shape, by name
-    try:
-        with st.safe_open(str(root / WEIGHTS_FILE), "pt") as f:
-            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
-    except Exception as err:  # a truncated or corrupt file: the reader's own errors vary
-        raise ValueError(f"{root / WEIGHTS_FILE} is not a readable safetensors file: {err}") from err
+    t = read_weights(root)  # model.safetensors, or the shards its index names, a file at a time
+    source = weight_source(root)
     names = checkpoint_names(model)  # a model with experts: the file uses the family's hub names
     if names is not None:
         t = {_our_key(names, key): value for key, value in t.items()}
         config = _renamed_config(config, names, inverse=True)
-    prob_scales = check_prob_scales(model, config, t, root / WEIGHTS_FILE)
-    check_before_import(
-        model, config, t, root / WEIGHTS_FILE, prob_scales
-    )  # every problem found before the model is touched
+    prob_scales = check_prob_scales(model, config, t, source)
+    check_before_import(model, config, t, source, prob_scales)  # every problem found before the model is touched
     materialize(model, device, set(t))  # a skeleton's meta Parameters get storage (every one is filled below)
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
