@@ -144,7 +144,14 @@ def test_two_search_workers_share_one_sqlite_storage(float_ckpt: str, tmp_path: 
         assert t.values == [results["metric"]["quantized"], results["size"]["quantized_bits"]]
         assert Path(t.user_attrs["sweep_dir"]) == ran[t.number].parent.resolve()
 
+    for sweep in sweeps:  # each worker's table lists every trial: done, or still running in the other worker
+        table = list(csv.DictReader((sweep / "pareto.csv").open()))
+        assert [int(r["trial"]) for r in table] == list(range(6))
+        assert {r["status"] for r in table} <= {"ok", "running"}, table
+    # with both workers done, the table redrawn from the storage (the documented command) has every trial done
     last = max(sweeps, key=lambda s: json.loads((s / SWEEP_STATE).read_text())["finished"])
+    redraw = [sys.executable, "-m", "quark_lightning.app.pareto", str(last), storage, "optuna_bits"]
+    subprocess.run(redraw, check=True, cwd=ROOT, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     table = list(csv.DictReader((last / "pareto.csv").open()))
     assert [int(r["trial"]) for r in table] == list(range(6)) and all(r["status"] == "ok" for r in table)
     assert {r["job"] for r in table if r["job"].startswith("..")} == {
