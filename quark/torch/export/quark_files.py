@@ -41,7 +41,7 @@ def shard_map(root: str | Path) -> dict[str, list[str]]:
     index = root / INDEX_FILE
     if not index.is_file():
         if not (root / WEIGHTS_FILE).is_file():
-            raise ValueError(f"{root} has neither {WEIGHTS_FILE} nor {INDEX_FILE} (sharded): no weights to import")
+            raise ValueError(f"{root} has neither {INDEX_FILE} (sharded) nor {WEIGHTS_FILE}: no weights to read")
         return {WEIGHTS_FILE: []}
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")

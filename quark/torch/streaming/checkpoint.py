@@ -15,14 +15,13 @@ from torch import nn
 
 from quark.torch.compat import parameter_registry
 from quark.torch.export.codec import require_safetensors
+from quark.torch.export.quark_files import INDEX_FILE, shard_map
+from quark.torch.export.quark_files import WEIGHTS_FILE as SINGLE_FILE
 
 #: safetensors' names of the floating-point dtypes
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 __all__ = ["HFCheckpoint", "free", "INDEX_FILE", "SINGLE_FILE"]
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 class HFCheckpoint:
@@ -46,32 +45,13 @@ class HFCheckpoint:
         self.files = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
-        """Tensor name -> file name, from the index or from the single file's header."""
-        index = self.root / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text()).get("weight_map")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
-                raise ValueError(f"{index} is not a JSON object with a weight_map: {err}") from None
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise ValueError(
-                    f"{index}: weight_map must map each tensor name to a file name, got {weight_map!r:.200}"
-                )
-            bad = sorted({f for f in weight_map.values() if Path(f).name != f})
-            if bad:
-                raise ValueError(f"{index}: weight_map names files outside the directory: {bad}")
-            missing = sorted({f for f in weight_map.values() if not (self.root / f).is_file()})
-            if missing:
-                raise ValueError(f"{index} names shard file(s) missing from {self.root}: {missing}")
-            return dict(weight_map)
-        single = self.root / SINGLE_FILE
-        if not single.is_file():
-            raise ValueError(
-                f"checkpoint directory {str(self.root)!r} has neither {INDEX_FILE} (sharded) nor {SINGLE_FILE}"
-            )
-        st = require_safetensors()
-        with st.safe_open(str(single), "pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)  # noqa: SIM118 - safe_open has no items()
+        """Tensor name -> file name, from the index (``quark_files.shard_map`` checks it) or the single file's header."""
+        files = shard_map(self.root)
+        if files.get(SINGLE_FILE) == []:  # no index: every tensor of model.safetensors
+            st = require_safetensors()
+            with st.safe_open(str(self.root / SINGLE_FILE), "pt") as f:
+                return dict.fromkeys(f.keys(), SINGLE_FILE)  # noqa: SIM118 - safe_open has no items()
+        return {name: file for file, names in files.items() for name in names}
 
     def float_dtype(self) -> torch.dtype | None:
         """The dtype of the checkpoint's first floating-point tensor (what ``from_pretrained(dtype="auto")`` loads
