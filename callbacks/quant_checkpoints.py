@@ -192,7 +192,9 @@ def load_quantized_checkpoint(
             f"{checkpoint_path} has no quantizer state for {listed}. Was it written for this model with the Config "
             "it stores (the same layers quantized)?"
         )
-    install_online_rotations(model, state)  # <layer>.input_rotation of a rotated model: buffer and pre-hook
+    install_online_rotations(
+        model, state, quantizer.config
+    )  # <layer>.input_rotation of a rotated model: buffer and pre-hook
     model.load_state_dict(state, strict=True)
     for _, q in iter_quantizers(model):
         if not q.is_dynamic:

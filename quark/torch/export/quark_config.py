@@ -159,7 +159,17 @@ def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
         "min_kv_scale": export.get("min_kv_scale", 0.0),
     }
     try:
-        config = Config(**layers, **attention, exclude=list(exclude), quant_mode=q.get("quant_mode", "eager_mode"))
+        algos = q.get("algo_config") or []
+        rotations = (
+            [a for a in algos if isinstance(a, dict) and a.get("name") == "rotation"] if isinstance(algos, list) else []
+        )
+        config = Config(
+            **layers,
+            **attention,
+            exclude=list(exclude),
+            quant_mode=q.get("quant_mode", "eager_mode"),
+            algo_config=rotations or None,  # the online part of a rotation is applied at run time
+        )
         return config, export
     except (ValueError, TypeError, KeyError) as err:  # the Config's own checks name the field
         raise ValueError(f"quantization_config: {err}") from None

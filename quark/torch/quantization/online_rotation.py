@@ -77,7 +77,9 @@ def online_rotation_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]
     return ((n, m) for n, m in model.named_modules() if ROTATION_BUFFER in m._buffers)
 
 
-def install_online_rotations(model: nn.Module, state_dict: Mapping[str, Any] | None = None) -> list[str]:
+def install_online_rotations(
+    model: nn.Module, state_dict: Mapping[str, Any] | None = None, config: Any = None
+) -> list[str]:
     """Make ``model`` ready for a rotated checkpoint: for each ``<layer>.input_rotation`` key of ``state_dict`` a
     buffer of that shape on the layer (loading fills it), and on every layer with such a buffer the pre-hook. Called
     by the loaders before they load a state dict / export; a model without rotations is left alone.
@@ -85,6 +87,10 @@ def install_online_rotations(model: nn.Module, state_dict: Mapping[str, Any] | N
     Args:
         model: The fresh (or already rotated) model.
         state_dict: The tensors about to be loaded (keys as in ``model.state_dict()``); None: hooks only.
+        config: The Config stored with them: when its ``algo_config`` holds a rotation with R1, weights the model
+            ties but the file holds differently (an lm_head tied to the input embeddings) are untied
+            (``untie_differing_weights``); other tied weights are left as they are (a quantized lm_head tied to a
+            float embedding keeps sharing it).
 
     Returns:
         The names of the layers given a new buffer.
@@ -110,8 +116,14 @@ def install_online_rotations(model: nn.Module, state_dict: Mapping[str, Any] | N
             added.append(name)
     for _, module in online_rotation_modules(model):
         _hook(module)
-    untie_differing_weights(model, state_dict or {})
+    if any(getattr(a, "name", None) == "rotation" and getattr(a, "r1", False) for a in _algos(config)):
+        untie_differing_weights(model, state_dict or {})
     return added
+
+
+def _algos(config: Any) -> list[Any]:
+    """The algorithm configs of a Config (none for None)."""
+    return list(getattr(config, "algo_configs", None) or [])
 
 
 def untie_differing_weights(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
