@@ -41,10 +41,17 @@ from torch import nn
 from callbacks.quant import read_checkpoint
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm import find_decoder_layers, scaling_groups
+from quark.torch.algorithm.rotation.apply import check_rotation
 from quark.torch.export import check_exportable, export_formats, get_format
 from quark.torch.extras import MissingExtraError, require_extra
 from quark.torch.quantization.api import activation_axes_to_check, check_activation_shapes, run_batch, unmatched_names
-from quark.torch.quantization.config.config import AWQConfig, Config, QuantizationConfig, SmoothQuantConfig
+from quark.torch.quantization.config.config import (
+    AWQConfig,
+    Config,
+    QuantizationConfig,
+    RotationConfig,
+    SmoothQuantConfig,
+)
 from quark.torch.quantization.state import quant_state
 from quark_lightning.app.conf import ConfigError, QuantConfigError, QuantFlow, spec_bits
 from quark_lightning.app.mixed import candidate_configs, check_before_training, with_candidate
@@ -351,6 +358,8 @@ def check_quantizable(config: Config, model: LightningModule) -> tuple[dict[str,
                     f"a decoder stack and {type(model).__name__} has none (use experiment=char_lm or hf_lm, or set model_decoder_layers)"
                 )
             scaling_groups(found[1][0], algo.scaling_layers)  # derivable or valid, else the modules are listed
+        elif isinstance(algo, RotationConfig):  # a LLaMA-like decoder stack, refused fields, buildable sizes
+            check_rotation(model, algo)
     return _layer_table(plans), prepared
 
 

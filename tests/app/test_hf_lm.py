@@ -278,6 +278,7 @@ PRESETS = [
     "w3_rtn",
     "w4_awq",
     "w4_rtn",
+    "w4a4_rotated",
     "w4a8_tqt",
     "w4a8_tqt_graph",
     "w8a8",

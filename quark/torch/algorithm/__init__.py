@@ -1,4 +1,4 @@
-"""GPTQ, AWQ and SmoothQuant, run by ``ModelQuantizer.calibrate`` / ``quantize_model`` when the Config holds them
+"""GPTQ, AWQ, SmoothQuant and rotations (RotationConfig, ``quark.torch.algorithm.rotation``), run by ``ModelQuantizer.calibrate`` / ``quantize_model`` when the Config holds them
 (``algo_config``: GPTQConfig / AWQConfig, one or a list in order; ``pre_quant_opt_config``: SmoothQuantConfig).
 
 Order on a prepared model: SmoothQuant and AWQ on the float function (quantizers paused), then calibration, then GPTQ.
@@ -15,6 +15,7 @@ from quark.torch.algorithm.api import (
     run_smoothquant,
 )
 from quark.torch.algorithm.gptq import HessianAccumulator, gptq_quantize
+from quark.torch.algorithm.rotation.apply import check_rotation, run_rotation
 from quark.torch.algorithm.structure import (
     MODEL_FAMILIES,
     ModelFamily,
@@ -25,7 +26,7 @@ from quark.torch.algorithm.structure import (
     scaling_groups,
 )
 from quark.torch.quantization.algo_registry import register_algorithm
-from quark.torch.quantization.config.config import AWQConfig, GPTQConfig, SmoothQuantConfig
+from quark.torch.quantization.config.config import AWQConfig, GPTQConfig, RotationConfig, SmoothQuantConfig
 
 __all__ = [
     "apply_gptq",
@@ -48,3 +49,4 @@ for _type, _stage, _handler in (
     (GPTQConfig, "after_calibration", run_gptq),
 ):
     register_algorithm(_type, stage=_stage, handler=_handler, check=check_embedding_layers)
+register_algorithm(RotationConfig, stage="before_calibration", handler=run_rotation, check=check_rotation)

@@ -14,12 +14,14 @@ from typing import Any, ClassVar
 
 from quark.torch.quantization.algo_registry import algorithm_stage, register_algorithm, registered_algorithms
 from quark.torch.quantization.config import spec_helpers
+from quark.torch.quantization.config.algo_base import AlgoConfig
 from quark.torch.quantization.config.attention_fields import (
     check_kv_cache_group,
     check_kv_spec,
     check_min_kv_scale,
     check_softmax_spec,
 )
+from quark.torch.quantization.config.rotation_fields import OnlineRotationConfig, RotationConfig
 from quark.torch.quantization.config.spec import (
     ConfigBase,
     LSQSpec,
@@ -44,6 +46,8 @@ __all__ = [
     "AWQConfig",
     "SmoothQuantConfig",
     "CLEConfig",
+    "RotationConfig",
+    "OnlineRotationConfig",
     "Config",
 ]
 
@@ -104,14 +108,6 @@ def _qconfig(owner: str, value: Any) -> QuantizationConfig:
 
 
 # ----------------------------------------------------------------------------------------------- algorithm configs
-@dataclass(eq=True)
-class AlgoConfig(ConfigBase):
-    """Base of the algorithm configs; ``name`` tells them apart in dicts."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return super().to_dict()
-
-
 @dataclass(eq=True)
 class PreQuantOptConfig(AlgoConfig):
     """Base of the pre-quantization optimisations (SmoothQuant)."""
@@ -273,6 +269,7 @@ for _type, _stage in (
     (AWQConfig, "before_calibration"),
     (SmoothQuantConfig, "before_calibration"),
     (CLEConfig, "graph"),
+    (RotationConfig, "before_calibration"),
 ):
     register_algorithm(_type, stage=_stage)  # the handlers come with their modules
 
@@ -308,7 +305,8 @@ class Config(ConfigBase):
         layer_type_quant_config (Dict[str, QuantizationConfig]): By layer type ("Linear", "Conv2d" or the class).
         layer_quant_config (Dict[str, QuantizationConfig]): By layer name (fnmatch patterns such as ``"*.fc2"``).
         exclude (List[str]): Layer names (fnmatch patterns) left in float.
-        algo_config (Optional[AlgoConfig]): GPTQ / AWQ / SmoothQuant (amd-quark 0.13 places it here), one or a list applied in order.
+        algo_config (Optional[AlgoConfig]): GPTQ / AWQ / SmoothQuant / rotation (amd-quark 0.13 places it here), one or a
+            list applied in order.
         pre_quant_opt_config (Optional[PreQuantOptConfig]): SmoothQuant (eager mode) or CLE (graph mode), one or a list.
         quant_mode (QuantizationMode): eager_mode (module swapping) or fx_graph_mode.
         inherit_roles (bool): False (amd-quark's rule): the most specific entry that matches a layer (name, then

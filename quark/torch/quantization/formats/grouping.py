@@ -169,13 +169,18 @@ def normalize_axis(axis: int, ndim: int) -> int:
     return axis % max(ndim, 1)
 
 
-def to_blocks(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, BlockLayout]:
+def to_blocks(x: torch.Tensor, axis: int, block: int, whole_axis: bool = False) -> tuple[torch.Tensor, BlockLayout]:
     """Split ``axis`` into blocks of ``block``: x [..., C (at axis), ...] -> [..., n_blocks, block] (axis moved last).
 
-    A ragged last block is zero-padded; zeros never raise a block's maximum, so padding changes no scale.
+    A ragged last block is zero-padded; zeros never raise a block's maximum, so padding changes no scale. With
+    ``whole_axis`` (integer per-group qparams), a block at least as long as the axis is the whole axis, unpadded: one
+    group per slice, e.g. per token for activations with ``ch_axis=-1`` and a ``group_size`` at least the widest input
+    (``quant/spec/int4_per_token_dynamic.yaml``; padding there would cost memory and move an asymmetric group's
+    minimum or maximum to 0). MX blocks keep their size (their element count is the format's).
     """
     if x.ndim == 0:
         x = x.reshape(1)
+    block = min(block, x.shape[axis]) if whole_axis else block
     layout = BlockLayout(normalize_axis(axis, x.ndim), x.shape[axis], block)
     moved = x.movedim(layout.axis, -1)  # [..., C]
     if layout.pad:

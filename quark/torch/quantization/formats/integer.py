@@ -256,7 +256,7 @@ def fake_quantize_int(
             out = _fake_quantize_elementwise(xf, s, z, qmin, qmax, round_method)
     elif qscheme == QSchemeType.per_group:
         axis = _require_axis(axis, qscheme)
-        xb, layout = to_blocks(xf, axis, _require_group(group_size))  # [..., G, g]
+        xb, layout = to_blocks(xf, axis, _require_group(group_size), whole_axis=True)  # [..., G, g]
         if fast:
             rows = xb.reshape(-1, layout.block)  # every group a row: per-group == per-channel on axis 0
             outb = torch.fake_quantize_per_channel_affine(
@@ -343,7 +343,7 @@ def _qparam_layout(
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """``x`` in the layout its qparams broadcast over (groups, tiles or as is), and the way back to x's shape."""
     if qscheme == QSchemeType.per_group:
-        xb, layout = to_blocks(x, _require_axis(axis, qscheme), _require_group(group_size))
+        xb, layout = to_blocks(x, _require_axis(axis, qscheme), _require_group(group_size), whole_axis=True)
         return xb, lambda y: from_blocks(y, layout, x.shape)
     if qscheme == QSchemeType.per_block:
         xt, tiles = to_tiles(x, block_size)

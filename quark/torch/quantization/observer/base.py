@@ -113,7 +113,7 @@ def channel_minmax(x: torch.Tensor, ch_axis: int) -> tuple[torch.Tensor, torch.T
 
 def group_minmax(x: torch.Tensor, ch_axis: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Minimum and maximum of each group of ``group_size`` along ``ch_axis`` (shape [..., n_groups])."""
-    xb, _ = to_blocks(x, ch_axis, group_size)  # [..., G, g]
+    xb, _ = to_blocks(x, ch_axis, group_size, whole_axis=True)  # [..., G, g]
     return aminmax_along(xb, -1)
 
 

@@ -63,7 +63,10 @@ class UniformScalingObserver(ObserverBase):
         min_val, max_val = min_val.float(), max_val.float()  # float64 past float32's range becomes inf: refused
         check_finite(self.who, min_val, max_val)
         self.model_dtype = x.dtype
-        if self.min_val.shape != min_val.shape:  # first statistics of this shape (e.g. per channel): rebind once
+        # first statistics of this shape (e.g. per channel, or per token: the shape follows the batch), or buffers
+        # made under inference_mode (a validation loop) now updated outside it (in-place is not allowed): rebind
+        stale = self.min_val.is_inference() and not torch.is_inference_mode_enabled()
+        if self.min_val.shape != min_val.shape or stale:
             self.min_val, self.max_val = min_val.clone(), max_val.clone()
         elif self.is_dynamic:
             self.min_val.copy_(min_val)
