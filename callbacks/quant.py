@@ -23,6 +23,7 @@ from torch import nn
 
 from callbacks.calibration_data import CALIB_FORWARD_EXAMPLE, CalibrationData, as_model_input, as_trained
 from callbacks.checkpoint_io import ensure_atomic_checkpoints
+from callbacks.distill import Distillation, QuantDistillation
 from callbacks.graph_capture import GraphCapture
 from callbacks.mixed_precision import MixedPrecision
 from callbacks.quant_checkpoints import (
@@ -81,7 +82,14 @@ def _to_config(config: Any) -> Config:
 
 
 class QuantCallback(
-    QuantSchedule, QuantReport, ShardedTraining, FloatCheckpointStart, GraphCapture, CalibrationData, Callback
+    QuantSchedule,
+    QuantReport,
+    ShardedTraining,
+    FloatCheckpointStart,
+    GraphCapture,
+    CalibrationData,
+    QuantDistillation,
+    Callback,
 ):
     r"""Quantize the LightningModule with a quark ``Config``: QAT during ``fit`` or PTQ calibration epochs.
 
@@ -130,6 +138,8 @@ class QuantCallback(
             with the resulting Config (``config``'s other fields kept; rank zero's choice on every rank). The choice
             lands in ``mixed_choice``, the Config in ``config``, and ``sensitivity.csv`` + ``mixed_precision.yaml``
             in the log directory; ``quantized.ckpt`` stores that Config, so ``load_quantized_checkpoint`` rebuilds it.
+        distill: QAT: a ``Distillation`` (or its dict): the step's loss becomes ``(1 - weight) * task + weight *
+            distill`` against a float teacher (``callbacks/distill.py``; docs/lightning.md, "Distillation").
 
     Raises:
         ValueError: a bad argument (named, with the allowed values), or, in ``setup``, a config matching no layer,
@@ -168,6 +178,7 @@ class QuantCallback(
         export: Iterable[str] = (),
         export_dir: str | None = None,
         mixed_precision: MixedPrecision | dict[str, Any] | None = None,
+        distill: Distillation | dict[str, Any] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode={mode!r}` is not supported; choose one of {list(MODES)}")
@@ -218,6 +229,7 @@ class QuantCallback(
                 "`mixed_precision` works on the module's own layers (quant_mode=eager_mode), not graph mode"
             )
         self.mixed_precision = mixed_precision
+        self._init_distill(distill, mode)
         self.mixed_choice: dict[str, str] | None = None
         self.mode = mode
         self.observer_steps = observer_steps
@@ -289,6 +301,8 @@ class QuantCallback(
             if stage == TrainerFn.FITTING:
                 self.calibrated = False
                 self._calibrated_for = None
+        if stage == TrainerFn.FITTING:
+            self._setup_distill(trainer, pl_module)
 
     @staticmethod
     def _check_learnable_shapes(trainer: Trainer, pl_module: LightningModule) -> None:
@@ -355,6 +369,7 @@ class QuantCallback(
         self._take_float_start(pl_module)
         if self.mode == "qat":
             self._update_observers(trainer, pl_module)
+            self._start_distill(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode != "qat":
@@ -478,6 +493,7 @@ class QuantCallback(
             "batches_seen": self._batches_seen,
             "graph_inputs": self._graph_inputs,
             "quantizer_lr0": [split.source_lr0 for split in self._lr_splits],
+            **self._distill_state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -490,6 +506,7 @@ class QuantCallback(
         if "batches_seen" in state_dict:
             self._batches_seen = int(state_dict["batches_seen"])
         self._restored_lr0 = list(state_dict.get("quantizer_lr0") or [])  # applied in on_fit_start, after the split
+        self._load_distill_state(state_dict)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Mark the state_dict as a quantized model's (see ``QUANTIZED_CHECKPOINT_KEY``)."""
