@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from callbacks.calibration_data import CALIB_FORWARD_EXAMPLE, CalibrationData, as_model_input, as_trained
+from callbacks.calibration_data import CALIB_FORWARD_EXAMPLE, CalibrationData, as_model_input
 from callbacks.checkpoint_io import ensure_atomic_checkpoints
 from callbacks.distill import Distillation, QuantDistillation
 from callbacks.graph_capture import GraphCapture
@@ -35,15 +35,16 @@ from callbacks.quant_checkpoints import (
     read_checkpoint,
 )
 from callbacks.quantizer_lr import follow_schedule
-from callbacks.quantizer_state import is_learnable, is_ready, keep_out_of_ddp_broadcast, pause_quantizers
+from callbacks.quantizer_state import is_ready, keep_out_of_ddp_broadcast, pause_quantizers
 from callbacks.report import QuantReport
 from callbacks.schedule import QuantSchedule
+from callbacks.setup_checks import SetupChecks
 from callbacks.sharded import ShardedTraining, uses_fsdp2
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_formats, export_model, get_format
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
 from quark.torch.extensions.brevitas import to_quark_config
-from quark.torch.quantization.api import activation_axes_to_check, check_activation_shapes, format_plans, run_batch
+from quark.torch.quantization.api import format_plans
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
@@ -89,6 +90,7 @@ class QuantCallback(
     GraphCapture,
     CalibrationData,
     QuantDistillation,
+    SetupChecks,
     Callback,
 ):
     r"""Quantize the LightningModule with a quark ``Config``: QAT during ``fit`` or PTQ calibration epochs.
@@ -304,35 +306,6 @@ class QuantCallback(
         if stage == TrainerFn.FITTING:
             self._setup_distill(trainer, pl_module)
 
-    @staticmethod
-    def _check_learnable_shapes(trainer: Trainer, pl_module: LightningModule) -> None:
-        """Under DDP, learnable scales must have their final shape before the module is wrapped (DDP lays out its
-        gradient buckets once): a per-channel TQT / LSQ activation on an axis the layer does not fix is refused here."""
-        if trainer.world_size <= 1:
-            return
-        lazy = [q.where for _, q in iter_quantizers(pl_module) if is_learnable(q) and not q.channels_known]
-        if lazy:
-            raise ValueError(
-                f"QuantCallback under {type(trainer.strategy).__name__} ({trainer.world_size} processes): per-channel "
-                f"TQT thresholds / LSQ scales of {lazy} would take their shape from the first batch, after DDP has "
-                "laid out its gradient buckets (or FSDP2 has sharded them). Quantize activations per channel along the layer's feature axis (ch_axis=-1 for a Linear "
-                "input or output, ch_axis=1 for a convolution's), or per tensor."
-            )
-
-    def _check_callback_order(self, trainer: Trainer) -> None:
-        """ModelPruning collects the layers to prune in its own ``setup``: if it runs before this one, it holds the
-        float layers that the swap takes out of the model (and its pruning hooks would fire on their twins)."""
-        from lightning.pytorch.callbacks import ModelPruning
-
-        callbacks = list(trainer.callbacks)
-        before = callbacks[: callbacks.index(self)] if self in callbacks else []
-        if any(isinstance(c, ModelPruning) for c in before):
-            raise ValueError(
-                "QuantCallback must come before ModelPruning in Trainer(callbacks=[...]): ModelPruning collects the "
-                "layers to prune in its setup, which runs first, and QuantCallback then replaces those layers with "
-                "quantized twins. Use callbacks=[QuantCallback(...), ModelPruning(...)]."
-            )
-
     # ------------------------------------------------------------------------------------------- QAT
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Optimizers exist now (their states are restored after this, on resume): give the learned quantizer
@@ -343,27 +316,6 @@ class QuantCallback(
         if self.quantizer_lr is None:  # only accepted with mode="qat"
             return
         self._split_quantizer_lr(trainer, pl_module)
-
-    def _check_activation_axes(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
-        """Activation specs with an axis (per_channel / per_group ``ch_axis``, per_block) against one batch, before
-        any training step: a dry forward (eval, no_grad, quantizers off) of the example batch fed as calibration
-        feeds it (``batch``: the calibration data's first, else the example batch); ValueError naming the layer,
-        role, axis and shape. Only when such a spec exists."""
-        if not activation_axes_to_check(pl_module):
-            return
-        if batch is None:
-            batch = self._example_batch(trainer, pl_module)
-        batch = trainer.strategy.batch_to_device(as_trained(trainer, batch))
-        calib_forward = self.calib_forward
-        if calib_forward is None:
-            try:
-                batch = as_model_input(pl_module, batch)
-            except ValueError:
-                if self.mode == "ptq":
-                    raise  # calibration would fail the same way, after training
-                return  # QAT: the training steps feed the module; no forward of ours to check with
-            calib_forward = run_batch
-        check_activation_shapes(pl_module, lambda m: calib_forward(m, batch))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_float_start(pl_module)
