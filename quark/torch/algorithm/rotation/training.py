@@ -6,7 +6,8 @@ KL divergence from the float model's output distribution on it (full vocabulary,
 the float outputs computed once, before training, with the quantizers off), or the mean squared error for outputs
 that are not logits (last dimension not the vocabulary). Quantizers are on: static ones start over at every step
 (statistics reset, qparams recomputed from what the step's forward sees, so the weights' qparams are those of the
-current rotated weight), dynamic ones work as configured. After training every quantizer is back to no statistics and
+current rotated weight), dynamic ones work as configured. When the mean loss over the batches is not lower after
+training than before, the rotations go back to their start (a warning says so). After training every quantizer is back to no statistics and
 no qparams (calibration starts afresh) with its switches as they were.
 
 Under ``torch.distributed`` (initialised, several ranks) the rotations' gradients are averaged across ranks before
@@ -47,11 +48,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RotationTraining:
-    """What a training run did: the mean loss over the calibration batches before and after, and the steps taken."""
+    """What a training run did: the mean loss over the calibration batches before and after, the steps taken, and
+    whether the trained rotations were kept (False: the loss did not decrease, the start was put back)."""
 
     loss_before: float
     loss_after: float
     steps: int
+    kept: bool = True
 
 
 def output_tensor(output: Any) -> torch.Tensor:
@@ -181,6 +184,7 @@ def train_rotation(
     vocab = _vocab(model, learned)
     with torch.no_grad(), paused_quantizers(model, fake_quant=True), no_kv_cache(model):
         refs = [output_tensor(context.run(model, b)).detach() for b in context.batches]
+    starts = [r.detach().clone() for _, r in named]
     with _training_state(model, learned):
         before = _mean_loss(model, context, refs, vocab)
         optimizer = CayleySGD(named, lr=lr)
@@ -191,6 +195,18 @@ def train_rotation(
             _average_gradients(learned)
             optimizer.step()
         after = _mean_loss(model, context, refs, vocab)
+        if not after < before:  # never worse than the start on the calibration batches: back to it
+            with torch.no_grad():
+                for (_, r), start in zip(named, starts, strict=True):
+                    r.copy_(start)
+            logger.warning(
+                "rotation training: the quantized-vs-float loss did not decrease (%.6g -> %.6g after %d step(s)); "
+                "the rotations are back at their Hadamard start (try a smaller train_lr or more train_steps)",
+                before,
+                after,
+                steps,
+            )
+            return RotationTraining(before, after, steps, kept=False)
     logger.info("rotation training: quantized-vs-float loss %.6g -> %.6g after %d step(s)", before, after, steps)
     return RotationTraining(before, after, steps)
 
