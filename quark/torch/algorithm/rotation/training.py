@@ -6,7 +6,8 @@ KL divergence from the float model's output distribution on it (full vocabulary,
 the float outputs computed once, before training, with the quantizers off), or the mean squared error for outputs
 that are not logits (last dimension not the vocabulary). Quantizers are on: static ones start over at every step
 (statistics reset, qparams recomputed from what the step's forward sees, so the weights' qparams are those of the
-current rotated weight), dynamic ones work as configured. When the mean loss over the batches is not lower after
+current rotated weight), dynamic ones work as configured; symmetric absmax scales pass their gradient
+(``scale_grad``), as SpinQuant's quantizers do. When the mean loss over the batches is not lower after
 training than before, the rotations go back to their start (a warning says so). After training every quantizer is back to no statistics and
 no qparams (calibration starts afresh) with its switches as they were.
 
@@ -35,6 +36,7 @@ from quark.torch.algorithm.rotation.learned import (
     fold_learned,
 )
 from quark.torch.algorithm.rotation.plan import RotationPlan
+from quark.torch.algorithm.rotation.scale_grad import add_scale_gradient
 from quark.torch.quantization.algo_registry import AlgorithmContext
 from quark.torch.quantization.config.config import RotationConfig
 from quark.torch.quantization.fake_quant.base import FakeQuantizeBase
@@ -120,6 +122,7 @@ def _training_state(model: nn.Module, learned: LearnedRotations) -> Iterator[lis
                 r.requires_grad_(True)
             for q in quantizers:
                 q.fake_quant_enabled.fill_(1)
+                stack.callback(q.register_forward_hook(add_scale_gradient).remove)
             yield quantizers
         finally:
             for p, flag in grads:
