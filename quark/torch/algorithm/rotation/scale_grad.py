@@ -4,10 +4,11 @@ The engine's quantizers compute their qparams from detached statistics (observer
 the straight-through gradient of the rounding only: for a loss of a quantized model whose float function does not
 depend on the rotation, that gradient carries no information on how the rotation changes the ranges. SpinQuant's
 quantizers compute the scale ``s = absmax(x) / qmax`` from ``x`` itself; with a straight-through rounding,
-``d(s round(x / s)) / ds = (q - x) / s``. This hook adds that term to a symmetric quantizer's output (per tensor,
-per channel, or per group spanning its whole axis, as per-token activations are): ``out + (q - x) * (r - r.detach())``
-with ``r = absmax(x) / absmax(x).detach()``; its value is zero, only the gradient changes. Other schemes keep the
-rounding's gradient only.
+``d(s round(x / s)) / ds = (q - x) / s``. This hook replaces a symmetric quantizer's output (per tensor, per channel,
+or per group spanning its whole axis, as per-token activations are) by ``x + (q - x).detach() * r`` with
+``r = absmax(x) / absmax(x).detach()``: the same value, the gradient of ``s * STE(clamp(round(x / s)))`` with ``s``
+differentiated (straight through the rounding and the clamp, gradient 1 to ``x`` everywhere). Other schemes keep the
+quantizer's own gradient.
 """
 
 from __future__ import annotations
@@ -50,4 +51,4 @@ def add_scale_gradient(quantizer: nn.Module, args: tuple[Any, ...], out: Any) ->
         return None
     absmax = x.abs().amax(dim=dims, keepdim=True)
     ratio = absmax / absmax.detach().clamp_min(torch.finfo(absmax.dtype).tiny)
-    return out + (out - x).detach() * (ratio - ratio.detach())
+    return x + (out - x).detach() * ratio
