@@ -22,6 +22,7 @@ from quark.torch.quantization import graph
 from quark.torch.quantization.api import uncalibrated_layers
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
+from quark.torch.quantization.online_rotation import install_online_rotations
 from quark.torch.quantization.resolve import config_from_stored
 from quark.torch.quantization.state import ensure_quant_state, quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
@@ -191,6 +192,9 @@ def load_quantized_checkpoint(
             f"{checkpoint_path} has no quantizer state for {listed}. Was it written for this model with the Config "
             "it stores (the same layers quantized)?"
         )
+    install_online_rotations(
+        model, state, quantizer.config
+    )  # <layer>.input_rotation of a rotated model: buffer and pre-hook
     model.load_state_dict(state, strict=True)
     for _, q in iter_quantizers(model):
         if not q.is_dynamic:

@@ -157,7 +157,8 @@ def export_root(model: nn.Module) -> tuple[nn.Module, str]:
 
 def rooted_config(config: Config, prefix: str) -> Config:
     """``config`` with its layer names (exclude, layer_quant_config) relative to the submodule ``prefix``: names
-    under it lose the prefix, patterns that start with a wildcard stay, names of other modules are dropped."""
+    under it lose the prefix, patterns that start with a wildcard stay, names of other modules are dropped. Of the
+    algorithms only a rotation is kept (its online part, ``input_rotation``, is recorded in amd-quark's layout)."""
     if not prefix:
         return config
 
@@ -168,8 +169,9 @@ def rooted_config(config: Config, prefix: str) -> Config:
 
     exclude = [r for r in (rel(n) for n in config.exclude) if r is not None]
     layers = {r: qc for n, qc in config.layer_quant_config.items() if (r := rel(n)) is not None}
+    rotations = [a for a in config.algo_configs if a.name == "rotation"] or None  # type: ignore[attr-defined]
     return dataclasses.replace(
-        config, exclude=exclude, layer_quant_config=layers, algo_config=None, pre_quant_opt_config=None
+        config, exclude=exclude, layer_quant_config=layers, algo_config=rotations, pre_quant_opt_config=None
     )
 
 

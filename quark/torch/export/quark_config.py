@@ -66,7 +66,8 @@ def to_quark_dict(
     kv = {k: _layer_to_quark(v) for k, v in config.kv_cache_quant_config.items()}
     layers = {k: _layer_to_quark(v) for k, v in config.layer_quant_config.items()} | kv
     return {
-        "algo_config": None,  # already applied to the weights
+        # the others are applied to the weights; a rotation's online part (input_rotation) is applied at run time
+        "algo_config": [a.to_dict() for a in config.algo_configs if a.name == "rotation"] or None,  # type: ignore[attr-defined]
         "exclude": list(config.exclude),
         "export": {
             "kv_cache_group": list(config.kv_cache_group) if kv else [],
@@ -158,7 +159,17 @@ def from_quark_dict(q: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
         "min_kv_scale": export.get("min_kv_scale", 0.0),
     }
     try:
-        config = Config(**layers, **attention, exclude=list(exclude), quant_mode=q.get("quant_mode", "eager_mode"))
+        algos = q.get("algo_config") or []
+        rotations = (
+            [a for a in algos if isinstance(a, dict) and a.get("name") == "rotation"] if isinstance(algos, list) else []
+        )
+        config = Config(
+            **layers,
+            **attention,
+            exclude=list(exclude),
+            quant_mode=q.get("quant_mode", "eager_mode"),
+            algo_config=rotations or None,  # the online part of a rotation is applied at run time
+        )
         return config, export
     except (ValueError, TypeError, KeyError) as err:  # the Config's own checks name the field
         raise ValueError(f"quantization_config: {err}") from None

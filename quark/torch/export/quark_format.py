@@ -95,6 +95,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     slot_label,
     slot_tensor,
 )
+from quark.torch.quantization.online_rotation import install_online_rotations
 from quark.torch.quantization.resolve import kv_cache_entry
 from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
 
@@ -303,6 +304,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     if names is not None:
         t = {_our_key(names, key): value for key, value in t.items()}
         config = _renamed_config(config, names, inverse=True)
+    install_online_rotations(model, t, config)  # <layer>.input_rotation of a rotated model: buffer and pre-hook
     prob_scales = check_prob_scales(model, config, t, source)
     check_before_import(model, config, t, source, prob_scales)  # every problem found before the model is touched
     materialize(model, device, set(t))  # a skeleton's meta Parameters get storage (every one is filled below)

@@ -42,6 +42,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     slot_tensor,
     slot_tensor_name,
 )
+from quark.torch.quantization.online_rotation import install_online_rotations
 from quark.torch.quantization.resolve import config_from_stored
 from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
 
@@ -123,6 +124,7 @@ def read_single_file(model: nn.Module, path: str | Path, device: str | torch.dev
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (written by export_safetensors?)")
     tensors, info, config = _read(path)
+    install_online_rotations(model, tensors, config)  # <layer>.input_rotation of a rotated model: buffer and pre-hook
     check_import(model, config, tensors, info, str(path))
     materialize(model, device, set(tensors))
     if not any(isinstance(m, QuantMixin) for m in model.modules()):

@@ -245,3 +245,26 @@ def test_lightning_module_names():
     plan = rotation_plan(wrapper, RotationConfig())
     assert plan.readers[0] == "net.model.layers.0.self_attn.q_proj" and plan.embeddings[0] == "net.model.embed_tokens"
     assert "net.lm_head" in plan.readers
+
+
+def test_gemma_unit_offset_norms_tied_and_one_kv_head():
+    transformers = pytest.importorskip("transformers")
+    from rot_models import _perturb
+
+    config = transformers.GemmaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = _perturb(transformers.GemmaForCausalLM(config), 0)
+    assert rotation_plan(model, RotationConfig()).family == "gemma"
+    out = rotated(model, hf_batches())
+    x = hf_batches(1, seed=5)[0]
+    assert rel(logits(out, x), logits(model, x)) < 1e-5
+    assert torch.equal(out.model.layers[0].input_layernorm.weight, torch.zeros(64))  # x * (1 + 0): identity scaling

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from quark.torch.algorithm.rotation.sites import HeadSite, RotationPlan, check_rms_norm, head_dim_of
 from quark.torch.quantization.hf import is_linear, linear_weight
 
 if TYPE_CHECKING:
-    from quark.torch.algorithm.rotation.plan import RotationPlan
     from quark.torch.quantization.config.config import RotationConfig
 
 __all__ = ["explicit_plan"]
@@ -42,8 +42,6 @@ def explicit_plan(model: nn.Module, config: RotationConfig, stack_name: str, sta
         ValueError: For a name matching no module (or several), a prev module that is neither an embedding nor a
             linear, or a norm that is no RMS norm.
     """
-    from quark.torch.algorithm.rotation.plan import HeadSite, RotationPlan, _head_dim, check_rms_norm  # noqa: PLC0415
-
     modules = dict(model.named_modules())
     names = [n for n in modules if n]
     layers = config.scaling_layers or {}
@@ -61,10 +59,10 @@ def explicit_plan(model: nn.Module, config: RotationConfig, stack_name: str, sta
             nexts = [_resolve(_substitute(n, layer), names, where) for n in entry.get("next_modules", [])]
             for prev in entry.get("prev_modules", []):
                 full = _resolve(_substitute(prev, layer), names, where)
-                if isinstance(modules[full], nn.Embedding):
-                    embeddings.append(full) if full not in embeddings else None
-                elif is_linear(modules[full]):
-                    writers.append(full) if full not in writers else None
+                if isinstance(modules[full], nn.Embedding | nn.Linear) or is_linear(modules[full]):
+                    target = embeddings if isinstance(modules[full], nn.Embedding) else writers
+                    if full not in target:
+                        target.append(full)
                 else:
                     raise ValueError(f"rotation: scaling_layers{where} prev module {full} is no Embedding or Linear")
             if entry.get("norm_module"):
@@ -77,9 +75,7 @@ def explicit_plan(model: nn.Module, config: RotationConfig, stack_name: str, sta
         prefix = f"{stack_name}.{i}"
         attn = modules.get(f"{prefix}.{config.self_attn}")
         if attn is not None and f"{prefix}.{config.v_proj}" in modules:
-            heads.append(
-                HeadSite(f"{prefix}.{config.v_proj}", f"{prefix}.{config.o_proj}", _head_dim(prefix, attn, stack[i]))
-            )
+            heads.append(HeadSite(f"{prefix}.{config.v_proj}", f"{prefix}.{config.o_proj}", head_dim_of(prefix, attn)))
         if f"{prefix}.{config.mlp}.down_proj" in modules:
             downs.append(f"{prefix}.{config.mlp}.down_proj")
     if not readers:

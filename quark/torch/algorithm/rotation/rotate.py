@@ -1,4 +1,5 @@
-"""Folding rotations into the weights (R1, R2) and the online Hadamard of the down projections' inputs (R4).
+"""Folding rotations into the weights (R1, R2); the online Hadamard of the down projections' inputs (R4) lives in
+``quark.torch.quantization.online_rotation`` (the loaders, below the algorithms, install it too) and is re-exported.
 
 Conventions (``plan.RotationPlan``): the residual stream ``h`` becomes ``h @ R1``; a head's value ``v`` becomes
 ``v @ R2`` (v_proj's rows and o_proj's columns of each head); a down_proj input ``x`` becomes ``x @ H`` online (a
@@ -8,14 +9,18 @@ product is computed in float64 and cast back to the weight's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import torch
 from torch import nn
 
 from quark.torch.algorithm.rotation.plan import RotationPlan
 from quark.torch.quantization.hf import linear_weight
+from quark.torch.quantization.online_rotation import (
+    ROTATION_BUFFER,
+    add_online_rotation,
+    install_online_rotations,
+    online_rotation_modules,
+    remove_online_rotation,
+)
 
 __all__ = [
     "ROTATION_BUFFER",
@@ -26,9 +31,6 @@ __all__ = [
     "remove_online_rotation",
     "online_rotation_modules",
 ]
-
-#: the buffer of a layer with an online input rotation ([in, in], amd-quark's export name)
-ROTATION_BUFFER = "input_rotation"
 
 
 def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
@@ -82,85 +84,3 @@ def fold_r2(model: nn.Module, plan: RotationPlan, r2: torch.Tensor) -> None:
             _write(v.bias, (v.bias.double().reshape(-1, site.head_dim) @ r).reshape(-1))
         heads_o = wo.double().reshape(wo.shape[0], -1, site.head_dim)
         _write(wo, (heads_o @ r).reshape(wo.shape))
-
-
-def _rotate_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """The forward pre-hook: the first input times the layer's ``input_rotation`` (in the input's dtype)."""
-    if not args or not isinstance(args[0], torch.Tensor):
-        return None
-    rotation = getattr(module, ROTATION_BUFFER)
-    return (args[0] @ rotation.to(dtype=args[0].dtype), *args[1:])
-
-
-def _hook_ids(module: nn.Module) -> list[int]:
-    """The ids of ``module``'s forward pre-hooks that are the online rotation's."""
-    return [i for i, hook in module._forward_pre_hooks.items() if hook is _rotate_input]
-
-
-def _hook(module: nn.Module) -> None:
-    """Register the pre-hook once, first among the module's pre-hooks (before any capture or quantizer hook). Found
-    again by identity (no handle is kept: the module stays copyable and picklable)."""
-    if not _hook_ids(module):
-        module.register_forward_pre_hook(_rotate_input, prepend=True)
-
-
-@torch.no_grad()
-def add_online_rotation(module: nn.Module, rotation: torch.Tensor) -> None:
-    """Give ``module`` (a linear of weight [out, in]) the online input rotation ``rotation`` ([in, in], orthonormal):
-    the buffer ``input_rotation``, the pre-hook ``x -> x @ rotation`` and the weight ``W @ rotation``."""
-    weight = linear_weight(module)
-    if rotation.shape != (weight.shape[1], weight.shape[1]):
-        raise ValueError(f"rotation: online rotation {tuple(rotation.shape)} for a layer of {weight.shape[1]} inputs")
-    if hasattr(module, ROTATION_BUFFER):
-        raise ValueError(f"rotation: {type(module).__name__} already has an {ROTATION_BUFFER}: rotated twice?")
-    _write(weight, weight.double() @ _rot(rotation, weight))
-    module.register_buffer(ROTATION_BUFFER, rotation.to(device=weight.device, dtype=torch.float32))
-    _hook(module)
-
-
-def remove_online_rotation(module: nn.Module) -> None:
-    """Remove the buffer and the pre-hook ``add_online_rotation`` added (the weight is left as it is)."""
-    for hook_id in _hook_ids(module):
-        del module._forward_pre_hooks[hook_id]
-    if ROTATION_BUFFER in module._buffers:
-        del module._buffers[ROTATION_BUFFER]
-
-
-def online_rotation_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """The modules of ``model`` holding an ``input_rotation`` buffer."""
-    return ((n, m) for n, m in model.named_modules() if ROTATION_BUFFER in m._buffers)
-
-
-def install_online_rotations(model: nn.Module, state_dict: dict[str, Any] | None = None) -> list[str]:
-    """Make ``model`` ready for a rotated checkpoint: for each ``<layer>.input_rotation`` key of ``state_dict`` a
-    buffer of that shape on the layer (loading fills it), and on every layer with such a buffer the pre-hook. Called
-    by the loaders before they load a state dict / export; a model without rotations is left alone.
-
-    Args:
-        model: The fresh (or already rotated) model.
-        state_dict: The tensors about to be loaded (keys as in ``model.state_dict()``); None: hooks only.
-
-    Returns:
-        The names of the layers given a new buffer.
-
-    Raises:
-        ValueError: For an ``input_rotation`` key naming no module of ``model``.
-    """
-    modules = dict(model.named_modules())
-    added = []
-    suffix = "." + ROTATION_BUFFER
-    for key, value in (state_dict or {}).items():
-        if not key.endswith(suffix):
-            continue
-        name = key[: -len(suffix)]
-        module = modules.get(name)
-        if module is None:
-            raise ValueError(f"rotation: the checkpoint has {key}, but {type(model).__name__} has no module {name!r}")
-        if ROTATION_BUFFER not in module._buffers:
-            shape = tuple(value.shape)
-            weight = linear_weight(module)
-            module.register_buffer(ROTATION_BUFFER, torch.zeros(shape, dtype=torch.float32, device=weight.device))
-            added.append(name)
-    for _, module in online_rotation_modules(model):
-        _hook(module)
-    return added
