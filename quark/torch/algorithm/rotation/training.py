@@ -12,7 +12,8 @@ training than before, the rotations go back to their start (a warning says so). 
 no qparams (calibration starts afresh) with its switches as they were.
 
 Under ``torch.distributed`` (initialised, several ranks) the rotations' gradients are averaged across ranks before
-each step, so every rank takes the same steps from the same start and ends with the same rotations.
+each step, and the losses that decide whether the trained rotations are kept are averaged too, so every rank takes
+the same steps from the same start and ends with the same rotations.
 """
 
 from __future__ import annotations
@@ -147,6 +148,18 @@ def _average_gradients(learned: LearnedRotations) -> None:
         r.grad.div_(dist.get_world_size())
 
 
+def _mean_across_ranks(value: float) -> float:
+    """``value`` averaged across ranks (itself without several ranks): every rank takes the same keep/revert decision."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return float(tensor) / dist.get_world_size()
+
+
 def _quantized_loss(model: nn.Module, context: AlgorithmContext, batch: Any, ref: torch.Tensor, vocab: int | None):
     """The loss of one quantized forward on ``batch`` (static quantizers restarted first)."""
     _restart(_quantizers(model))
@@ -158,7 +171,7 @@ def _mean_loss(model: nn.Module, context: AlgorithmContext, refs: list[torch.Ten
         losses = [
             float(_quantized_loss(model, context, b, r, vocab)) for b, r in zip(context.batches, refs, strict=True)
         ]
-    return sum(losses) / len(losses)
+    return _mean_across_ranks(sum(losses) / len(losses))
 
 
 def train_rotation(
