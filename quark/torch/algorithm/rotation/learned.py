@@ -112,8 +112,9 @@ def _block(size: int, config: RotationConfig) -> int:
 def _start(size: int, config: RotationConfig, random: bool, generator: torch.Generator) -> nn.Parameter:
     """A float32 rotation Parameter starting at the (random, with ``random``) block Hadamard matrix."""
     block = _block(size, config)
-    matrix = block_hadamard_matrix(size, block, generator=generator if random else None)
-    return nn.Parameter(matrix.to(torch.float32))
+    with torch.inference_mode(False):  # a calibration under inference mode: the Parameter must take gradients
+        matrix = block_hadamard_matrix(size, block, generator=generator if random else None)
+        return nn.Parameter(matrix.to(torch.float32).clone())
 
 
 def _attach(sites: list[tuple[nn.Module, str]], module: nn.Module, name: str, p: nn.Module) -> None:

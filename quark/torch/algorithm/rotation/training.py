@@ -22,7 +22,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -148,6 +148,18 @@ def _average_gradients(learned: LearnedRotations) -> None:
         r.grad.div_(dist.get_world_size())
 
 
+def _plain(batch: Any) -> Any:
+    """``batch`` with its tensors cloned outside inference mode (a calibration under ``torch.inference_mode`` gives
+    inference tensors, which autograd cannot save for backward)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.clone() if batch.is_inference() else batch
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(_plain(b) for b in batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _plain(v)) for k, v in batch.items())
+    return batch
+
+
 def _mean_across_ranks(value: float) -> float:
     """``value`` averaged across ranks (itself without several ranks): every rank takes the same keep/revert decision."""
     dist = torch.distributed
@@ -197,10 +209,17 @@ def train_rotation(
     named = learned.named_parameters()
     if not named:
         raise ValueError("RotationConfig (trainable=True): nothing to learn (r1 and r2 are both off)")
-    vocab = _vocab(model, learned)
-    with torch.no_grad(), paused_quantizers(model, fake_quant=True), no_kv_cache(model):
-        refs = [output_tensor(context.run(model, b)).detach() for b in context.batches]
-    starts = [r.detach().clone() for _, r in named]
+    with torch.inference_mode(False), torch.enable_grad():  # a calibration may run under inference mode
+        context = replace(context, batches=[_plain(b) for b in context.batches])
+        vocab = _vocab(model, learned)
+        with torch.no_grad(), paused_quantizers(model, fake_quant=True), no_kv_cache(model):
+            refs = [output_tensor(context.run(model, b)).detach() for b in context.batches]
+        starts = [r.detach().clone() for _, r in named]
+        return _train(model, learned, context, steps, lr, refs, vocab, starts)
+
+
+def _train(model, learned, context, steps, lr, refs, vocab, starts) -> RotationTraining:  # noqa: ANN001, D103
+    named = learned.named_parameters()
     with _training_state(model, learned):
         before = _mean_loss(model, context, refs, vocab)
         optimizer = CayleySGD(named, lr=lr)
@@ -233,11 +252,12 @@ def learn_rotations(
     """RotationConfig(trainable=True)'s transform: attach the rotations at their Hadamard start, train them for
     ``config.train_steps`` steps of step size ``config.train_lr``, fold them. On error the parametrizations are
     removed (the caller restores the weights)."""
-    learned = attach_learned_rotations(model, plan, config)
-    try:
-        result = train_rotation(model, learned, context, config.train_steps, config.train_lr)
-    except BaseException:
-        detach_learned_rotations(learned)
-        raise
-    fold_learned(model, learned)
+    with torch.inference_mode(False):  # a calibration under inference mode: what training saves must be plain tensors
+        learned = attach_learned_rotations(model, plan, config)
+        try:
+            result = train_rotation(model, learned, context, config.train_steps, config.train_lr)
+        except BaseException:
+            detach_learned_rotations(learned)
+            raise
+        fold_learned(model, learned)
     return result
