@@ -44,6 +44,8 @@ def _is_pow2(n: int) -> bool:
 def _amd_quark_mismatch(name: str, module: nn.Module, rotation_size: int | None) -> str | None:
     """Why amd-quark 0.13 would apply another rotation than ``module``'s online one; None when it applies the same."""
     rotation = getattr(module, ROTATION_BUFFER)
+    if rotation.is_meta:  # a skeleton's (no values to check)
+        return None
     size, block = linear_weight(module).shape[1], rotation_block(rotation)
     expected = size if rotation_size is None else rotation_size
     if block != expected:
