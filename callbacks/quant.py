@@ -21,8 +21,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from callbacks.calibration_data import CALIB_FORWARD_EXAMPLE, CalibrationData, as_model_input, as_trained
+from callbacks.calibration_data import CALIB_FORWARD_EXAMPLE, CalibrationData, as_model_input
 from callbacks.checkpoint_io import ensure_atomic_checkpoints
+from callbacks.distill import Distillation, QuantDistillation
 from callbacks.graph_capture import GraphCapture
 from callbacks.mixed_precision import MixedPrecision
 from callbacks.quant_checkpoints import (
@@ -34,15 +35,16 @@ from callbacks.quant_checkpoints import (
     read_checkpoint,
 )
 from callbacks.quantizer_lr import follow_schedule
-from callbacks.quantizer_state import is_learnable, is_ready, keep_out_of_ddp_broadcast, pause_quantizers
+from callbacks.quantizer_state import is_ready, keep_out_of_ddp_broadcast, pause_quantizers
 from callbacks.report import QuantReport
 from callbacks.schedule import QuantSchedule
+from callbacks.setup_checks import SetupChecks
 from callbacks.sharded import ShardedTraining, uses_fsdp2
 from quark.torch import ModelQuantizer
 from quark.torch.export import export_formats, export_model, get_format
 from quark.torch.extensions.brevitas import Config as BrevitasConfig
 from quark.torch.extensions.brevitas import to_quark_config
-from quark.torch.quantization.api import activation_axes_to_check, check_activation_shapes, format_plans, run_batch
+from quark.torch.quantization.api import format_plans
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
@@ -81,7 +83,15 @@ def _to_config(config: Any) -> Config:
 
 
 class QuantCallback(
-    QuantSchedule, QuantReport, ShardedTraining, FloatCheckpointStart, GraphCapture, CalibrationData, Callback
+    QuantSchedule,
+    QuantReport,
+    ShardedTraining,
+    FloatCheckpointStart,
+    GraphCapture,
+    CalibrationData,
+    QuantDistillation,
+    SetupChecks,
+    Callback,
 ):
     r"""Quantize the LightningModule with a quark ``Config``: QAT during ``fit`` or PTQ calibration epochs.
 
@@ -130,6 +140,8 @@ class QuantCallback(
             with the resulting Config (``config``'s other fields kept; rank zero's choice on every rank). The choice
             lands in ``mixed_choice``, the Config in ``config``, and ``sensitivity.csv`` + ``mixed_precision.yaml``
             in the log directory; ``quantized.ckpt`` stores that Config, so ``load_quantized_checkpoint`` rebuilds it.
+        distill: QAT: a ``Distillation`` (or its dict): the step's loss becomes ``(1 - weight) * task + weight *
+            distill`` against a float teacher (``callbacks/distill.py``; docs/lightning.md, "Distillation").
 
     Raises:
         ValueError: a bad argument (named, with the allowed values), or, in ``setup``, a config matching no layer,
@@ -168,6 +180,7 @@ class QuantCallback(
         export: Iterable[str] = (),
         export_dir: str | None = None,
         mixed_precision: MixedPrecision | dict[str, Any] | None = None,
+        distill: Distillation | dict[str, Any] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode={mode!r}` is not supported; choose one of {list(MODES)}")
@@ -218,6 +231,7 @@ class QuantCallback(
                 "`mixed_precision` works on the module's own layers (quant_mode=eager_mode), not graph mode"
             )
         self.mixed_precision = mixed_precision
+        self._init_distill(distill, mode)
         self.mixed_choice: dict[str, str] | None = None
         self.mode = mode
         self.observer_steps = observer_steps
@@ -289,35 +303,8 @@ class QuantCallback(
             if stage == TrainerFn.FITTING:
                 self.calibrated = False
                 self._calibrated_for = None
-
-    @staticmethod
-    def _check_learnable_shapes(trainer: Trainer, pl_module: LightningModule) -> None:
-        """Under DDP, learnable scales must have their final shape before the module is wrapped (DDP lays out its
-        gradient buckets once): a per-channel TQT / LSQ activation on an axis the layer does not fix is refused here."""
-        if trainer.world_size <= 1:
-            return
-        lazy = [q.where for _, q in iter_quantizers(pl_module) if is_learnable(q) and not q.channels_known]
-        if lazy:
-            raise ValueError(
-                f"QuantCallback under {type(trainer.strategy).__name__} ({trainer.world_size} processes): per-channel "
-                f"TQT thresholds / LSQ scales of {lazy} would take their shape from the first batch, after DDP has "
-                "laid out its gradient buckets (or FSDP2 has sharded them). Quantize activations per channel along the layer's feature axis (ch_axis=-1 for a Linear "
-                "input or output, ch_axis=1 for a convolution's), or per tensor."
-            )
-
-    def _check_callback_order(self, trainer: Trainer) -> None:
-        """ModelPruning collects the layers to prune in its own ``setup``: if it runs before this one, it holds the
-        float layers that the swap takes out of the model (and its pruning hooks would fire on their twins)."""
-        from lightning.pytorch.callbacks import ModelPruning
-
-        callbacks = list(trainer.callbacks)
-        before = callbacks[: callbacks.index(self)] if self in callbacks else []
-        if any(isinstance(c, ModelPruning) for c in before):
-            raise ValueError(
-                "QuantCallback must come before ModelPruning in Trainer(callbacks=[...]): ModelPruning collects the "
-                "layers to prune in its setup, which runs first, and QuantCallback then replaces those layers with "
-                "quantized twins. Use callbacks=[QuantCallback(...), ModelPruning(...)]."
-            )
+        if stage == TrainerFn.FITTING:
+            self._setup_distill(trainer, pl_module)
 
     # ------------------------------------------------------------------------------------------- QAT
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -330,31 +317,11 @@ class QuantCallback(
             return
         self._split_quantizer_lr(trainer, pl_module)
 
-    def _check_activation_axes(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
-        """Activation specs with an axis (per_channel / per_group ``ch_axis``, per_block) against one batch, before
-        any training step: a dry forward (eval, no_grad, quantizers off) of the example batch fed as calibration
-        feeds it (``batch``: the calibration data's first, else the example batch); ValueError naming the layer,
-        role, axis and shape. Only when such a spec exists."""
-        if not activation_axes_to_check(pl_module):
-            return
-        if batch is None:
-            batch = self._example_batch(trainer, pl_module)
-        batch = trainer.strategy.batch_to_device(as_trained(trainer, batch))
-        calib_forward = self.calib_forward
-        if calib_forward is None:
-            try:
-                batch = as_model_input(pl_module, batch)
-            except ValueError:
-                if self.mode == "ptq":
-                    raise  # calibration would fail the same way, after training
-                return  # QAT: the training steps feed the module; no forward of ours to check with
-            calib_forward = run_batch
-        check_activation_shapes(pl_module, lambda m: calib_forward(m, batch))
-
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_float_start(pl_module)
         if self.mode == "qat":
             self._update_observers(trainer, pl_module)
+            self._start_distill(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode != "qat":
@@ -478,6 +445,7 @@ class QuantCallback(
             "batches_seen": self._batches_seen,
             "graph_inputs": self._graph_inputs,
             "quantizer_lr0": [split.source_lr0 for split in self._lr_splits],
+            **self._distill_state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -490,6 +458,7 @@ class QuantCallback(
         if "batches_seen" in state_dict:
             self._batches_seen = int(state_dict["batches_seen"])
         self._restored_lr0 = list(state_dict.get("quantizer_lr0") or [])  # applied in on_fit_start, after the split
+        self._load_distill_state(state_dict)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Mark the state_dict as a quantized model's (see ``QUANTIZED_CHECKPOINT_KEY``)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from callbacks.distill import as_distillation
 from quark.torch.quantization.config.config import (
     Config,
     LSQSpec,
@@ -83,12 +84,14 @@ class QuantFlow:
     sensitivity_csv: str | None = (
         None  # mixed precision: allocate from an earlier run's sensitivity.csv, no measurement
     )
+    distill: dict[str, Any] | None = None  # QAT: callbacks.distill.Distillation's fields (docs/lightning.md)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise QuantConfigError(f"quant.mode={self.mode!r} is not allowed; allowed: {list(MODES)}")
         _check_layer_bits(self.layer_bits)
         _check_mixed(self)
+        _check_distill(self)
         for key in ("weight_bits", "act_bits"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16):
@@ -112,6 +115,24 @@ class QuantFlow:
         lr = self.quantizer_lr
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf")):
             raise QuantConfigError(f"quant.quantizer_lr={lr!r} must be null or a finite number > 0")
+
+
+def _check_distill(flow: QuantFlow) -> None:
+    """``quant.distill``: null, or Distillation's fields with mode=qat (only training can distil)."""
+    if flow.distill is None:
+        return
+    if flow.mode != "qat":
+        raise QuantConfigError(
+            f"quant.distill is set but quant.mode={flow.mode!r}: distillation trains, use quant.mode=qat"
+        )
+    if not isinstance(flow.distill, dict):
+        raise QuantConfigError(f"quant.distill must be null or a mapping, got {type(flow.distill).__name__}")
+    if callable(flow.distill.get("mask")):
+        return
+    try:
+        as_distillation(flow.distill)
+    except ValueError as err:
+        raise QuantConfigError(f"quant.distill: {err}") from None
 
 
 FLOW_KEYS = tuple(f.name for f in fields(QuantFlow))

@@ -89,6 +89,7 @@ def quantize(
         observer_steps=flow.observer_steps,
         freeze_bn_epoch=flow.freeze_bn_epoch,
         quantizer_lr=flow.quantizer_lr,
+        distill=flow.distill,
     )
     trainer = build_trainer(
         cfg,

@@ -279,6 +279,7 @@ PRESETS = [
     "w4_awq",
     "w4_rtn",
     "w4a4_rotated",
+    "w4a4_spinquant",
     "w4a8_tqt",
     "w4a8_tqt_graph",
     "w8a8",

@@ -138,7 +138,7 @@ def _context(batches):
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"r3": True}, "r3"), ({"online_r1_rotation": True}, "online_r1_rotation"), ({"trainable": True}, "trainable")],
+    [({"r3": True}, "r3"), ({"online_r1_rotation": True}, "online_r1_rotation")],
 )
 def test_refused_fields(kwargs, field):
     with pytest.raises(NotImplementedError, match=f"RotationConfig.{field}=True"):

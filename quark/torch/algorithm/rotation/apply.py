@@ -29,6 +29,7 @@ from quark.torch.algorithm.rotation.rotate import (
     online_rotation_modules,
     remove_online_rotation,
 )
+from quark.torch.algorithm.rotation.training import learn_rotations
 from quark.torch.quantization.algo_registry import AlgorithmContext
 from quark.torch.quantization.config.config import RotationConfig
 from quark.torch.quantization.equivalence import check_equivalent, restored_on_error
@@ -53,11 +54,6 @@ def _refuse_unsupported(config: RotationConfig) -> None:
                 f"RotationConfig.{field}=True is not supported (fixed rotations: r1 folded offline, r2 folded, r4 "
                 "online on down_proj); set it to False"
             )
-    if config.trainable:  # learned rotations (SpinQuant): their entry point goes here
-        raise NotImplementedError(
-            "RotationConfig.trainable=True (learned SpinQuant rotations) is not available yet; use trainable=False "
-            "for fixed Hadamard rotations"
-        )
 
 
 def _block(size: int, config: RotationConfig, where: str) -> int:
@@ -169,7 +165,10 @@ def run_rotation(model: nn.Module, config: RotationConfig, context: AlgorithmCon
     plan = rotation_plan(model, config)
     before = _outputs(model, context)
     with _undone_on_error(model):
-        apply_rotations(model, plan, config)
+        if config.trainable:  # learned rotations (SpinQuant): attached, trained, folded
+            learn_rotations(model, plan, config, context)
+        else:
+            apply_rotations(model, plan, config)
         after = _outputs(model, context)
         steps = "+".join(
             s for s, on in (("norm fusion", True), ("R1", config.r1), ("R2", config.r2), ("R4", config.r4)) if on

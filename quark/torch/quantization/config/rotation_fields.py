@@ -94,6 +94,9 @@ class RotationConfig(AlgoConfig):
         trainable (bool): Learned rotations (SpinQuant).
         train_smooth (Optional[bool]): Train smoothing scales along the rotations: refused when true.
         smooth_positions (Optional[List[str]]): Where those scales sit (``"r1"``, ``"r2"``, ``"r4"``).
+        train_steps (int): With ``trainable``: CayleySGD steps of the learned rotations, one calibration batch each
+            (cycled). Ours (amd-quark takes them from HF TrainingArguments).
+        train_lr (float): With ``trainable``: CayleySGD's step size. Ours, likewise.
     """
 
     scaling_layers: dict[str, list[dict[str, Any]]] | None = None
@@ -116,6 +119,8 @@ class RotationConfig(AlgoConfig):
     trainable: bool = False
     train_smooth: bool | None = None
     smooth_positions: list[str] | None = None
+    train_steps: int = 100
+    train_lr: float = 1.5
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -162,6 +167,12 @@ class RotationConfig(AlgoConfig):
         for flag in ("online_r1_rotation", "train_smooth"):
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{own}.{flag}={getattr(self, flag)!r} must be true, false or None")
+        steps = self.train_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"{own}.train_steps={steps!r} must be a positive int")
+        lr = self.train_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
+            raise ValueError(f"{own}.train_lr={lr!r} must be a positive finite number")
         size = self.rotation_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"{own}.rotation_size={size!r} must be a positive int or None")
