@@ -81,7 +81,9 @@ def quark_tensors(
         if names is not None and key in names.stacked and not floated_stack(key, floated):
             continue  # stored per expert above
         if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding): stored once
-            tensors[key] = stored_tensor(key, value.detach()).contiguous()  # input_rotation: amd-quark's int8 form
+            tensors[key] = stored_tensor(
+                key, value.detach(), config
+            ).contiguous()  # input_rotation: amd-quark's int8 form
     if names is not None:
         tensors = {hub_key(names, key, floated): value for key, value in tensors.items()}
     return tensors

@@ -2,8 +2,8 @@
 
 amd-quark gives an online rotation (``QParamsLinearWithRotation``) to the layers its rotation entry names in
 ``online_config.online_rotation_layers`` (else to every ``down_proj`` under ``r4``), and reads their
-``input_rotation`` as the int8 +-1 signs of one ``[rotation_size, rotation_size]`` block. With ``rotation_size`` None
-it ignores the stored signs and builds its own Hadamard matrix of the layer's input size: the same as ours for a
+``input_rotation`` as one ``[rotation_size, rotation_size]`` block: int8 +-1 signs, or float with ``trainable=True``
+(applied as stored). Without ``trainable`` and with ``rotation_size`` None it ignores the stored signs and builds its own Hadamard matrix of the layer's input size: the same as ours for a
 power of two (Sylvester's), another one otherwise, so such an export gets a warning.
 """
 
@@ -29,11 +29,17 @@ from quark.torch.quantization.online_rotation import (
 __all__ = ["exported_rotations", "stored_tensor"]
 
 
-def stored_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
-    """The tensor the writers store under ``key``: an ``input_rotation`` in its stored form
-    (``encode_input_rotation``), anything else as it is."""
+def _trainable(config: Config | None) -> bool:
+    """Whether ``config`` holds a rotation with ``trainable=True`` (amd-quark then reads a float block)."""
+    algos = getattr(config, "algo_configs", None) or []
+    return any(getattr(a, "name", None) == "rotation" and getattr(a, "trainable", False) for a in algos)
+
+
+def stored_tensor(key: str, value: torch.Tensor, config: Config | None) -> torch.Tensor:
+    """The tensor the writers store under ``key``: an ``input_rotation`` in its stored form for ``config``'s rotation
+    (``encode_input_rotation``: int8 signs, or a float block with ``trainable=True``), anything else as it is."""
     if key.endswith("." + ROTATION_BUFFER) or key == ROTATION_BUFFER:
-        return encode_input_rotation(value)
+        return encode_input_rotation(value, as_signs=not _trainable(config))
     return value
 
 
@@ -41,7 +47,7 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _amd_quark_mismatch(name: str, module: nn.Module, rotation_size: int | None) -> str | None:
+def _amd_quark_mismatch(name: str, module: nn.Module, rotation_size: int | None, trainable: bool) -> str | None:
     """Why amd-quark 0.13 would apply another rotation than ``module``'s online one; None when it applies the same."""
     rotation = getattr(module, ROTATION_BUFFER)
     if rotation.is_meta:  # a skeleton's (no values to check)
@@ -50,6 +56,8 @@ def _amd_quark_mismatch(name: str, module: nn.Module, rotation_size: int | None)
     expected = size if rotation_size is None else rotation_size
     if block != expected:
         return f"{name}: blocks of {block} but amd-quark makes them of rotation_size={rotation_size} ({expected})"
+    if trainable:  # amd-quark applies the stored float block
+        return None
     if encode_input_rotation(rotation).dtype != torch.int8:
         return f"{name}: not a fixed Hadamard rotation (amd-quark reads int8 +-1 signs)"
     if block == size and not _is_pow2(size):
@@ -80,7 +88,9 @@ def exported_rotations(config: Config, model: nn.Module) -> list[Any] | None:
             use_input_prescale=previous.use_input_prescale if previous is not None else False,
         )
         out.append(dataclasses.replace(rotation, online_config=layers))
-    problems = [p for n, m in online.items() if (p := _amd_quark_mismatch(n, m, rotations[0].rotation_size))]
+    problems = [
+        p for n, m in online.items() if (p := _amd_quark_mismatch(n, m, rotations[0].rotation_size, _trainable(config)))
+    ]
     if problems:
         warnings.warn(
             f"amd-quark 0.13 will not apply this export's online rotations as this model does (its logits will "

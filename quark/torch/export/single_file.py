@@ -107,7 +107,7 @@ def write_single_file(model: nn.Module, output_dir: str | Path, filename: str = 
         if key in skip or is_quantizer_state(key, prefixes) or key in tensors:
             continue
         if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding) is stored once
-            put(key, stored_tensor(key, value))
+            put(key, stored_tensor(key, value, config))
     config = dataclasses.replace(config, algo_config=exported_rotations(config, model))  # online_rotation_layers
     metadata = {
         "format": "pt",

@@ -6,10 +6,11 @@ Added by the rotations (``quark.torch.algorithm.rotation``, R4), and installed b
 state dict or export holds ``<layer>.input_rotation`` (``install_online_rotations``): the engine's own checkpoint and
 export paths, which sit below the algorithms, so this module is here.
 
-Stored form (amd-quark 0.13's, for a fixed Hadamard): ``input_rotation`` is written as the int8 +-1 signs of one
-diagonal block, ``[b, b]`` with ``b`` the rotation size (``encode_input_rotation``), and read back to the
-``[in, in]`` float32 buffer bit for bit (``decode_input_rotation``; ``decoded_rotations`` wraps a loader's tensors).
-A float ``[in, in]`` value (this project's earlier exports) is read as it is.
+Stored form (amd-quark 0.13's): ``input_rotation`` is written as one diagonal block ``[b, b]`` (``b`` the rotation
+size), as int8 +-1 signs for a fixed Hadamard rotation or in float for ``trainable=True``
+(``encode_input_rotation``), and read back to the ``[in, in]`` float32 buffer bit for bit
+(``decode_input_rotation``; ``decoded_rotations`` wraps a loader's tensors). A float ``[in, in]`` value (this
+project's earlier exports) is read as it is.
 """
 
 from __future__ import annotations
@@ -180,38 +181,45 @@ def _from_signs(signs: torch.Tensor, size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_input_rotation(rotation: torch.Tensor) -> torch.Tensor:
-    """The stored form of an online rotation ``[in, in]``: the int8 +-1 signs ``[b, b]`` of its diagonal block (what
-    amd-quark 0.13 loads for a fixed Hadamard rotation), when every block is that same Hadamard block and the signs
-    give ``rotation`` back bit for bit; else ``rotation`` as it is (float32)."""
+def encode_input_rotation(rotation: torch.Tensor, as_signs: bool = True) -> torch.Tensor:
+    """The stored form of an online rotation ``[in, in]`` whose diagonal blocks ``[b, b]`` are all the same: that
+    block, as its int8 +-1 signs (``as_signs``: what amd-quark 0.13 loads for a fixed Hadamard rotation, when the
+    signs give ``rotation`` back bit for bit) or in float32 (what it loads for ``trainable=True``); any other matrix
+    as it is (float32)."""
     rotation = rotation.detach().to(device="cpu", dtype=torch.float32)
     size, b = rotation.shape[0], rotation_block(rotation)
     if b < 1 or size % b:
         return rotation
-    signs = torch.sign(rotation[:b, :b]).to(torch.int8)
+    block = rotation[:b, :b].clone()
+    if not as_signs:
+        same = b == size or torch.equal(torch.block_diag(*[block] * (size // b)), rotation)
+        return block if same else rotation
+    signs = torch.sign(block).to(torch.int8)
     if bool((signs == 0).any()) or not torch.equal(_from_signs(signs, size), rotation):
         return rotation
     return signs
 
 
 def decode_input_rotation(stored: torch.Tensor, size: int, where: str = "input_rotation") -> torch.Tensor:
-    """The float32 ``[size, size]`` online rotation of its stored form (``encode_input_rotation``'s int8 signs of one
-    block, or a float ``[size, size]`` matrix, returned as float32).
+    """The float32 ``[size, size]`` online rotation of its stored form (``encode_input_rotation``'s block: int8
+    signs or float, repeated along the diagonal; or the float ``[size, size]`` matrix itself).
 
     Raises:
-        ValueError: For int8 values other than +-1, a block that does not divide ``size`` or a float matrix of another
-            shape, naming ``where``.
+        ValueError: For a value that is not square, a block that does not divide ``size`` or int8 values other than
+            +-1, naming ``where``.
     """
+    b = stored.shape[0] if stored.dim() == 2 else 0
+    if stored.shape != (b, b) or b < 1 or size % b:
+        raise ValueError(
+            f"{where}: {tuple(stored.shape)} is not a square block dividing the layer's {size} inputs "
+            f"(expected ({size}, {size}) or a block of a divisor)"
+        )
     if stored.dtype == torch.int8:
-        b = stored.shape[0] if stored.dim() == 2 else 0
-        if stored.shape != (b, b) or b < 1 or size % b or bool((stored.abs() != 1).any()):
-            raise ValueError(
-                f"{where}: int8 {tuple(stored.shape)} is not the +-1 signs of a square block dividing {size} inputs"
-            )
+        if bool((stored.abs() != 1).any()):
+            raise ValueError(f"{where}: int8 values other than +-1 (the signs of a Hadamard block are stored)")
         return _from_signs(stored, size)
-    if tuple(stored.shape) != (size, size):
-        raise ValueError(f"{where}: {tuple(stored.shape)} for a layer of {size} inputs (expected ({size}, {size}))")
-    return stored.to(torch.float32)
+    block = stored.to(torch.float32)
+    return block if b == size else torch.block_diag(*[block] * (size // b))
 
 
 class _DecodedRotations(Mapping[str, Any]):

@@ -54,13 +54,24 @@ def test_a_rotation_that_is_no_hadamard_block_is_stored_as_it_is():
     assert torch.equal(decode_input_rotation(q, 32), q)  # a float [in, in] value (earlier exports) read as it is
 
 
+def test_trainable_form_is_the_float_block():
+    rotation = block_hadamard_matrix(64, 16).to(torch.float32)
+    stored = encode_input_rotation(rotation, as_signs=False)
+    assert stored.dtype == torch.float32 and torch.equal(stored, rotation[:16, :16])
+    assert torch.equal(decode_input_rotation(stored, 64), rotation)
+    uneven = rotation.clone()
+    uneven[16:32, 16:32] *= -1  # blocks that differ: stored whole
+    assert torch.equal(encode_input_rotation(uneven, as_signs=False), uneven)
+    assert torch.equal(encode_input_rotation(uneven), uneven)
+
+
 def test_decode_refuses_a_bad_stored_value():
-    with pytest.raises(ValueError, match="x.input_rotation.*dividing 48"):
+    with pytest.raises(ValueError, match=r"x.input_rotation: \(32, 32\).*48 inputs"):
         decode_input_rotation(torch.ones(32, 32, dtype=torch.int8), 48, "x.input_rotation")
-    with pytest.raises(ValueError, match="signs"):
+    with pytest.raises(ValueError, match=r"\+-1"):
         decode_input_rotation(torch.zeros(4, 4, dtype=torch.int8), 8)
-    with pytest.raises(ValueError, match=r"\(8, 8\)"):
-        decode_input_rotation(torch.eye(4), 8)
+    with pytest.raises(ValueError, match=r"\(3, 3\).*8 inputs"):
+        decode_input_rotation(torch.eye(3), 8)
 
 
 def test_decoded_rotations_reads_lazily_and_leaves_other_keys():
