@@ -26,7 +26,7 @@ from quark.torch.quantization.online_rotation import (
     rotation_block,
 )
 
-__all__ = ["exported_rotations", "stored_tensor"]
+__all__ = ["exported_rotations", "stored_tensor", "stored_config_dict"]
 
 
 def _trainable(config: Config | None) -> bool:
@@ -99,4 +99,17 @@ def exported_rotations(config: Config, model: nn.Module) -> list[Any] | None:
             "power of two dividing it",
             stacklevel=3,
         )
+    return out
+
+
+def stored_config_dict(config: Config) -> dict[str, Any]:
+    """``config.to_dict()`` with each rotation entry as amd-quark 0.13 reads it (``RotationConfig.to_amd_quark_dict``:
+    without this project's training settings, which its constructor refuses)."""
+    out = config.to_dict()
+    algos = out.get("algo_config")
+    if isinstance(algos, list):
+        out["algo_config"] = [
+            a.to_amd_quark_dict() if getattr(a, "name", None) == "rotation" else d
+            for a, d in zip(config.algo_configs, algos, strict=True)
+        ]
     return out

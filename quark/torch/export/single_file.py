@@ -28,7 +28,7 @@ from quark.torch.export.codec import (
     stored_quantizer,
 )
 from quark.torch.export.files import write_atomically
-from quark.torch.export.rotation_export import exported_rotations, stored_tensor
+from quark.torch.export.rotation_export import exported_rotations, stored_config_dict, stored_tensor
 from quark.torch.export.skeleton import materialize
 from quark.torch.export.validation import (
     check_header,
@@ -112,7 +112,7 @@ def write_single_file(model: nn.Module, output_dir: str | Path, filename: str = 
     metadata = {
         "format": "pt",
         "quant_method": "quark",
-        "quantization_config": json.dumps(config.to_dict()),
+        "quantization_config": json.dumps(stored_config_dict(config)),
         "quark_tensors": json.dumps(info),
     }
     tensors = {k: v.cpu() for k, v in tensors.items()}

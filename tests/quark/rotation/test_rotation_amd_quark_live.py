@@ -3,7 +3,8 @@ amd-quark's own ``import_model_from_safetensors`` of our export directory of a r
 quantized tiny HF LLaMA gives every down_proj its online rotation and computes our logits
 (``bench/amd_quark_reference/check_rotated.py`` prints the figures). Two cases amd-quark applies as we do: R4 of a
 power-of-two size in one block (amd-quark builds Sylvester's matrix itself) and R4 in blocks of ``rotation_size``
-(amd-quark reads our stored signs).
+(amd-quark reads our stored signs); and a learned rotation (``trainable=True``) with R4 of 192 inputs in one block
+(amd-quark applies our stored float block, whatever its size).
 
 The tolerance is float noise (1e-5 on logits of about 1), not 0 as in the other live checks: amd-quark applies a
 Hadamard rotation by its butterfly (``matmul_hadU``) or a block matmul, we by one matmul with the [in, in] matrix.
@@ -61,19 +62,26 @@ def _tiny_llama(intermediate: int) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def _rotated(intermediate: int, rotation_size: int | None) -> torch.nn.Module:
+def _rotated(intermediate: int, rotation_size: int | None, trainable: bool) -> torch.nn.Module:
     rotation = {"name": "rotation", "r1": True, "r2": True, "r4": True, "rotation_size": rotation_size}
+    if trainable:  # learned R1 / R2 (two steps); R4 stays Hadamard, stored as a float block amd-quark applies as is
+        rotation |= {"trainable": True, "train_steps": 2}
     config = Config.from_dict({"global_quant_config": {"weight": WEIGHT}, "algo_config": [rotation]})
     g = torch.Generator().manual_seed(1)
     calib = [{"input_ids": torch.randint(0, VOCAB, (2, 12), generator=g)} for _ in range(2)]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*stay float.*")
+        warnings.filterwarnings("ignore", ".*rotation training.*")
         return ModelQuantizer.freeze(ModelQuantizer(config).quantize_model(_tiny_llama(intermediate), calib))
 
 
-@pytest.mark.parametrize(("intermediate", "rotation_size"), [(128, None), (192, 64)])
-def test_amd_quark_imports_a_rotated_export_to_our_logits(tmp_path: Path, intermediate, rotation_size) -> None:
-    model = _rotated(intermediate, rotation_size)
+@pytest.mark.parametrize(
+    ("intermediate", "rotation_size", "trainable"), [(128, None, False), (192, 64, False), (192, None, True)]
+)
+def test_amd_quark_imports_a_rotated_export_to_our_logits(
+    tmp_path: Path, intermediate, rotation_size, trainable
+) -> None:
+    model = _rotated(intermediate, rotation_size, trainable)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "amd-quark 0.13 will not apply" warning for these
         warnings.filterwarnings("ignore", ".*stay float.*")

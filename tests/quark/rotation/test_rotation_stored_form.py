@@ -151,6 +151,7 @@ def test_export_stores_amd_quarks_form_and_reimports_exactly(fmt, tmp_path: Path
             config = json.loads(f.metadata()["quantization_config"])
     rotation = next(a for a in config["algo_config"] if a["name"] == "rotation")
     assert rotation["online_config"]["online_rotation_layers"] == [DOWN, "model.layers.1.mlp.down_proj"]
+    assert "train_steps" not in rotation and "train_lr" not in rotation  # amd-quark 0.13's RotationConfig refuses them
     fresh = import_model(hf_llama(False), tmp_path, fmt)
     buffer = getattr(dict(fresh.named_modules())[DOWN], ROTATION_BUFFER)
     assert buffer.shape == (192, 192) and torch.equal(
