@@ -67,7 +67,7 @@ def to_quark_dict(
     layers = {k: _layer_to_quark(v) for k, v in config.layer_quant_config.items()} | kv
     return {
         # the others are applied to the weights; a rotation's online part (input_rotation) is applied at run time
-        "algo_config": [a.to_dict() for a in config.algo_configs if a.name == "rotation"] or None,  # type: ignore[attr-defined]
+        "algo_config": [a.to_amd_quark_dict() for a in config.algo_configs if a.name == "rotation"] or None,  # type: ignore[attr-defined]
         "exclude": list(config.exclude),
         "export": {
             "kv_cache_group": list(config.kv_cache_group) if kv else [],

@@ -80,6 +80,7 @@ from quark.torch.export.quark_config import (
 from quark.torch.export.quark_files import WEIGHTS_FILE, read_weights, weight_source
 from quark.torch.export.quark_tensors import as_linear, quark_tensors, stored_part_quantizer, stored_weight_quantizer
 from quark.torch.export.quark_validation import check_before_import
+from quark.torch.export.rotation_export import exported_rotations
 from quark.torch.export.skeleton import materialize
 from quark.torch.export.validation import (
     quantized_modules,
@@ -95,7 +96,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     slot_label,
     slot_tensor,
 )
-from quark.torch.quantization.online_rotation import install_online_rotations
+from quark.torch.quantization.online_rotation import decoded_rotations, install_online_rotations
 from quark.torch.quantization.resolve import kv_cache_entry
 from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
 
@@ -160,6 +161,7 @@ def quark_document(
             type(model).__name__
         ]  # what save_pretrained writes: import with model=None builds it
     stored = _as_amd_quark(config, model)
+    stored = dataclasses.replace(stored, algo_config=exported_rotations(config, model))  # online_rotation_layers
     if floated:
         stored = dataclasses.replace(
             stored, exclude=list(stored.exclude) + [n for n in floated if n not in stored.exclude]
@@ -304,6 +306,7 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     if names is not None:
         t = {_our_key(names, key): value for key, value in t.items()}
         config = _renamed_config(config, names, inverse=True)
+    t = decoded_rotations(model, t)  # a stored input_rotation (int8 signs of one block) as the [in, in] buffer
     install_online_rotations(model, t, config)  # <layer>.input_rotation of a rotated model: buffer and pre-hook
     prob_scales = check_prob_scales(model, config, t, source)
     check_before_import(model, config, t, source, prob_scales)  # every problem found before the model is touched

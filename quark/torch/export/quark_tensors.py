@@ -14,6 +14,7 @@ from quark.torch.export.checkpoint_names import CheckpointNames
 from quark.torch.export.codec import first_of_its_storage, is_quantizer_state, quantizer_prefixes, stored_quantizer
 from quark.torch.export.quark_attention import activation_prefix, merge_kv_scales, skips_zero_point
 from quark.torch.export.quark_codec import BLOCK_DTYPES, encode_quark_weight, int_container
+from quark.torch.export.rotation_export import stored_tensor
 from quark.torch.export.validation import quantized_modules
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.formats import IntFormat, format_of
@@ -80,7 +81,9 @@ def quark_tensors(
         if names is not None and key in names.stacked and not floated_stack(key, floated):
             continue  # stored per expert above
         if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding): stored once
-            tensors[key] = value.detach().contiguous()
+            tensors[key] = stored_tensor(
+                key, value.detach(), config
+            ).contiguous()  # input_rotation: amd-quark's int8 form
     if names is not None:
         tensors = {hub_key(names, key, floated): value for key, value in tensors.items()}
     return tensors

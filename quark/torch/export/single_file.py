@@ -28,6 +28,7 @@ from quark.torch.export.codec import (
     stored_quantizer,
 )
 from quark.torch.export.files import write_atomically
+from quark.torch.export.rotation_export import exported_rotations, stored_config_dict, stored_tensor
 from quark.torch.export.skeleton import materialize
 from quark.torch.export.validation import (
     check_header,
@@ -42,7 +43,7 @@ from quark.torch.quantization.nn.modules.quant_modules import (
     slot_tensor,
     slot_tensor_name,
 )
-from quark.torch.quantization.online_rotation import install_online_rotations
+from quark.torch.quantization.online_rotation import decoded_rotations, install_online_rotations
 from quark.torch.quantization.resolve import config_from_stored
 from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
 
@@ -106,11 +107,12 @@ def write_single_file(model: nn.Module, output_dir: str | Path, filename: str = 
         if key in skip or is_quantizer_state(key, prefixes) or key in tensors:
             continue
         if first_of_its_storage(value, seen):  # a tied tensor (an lm_head sharing the input embedding) is stored once
-            put(key, value)
+            put(key, stored_tensor(key, value, config))
+    config = dataclasses.replace(config, algo_config=exported_rotations(config, model))  # online_rotation_layers
     metadata = {
         "format": "pt",
         "quant_method": "quark",
-        "quantization_config": json.dumps(config.to_dict()),
+        "quantization_config": json.dumps(stored_config_dict(config)),
         "quark_tensors": json.dumps(info),
     }
     tensors = {k: v.cpu() for k, v in tensors.items()}
@@ -124,6 +126,7 @@ def read_single_file(model: nn.Module, path: str | Path, device: str | torch.dev
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (written by export_safetensors?)")
     tensors, info, config = _read(path)
+    tensors = dict(decoded_rotations(model, tensors))  # a stored input_rotation as the [in, in] buffer
     install_online_rotations(model, tensors, config)  # <layer>.input_rotation of a rotated model: buffer and pre-hook
     check_import(model, config, tensors, info, str(path))
     materialize(model, device, set(tensors))

@@ -5,10 +5,17 @@ hook registered later (GPTQ's capture sees the rotated input); its weight holds 
 Added by the rotations (``quark.torch.algorithm.rotation``, R4), and installed by the loaders on a fresh model where a
 state dict or export holds ``<layer>.input_rotation`` (``install_online_rotations``): the engine's own checkpoint and
 export paths, which sit below the algorithms, so this module is here.
+
+Stored form (amd-quark 0.13's): ``input_rotation`` is written as one diagonal block ``[b, b]`` (``b`` the rotation
+size), as int8 +-1 signs for a fixed Hadamard rotation or in float for ``trainable=True``
+(``encode_input_rotation``), and read back to the ``[in, in]`` float32 buffer bit for bit
+(``decode_input_rotation``; ``decoded_rotations`` wraps a loader's tensors). A float ``[in, in]`` value (this
+project's earlier exports) is read as it is.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,6 +31,10 @@ __all__ = [
     "install_online_rotations",
     "online_rotation_modules",
     "untie_differing_weights",
+    "rotation_block",
+    "encode_input_rotation",
+    "decode_input_rotation",
+    "decoded_rotations",
 ]
 
 #: the buffer of a layer with an online input rotation ([in, in], amd-quark's export name)
@@ -154,3 +165,93 @@ def untie_differing_weights(model: nn.Module, state_dict: Mapping[str, Any]) -> 
             if getattr(cfg, "tie_word_embeddings", False):
                 cfg.tie_word_embeddings = False
     return untied
+
+
+def rotation_block(rotation: torch.Tensor) -> int:
+    """The size ``b`` of the diagonal blocks of an online rotation ``[in, in]`` (the nonzeros of its first row)."""
+    return int(torch.count_nonzero(rotation[0]))
+
+
+def _from_signs(signs: torch.Tensor, size: int) -> torch.Tensor:
+    """The float32 ``[size, size]`` block-diagonal rotation of the int8 signs ``[b, b]`` of one block, each entry
+    ``float32(sign / sqrt(b))`` as the rotations build it (float64, then cast)."""
+    b = signs.shape[0]
+    block = (signs.to(torch.float64) / math.sqrt(b)).to(torch.float32)
+    return block if b == size else torch.block_diag(*[block] * (size // b))
+
+
+@torch.no_grad()
+def encode_input_rotation(rotation: torch.Tensor, as_signs: bool = True) -> torch.Tensor:
+    """The stored form of an online rotation ``[in, in]`` whose diagonal blocks ``[b, b]`` are all the same: that
+    block, as its int8 +-1 signs (``as_signs``: what amd-quark 0.13 loads for a fixed Hadamard rotation, when the
+    signs give ``rotation`` back bit for bit) or in float32 (what it loads for ``trainable=True``); any other matrix
+    as it is (float32)."""
+    rotation = rotation.detach().to(device="cpu", dtype=torch.float32)
+    size, b = rotation.shape[0], rotation_block(rotation)
+    if b < 1 or size % b:
+        return rotation
+    block = rotation[:b, :b].clone()
+    if not as_signs:
+        same = b == size or torch.equal(torch.block_diag(*[block] * (size // b)), rotation)
+        return block if same else rotation
+    signs = torch.sign(block).to(torch.int8)
+    if bool((signs == 0).any()) or not torch.equal(_from_signs(signs, size), rotation):
+        return rotation
+    return signs
+
+
+def decode_input_rotation(stored: torch.Tensor, size: int, where: str = "input_rotation") -> torch.Tensor:
+    """The float32 ``[size, size]`` online rotation of its stored form (``encode_input_rotation``'s block: int8
+    signs or float, repeated along the diagonal; or the float ``[size, size]`` matrix itself).
+
+    Raises:
+        ValueError: For a value that is not square, a block that does not divide ``size`` or int8 values other than
+            +-1, naming ``where``.
+    """
+    b = stored.shape[0] if stored.dim() == 2 else 0
+    if stored.shape != (b, b) or b < 1 or size % b:
+        raise ValueError(
+            f"{where}: {tuple(stored.shape)} is not a square block dividing the layer's {size} inputs "
+            f"(expected ({size}, {size}) or a block of a divisor)"
+        )
+    if stored.dtype == torch.int8:
+        if bool((stored.abs() != 1).any()):
+            raise ValueError(f"{where}: int8 values other than +-1 (the signs of a Hadamard block are stored)")
+        return _from_signs(stored, size)
+    block = stored.to(torch.float32)
+    return block if b == size else torch.block_diag(*[block] * (size // b))
+
+
+class _DecodedRotations(Mapping[str, Any]):
+    """A loader's tensors with each ``<layer>.input_rotation`` decoded (``decode_input_rotation``) on lookup."""
+
+    def __init__(self, tensors: Mapping[str, Any], sizes: dict[str, int]) -> None:
+        self._tensors, self._sizes = tensors, sizes
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._tensors[key]
+        return decode_input_rotation(value, self._sizes[key], key) if key in self._sizes else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def decoded_rotations(model: nn.Module, tensors: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``tensors`` (a loader's, keys as in ``model.state_dict()``) with every ``<layer>.input_rotation`` of a layer of
+    ``model`` read as its ``[in, in]`` float32 buffer; a dict stays a dict, another mapping is wrapped (read lazily).
+    Keys naming no layer are left for ``install_online_rotations`` to refuse."""
+    modules = dict(model.named_modules())
+    suffix = "." + ROTATION_BUFFER
+    sizes = {
+        key: linear_weight(modules[key[: -len(suffix)]]).shape[1]
+        for key in list(tensors)
+        if key.endswith(suffix) and key[: -len(suffix)] in modules
+    }
+    if not sizes:
+        return tensors
+    if isinstance(tensors, dict):
+        return {k: decode_input_rotation(v, sizes[k], k) if k in sizes else v for k, v in tensors.items()}
+    return _DecodedRotations(tensors, sizes)

@@ -31,7 +31,7 @@ def test_export_reimports_to_the_same_logits(model, tmp_path):
     assert torch.allclose(logits(fresh, x), logits(frozen, x), rtol=0, atol=1e-6)
     config = json.loads(next(tmp_path.rglob("config.json")).read_text())["quantization_config"]
     rotation = next(a for a in config["algo_config"] if a["name"] == "rotation")
-    assert rotation["trainable"] is True and rotation["train_steps"] == 3
+    assert rotation["trainable"] is True and "train_steps" not in rotation  # amd-quark 0.13 refuses fields it lacks
 
 
 def test_quantized_checkpoint_reloads(model, tmp_path):

@@ -14,12 +14,15 @@ from typing import Any
 from quark.torch.quantization.config.algo_base import AlgoConfig
 from quark.torch.quantization.config.spec import ConfigBase
 
-__all__ = ["RotationConfig", "OnlineRotationConfig", "SCALING_LAYER_PARTS", "SCALING_LAYER_KEYS"]
+__all__ = ["RotationConfig", "OnlineRotationConfig", "SCALING_LAYER_PARTS", "SCALING_LAYER_KEYS", "OWN_FIELDS"]
 
 #: the parts of amd-quark's ``scaling_layers`` dict
 SCALING_LAYER_PARTS = ("first_layer", "middle_layers", "last_layer")
 #: the keys of one of its entries
 SCALING_LAYER_KEYS = ("prev_modules", "norm_module", "next_modules", "target_modules")
+#: RotationConfig's fields that amd-quark 0.13's has not (its constructor refuses them): training settings, left out
+#: of the exported rotation entry (``to_amd_quark_dict``)
+OWN_FIELDS = ("train_steps", "train_lr")
 #: the rotations ``smooth_positions`` may name
 SMOOTH_POSITIONS = ("r1", "r2", "r4")
 
@@ -155,6 +158,11 @@ class RotationConfig(AlgoConfig):
             )
         if self.train_smooth and self.smooth_positions is None:
             raise ValueError("RotationConfig.smooth_positions needs to be set when train_smooth=True, got None")
+
+    def to_amd_quark_dict(self) -> dict[str, Any]:
+        """``to_dict`` without ``OWN_FIELDS``: the rotation entry amd-quark 0.13 reads (training settings are not
+        needed to load a model whose rotations are applied)."""
+        return {k: v for k, v in self.to_dict().items() if k not in OWN_FIELDS}
 
     def _check_types(self) -> None:
         """Each field's type (YAML gives strings and numbers): ValueError naming the field and what is allowed."""
