@@ -6,7 +6,8 @@ starts from that float checkpoint (``ckpt_path=``), so the rows share the float 
 batches and the seed, and the QAT rows share their number of steps (``quant.qat_epochs``):
 
 - at A8 (int8 activations as ``quant=w4a8_qad`` has them) with int4 and int3 weights in groups of 32: PTQ round to
-  nearest, PTQ GPTQ, QAT, QAT + distillation (``quant=w4a8_qad``, the copy teacher);
+  nearest, PTQ GPTQ, QAT, QAT + distillation (``quant=w4a8_qad``, the copy teacher) with the distillation loss alone
+  (``weight`` 1.0) and half and half with the task loss (0.5, the preset's);
 - at W4A4 (int4 per-channel weights, int4 per-token dynamic activations): round to nearest, GPTQ, Hadamard rotation
   + GPTQ (``quant=w4a4_rotated``), learned rotation + GPTQ (``quant=w4a4_spinquant``).
 
@@ -39,10 +40,13 @@ for _bits in (4, 3):
     ROWS[f"rtn_w{_bits}"] = (f"W{_bits}A8 g32 PTQ RTN", [*_A8_PTQ, *_width])
     ROWS[f"gptq_w{_bits}"] = (f"W{_bits}A8 g32 PTQ GPTQ", [*_A8_PTQ, *_width, f"quant.algo_config={GPTQ}"])
     ROWS[f"qat_w{_bits}"] = (f"W{_bits}A8 g32 QAT", ["quant=w4a8_qad", "quant.distill=null", *_width])
-    ROWS[f"qad_w{_bits}"] = (f"W{_bits}A8 g32 QAT + distillation", ["quant=w4a8_qad", *_width])
+    ROWS[f"qad_w{_bits}"] = (
+        f"W{_bits}A8 g32 QAT + distillation 1.0",
+        ["quant=w4a8_qad", "quant.distill.weight=1.0", *_width],
+    )
     ROWS[f"qadmix_w{_bits}"] = (
-        f"W{_bits}A8 g32 QAT + distillation 0.5",
-        ["quant=w4a8_qad", "quant.distill.weight=0.5", *_width],
+        f"W{_bits}A8 g32 QAT + distillation 0.5 (preset)",
+        ["quant=w4a8_qad", *_width],
     )
 ROWS["rtn_w4a4"] = ("W4A4 RTN", [*_W4A4, "quant.algo_config=null"])
 ROWS["gptq_w4a4"] = ("W4A4 GPTQ", [*_W4A4, f"quant.algo_config=[{GPTQ}]"])

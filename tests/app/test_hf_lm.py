@@ -296,6 +296,7 @@ def test_the_list_is_every_preset() -> None:
         "int8_per_channel",
         "w4_gptq",
         "w4_edges8",
+        "w4a8_qad",  # tests/app/test_qad_preset.py runs it on both LMs
     }  # those two: tests above
 
 

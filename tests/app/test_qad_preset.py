@@ -32,7 +32,7 @@ def test_preset_composes_w4_g32_a8_dynamic_qat_with_kl_distillation(experiment: 
     weight, act = config.global_quant_config.weight, config.global_quant_config.input_tensors
     assert flow.mode == "qat" and weight.dtype is Dtype.int4 and weight.group_size == 32 and weight.symmetric
     assert act.dtype is Dtype.int8 and act.is_dynamic and act.qscheme.name == "per_tensor"
-    assert flow.distill["loss"] == "kl" and flow.distill["teacher"] == "copy" and flow.distill["weight"] == 1.0
+    assert flow.distill["loss"] == "kl" and flow.distill["teacher"] == "copy" and flow.distill["weight"] == 0.5
     flow, _ = build_quant(compose_cfg(f"experiment={experiment}", "quant=w4a8_qad", "quant.distill.teacher=self").quant)
     assert flow.distill["teacher"] == "self"
 
