@@ -37,6 +37,7 @@ REQUIRED_PRESETS = (
     "w8a8_smoothquant",
 )
 DECODER_ONLY = ("w4_awq", "w3_awq", "w8a8_smoothquant")  # AWQ / SmoothQuant fold scales inside decoder layers
+ROTATED = ("w4a4_rotated", "w4a4_spinquant")  # rotations need a LLaMA-like decoder stack (norms fused, R1/R2/R4)
 TINY_LM = (
     "experiment=char_lm",
     "data.train_bytes=20000",

@@ -144,10 +144,15 @@ def test_two_search_workers_share_one_sqlite_storage(float_ckpt: str, tmp_path: 
         assert t.values == [results["metric"]["quantized"], results["size"]["quantized_bits"]]
         assert Path(t.user_attrs["sweep_dir"]) == ran[t.number].parent.resolve()
 
-    for sweep in sweeps:  # each worker's table lists every trial: done, or still running in the other worker
+    for sweep in sweeps:  # each worker's table lists the study's trials as they stood when it finished: its own
+        # done, the other worker's done or still running (a worker that finishes first may write its table before
+        # the other has drawn its last trial, so trials drawn later are not required here)
         table = list(csv.DictReader((sweep / "pareto.csv").open()))
-        assert [int(r["trial"]) for r in table] == list(range(6))
+        listed = [int(r["trial"]) for r in table]
+        own = {n for n, folder in ran.items() if folder.parent == sweep}
+        assert listed == list(range(len(listed))) and own <= set(listed), (listed, own)
         assert {r["status"] for r in table} <= {"ok", "running"}, table
+        assert all(r["status"] == "ok" for r in table if int(r["trial"]) in own), table
     # with both workers done, the table redrawn from the storage (the documented command) has every trial done
     last = max(sweeps, key=lambda s: json.loads((s / SWEEP_STATE).read_text())["finished"])
     redraw = [sys.executable, "-m", "quark_lightning.app.pareto", str(last), storage, "optuna_bits"]

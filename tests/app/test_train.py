@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from app_helpers import DECODER_ONLY, PRESETS, TINY_LM, compose_cfg, run_train
+from app_helpers import DECODER_ONLY, PRESETS, ROTATED, TINY_LM, compose_cfg, run_train
 
 from quark.torch.quantization.config.config import Config
 from quark_lightning.app.conf import ConfigError
@@ -23,7 +23,7 @@ def _sha(path: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    "preset", [p for p in PRESETS if p not in DECODER_ONLY and not p.endswith("_graph")]
+    "preset", [p for p in PRESETS if p not in DECODER_ONLY + ROTATED and not p.endswith("_graph")]
 )  # graph presets: test_graph_presets_run
 def test_every_preset_runs_and_writes_results(preset: str, tmp_path: Path) -> None:
     results = run(compose_cfg(f"quant={preset}", *SMOKE), tmp_path)
@@ -223,6 +223,13 @@ def test_algorithm_presets_run_on_the_lm(preset: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("preset", DECODER_ONLY)
 def test_decoder_only_algorithms_on_the_cnn_stop_before_training(preset: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="needs a decoder stack and DigitsClassifier has none"):
+        run(compose_cfg(f"quant={preset}", *SMOKE), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("preset", ROTATED)
+def test_rotation_presets_on_the_cnn_stop_before_training(preset: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="rotation: DigitsClassifier has no decoder stack.*supported families"):
         run(compose_cfg(f"quant={preset}", *SMOKE), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
 
