@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark.torch.algorithm.rotation.hadamard import block_hadamard_matrix, can_build_hadamard
+from quark.torch.algorithm.rotation.blocks import add_online_r4, r4_input_size, rotation_block, rotation_generator
+from quark.torch.algorithm.rotation.hadamard import block_hadamard_matrix
 from quark.torch.algorithm.rotation.plan import RotationPlan, fuse_norms, rotation_plan
 from quark.torch.algorithm.rotation.rotate import (
-    add_online_rotation,
     fold_r1,
     fold_r2,
     online_rotation_modules,
@@ -33,7 +33,7 @@ from quark.torch.algorithm.rotation.training import learn_rotations
 from quark.torch.quantization.algo_registry import AlgorithmContext
 from quark.torch.quantization.config.config import RotationConfig
 from quark.torch.quantization.equivalence import check_equivalent, restored_on_error
-from quark.torch.quantization.hf import linear_weight, no_kv_cache
+from quark.torch.quantization.hf import no_kv_cache
 from quark.torch.quantization.state import paused_quantizers
 
 __all__ = ["run_rotation", "check_rotation", "apply_rotations", "EQUIVALENCE_BATCHES"]
@@ -56,34 +56,19 @@ def _refuse_unsupported(config: RotationConfig) -> None:
             )
 
 
-def _block(size: int, config: RotationConfig, where: str) -> int:
-    """The block size of a rotation of ``size`` (``rotation_size`` when given and smaller); ValueError naming
-    ``where`` when it does not divide ``size`` or cannot be built."""
-    block = size if config.rotation_size is None or config.rotation_size >= size else config.rotation_size
-    if size % block:
-        raise ValueError(
-            f"RotationConfig.rotation_size={config.rotation_size} does not divide the size {size} of {where}; "
-            "allowed: a divisor of every rotated size"
-        )
-    if not can_build_hadamard(block):
-        hint = "" if config.rotation_size else "; set rotation_size to a buildable divisor"
-        raise ValueError(f"rotation: no Hadamard matrix of size {block} for {where} can be built{hint}")
-    return block
-
-
 def _sizes(model: nn.Module, plan: RotationPlan, config: RotationConfig) -> dict[str, tuple[int, int]]:
     """(size, block) of each rotation the config asks for, checked (ValueError naming the layer)."""
     modules = dict(model.named_modules())
     sizes = {}
     if config.r1:
-        sizes["r1"] = (plan.hidden_size, _block(plan.hidden_size, config, "the residual stream (R1)"))
+        sizes["r1"] = (plan.hidden_size, rotation_block(plan.hidden_size, config, "the residual stream (R1)"))
     if config.r2 and plan.heads:
         head_dim = plan.heads[0].head_dim
-        sizes["r2"] = (head_dim, _block(head_dim, config, f"the heads of {plan.heads[0].v_proj} (R2)"))
+        sizes["r2"] = (head_dim, rotation_block(head_dim, config, f"the heads of {plan.heads[0].v_proj} (R2)"))
     if config.r4:
         for name in plan.down_projs:
-            size = linear_weight(modules[name]).shape[1]
-            sizes[name] = (size, _block(size, config, f"{name}'s input (R4)"))
+            size = r4_input_size(modules[name])
+            sizes[name] = (size, rotation_block(size, config, f"{name}'s input (R4)"))
     return sizes
 
 
@@ -94,10 +79,8 @@ def check_rotation(model: nn.Module, config: RotationConfig) -> None:
 
 
 def _generator(config: RotationConfig) -> torch.Generator | None:
-    """The generator of random R1 / R2 (seeded from ``torch.initial_seed()``), None without random rotations."""
-    if config.random_r1 or config.random_r2:
-        return torch.Generator().manual_seed(torch.initial_seed())
-    return None
+    """The generator of random R1 / R2 (``rotation_generator``), None without random rotations."""
+    return rotation_generator() if config.random_r1 or config.random_r2 else None
 
 
 def apply_rotations(model: nn.Module, plan: RotationPlan, config: RotationConfig) -> None:
@@ -112,9 +95,7 @@ def apply_rotations(model: nn.Module, plan: RotationPlan, config: RotationConfig
         size, block = sizes["r2"]
         fold_r2(model, plan, block_hadamard_matrix(size, block, generator=generator if config.random_r2 else None))
     if config.r4:
-        modules = dict(model.named_modules())
-        for name in plan.down_projs:
-            add_online_rotation(modules[name], block_hadamard_matrix(*sizes[name]))
+        add_online_r4(model, plan, config)
 
 
 @contextlib.contextmanager

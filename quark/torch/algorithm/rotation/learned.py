@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from quark.torch.algorithm.rotation.blocks import add_online_r4, rotation_block, rotation_generator
 from quark.torch.algorithm.rotation.hadamard import block_hadamard_matrix
 from quark.torch.algorithm.rotation.plan import RotationPlan, fuse_norms
-from quark.torch.algorithm.rotation.rotate import add_online_rotation, fold_r1, fold_r2
+from quark.torch.algorithm.rotation.rotate import fold_r1, fold_r2
 from quark.torch.quantization.config.config import RotationConfig
 from quark.torch.quantization.hf import linear_weight
 
@@ -104,14 +105,9 @@ class LearnedRotations:
         return named + [(f"R2[{name}]", r) for name, r in self.r2.items()]
 
 
-def _block(size: int, config: RotationConfig) -> int:
-    """The Hadamard block of a rotation of ``size`` (``rotation_size`` when smaller; sizes checked by the handler)."""
-    return size if config.rotation_size is None or config.rotation_size >= size else config.rotation_size
-
-
 def _start(size: int, config: RotationConfig, random: bool, generator: torch.Generator) -> nn.Parameter:
     """A float32 rotation Parameter starting at the (random, with ``random``) block Hadamard matrix."""
-    block = _block(size, config)
+    block = rotation_block(size, config, f"a learned rotation of size {size}")
     with torch.inference_mode(False):  # a calibration under inference mode: the Parameter must take gradients
         matrix = block_hadamard_matrix(size, block, generator=generator if random else None)
         return nn.Parameter(matrix.to(torch.float32).clone())
@@ -137,19 +133,18 @@ def _weight_name(module: nn.Module) -> str:
     raise ValueError(f"rotation: {type(module).__name__} holds its weight outside its own Parameters")
 
 
-def _attach_r1(model: nn.Module, learned: LearnedRotations) -> None:
-    """Parametrize the embeddings, readers and writers with ``learned.r1``."""
+def _attach_r1(model: nn.Module, learned: LearnedRotations, r1: nn.Parameter) -> None:
+    """Parametrize the embeddings, readers and writers with ``r1`` (``learned.r1``)."""
     modules = dict(model.named_modules())
-    assert learned.r1 is not None
     for name in (*learned.plan.embeddings, *learned.plan.readers):
         module = modules[name]
         wname = "weight" if isinstance(module, nn.Embedding) else _weight_name(module)
-        _attach(learned.sites, module, wname, _Right(learned.r1))
+        _attach(learned.sites, module, wname, _Right(r1))
     for name in learned.plan.writers:
         module = modules[name]
-        _attach(learned.sites, module, _weight_name(module), _LeftT(learned.r1))
+        _attach(learned.sites, module, _weight_name(module), _LeftT(r1))
         if isinstance(getattr(module, "bias", None), nn.Parameter):
-            _attach(learned.sites, module, "bias", _Right(learned.r1))
+            _attach(learned.sites, module, "bias", _Right(r1))
 
 
 def _attach_r2(model: nn.Module, learned: LearnedRotations, config: RotationConfig, gen: torch.Generator) -> None:
@@ -171,18 +166,15 @@ def attach_learned_rotations(model: nn.Module, plan: RotationPlan, config: Rotat
 
     Random starts draw from ``torch.Generator().manual_seed(torch.initial_seed())`` as the fixed rotations do.
     """
-    generator = torch.Generator().manual_seed(torch.initial_seed())
+    generator = rotation_generator()
     fuse_norms(model, plan)
     if config.r4:
-        modules = dict(model.named_modules())
-        for name in plan.down_projs:
-            size = linear_weight(modules[name]).shape[1]
-            add_online_rotation(modules[name], block_hadamard_matrix(size, _block(size, config)))
+        add_online_r4(model, plan, config)
     learned = LearnedRotations(plan)
     try:
         if config.r1:
             learned.r1 = _start(plan.hidden_size, config, config.random_r1, generator)
-            _attach_r1(model, learned)
+            _attach_r1(model, learned, learned.r1)
         if config.r2 and plan.heads:
             _attach_r2(model, learned, config, generator)
     except BaseException:
