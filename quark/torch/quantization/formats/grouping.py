@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from quark.torch.compat import dynamo_recompile_limit
 from quark.torch.quantization.config.type import RoundType
+from quark.torch.quantization.formats.kernel_cache import KernelCache
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 
@@ -111,11 +112,16 @@ def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: d
     if fn is None:
         return functools.partial(compilable, min_numel=min_numel, options=options)
     compiled: list[Callable[..., Any]] = []
+    cache = KernelCache(fn, options)
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not compiled_kernels_active(x, min_numel):
             return fn(x, *args, **kwargs)
+        try:
+            return cache(x, *args, **kwargs)  # a signature compiled before: no guard evaluation
+        except LookupError:
+            pass  # not keyable, or aot_compile refused it: torch.compile with its guards
         if not compiled:
             compiled.append(torch.compile(fn, dynamic=True, options=options))
         if Backend.compile is True:
@@ -135,6 +141,7 @@ def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: d
             )
             return out
 
+    run.kernel_cache = cache  # type: ignore[attr-defined]
     return run  # type: ignore[return-value]
 
 

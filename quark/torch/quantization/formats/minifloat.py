@@ -23,6 +23,7 @@ from quark.torch.quantization.formats.grouping import (
     to_blocks,
     to_tiles,
 )
+from quark.torch.quantization.formats.masks import at_most
 from quark.torch.quantization.formats.table import FloatFormat
 
 
@@ -54,7 +55,7 @@ def cast_forward(x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_
 def _saturation_grad(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, max_normal: float) -> torch.Tensor:
     """The straight-through gradient: ``grad`` where ``|x / scale| <= max_normal``, 0 where the format saturates
     (recomputed from ``x``, not stored as a mask)."""
-    return grad * ((x / scale).abs() <= max_normal)
+    return grad * at_most((x / scale).abs(), max_normal, grad.dtype)
 
 
 class _GridSTE(torch.autograd.Function):

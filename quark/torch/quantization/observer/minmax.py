@@ -91,7 +91,7 @@ class UniformScalingObserver(ObserverBase):
         were)."""
         if not bool(finite):
             raise_non_finite(self.who)
-        self.model_dtype = x.dtype
+        self.__dict__["model_dtype"] = x.dtype  # a plain attribute (set per forward: no Module.__setattr__ checks)
 
     @property
     def has_statistics(self) -> bool:
