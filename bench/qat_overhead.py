@@ -207,6 +207,24 @@ def _quantized_model(name: str, base: nn.Module) -> nn.Module:
     return model
 
 
+FLOOR = "FP32 + one pass per weight each way (floor)"
+
+
+def _floor_step(model: nn.Module, step: Callable[[], None]) -> Callable[[], None]:
+    """FP32's step plus the memory traffic weight fake quantization cannot avoid, per Linear / Conv weight: forward
+    one pass that reads W and writes a W-sized tensor (a copy), backward one that reads the gradient and W and writes
+    a gradient-sized tensor (a product): what QAT would cost with every other overhead gone."""
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+
+    def floor_step() -> None:
+        step()
+        for w in weights:
+            w.detach().clone()
+            torch.mul(w.grad, w.detach())
+
+    return floor_step
+
+
 def build(
     name: str,
     batch: int = 256,
@@ -234,6 +252,8 @@ def build(
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
+    if name == FLOOR:
+        step = _floor_step(model, step)
     with torch.no_grad():
         model(x)
     if name in OBSERVERS_OFF:
@@ -451,26 +471,53 @@ def _backend_name() -> str:
 
 
 # ----------------------------------------------------------------------------------------------- width sweep
-SWEEP = (OURS_ON, FP8_ON, MX, AO_ON)
+#: the sweep's contenders, and its columns: each format with observers on, off, and half the steps each (the QAT
+#: protocol of issue 38: observers on for the warm-up half of training)
+SWEEP = (OURS_ON, OURS_OFF, FP8_ON, FP8_OFF, MX, AO_ON, FLOOR)
+HALF = {"int8 W8A8": (OURS_ON, OURS_OFF), "fp8 W8A8": (FP8_ON, FP8_OFF)}
+COLUMNS = ("int8 on", "int8 off", "int8 half", "fp8 on", "fp8 off", "fp8 half", "MX", "torch.ao on", "floor")
+
+
+def _sweep_row(times: dict[str, list[float]]) -> dict[str, float]:
+    """One width's ratios over FP32 (medians of per-round ratios): on, off and their mean per round (half)."""
+
+    def med(per_round: list[float]) -> float:
+        return statistics.median(t / r for t, r in zip(per_round, times[FP32], strict=True))
+
+    halves = {
+        name: [(a + b) / 2 for a, b in zip(times[on], times[off], strict=True)] for name, (on, off) in HALF.items()
+    }
+    return {
+        "int8 on": med(times[OURS_ON]),
+        "int8 off": med(times[OURS_OFF]),
+        "int8 half": med(halves["int8 W8A8"]),
+        "fp8 on": med(times[FP8_ON]),
+        "fp8 off": med(times[FP8_OFF]),
+        "fp8 half": med(halves["fp8 W8A8"]),
+        "MX": med(times[MX]),
+        "torch.ao on": med(times[AO_ON]),
+        "floor": med(times[FLOOR]),
+        "fp32 ms": statistics.median(times[FP32]),
+    }
 
 
 def sweep(widths: Sequence[int], args: argparse.Namespace, plot: str | None) -> None:
-    """Step-time ratio over FP32 of the MLP at each hidden width (observers on: the QAT warm-up state) for int8,
-    fp8, MX and torch.ao; a markdown table, and a PNG plot when ``plot`` names a file (needs matplotlib)."""
+    """Step-time ratio over FP32 of the MLP at each hidden width, every format with observers on, off and half the
+    steps each, torch.ao (observers on) and the memory-traffic floor; a markdown table, and a PNG plot of the
+    half-and-half ratios when ``plot`` names a file (needs matplotlib)."""
     table: dict[int, dict[str, float]] = {}
     for width in widths:
         setup = Setup("mlp", args.batch or DEFAULT_BATCH["mlp"], args.optimizer, width)
-        rel = ratios(run(setup, args.rounds, args.steps, args.warmup, names=(FP32, *SWEEP)))
-        table[width] = {name: rel[name][1] for name in SWEEP}
-        print(f"# width {width}: " + ", ".join(f"{n} {v:.2f}x" for n, v in table[width].items()), flush=True)
+        table[width] = _sweep_row(run(setup, args.rounds, args.steps, args.warmup, names=(FP32, *SWEEP)))
+        print(f"# width {width}: " + ", ".join(f"{n} {v:.2f}" for n, v in table[width].items()), flush=True)
     print(
         f"\n# QAT step time over FP32, MLP 1024 -> width -> 1024 -> 10, batch {args.batch or DEFAULT_BATCH['mlp']}, "
-        f"{args.optimizer}, observers on, format kernels: {_backend_name()}"
+        f"{args.optimizer}, format kernels: {_backend_name()}; half = observers on for half the steps; floor = {FLOOR}"
     )
-    print("| width | " + " | ".join(SWEEP) + " |")
-    print("|---|" + "---|" * len(SWEEP))
+    print("| width | FP32 ms | " + " | ".join(COLUMNS) + " |")
+    print("|---|---|" + "---|" * len(COLUMNS))
     for width, row in table.items():
-        print(f"| {width} | " + " | ".join(f"{row[n]:.2f}" for n in SWEEP) + " |")
+        print(f"| {width} | {row['fp32 ms']:.1f} | " + " | ".join(f"{row[n]:.2f}" for n in COLUMNS) + " |")
     if plot:
         import matplotlib
 
@@ -478,7 +525,7 @@ def sweep(widths: Sequence[int], args: argparse.Namespace, plot: str | None) -> 
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        for name in SWEEP:
+        for name in ("int8 half", "fp8 half", "MX", "torch.ao on", "floor"):
             ax.plot(list(table), [table[w][name] for w in table], marker="o", label=name)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)

@@ -19,6 +19,7 @@ from quark.torch.quantization.formats.grouping import (
     compiled_kernels_active,
     from_blocks,
     from_tiles,
+    saturate_to,
     tile_view,
     to_blocks,
     to_tiles,
@@ -41,8 +42,10 @@ def round_to_grid(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 @compilable
 def grid_forward(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """``x`` scaled onto the float format's grid, rounded there and scaled back (the compilable minifloat kernel)."""
-    return round_to_grid(x / scale, fmt).mul_(scale)
+    """``x`` scaled onto the float format's grid, rounded there and scaled back (the compilable minifloat kernel),
+    computed in float32 and returned in x's dtype (saturated there): compiled, a bfloat16 / float16 input is read
+    and written in its dtype within the one pass."""
+    return saturate_to(round_to_grid(x.float() / scale, fmt).mul_(scale), x.dtype)
 
 
 def cast_forward(x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +58,7 @@ def cast_forward(x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_
 def _saturation_grad(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, max_normal: float) -> torch.Tensor:
     """The straight-through gradient: ``grad`` where ``|x / scale| <= max_normal``, 0 where the format saturates
     (recomputed from ``x``, not stored as a mask)."""
-    return grad * at_most((x / scale).abs(), max_normal, grad.dtype)
+    return grad * at_most((x.float() / scale).abs(), max_normal, grad.dtype)
 
 
 class _GridSTE(torch.autograd.Function):
@@ -92,7 +95,8 @@ def fake_quantize_minifloat(
     (integer ops on the bits) vectorizes and the cast does not.
     """
     orig_dtype = x.dtype
-    xf = x.float()
+    # compiled, the kernels read a half-precision input as it is (float32 inside one pass); eagerly it is cast first
+    xf = x if compiled_kernels_active(x) or torch.compiler.is_compiling() else x.float()
     if scale is None:
         scale = torch.ones((), device=x.device)
     scale = scale.float()
