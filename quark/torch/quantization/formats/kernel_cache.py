@@ -58,12 +58,26 @@ def _key(value: Any, exact: bool) -> Hashable | None:
     return (type(value), value)
 
 
+def _global_state() -> tuple[Hashable, ...]:
+    """The global state a graph is built under and its guards would check (grad and inference mode, autocast, the
+    default dtype, determinism, torch's thread count, which the CPU kernels are generated for)."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_num_threads(),
+    )
+
+
 def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = True) -> tuple[Hashable, ...] | None:
     """What a compiled kernel's result depends on besides the tensors' values, as a hashable key (``exact=False``:
     without the tensors' shapes and strides, the part graphs are reused across); None when some argument cannot be
     keyed (then the call takes the guarded path). Non-tensor arguments count by value: a graph built by
     ``aot_compile`` keeps guards on tensors and global state only, none on a plan object or an enum argument."""
-    parts: list[Hashable] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    parts: list[Hashable] = [_global_state()]
     for name, value in (*((None, a) for a in args), *sorted(kwargs.items())):
         key = _key(value, exact)
         if key is None:

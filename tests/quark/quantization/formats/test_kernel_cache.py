@@ -92,3 +92,19 @@ def test_signature_parts() -> None:
         assert call_signature((torch.zeros(2, 3), 1.0), {}) != base  # grad mode counts
     loose = call_signature((torch.zeros(2, 3), 1.0), {}, exact=False)
     assert loose == call_signature((torch.zeros(5, 3), 1.0), {}, exact=False)
+
+
+def test_global_state_is_part_of_the_signature() -> None:
+    x = torch.zeros(2, 3)
+    base = call_signature((x,), {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)  # the CPU kernels are generated for a thread count
+    try:
+        assert call_signature((x,), {}) != base
+    finally:
+        torch.set_num_threads(threads)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert call_signature((x,), {}) != base
+    with torch.inference_mode():
+        assert call_signature((x,), {}) != base
+    assert call_signature((x,), {}) == base
