@@ -12,6 +12,8 @@ built for the kernel (a new batch size reuses the dynamic-shape graph when its g
 so every call runs a graph whose guards held for exactly that signature: the same results as ``torch.compile``, and
 bit-identical to the eager kernel as before (the format tests check that).
 
+Graphs are stored on disk (``kernel_store``) and loaded by later processes instead of compiled again.
+
 Anything the cache cannot key (a tensor subclass such as DTensor or a fake tensor, an unhashable argument) or a
 kernel ``aot_compile`` refuses takes the caller's ``torch.compile`` path as before, with its guards.
 """
@@ -23,6 +25,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+
+from quark.torch.quantization.formats.kernel_store import KernelStore
 
 __all__ = ["KernelCache", "call_signature"]
 
@@ -93,9 +97,16 @@ class KernelCache:
     ``LookupError`` when this signature cannot be served here (the caller then runs its guarded compiled function).
     """
 
-    def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        options: dict[str, Any] | None = None,
+        on_compile: Callable[[], None] | None = None,
+    ) -> None:
         self.fn = fn
         self.options = options
+        self.on_compile = on_compile  # called before each compile (the first-compile log line)
+        self.store = KernelStore(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
         self._by_signature: dict[tuple[Hashable, ...], Any] = {}
         #: graphs built per signature without shapes and strides: what a new shape is checked against
         self._by_family: dict[tuple[Hashable, ...], list[Any]] = {}
@@ -121,17 +132,22 @@ class KernelCache:
         ``aot_compile`` fails: that signature keeps the guarded path)."""
         family = call_signature(args, kwargs, exact=False)
         with self._lock:
-            graphs = self._by_family.setdefault(family, [])  # type: ignore[arg-type]
+            graphs = self._by_family.get(family)  # type: ignore[arg-type]
+            if graphs is None:  # first sight in this process: what earlier runs stored
+                graphs = self._by_family[family] = self.store.load(family)  # type: ignore[index,arg-type]
             for graph in graphs:
                 if graph.guard_check(*args, **kwargs):
                     self.reuses += 1
                     return self._remember(key, graph)
+            if self.on_compile is not None:
+                self.on_compile()
             try:
                 graph = self._compile(args, kwargs)
             except Exception:  # noqa: BLE001 - any refusal (graph break, unsupported op): the guarded path serves it
                 return self._remember(key, False)
             self.compiles += 1
             graphs.append(graph)
+            self.store.save(family, graph)  # type: ignore[arg-type]
             return self._remember(key, graph)
 
     def _remember(self, key: tuple[Hashable, ...], graph: Any) -> Any:

@@ -33,6 +33,12 @@ def _x(*shape: int) -> torch.Tensor:
     return x
 
 
+@pytest.fixture(autouse=True)
+def _own_store(tmp_path, monkeypatch) -> None:
+    """Each test its own empty graph store: nothing compiled by another test is loaded."""
+    monkeypatch.setenv("QUARK_KERNEL_CACHE", str(tmp_path))
+
+
 @pytest.fixture
 def cache() -> KernelCache:
     return KernelCache(_int_fq)
@@ -108,3 +114,35 @@ def test_global_state_is_part_of_the_signature() -> None:
     with torch.inference_mode():
         assert call_signature((x,), {}) != base
     assert call_signature((x,), {}) == base
+
+
+def test_graphs_are_stored_and_loaded_by_a_later_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("QUARK_KERNEL_CACHE", str(tmp_path))
+    x, s = _x(16, 64), torch.tensor(0.1)
+    first = KernelCache(_int_fq)
+    first(x, s, -128, 127, RoundType.round)
+    assert first.compiles == 1 and first.store.stored == 1
+    (stored,) = tmp_path.rglob("*.graph")
+    assert not stored.is_symlink() and not list(tmp_path.rglob("*.tmp"))
+    later = KernelCache(_int_fq)  # a new process would start like this
+    for shape in ((16, 64), (40, 64)):  # the stored dynamic graph serves another batch size after its guards hold
+        xs = _x(*shape)
+        assert torch.equal(later(xs, s, -128, 127, RoundType.round), _int_fq(xs, s, -128, 127, RoundType.round))
+    assert later.compiles == 0 and later.store.loaded == 1
+    later(x, s, -128, 127, RoundType.floor)  # another rounding: its own graph, compiled and stored beside
+    assert later.compiles == 1 and len(list(tmp_path.rglob("*.graph"))) == 2
+
+
+def test_an_unreadable_stored_graph_is_skipped_and_the_store_can_be_off(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("QUARK_KERNEL_CACHE", str(tmp_path))
+    x, s = _x(8, 32), torch.tensor(0.1)
+    KernelCache(_int_fq)(x, s, -128, 127, RoundType.half_even)
+    (stored,) = tmp_path.rglob("*.graph")
+    stored.write_bytes(stored.read_bytes()[:100])  # truncated
+    cache = KernelCache(_int_fq)
+    assert torch.equal(cache(x, s, -128, 127, RoundType.half_even), _int_fq(x, s, -128, 127, RoundType.half_even))
+    assert cache.store.loaded == 0 and cache.compiles == 1
+    monkeypatch.setenv("QUARK_KERNEL_CACHE", "0")
+    off = KernelCache(_int_fq)
+    off(x, s, -128, 127, RoundType.half_even)
+    assert off.compiles == 1 and off.store.stored == 0 and len(list(tmp_path.rglob("*.graph"))) == 2
