@@ -9,15 +9,21 @@ default for users) are checked bit for bit against eager, forward and backward, 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("QUARK_COMPILE", "0")  # before quark is imported: Backend reads it once
-# compiled kernels stored by an earlier run would be loaded instead of compiled: each session starts with an empty store
-os.environ.setdefault("QUARK_KERNEL_CACHE", tempfile.mkdtemp(prefix="quark_kernels_tests_"))
+# compiled kernels stored by an earlier run would be loaded instead of compiled: each session starts with an empty
+# store of its own, removed when the session ends
+if "QUARK_KERNEL_CACHE" not in os.environ:
+    _STORE = tempfile.mkdtemp(prefix="quark_kernels_tests_")
+    os.environ["QUARK_KERNEL_CACHE"] = _STORE
+    atexit.register(shutil.rmtree, _STORE, True)
 
 #: test folders whose every test runs the Hydra app (or a task's whole training loop) end to end: ``integration``
 INTEGRATION_DIRS = ("app", "tasks")
