@@ -14,6 +14,7 @@ from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
 from quark.torch.quantization.formats.block import (
     MX_SCALE_MODES,
     bfp_codes,
+    block_absmax,
     fake_quantize_bfp16,
     fake_quantize_mx,
     fake_quantize_mx6,
@@ -112,6 +113,7 @@ __all__ = [
     "MX_SCALE_MODES",
     "microexponent_codes",
     "bfp_codes",
+    "block_absmax",
     "to_blocks",
     "from_blocks",
     "BlockLayout",

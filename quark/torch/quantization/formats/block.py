@@ -219,6 +219,15 @@ def _fake_bfp(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
     return from_blocks(out, layout, x.shape)
 
 
+@compilable
+def block_absmax(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
+    """The largest magnitude of each block of ``block_size`` along ``axis`` ([..., n_blocks], float32; ragged last
+    blocks zero-padded): what the block formats' observers record, in one read of ``x`` when compiled (eagerly, a
+    float32 ``abs`` pass and a reduction)."""
+    xb, _ = to_blocks(x.float(), axis, static_int(block_size))
+    return xb.abs().amax(dim=-1)
+
+
 def _check_even(block_size: int) -> None:
     if block_size % 2:
         raise ValueError(f"mx6/mx9 need an even group_size (pairs share a micro-exponent), got {block_size}")

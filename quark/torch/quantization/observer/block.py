@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from quark.torch.quantization.config.type import Dtype, QSchemeType
-from quark.torch.quantization.formats import bfp_codes, mx_shared_exponent, to_blocks
+from quark.torch.quantization.formats import bfp_codes, block_absmax, mx_shared_exponent, to_blocks
 from quark.torch.quantization.observer.base import EPS, ObserverBase, check_finite
 
 if TYPE_CHECKING:
@@ -37,8 +37,7 @@ class PerBlockMXObserver(ObserverBase):
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel():
-            xb, _ = to_blocks(x_orig.detach().float(), self.axis, self.block_size)
-            amax = xb.abs().amax(dim=-1)
+            amax = block_absmax(x_orig.detach(), self.block_size, self.axis)
             check_finite(self.who, amax)
             if not self.is_dynamic and self.amax.shape == amax.shape:
                 amax = torch.maximum(self.amax, amax)

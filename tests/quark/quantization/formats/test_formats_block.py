@@ -481,3 +481,25 @@ def test_bfp16_block_with_minus_inf_doubles_its_step_as_the_rule_says():
 def test_block_formats_take_empty_tensors():
     for fn in (fake_quantize_mx6, fake_quantize_mx9, fake_quantize_bfp16):
         assert fn(torch.randn(0, 16)).shape == (0, 16)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_block_absmax_is_each_blocks_largest_magnitude(compiled: bool, compiler: None) -> None:
+    """What the MX / BFP observers record: max |x| per block along the axis, a ragged last block over what it has."""
+    from quark.torch.quantization.formats import block_absmax
+    from quark.torch.quantization.formats.grouping import Backend, set_compile
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 70)
+    x[2, 64:] = torch.tensor([-9.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # the ragged block's extreme is negative
+    before = Backend.compile
+    set_compile(compiled)
+    try:
+        along_rows = block_absmax(x, 32, -1)
+        along_cols = block_absmax(x, 4, 0)
+    finally:
+        set_compile(before)
+    expected = torch.stack([x[:, i : i + 32].abs().amax(dim=1) for i in range(0, 70, 32)], dim=-1)
+    assert torch.equal(along_rows, expected) and along_rows[2, 2] == 9.0
+    expected_cols = torch.stack([x[i : i + 4].abs().amax(dim=0) for i in range(0, 6, 4)], dim=-1)
+    assert torch.equal(along_cols, expected_cols)
