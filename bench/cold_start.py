@@ -1,0 +1,120 @@
+"""Cold first run against warm run of ``python train.py`` (README's main command, default config).
+
+python bench/cold_start.py [--repo .] [--runs 1] [-- extra train.py overrides]
+
+The cold run starts from a fresh ``git clone`` of ``--repo`` (no ``__pycache__``) with empty torch inductor / triton
+caches (``TORCHINDUCTOR_CACHE_DIR`` & co. pointed at a new temporary directory); the warm run repeats it in the same
+clone with the same caches, as a user's second ``python train.py`` does. Each run writes its run directory under the
+temporary directory (``hydra.run.dir=``) and is wrapped so that at exit it reports what torch compiled: dynamo's
+frames and compile time (``torch._dynamo.utils.compile_times``), inductor's FX-graph cache and AOTAutograd cache hits
+and misses (``torch._dynamo.utils.counters``), and the quark log line that announces the first compile.
+
+Prints the wall time of each run, the cold / warm ratio (the target of issue 38 is <= 1.3) and the load average
+before and after (machine: 2 shared CPU cores; the ratio is against a peer, the warm run, measured in the same
+invocation). ``--runs N`` repeats the cold/warm pair N times, each with new caches and a new clone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: runs train.py as ``python train.py`` would, then writes torch's compile statistics as JSON to $COLD_START_STATS
+WRAPPER = r"""
+import atexit, json, os, runpy, sys
+
+def _stats():
+    import torch._dynamo.utils as du
+    counters = {k: dict(v) for k, v in du.counters.items() if k in ("inductor", "aot_autograd", "stats")}
+    times = du.compile_times(repr="raw", aggregate=True) if hasattr(du, "compile_times") else {}
+    with open(os.environ["COLD_START_STATS"], "w") as f:
+        json.dump({"counters": counters, "compile_times": {k: float(v) for k, v in dict(times).items()}}, f)
+
+atexit.register(_stats)
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+#: the environment variables that point torch's on-disk compile caches somewhere
+CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def load() -> str:
+    """The 1-, 5- and 15-minute load averages."""
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def run_once(clone: Path, caches: Path, run_dir: Path, overrides: list[str]) -> dict:
+    """One ``python train.py`` in ``clone`` with torch's caches under ``caches``: wall time, exit status, stats."""
+    env = dict(os.environ)
+    env.pop("QUARK_COMPILE", None)  # the default (auto) policy is what a user gets
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(caches / "inductor")
+    env["TRITON_CACHE_DIR"] = str(caches / "triton")
+    env["COLD_START_STATS"] = str(run_dir.with_suffix(".json"))
+    env["PYTHONPATH"] = str(clone)
+    cmd = [sys.executable, "-c", WRAPPER, f"hydra.run.dir={run_dir}", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"train.py failed (exit {proc.returncode}) in {clone}")
+    stats_path = run_dir.with_suffix(".json")
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    log = proc.stdout + proc.stderr
+    stats["quark_compile_log"] = [line.strip() for line in log.splitlines() if "compil" in line and "quark" in line]
+    return {"wall": wall, **stats}
+
+
+def summary(name: str, result: dict) -> str:
+    """One line: wall time, dynamo frames and compile seconds, cache hits/misses."""
+    inductor = result.get("counters", {}).get("inductor", {})
+    aot = result.get("counters", {}).get("aot_autograd", {})
+    times = result.get("compile_times", {})
+    compile_s = sum(v for k, v in times.items() if k == "_compile.compile_inner") or sum(times.values())
+    frames = result.get("counters", {}).get("stats", {}).get("unique_graphs", 0)
+    return (
+        f"{name}: {result['wall']:.1f} s wall | dynamo graphs {frames}, compile {compile_s:.1f} s | "
+        f"fxgraph cache hit {inductor.get('fxgraph_cache_hit', 0)} miss {inductor.get('fxgraph_cache_miss', 0)} | "
+        f"aot autograd cache hit {aot.get('autograd_cache_hit', 0)} miss {aot.get('autograd_cache_miss', 0)}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repo", default=".", help="the git repository to clone (its committed HEAD)")
+    parser.add_argument("--runs", type=int, default=1, help="cold/warm pairs, each with new caches and clone")
+    parser.add_argument("overrides", nargs="*", help="train.py overrides (default: none, README's main command)")
+    args = parser.parse_args()
+    repo = Path(args.repo).resolve()
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    print(f"machine: 2 shared CPU cores; repo {repo} at {head.stdout.strip()}; python train.py {' '.join(args.overrides)}")
+    ratios = []
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="cold_start_") as tmp:
+            root = Path(tmp)
+            clone = root / "clone"
+            subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+            caches = root / "caches"
+            print(f"[pair {i + 1}] load before: {load()}")
+            cold = run_once(clone, caches, root / "run_cold", args.overrides)
+            print("  " + summary("cold", cold))
+            warm = run_once(clone, caches, root / "run_warm", args.overrides)
+            print("  " + summary("warm", warm))
+            for line in cold["quark_compile_log"][:3]:
+                print(f"  cold log: {line[:200]}")
+            ratio = cold["wall"] / warm["wall"]
+            ratios.append(ratio)
+            print(f"  cold / warm = {ratio:.2f} (target <= 1.3) | load after: {load()}")
+    if len(ratios) > 1:
+        print(f"cold / warm over {len(ratios)} pairs: " + ", ".join(f"{r:.2f}" for r in ratios))
+
+
+if __name__ == "__main__":
+    main()
