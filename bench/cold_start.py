@@ -32,9 +32,10 @@ import atexit, json, os, runpy, sys
 def _stats():
     import torch._dynamo.utils as du
     counters = {k: dict(v) for k, v in du.counters.items() if k in ("inductor", "aot_autograd", "stats")}
-    times = du.compile_times(repr="raw", aggregate=True) if hasattr(du, "compile_times") else {}
+    metrics = getattr(du, "compilation_time_metrics", {})
+    times = {k: [float(t) for t in v] for k, v in metrics.items()}
     with open(os.environ["COLD_START_STATS"], "w") as f:
-        json.dump({"counters": counters, "compile_times": {k: float(v) for k, v in dict(times).items()}}, f)
+        json.dump({"counters": counters, "compile_times": times}, f)
 
 atexit.register(_stats)
 sys.argv = ["train.py", *sys.argv[1:]]
@@ -77,10 +78,11 @@ def summary(name: str, result: dict) -> str:
     inductor = result.get("counters", {}).get("inductor", {})
     aot = result.get("counters", {}).get("aot_autograd", {})
     times = result.get("compile_times", {})
-    compile_s = sum(v for k, v in times.items() if k == "_compile.compile_inner") or sum(times.values())
+    compiles = times.get("_compile.compile_inner", [])
     frames = result.get("counters", {}).get("stats", {}).get("unique_graphs", 0)
     return (
-        f"{name}: {result['wall']:.1f} s wall | dynamo graphs {frames}, compile {compile_s:.1f} s | "
+        f"{name}: {result['wall']:.1f} s wall | dynamo compiles {len(compiles)} ({frames} graphs), "
+        f"{sum(compiles):.1f} s compiling | "
         f"fxgraph cache hit {inductor.get('fxgraph_cache_hit', 0)} miss {inductor.get('fxgraph_cache_miss', 0)} | "
         f"aot autograd cache hit {aot.get('autograd_cache_hit', 0)} miss {aot.get('autograd_cache_miss', 0)}"
     )
