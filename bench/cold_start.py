@@ -96,7 +96,9 @@ def main() -> None:
     args = parser.parse_args()
     repo = Path(args.repo).resolve()
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    print(f"machine: 2 shared CPU cores; repo {repo} at {head.stdout.strip()}; python train.py {' '.join(args.overrides)}")
+    print(
+        f"machine: 2 shared CPU cores; repo {repo} at {head.stdout.strip()}; python train.py {' '.join(args.overrides)}"
+    )
     ratios = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="cold_start_") as tmp:
