@@ -88,36 +88,49 @@ def summary(name: str, result: dict) -> str:
     )
 
 
+def pair_dirs(root: Path, repo: Path, tag: str) -> tuple[Path, Path]:
+    """A fresh clone of ``repo`` and an empty cache directory under ``root``, named by ``tag``."""
+    clone = root / f"clone_{tag}"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    return clone, root / f"caches_{tag}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", default=".", help="the git repository to clone (its committed HEAD)")
+    parser.add_argument("--baseline", default=None, help="a second repository (e.g. main), run interleaved as a peer")
     parser.add_argument("--runs", type=int, default=1, help="cold/warm pairs, each with new caches and clone")
     parser.add_argument("overrides", nargs="*", help="train.py overrides (default: none, README's main command)")
     args = parser.parse_args()
-    repo = Path(args.repo).resolve()
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    print(
-        f"machine: 2 shared CPU cores; repo {repo} at {head.stdout.strip()}; python train.py {' '.join(args.overrides)}"
-    )
-    ratios = []
+    repos = {"repo": Path(args.repo).resolve()}
+    if args.baseline:
+        repos["baseline"] = Path(args.baseline).resolve()
+    for tag, repo in repos.items():
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        print(f"{tag}: {repo} at {head.stdout.strip()}")
+    print(f"machine: 2 shared CPU cores; command: python train.py {' '.join(args.overrides)}")
+    ratios: dict[str, list[float]] = {tag: [] for tag in repos}
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="cold_start_") as tmp:
             root = Path(tmp)
-            clone = root / "clone"
-            subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
-            caches = root / "caches"
+            dirs = {tag: pair_dirs(root, repo, tag) for tag, repo in repos.items()}
             print(f"[pair {i + 1}] load before: {load()}")
-            cold = run_once(clone, caches, root / "run_cold", args.overrides)
-            print("  " + summary("cold", cold))
-            warm = run_once(clone, caches, root / "run_warm", args.overrides)
-            print("  " + summary("warm", warm))
-            for line in cold["quark_compile_log"][:3]:
-                print(f"  cold log: {line[:200]}")
-            ratio = cold["wall"] / warm["wall"]
-            ratios.append(ratio)
-            print(f"  cold / warm = {ratio:.2f} (target <= 1.3) | load after: {load()}")
-    if len(ratios) > 1:
-        print(f"cold / warm over {len(ratios)} pairs: " + ", ".join(f"{r:.2f}" for r in ratios))
+            walls: dict[str, dict] = {tag: {} for tag in repos}
+            for phase in ("cold", "warm"):  # interleaved: every repo's cold run, then every repo's warm run
+                for tag, (clone, caches) in dirs.items():
+                    result = run_once(clone, caches, root / f"run_{tag}_{phase}", args.overrides)
+                    walls[tag][phase] = result
+                    print(f"  {tag} " + summary(phase, result) + f" | load {load()}")
+                    if phase == "cold":
+                        for line in result["quark_compile_log"][:2]:
+                            print(f"    log: {line[:240]}")
+            for tag in repos:
+                ratio = walls[tag]["cold"]["wall"] / walls[tag]["warm"]["wall"]
+                ratios[tag].append(ratio)
+                print(f"  {tag}: cold / warm = {ratio:.2f} (target <= 1.3)")
+    for tag, values in ratios.items():
+        if len(values) > 1:
+            print(f"{tag}: cold / warm over {len(values)} pairs: " + ", ".join(f"{r:.2f}" for r in values))
 
 
 if __name__ == "__main__":
