@@ -9,7 +9,7 @@ temporary directory (``hydra.run.dir=``) and is wrapped so that at exit it repor
 frames and compile time (``torch._dynamo.utils.compile_times``), inductor's FX-graph cache and AOTAutograd cache hits
 and misses (``torch._dynamo.utils.counters``), and the quark log line that announces the first compile.
 
-Prints the wall time of each run, the cold / warm ratio (the target of issue 38 is <= 1.3) and the load average
+Prints the wall and CPU (user + system) time of each run, the cold / warm ratios (the target of issue 38 is <= 1.3) and the load average
 before and after (machine: 2 shared CPU cores; the ratio is against a peer, the warm run, measured in the same
 invocation). ``--runs N`` repeats the cold/warm pair N times, each with new caches and a new clone.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -60,9 +61,12 @@ def run_once(clone: Path, caches: Path, run_dir: Path, overrides: list[str]) -> 
     env["COLD_START_STATS"] = str(run_dir.with_suffix(".json"))
     env["PYTHONPATH"] = str(clone)
     cmd = [sys.executable, "-c", WRAPPER, f"hydra.run.dir={run_dir}", *overrides]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"train.py failed (exit {proc.returncode}) in {clone}")
@@ -70,7 +74,7 @@ def run_once(clone: Path, caches: Path, run_dir: Path, overrides: list[str]) -> 
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     log = proc.stdout + proc.stderr
     stats["quark_compile_log"] = [line.strip() for line in log.splitlines() if "compil" in line and "quark" in line]
-    return {"wall": wall, **stats}
+    return {"wall": wall, "cpu": cpu, **stats}
 
 
 def summary(name: str, result: dict) -> str:
@@ -81,7 +85,7 @@ def summary(name: str, result: dict) -> str:
     compiles = times.get("_compile.compile_inner", [])
     frames = result.get("counters", {}).get("stats", {}).get("unique_graphs", 0)
     return (
-        f"{name}: {result['wall']:.1f} s wall | dynamo compiles {len(compiles)} ({frames} graphs), "
+        f"{name}: {result['wall']:.1f} s wall, {result['cpu']:.1f} s CPU | dynamo compiles {len(compiles)} ({frames} graphs), "
         f"{sum(compiles):.1f} s compiling | "
         f"fxgraph cache hit {inductor.get('fxgraph_cache_hit', 0)} miss {inductor.get('fxgraph_cache_miss', 0)} | "
         f"aot autograd cache hit {aot.get('autograd_cache_hit', 0)} miss {aot.get('autograd_cache_miss', 0)}"
@@ -126,8 +130,9 @@ def main() -> None:
                             print(f"    log: {line[:240]}")
             for tag in repos:
                 ratio = walls[tag]["cold"]["wall"] / walls[tag]["warm"]["wall"]
+                cpu_ratio = walls[tag]["cold"]["cpu"] / walls[tag]["warm"]["cpu"]
                 ratios[tag].append(ratio)
-                print(f"  {tag}: cold / warm = {ratio:.2f} (target <= 1.3)")
+                print(f"  {tag}: cold / warm = {ratio:.2f} wall, {cpu_ratio:.2f} CPU time (target <= 1.3)")
     for tag, values in ratios.items():
         if len(values) > 1:
             print(f"{tag}: cold / warm over {len(values)} pairs: " + ", ".join(f"{r:.2f}" for r in values))

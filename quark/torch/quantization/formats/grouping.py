@@ -61,6 +61,8 @@ class Backend:
     seen_numel: int = 0
     #: why auto mode gave up compiling (None while it has not)
     failure: str | None = None
+    #: whether this process has logged its first compile (once, whichever kernel it is)
+    compile_logged: bool = False
 
 
 def set_compile(enabled: bool | None) -> None:
@@ -129,17 +131,11 @@ def _call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> A
         dynamo_recompile_limit(before)
 
 
-class _CompileLog:
-    """Whether this process has logged its first compile (once per process, whichever kernel it is)."""
-
-    logged: bool = False
-
-
 def _log_first_compile(name: str) -> None:
     """Say once per process that a kernel compiles, why, where torch keeps it and how to turn it off."""
-    if _CompileLog.logged:
+    if Backend.compile_logged:
         return
-    _CompileLog.logged = True
+    Backend.compile_logged = True
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "torch's default, /tmp/torchinductor_<user>"
     why = (
         "QUARK_COMPILE=1"
