@@ -39,24 +39,26 @@ def _compile_from_env() -> bool | None:
 class Backend:
     """How the elementwise format kernels run, process-wide (like ``torch.backends`` flags).
 
-    ``compile``: None (the default, "auto"): the kernels run eagerly until the run has shown it is long enough for a
-    compile to pay back: once ``warmup_numel`` elements have gone through kernel calls on tensors of at least
-    ``min_numel`` elements (``bench/compile_thresholds.py``: a kernel's compile, 1 to 8 s on 2 CPU cores with an
-    empty cache, is paid back after some 10^8 to 10^9 elements), each kernel is ``torch.compile``d on its next such
-    call, which fuses its chain of elementwise passes into one loop (bit-identical results; cached on disk by
-    inductor across processes; the first compile of a process is logged once). Smaller tensors always run eagerly:
-    there a compiled call's fixed cost (guards) outweighs the fusion. If compiling fails (no C++ compiler, an
-    unsupported platform) a warning says why and every kernel runs eagerly from then on. True: always compile, from
-    the first call, and raise on failure. False: always eager. Set with ``set_compile`` or the environment variable
-    ``QUARK_COMPILE`` (auto, 1, 0).
+    ``compile``: None (the default, "auto"): the kernels run eagerly until the run has shown it quantizes more than a
+    short demo does: once ``warmup_numel`` elements have gone through kernel calls on tensors of at least
+    ``min_numel`` elements, each kernel is ``torch.compile``d on its next such call, which fuses its chain of
+    elementwise passes into one loop (bit-identical results; cached on disk by inductor across processes; the first
+    compile of a process is logged once). A compile costs 1 to 8 s on 2 CPU cores with an empty cache, 0.3 s from
+    torch's disk cache, and saves 0.4 to 5 ns per element (``bench/compile_thresholds.py``): a run that quantizes a
+    few million elements (``python train.py``'s PTQ: 3.9 million) is faster eager, a training run compiles within
+    its first steps. Smaller tensors always run eagerly: there a compiled call's fixed cost (guards) outweighs the
+    fusion. If compiling fails (no C++ compiler, an unsupported platform) a warning says why and every kernel runs
+    eagerly from then on. True: always compile, from the first call, and raise on failure. False: always eager. Set
+    with ``set_compile`` or the environment variable ``QUARK_COMPILE`` (auto, 1, 0).
     """
 
     compile: bool | None = _compile_from_env()
     #: in auto mode, smaller tensors run eagerly: there a compiled call's fixed cost (guards) outweighs the fusion
     min_numel: int = 1 << 16
     #: in auto mode, the elements of kernel calls on tensors of at least ``min_numel`` that run eagerly before the
-    #: kernels compile (counted per decision, ``compiled_kernels_active``); 0 compiles on the first such call
-    warmup_numel: int = 1 << 28
+    #: kernels compile (counted per decision, ``compiled_kernels_active``); 0 compiles on the first such call. 2^24:
+    #: 4x what ``python train.py`` (PTQ of the digits CNN) counts; a QAT step of an MLP of width 1024 counts 4 million
+    warmup_numel: int = 1 << 24
     #: elements counted toward ``warmup_numel`` so far in this process
     seen_numel: int = 0
     #: why auto mode gave up compiling (None while it has not)
