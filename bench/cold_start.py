@@ -52,9 +52,12 @@ def load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def run_once(clone: Path, caches: Path, run_dir: Path, overrides: list[str]) -> dict:
-    """One ``python train.py`` in ``clone`` with torch's caches under ``caches``: wall time, exit status, stats."""
+def run_once(clone: Path, caches: Path, run_dir: Path, overrides: list[str], threads: int | None = None) -> dict:
+    """One ``python train.py`` in ``clone`` with torch's caches under ``caches`` (``threads``: OMP_NUM_THREADS):
+    wall and CPU time, torch's compile statistics, the quark log lines about compiling."""
     env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.pop("QUARK_COMPILE", None)  # the default (auto) policy is what a user gets
     env["TORCHINDUCTOR_CACHE_DIR"] = str(caches / "inductor")
     env["TRITON_CACHE_DIR"] = str(caches / "triton")
@@ -104,6 +107,12 @@ def main() -> None:
     parser.add_argument("--repo", default=".", help="the git repository to clone (its committed HEAD)")
     parser.add_argument("--baseline", default=None, help="a second repository (e.g. main), run interleaved as a peer")
     parser.add_argument("--runs", type=int, default=1, help="cold/warm pairs, each with new caches and clone")
+    parser.add_argument(
+        "--omp-threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for the runs (1: steadier on a loaded machine, where idle OpenMP threads spin)",
+    )
     parser.add_argument("overrides", nargs="*", help="train.py overrides (default: none, README's main command)")
     args = parser.parse_args()
     repos = {"repo": Path(args.repo).resolve()}
@@ -112,7 +121,8 @@ def main() -> None:
     for tag, repo in repos.items():
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         print(f"{tag}: {repo} at {head.stdout.strip()}")
-    print(f"machine: 2 shared CPU cores; command: python train.py {' '.join(args.overrides)}")
+    threads = f"OMP_NUM_THREADS={args.omp_threads} " if args.omp_threads else ""
+    print(f"machine: 2 shared CPU cores; command: {threads}python train.py {' '.join(args.overrides)}")
     ratios: dict[str, list[float]] = {tag: [] for tag in repos}
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="cold_start_") as tmp:
@@ -122,7 +132,7 @@ def main() -> None:
             walls: dict[str, dict] = {tag: {} for tag in repos}
             for phase in ("cold", "warm"):  # interleaved: every repo's cold run, then every repo's warm run
                 for tag, (clone, caches) in dirs.items():
-                    result = run_once(clone, caches, root / f"run_{tag}_{phase}", args.overrides)
+                    result = run_once(clone, caches, root / f"run_{tag}_{phase}", args.overrides, args.omp_threads)
                     walls[tag][phase] = result
                     print(f"  {tag} " + summary(phase, result) + f" | load {load()}")
                     if phase == "cold":
