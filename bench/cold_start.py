@@ -52,13 +52,18 @@ def load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def run_once(clone: Path, caches: Path, run_dir: Path, overrides: list[str], threads: int | None = None) -> dict:
-    """One ``python train.py`` in ``clone`` with torch's caches under ``caches`` (``threads``: OMP_NUM_THREADS):
-    wall and CPU time, torch's compile statistics, the quark log lines about compiling."""
+def run_once(
+    clone: Path, caches: Path, run_dir: Path, overrides: list[str], threads: int | None = None, compile_mode: str = ""
+) -> dict:
+    """One ``python train.py`` in ``clone`` with torch's caches under ``caches`` (``threads``: OMP_NUM_THREADS;
+    ``compile_mode``: QUARK_COMPILE, empty for the default): wall and CPU time, torch's compile statistics, the quark
+    log lines about compiling."""
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    env.pop("QUARK_COMPILE", None)  # the default (auto) policy is what a user gets
+    env.pop("QUARK_COMPILE", None)  # the default (auto) policy is what a user gets, unless --quark-compile says
+    if compile_mode:
+        env["QUARK_COMPILE"] = compile_mode
     env["TORCHINDUCTOR_CACHE_DIR"] = str(caches / "inductor")
     env["TRITON_CACHE_DIR"] = str(caches / "triton")
     env["COLD_START_STATS"] = str(run_dir.with_suffix(".json"))
@@ -113,6 +118,7 @@ def main() -> None:
         default=None,
         help="OMP_NUM_THREADS for the runs (1: steadier on a loaded machine, where idle OpenMP threads spin)",
     )
+    parser.add_argument("--quark-compile", default="", help="QUARK_COMPILE for the runs (default: unset, auto)")
     parser.add_argument("overrides", nargs="*", help="train.py overrides (default: none, README's main command)")
     args = parser.parse_args()
     repos = {"repo": Path(args.repo).resolve()}
@@ -122,6 +128,7 @@ def main() -> None:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         print(f"{tag}: {repo} at {head.stdout.strip()}")
     threads = f"OMP_NUM_THREADS={args.omp_threads} " if args.omp_threads else ""
+    threads += f"QUARK_COMPILE={args.quark_compile} " if args.quark_compile else ""
     print(f"machine: 2 shared CPU cores; command: {threads}python train.py {' '.join(args.overrides)}")
     ratios: dict[str, list[float]] = {tag: [] for tag in repos}
     for i in range(args.runs):
@@ -132,7 +139,9 @@ def main() -> None:
             walls: dict[str, dict] = {tag: {} for tag in repos}
             for phase in ("cold", "warm"):  # interleaved: every repo's cold run, then every repo's warm run
                 for tag, (clone, caches) in dirs.items():
-                    result = run_once(clone, caches, root / f"run_{tag}_{phase}", args.overrides, args.omp_threads)
+                    result = run_once(
+                        clone, caches, root / f"run_{tag}_{phase}", args.overrides, args.omp_threads, args.quark_compile
+                    )
                     walls[tag][phase] = result
                     print(f"  {tag} " + summary(phase, result) + f" | load {load()}")
                     if phase == "cold":
