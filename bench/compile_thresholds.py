@@ -7,7 +7,9 @@ For each ``compilable`` kernel the default ``python train.py`` and the QAT prese
 float32 tensors of 2^k elements: the median eager and compiled time per call (the ratio is eager / compiled, measured
 in the same loop), the compile time of the kernel's first call with an empty inductor cache (a new temporary
 ``TORCHINDUCTOR_CACHE_DIR``, set before torch is imported) and the calls at each size that pay the compile back
-(compile time / (eager - compiled)). Machine: 2 shared CPU cores; ``uptime``'s load is printed beside the figures.
+(compile time / (eager - compiled)). Machine: 2 shared CPU cores; ``uptime``'s load is printed beside the figures
+(on a loaded machine run it with ``OMP_NUM_THREADS=1``: two OpenMP threads that wait on a descheduled peer turn
+every parallel op into a scheduler tick, 4 or 8 ms).
 Used to set ``Backend.min_numel`` and ``Backend.warmup_numel`` (quark/torch/quantization/formats/grouping.py).
 """
 
