@@ -169,12 +169,13 @@ def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: d
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not compiled_kernels_active(x, min_numel):
             return fn(x, *args, **kwargs)
+        if not Backend.compile_logged:
+            _log_first_compile(fn.__qualname__)
         try:
             return cache(x, *args, **kwargs)  # a signature compiled before: no guard evaluation
         except LookupError:
             pass  # not keyable, or aot_compile refused it: torch.compile with its guards
         if not compiled:
-            _log_first_compile(fn.__qualname__)
             compiled.append(torch.compile(fn, dynamic=True, options=options))
         if Backend.compile is True:
             return _call_compiled(compiled[0], x, *args, **kwargs)
