@@ -91,10 +91,10 @@ def summary(name: str, result: dict) -> str:
     aot = result.get("counters", {}).get("aot_autograd", {})
     times = result.get("compile_times", {})
     compiles = times.get("_compile.compile_inner", [])
-    frames = result.get("counters", {}).get("stats", {}).get("unique_graphs", 0)
+    graphs = result.get("counters", {}).get("stats", {}).get("unique_graphs", 0)
     return (
-        f"{name}: {result['wall']:.1f} s wall, {result['cpu']:.1f} s CPU | dynamo compiles {len(compiles)} ({frames} graphs), "
-        f"{sum(compiles):.1f} s compiling | "
+        f"{name}: {result['wall']:.1f} s wall, {result['cpu']:.1f} s CPU | dynamo graphs {graphs} "
+        f"({len(compiles)} by torch.compile's path, {sum(compiles):.1f} s; aot_compile's are not timed) | "
         f"fxgraph cache hit {inductor.get('fxgraph_cache_hit', 0)} miss {inductor.get('fxgraph_cache_miss', 0)} | "
         f"aot autograd cache hit {aot.get('autograd_cache_hit', 0)} miss {aot.get('autograd_cache_miss', 0)}"
     )
