@@ -467,7 +467,9 @@ def _backend_name() -> str:
         return "eager"
     if Backend.failure:
         return f"eager (compile failed: {Backend.failure})"
-    return "compiled" if Backend.compile else "auto (compiled for tensors >= 65536 elements)"
+    if Backend.compile:
+        return "compiled"
+    return f"auto (compiled for tensors >= {Backend.min_numel} elements, after {Backend.warmup_numel} warm-up elements)"
 
 
 # ----------------------------------------------------------------------------------------------- width sweep

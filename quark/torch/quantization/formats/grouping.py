@@ -4,6 +4,7 @@ channel broadcasting, rounding."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,6 +19,8 @@ from quark.torch.quantization.config.type import RoundType
 from quark.torch.quantization.formats.kernel_cache import KernelCache
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
+
+_log = logging.getLogger(__name__)
 
 
 def _compile_from_env() -> bool | None:
@@ -36,37 +39,63 @@ def _compile_from_env() -> bool | None:
 class Backend:
     """How the elementwise format kernels run, process-wide (like ``torch.backends`` flags).
 
-    ``compile``: None (the default, "auto"): each kernel is ``torch.compile``d on first use for tensors of at least
-    ``min_numel`` elements, which fuses its chain of elementwise passes into one loop (bit-identical results; the
-    first call of each kernel compiles for a few seconds, cached on disk by inductor across processes); if compiling
-    fails (no C++ compiler, an unsupported platform) a warning says why and every kernel runs eagerly from then on.
-    True: always compile, and raise on failure. False: always eager. Set with ``set_compile`` or the environment
-    variable ``QUARK_COMPILE`` (auto, 1, 0).
+    ``compile``: None (the default, "auto"): the kernels run eagerly until the run has shown it quantizes more than a
+    short demo does: once ``warmup_numel`` elements have gone through kernel calls on tensors of at least
+    ``min_numel`` elements, each kernel is ``torch.compile``d on its next such call, which fuses its chain of
+    elementwise passes into one loop (bit-identical results; cached on disk by inductor across processes; the first
+    compile of a process is logged once). A compile costs 1 to 8 s on 2 CPU cores with an empty cache, 0.3 s from
+    torch's disk cache, and saves 0.4 to 5 ns per element (``bench/compile_thresholds.py``): a run that quantizes a
+    few million elements (``python train.py``'s PTQ: 3.9 million) is faster eager, a training run compiles within
+    its first steps. Smaller tensors always run eagerly: there a compiled call's fixed cost (guards) outweighs the
+    fusion. If compiling fails (no C++ compiler, an unsupported platform) a warning says why and every kernel runs
+    eagerly from then on. True: always compile, from the first call, and raise on failure. False: always eager. Set
+    with ``set_compile`` or the environment variable ``QUARK_COMPILE`` (auto, 1, 0).
     """
 
     compile: bool | None = _compile_from_env()
     #: in auto mode, smaller tensors run eagerly: there a compiled call's fixed cost (guards) outweighs the fusion
     min_numel: int = 1 << 16
+    #: in auto mode, the elements of kernel calls on tensors of at least ``min_numel`` that run eagerly before the
+    #: kernels compile (counted per decision, ``compiled_kernels_active``); 0 compiles on the first such call. 2^24:
+    #: 4x what ``python train.py`` (PTQ of the digits CNN) counts; a QAT step of an MLP of width 1024 counts 4 million
+    warmup_numel: int = 1 << 24
+    #: elements counted toward ``warmup_numel`` so far in this process
+    seen_numel: int = 0
     #: why auto mode gave up compiling (None while it has not)
     failure: str | None = None
+    #: whether this process has logged its first compile (once, whichever kernel it is)
+    compile_logged: bool = False
 
 
 def set_compile(enabled: bool | None) -> None:
     """Run the format kernels through ``torch.compile`` (True), eagerly (False) or where it pays (None, the default);
-    resets a previous auto-mode failure, so None tries compiling again."""
+    resets a previous auto-mode failure, so None tries compiling again (the warm-up count is kept)."""
     Backend.compile = None if enabled is None else bool(enabled)
     Backend.failure = None
 
 
+def compile_warm() -> bool:
+    """Whether auto mode's warm-up is over: ``Backend.warmup_numel`` elements have been counted."""
+    return Backend.seen_numel >= Backend.warmup_numel
+
+
 def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None) -> bool:
     """Whether a ``compilable`` kernel called on ``x`` now would run compiled (``min_numel``: auto mode's threshold
-    for this kernel, by default ``Backend.min_numel``)."""
+    for this kernel, by default ``Backend.min_numel``). In auto mode, a call on a tensor at or above the threshold
+    made before the warm-up is over counts its elements toward ``Backend.warmup_numel`` and answers False."""
     if Backend.compile is False or torch.compiler.is_compiling():
         return False  # inside a caller's torch.compile the eager body is traced into the caller's graph
     if torch.jit.is_tracing():
         return False  # a TorchScript trace (ONNX export) records the eager ops; its sizes are traced values
+    if Backend.compile is True:
+        return True
     threshold = Backend.min_numel if min_numel is None else min_numel
-    return Backend.compile is True or (Backend.failure is None and x.numel() >= threshold)
+    if Backend.failure is not None or x.numel() < threshold:
+        return False
+    if compile_warm():
+        return True
+    Backend.seen_numel += x.numel()
+    return False
 
 
 #: variants one kernel may be compiled for (each format, qscheme layout and round mode is one): dynamo's default of
@@ -104,6 +133,28 @@ def _call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> A
         dynamo_recompile_limit(before)
 
 
+def _log_first_compile(name: str) -> None:
+    """Say once per process that a kernel compiles, why, where torch keeps it and how to turn it off."""
+    if Backend.compile_logged:
+        return
+    Backend.compile_logged = True
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "torch's default, /tmp/torchinductor_<user>"
+    why = (
+        "QUARK_COMPILE=1"
+        if Backend.compile is True
+        else f"auto mode: {Backend.seen_numel:,} elements quantized in tensors of >= {Backend.min_numel:,}, "
+        "enough for the compile to pay back"
+    )
+    _log.info(
+        "quark: compiling the format kernel %s with torch.compile (%s); this takes seconds once, and torch caches it "
+        "on disk (%s), so later runs load it in a fraction of that. QUARK_COMPILE=0 runs every kernel eagerly (same "
+        "results).",
+        name,
+        why,
+        cache,
+    )
+
+
 def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: dict[str, Any] | None = None) -> Any:
     """Run ``fn`` compiled (``torch.compile(dynamic=True)``, built once) or eagerly, as ``Backend`` says for its
     first argument (``min_numel``: this kernel's own auto-mode threshold; ``options``: inductor's, for this kernel).
@@ -118,6 +169,8 @@ def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: d
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not compiled_kernels_active(x, min_numel):
             return fn(x, *args, **kwargs)
+        if not Backend.compile_logged:
+            _log_first_compile(fn.__qualname__)
         try:
             return cache(x, *args, **kwargs)  # a signature compiled before: no guard evaluation
         except LookupError:
@@ -145,10 +198,15 @@ def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: d
     return run  # type: ignore[return-value]
 
 
-@compilable
+#: ``aminmax_along``'s auto-mode threshold: torch's own ``amin`` / ``amax`` along a dim beat the compiled pass below it
+#: (torch 2.13, 2 cores: [4096, 1024] along rows 0.22 against 0.34 ms; [4096, 32, 32] along -1 0.67 against 0.52 ms)
+AMINMAX_MIN_NUMEL = 1 << 22
+
+
+@compilable(min_numel=AMINMAX_MIN_NUMEL)
 def aminmax_along(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.aminmax(x, dim=dim)`` as (min, max): observers' per-channel / per-group statistics. Compiled it is
-    one vectorized pass (8x faster than torch's kernel along a dim on a [4096, 1024] weight, 2 cores)."""
+    one vectorized pass; it pays only for large tensors of short groups (``AMINMAX_MIN_NUMEL``)."""
     return x.amin(dim=dim), x.amax(dim=dim)
 
 

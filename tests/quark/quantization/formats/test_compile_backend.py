@@ -28,6 +28,18 @@ from quark.torch.quantization.formats.table import TORCH_FLOAT8
 ROWS, COLS = 256, 256  # 65536 elements: the smallest size auto mode compiles
 
 
+@pytest.fixture(autouse=True)
+def no_warmup() -> Iterator[None]:
+    """Auto mode compiles from the first call at or above ``Backend.min_numel`` here (these tests compare compiled and
+    eager bits; the warm-up before the first compile is tested in test_compile_policy.py)."""
+    before = Backend.warmup_numel
+    Backend.warmup_numel = 0
+    try:
+        yield
+    finally:
+        Backend.warmup_numel = before
+
+
 @pytest.fixture
 def auto_mode() -> Iterator[None]:
     before = Backend.compile  # the suite's setting (tests/conftest.py: eager unless QUARK_COMPILE says otherwise)

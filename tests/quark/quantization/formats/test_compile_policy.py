@@ -1,0 +1,170 @@
+"""Auto mode's compile policy: eager until a warm-up of ``Backend.warmup_numel`` elements in calls on tensors of at
+least ``min_numel``, small tensors never compiled, the first compile logged once; ``QUARK_COMPILE`` = 1 / 0 (always /
+never) untouched by the warm-up."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from quark.torch.quantization.config.type import QSchemeType
+from quark.torch.quantization.formats import Backend, fake_quantize_int, set_compile
+from quark.torch.quantization.formats.grouping import compilable, compile_warm, compiled_kernels_active
+from quark.torch.quantization.formats.kernel_cache import KernelCache
+
+LOGGER = "quark.torch.quantization.formats.grouping"
+
+
+@pytest.fixture
+def policy() -> Iterator[None]:
+    """Auto mode with a fresh warm-up count and log flag; everything restored afterwards."""
+    saved = (Backend.compile, Backend.warmup_numel, Backend.seen_numel, Backend.compile_logged, Backend.failure)
+    set_compile(None)
+    Backend.seen_numel, Backend.compile_logged = 0, False
+    try:
+        yield
+    finally:
+        Backend.compile, Backend.warmup_numel, Backend.seen_numel, Backend.compile_logged, Backend.failure = saved
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``torch.compile`` replaced by a recorder: each compiled call appends "compiled" and runs the eager body."""
+    calls: list[str] = []
+
+    def recording_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+        def run(*args: Any, **kw: Any) -> Any:
+            calls.append("compiled")
+            return fn(*args, **kw)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    return calls
+
+
+def _doubler() -> Callable[[torch.Tensor], torch.Tensor]:
+    @compilable
+    def double(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    return double
+
+
+def test_eager_during_the_warm_up_then_compiled(policy: None, compiles: list[str]) -> None:
+    """Three calls of min_numel elements fill a warm-up of 3 * min_numel: they run eagerly, the fourth compiles."""
+    n = Backend.min_numel
+    Backend.warmup_numel = 3 * n
+    double, x = _doubler(), torch.ones(n)
+    for i in range(3):
+        assert not compile_warm()
+        assert torch.equal(double(x), x * 2)
+        assert compiles == [] and Backend.seen_numel == (i + 1) * n
+    assert compile_warm()
+    double(x)
+    double(x)
+    assert compiles == ["compiled", "compiled"]
+    assert Backend.seen_numel == 3 * n  # counting stops once warm
+
+
+def test_small_tensors_never_compile_nor_count(policy: None, compiles: list[str]) -> None:
+    """Below min_numel a kernel runs eagerly before and after the warm-up, and adds nothing to it."""
+    Backend.warmup_numel = 0
+    double, small = _doubler(), torch.ones(Backend.min_numel - 1)
+    for _ in range(5):
+        assert torch.equal(double(small), small * 2)
+    assert compiles == [] and not compiled_kernels_active(small)
+    Backend.warmup_numel = 1
+    double(small)
+    assert Backend.seen_numel == 0 and not compile_warm()
+
+
+def test_a_kernels_own_threshold_counts(policy: None, compiles: list[str]) -> None:
+    """A kernel with its own min_numel (``aminmax_along``'s style) stays eager below it even when the run is warm."""
+
+    @compilable(min_numel=4 * Backend.min_numel)
+    def triple(t: torch.Tensor) -> torch.Tensor:
+        return t * 3
+
+    Backend.warmup_numel = 0
+    triple(torch.ones(Backend.min_numel))
+    assert compiles == []
+    triple(torch.ones(4 * Backend.min_numel))
+    assert compiles == ["compiled"]
+
+
+def test_first_compile_is_logged_once(policy: None, compiles: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """One INFO line for the first compile of the process (which kernel, torch's disk cache, QUARK_COMPILE=0); the
+    next kernels compile silently."""
+    Backend.warmup_numel = 0
+    x = torch.ones(Backend.min_numel)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _doubler()(x)
+        _doubler()(x)  # a second kernel
+        _doubler()(x)
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert len(records) == 1 and len(compiles) == 3
+    message = records[0].getMessage()
+    assert "double" in message and "caches it on disk" in message and "QUARK_COMPILE=0" in message
+
+
+def test_no_log_while_eager(policy: None, compiles: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    Backend.warmup_numel = 1 << 40
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _doubler()(torch.ones(Backend.min_numel))
+    assert compiles == [] and not [r for r in caplog.records if r.name == LOGGER]
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_quark_compile_1_and_0_ignore_the_warm_up(policy: None, compiles: list[str], mode: bool) -> None:
+    """QUARK_COMPILE=1 (True) compiles from the first call, small tensors too; 0 (False) never compiles, warm or not;
+    neither counts toward the warm-up."""
+    set_compile(mode)
+    Backend.warmup_numel = 1 << 40
+    double = _doubler()
+    double(torch.ones(4))
+    double(torch.ones(Backend.min_numel))
+    Backend.warmup_numel = 0
+    double(torch.ones(Backend.min_numel))
+    assert compiles == (["compiled"] * 3 if mode else [])
+    assert Backend.seen_numel == 0
+
+
+def test_calls_after_the_warm_up_give_the_eager_bits(
+    policy: None, compiler: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real int8 per-channel kernel (forward and straight-through backward) with torch.compile: the eager calls of
+    the warm-up and the compiled calls after it give the same bits, and the compiled kernels did run."""
+    served: list[str] = []
+    original = KernelCache.__call__
+
+    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
+        served.append(getattr(self.fn, "__name__", "?"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelCache, "__call__", spy)
+
+    rows, cols = 256, 256  # 65536 elements: min_numel
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g) * 3
+    grad = torch.randn(rows, cols, generator=g)
+    scale = torch.linspace(0.01, 0.05, rows)
+    zp = torch.zeros(rows, dtype=torch.int32)
+    Backend.warmup_numel = 2 * x.numel()  # the calls before the switch run eagerly
+    outs = []
+    for _ in range(4):
+        warm = compile_warm()  # before the call: False for the first, True for the last (2+ decisions counted)
+        xg = x.clone().requires_grad_(True)
+        y = fake_quantize_int(xg, scale, zp, -128, 127, qscheme=QSchemeType.per_channel, axis=0)
+        y.backward(grad)
+        outs.append((y.detach(), xg.grad, warm))
+    assert Backend.failure is None, Backend.failure
+    assert not outs[0][2] and outs[-1][2]  # eager first, compiled at the end
+    assert served, "no compiled kernel ran after the warm-up"
+    for y, gx, _ in outs[1:]:
+        assert torch.equal(y, outs[0][0]) and torch.equal(gx, outs[0][1])
+    assert not torch.equal(outs[0][0], x)
