@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from quark.torch.compat import dynamo_recompile_limit
 from quark.torch.quantization.config.type import RoundType
 from quark.torch.quantization.formats.kernel_cache import KernelCache
+from quark.torch.quantization.formats.kernel_store import store_root
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 
@@ -138,7 +139,8 @@ def _log_first_compile(name: str) -> None:
     if Backend.compile_logged:
         return
     Backend.compile_logged = True
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "torch's default, /tmp/torchinductor_<user>"
+    root = store_root()
+    cache = str(root.parent) if root is not None else "not kept: QUARK_KERNEL_CACHE=0"
     why = (
         "QUARK_COMPILE=1"
         if Backend.compile is True
@@ -146,9 +148,9 @@ def _log_first_compile(name: str) -> None:
         "enough for the compile to pay back"
     )
     _log.info(
-        "quark: compiling the format kernel %s with torch.compile (%s); this takes seconds once, and torch caches it "
-        "on disk (%s), so later runs load it in a fraction of that. QUARK_COMPILE=0 runs every kernel eagerly (same "
-        "results).",
+        "quark: compiling the format kernel %s with torch.compile (%s); this takes seconds once per kernel variant, "
+        "and the compiled kernels are kept on disk (%s), so later runs load them in a fraction of that. "
+        "QUARK_COMPILE=0 runs every kernel eagerly (same results).",
         name,
         why,
         cache,
@@ -163,19 +165,18 @@ def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: d
     if fn is None:
         return functools.partial(compilable, min_numel=min_numel, options=options)
     compiled: list[Callable[..., Any]] = []
-    cache = KernelCache(fn, options)
+    cache = KernelCache(fn, options, on_compile=lambda: _log_first_compile(fn.__qualname__))
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not compiled_kernels_active(x, min_numel):
             return fn(x, *args, **kwargs)
-        if not Backend.compile_logged:
-            _log_first_compile(fn.__qualname__)
         try:
-            return cache(x, *args, **kwargs)  # a signature compiled before: no guard evaluation
+            return cache(x, *args, **kwargs)  # compiled (or loaded from disk) before: no guard evaluation
         except LookupError:
             pass  # not keyable, or aot_compile refused it: torch.compile with its guards
         if not compiled:
+            _log_first_compile(fn.__qualname__)
             compiled.append(torch.compile(fn, dynamic=True, options=options))
         if Backend.compile is True:
             return _call_compiled(compiled[0], x, *args, **kwargs)
