@@ -276,8 +276,9 @@ class PerTensorMSEObserver(PerTensorHistogramObserver, method="MSE"):
         n = hist.numel()
         if idx.numel() == 0 or idx[-1] != n - 1:
             idx = torch.cat([idx, torch.tensor([n - 1])])
-        counts, e = hist.double(), edges.double()
-        centers = ((e[1:] + e[:-1]) / 2).float()
+        e = edges.double()
+        filled = hist > 0  # empty bins add nothing: only the filled ones are quantized (a fraction on small data)
+        counts, centers = hist.double()[filled], ((e[1:] + e[:-1]) / 2).float()[filled]
         mins, maxs = self._candidate_ranges(hist, edges, idx)
         scale, zp = super().calculate_qparams(mins, maxs)  # [K]
         q = self._quantize_candidates(centers, scale, zp)
