@@ -63,7 +63,9 @@ def _reference_best(
 def test_mse_search_picks_the_brute_force_minimum(dtype: Dtype, symmetric: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     obs = PerTensorMSEObserver(int_spec(dtype=dtype, symmetric=symmetric, observer_cls=PerTensorMSEObserver))
-    x = torch.distributions.StudentT(2.5).sample((20_000,)) if seed else torch.randn(20_000, generator=g)
+    with torch.random.fork_rng():  # StudentT samples from the global generator: seeded here, restored after
+        torch.manual_seed(seed)
+        x = torch.distributions.StudentT(2.5).sample((20_000,)) if seed else torch.randn(20_000, generator=g)
     obs(x + (0.0 if symmetric else 0.7))
     hist, edges = obs.histogram()
     stride = 4
@@ -71,7 +73,7 @@ def test_mse_search_picks_the_brute_force_minimum(dtype: Dtype, symmetric: bool,
     mn, mx = obs.get_min_max_by_mse(hist, edges, stride=stride, start_bin=0)
     ref_mn, ref_mx = _reference_best(hist, edges, idx, dtype, symmetric)
     assert (float(mn), float(mx)) == (ref_mn, ref_mx)
-    if seed:  # heavy tails: the best range clips (so the search is not trivially min-max)
+    if seed and dtype != Dtype.fp8_e4m3:  # heavy tails: the best integer range clips (not trivially min-max)
         assert float(mx) < float(edges[-1]) * 0.9
 
 
