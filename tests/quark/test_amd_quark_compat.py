@@ -19,6 +19,7 @@ from quark.torch.quantization.config.config import Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "amd_quark_reference"))
 from load import load_reference  # noqa: E402
+from reference_recipes import CONFIGS, SmallCNN  # noqa: E402
 
 ROLE_ATTR = {
     "input": "_input_quantizer",
@@ -26,82 +27,6 @@ ROLE_ATTR = {
     "output": "_output_quantizer",
     "bias": "_bias_quantizer",
 }
-W8 = {
-    "dtype": "int8",
-    "qscheme": "per_channel",
-    "ch_axis": 0,
-    "observer_cls": "PerChannelMinMaxObserver",
-    "symmetric": True,
-    "scale_type": "float",
-    "round_method": "half_even",
-    "is_dynamic": False,
-}
-A8 = {
-    "dtype": "int8",
-    "qscheme": "per_tensor",
-    "observer_cls": "PerTensorMinMaxObserver",
-    "symmetric": True,
-    "scale_type": "float",
-    "round_method": "half_even",
-    "is_dynamic": False,
-}
-CONFIGS = {
-    "w8a8": {"global_quant_config": {"weight": W8, "input_tensors": A8}},
-    "w8a8_uint8_asym": {
-        "global_quant_config": {"weight": W8, "input_tensors": {**A8, "dtype": "uint8", "symmetric": False}}
-    },
-    "w4_per_group": {
-        "global_quant_config": {"weight": W8},
-        "layer_type_quant_config": {
-            "Linear": {
-                "weight": {
-                    **W8,
-                    "dtype": "int4",
-                    "qscheme": "per_group",
-                    "ch_axis": 1,
-                    "group_size": 8,
-                    "observer_cls": "PerGroupMinMaxObserver",
-                }
-            }
-        },
-    },
-    "fp8_e4m3": {
-        "global_quant_config": {
-            "weight": {
-                "dtype": "fp8_e4m3",
-                "qscheme": "per_tensor",
-                "observer_cls": "PerTensorMinMaxObserver",
-                "is_dynamic": False,
-            },
-            "input_tensors": {
-                "dtype": "fp8_e4m3",
-                "qscheme": "per_tensor",
-                "observer_cls": "PerTensorMinMaxObserver",
-                "is_dynamic": False,
-            },
-        }
-    },
-    "a8_percentile": {
-        "global_quant_config": {"weight": W8, "input_tensors": {**A8, "observer_cls": "PerTensorPercentileObserver"}}
-    },
-    "a8_mse": {"global_quant_config": {"weight": W8, "input_tensors": {**A8, "observer_cls": "PerTensorMSEObserver"}}},
-}
-
-
-class SmallCNN(nn.Module):
-    """The reference model (make_reference.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc1 = nn.Linear(16 * 8 * 8, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.conv1(x))
-        x = torch.relu(self.conv2(x))
-        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
 def _quantize(name: str) -> tuple[nn.Module, dict]:
