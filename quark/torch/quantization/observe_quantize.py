@@ -31,7 +31,7 @@ __all__ = [
     "scale_may_have_saturated",
 ]
 
-#: in auto mode the fused pass runs for inputs of at least ``Backend.min_numel // FUSED_FRACTION`` elements (8192 by
+#: in auto mode the fused pass runs for inputs of at least ``Backend.min_numel // FUSED_FRACTION`` elements (4096 by
 #: default; smaller ones take the eager path). It replaces some 30 eager ops, so it pays well below the single format
 #: kernels' threshold: per-tensor int8 on 2 cores, 4096 elements 141 against 136 us, 16384: 141 against 204 us
 FUSED_FRACTION = 8

@@ -41,9 +41,9 @@ def round_to_grid(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 #: auto mode compiles the minifloat forward from this size (the other kernels: ``Backend.min_numel``): eagerly, fp8
-#: rounds through torch's float8 cast, whose conversion back to float32 is slow on CPU (2 cores, torch 2.13: 32768
-#: elements 217 us eager against 44 us compiled, 16384: 59 against 29, 4096: 20 against 41)
-GRID_MIN_NUMEL = 1 << 14
+#: rounds through torch's float8 cast, whose conversion back to float32 is slow on CPU (2 idle cores, torch 2.13,
+#: through the kernel cache: 4096 elements 20 us eager against 14 us compiled, 32768: 112 against 17)
+GRID_MIN_NUMEL = 1 << 12
 
 
 @compilable(min_numel=GRID_MIN_NUMEL)
