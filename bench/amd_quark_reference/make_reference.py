@@ -41,6 +41,8 @@ if "site-packages" not in (quark.__file__ or ""):
         "(e.g. /tmp/aqref/venv/bin/python) so that AMD's package is used."
     )
 
+from reference_recipes import SmallCNN  # noqa: E402 - torch only, beside this script (kept on sys.path above)
+
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.quantization.config.config import QConfig, QLayerConfig, QTensorConfig  # noqa: E402
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType  # noqa: E402
@@ -61,24 +63,8 @@ except Exception:  # pragma: no cover
 
 
 # --------------------------------------------------------------------------------------
-# Model and data
+# Model and data (the model is reference_recipes.SmallCNN, torch only, beside this script)
 # --------------------------------------------------------------------------------------
-class SmallCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc1 = nn.Linear(16 * 8 * 8, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.conv1(x))
-        x = torch.relu(self.conv2(x))
-        x = x.flatten(1)
-        x = torch.relu(self.fc1(x))
-        return self.fc2(x)
-
-
 def make_model() -> SmallCNN:
     torch.manual_seed(0)
     return SmallCNN().eval()

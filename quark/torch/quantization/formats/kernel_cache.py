@@ -168,9 +168,3 @@ class KernelCache:
             graph = compiled.aot_compile((args, kwargs))
         graph.disable_guard_check()
         return graph
-
-    def clear(self) -> None:
-        """Forget every graph (``set_compile`` and tests)."""
-        with self._lock:
-            self._by_signature.clear()
-            self._by_family.clear()

@@ -19,9 +19,14 @@ __all__ = ["at_most", "equal", "within"]
 
 def _as_float(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """An empty float tensor of ``like``'s shape to write a CPU mask into; None where the mask stays bool."""
-    if like.device.type != "cpu" or torch.compiler.is_compiling():
+    if not _float_form(like):
         return None
     return torch.empty(like.shape, dtype=dtype if dtype.is_floating_point else torch.float32, device=like.device)
+
+
+def _float_form(like: torch.Tensor) -> bool:
+    """Whether a mask over ``like`` is written as a float tensor (eager, on CPU)."""
+    return like.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def equal(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -32,7 +37,7 @@ def equal(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def within(q: torch.Tensor, low: float, high: float, dtype: torch.dtype) -> torch.Tensor:
     """Mask of ``low <= q <= high`` (NaN: 0): ``q`` lies inside iff clamping leaves it as it is."""
-    if _as_float(q, dtype) is None:
+    if not _float_form(q):
         return (q >= low) & (q <= high)
     return equal(q, q.clamp(low, high), dtype)
 
