@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from quark.torch.quantization.config.config import QuantizationSpec
-from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format
+from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format, prepare_int
 from quark.torch.quantization.fake_quant.fixed import BakedFakeQuantize, FrozenScaledFakeQuantize
 from quark.torch.quantization.fake_quant.learnable import LearnableFakeQuantize, LSQFakeQuantize, TQTFakeQuantize
+from quark.torch.quantization.formats import PreparedInt
 from quark.torch.quantization.observe_quantize import (
     fused_pass_active,
     fused_plan,
@@ -137,7 +138,26 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
                 "and its observer is off. Calibrate (observer on) with data that reaches this layer before quantizing; "
                 "ModelQuantizer.freeze runs the layers calibration never reached in float."
             )
+        prepared = self._prepared(x)
+        if prepared is not None:
+            return prepared(x)
         return apply_format(x, self.spec, self.scale, self.zero_point)
+
+    def _prepared(self, x: torch.Tensor) -> PreparedInt | None:
+        """``apply_format`` for integers per tensor or per channel with the qparams shaped once (``PreparedInt``, the
+        same bits), kept while the qparams are the same tensors, unmodified in place, and inputs keep their rank: the
+        steady state of QAT with observers off makes no bookkeeping per call. None for other formats and layouts."""
+        scale, zp = self._buffers["scale"], self._buffers["zero_point"]
+        if scale.is_inference() or zp.is_inference():  # type: ignore[union-attr]
+            return prepare_int(x.ndim, self.spec, scale, zp)  # type: ignore[arg-type]  # (no version counter)
+        versions = (scale._version, zp._version, x.ndim)  # type: ignore[union-attr]
+        cached = self.__dict__.get("_prepared_int")
+        if cached is not None and cached[0] is self.spec and cached[1] is scale and cached[2] is zp:
+            if cached[3] == versions:
+                return cached[4]
+        prepared = prepare_int(x.ndim, self.spec, scale, zp)  # type: ignore[arg-type]
+        self.__dict__["_prepared_int"] = (self.spec, scale, zp, versions, prepared)
+        return prepared
 
     def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
         if not enabled:

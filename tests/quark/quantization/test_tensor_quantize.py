@@ -716,3 +716,44 @@ def test_frozen_per_group_quantizers_pass_an_empty_input_through() -> None:
     frozen = fq.to_frozen()
     assert isinstance(frozen, FrozenScaledFakeQuantize)
     assert frozen(torch.randn(0, 64)).shape == (0, 64)  # before: the qparams' shape did not fit, and it raised
+
+
+# ----------------------------------------------------------------------------------------------- fixed-qparam path
+@pytest.mark.parametrize(
+    "spec",
+    [int_spec(), per_channel_spec()],
+    ids=["per_tensor", "per_channel"],
+)
+def test_fixed_qparams_follow_every_change_of_the_qparams(spec: QuantizationSpec) -> None:
+    """With observers off a quantizer keeps its qparams prepared between calls: torch's kernels (the reference)
+    must still agree after the scale is changed in place, replaced by set_qparams, loaded from a state_dict, and
+    for an input of another rank, and for a zero point held as int64 (cast to int32 for the kernel: a copy, which
+    an in-place change must renew)."""
+    q = ScaledFakeQuantize(spec)
+    x = randn(8, 16, seed=0)
+    q(x)
+    q.disable_observer()
+
+    def reference(t: torch.Tensor) -> torch.Tensor:
+        s, z = q.scale.float(), q.zero_point.to(torch.int32)
+        if spec.qscheme == QSchemeType.per_tensor:
+            return torch.fake_quantize_per_tensor_affine(t, s.reshape(()), z.reshape(()), -128, 127)
+        return torch.fake_quantize_per_channel_affine(t, s.reshape(-1), z.reshape(-1), 0, -128, 127)
+
+    y = randn(8, 16, seed=1, scale=1.5)
+    torch.testing.assert_close(q(y), reference(y), rtol=0, atol=0)
+    assert torch.equal(q(y), reference(y))  # the second call: the prepared form
+    q.scale.mul_(0.5)  # in place: the same tensor object
+    assert torch.equal(q(y), reference(y))
+    q.set_qparams(q.scale * 3, q.zero_point)
+    assert torch.equal(q(y), reference(y))
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    state["scale"] = state["scale"] / 7
+    q.load_state_dict(state)
+    assert torch.equal(q(y), reference(y))
+    y3 = randn(8, 16, 3, seed=2)  # another rank: per channel along axis 0 still
+    assert torch.equal(q(y3), reference(y3))
+    q.zero_point = q.zero_point.to(torch.int64)
+    assert torch.equal(q(y), reference(y))
+    q.zero_point.add_(3)
+    assert torch.equal(q(y), reference(y))

@@ -9,10 +9,10 @@ from torch import nn
 
 from quark.torch.quantization.buffers import ResizableBuffersMixin
 from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
-from quark.torch.quantization.config.type import RoundType
-from quark.torch.quantization.formats import fake_quantize, is_scaled
+from quark.torch.quantization.config.type import QSchemeType, RoundType
+from quark.torch.quantization.formats import IntFormat, PreparedInt, fake_quantize, format_of, is_scaled
 
-__all__ = ["FakeQuantizeBase", "apply_format"]
+__all__ = ["FakeQuantizeBase", "apply_format", "prepare_int"]
 
 
 def _spec_kind(spec: QuantizationSpec) -> str:
@@ -133,3 +133,17 @@ def apply_format(
         mx_scale_mode=spec.mx_scale_mode,
         block_size=spec.block_size,
     )
+
+
+def prepare_int(ndim: int, spec: QuantizationSpec, scale: torch.Tensor, zp: torch.Tensor) -> PreparedInt | None:
+    """``apply_format`` with these qparams prepared for inputs of rank ``ndim`` (``PreparedInt``: the same bits), for an
+    integer spec per tensor or per channel; None for any other (those take ``apply_format``)."""
+    fmt = format_of(spec.dtype)
+    qscheme = spec.qscheme or QSchemeType.per_tensor
+    if not isinstance(fmt, IntFormat) or qscheme not in (QSchemeType.per_tensor, QSchemeType.per_channel):
+        return None
+    axis = spec.ch_axis if qscheme == QSchemeType.per_channel else None
+    if qscheme == QSchemeType.per_channel and axis is None:
+        return None  # apply_format raises the error that names the missing axis
+    method = spec.round_method or RoundType.half_even
+    return PreparedInt.of(scale, zp, fmt.qmin, fmt.qmax, method, axis, ndim)

@@ -36,6 +36,7 @@ from quark.torch.quantization.formats.grouping import (
     to_tiles,
 )
 from quark.torch.quantization.formats.integer import (
+    PreparedInt,
     apply_scale_type,
     dequantize_int,
     fake_quantize_int,
@@ -93,6 +94,7 @@ __all__ = [
     "bits_per_element",
     # integers
     "fake_quantize_int",
+    "PreparedInt",
     "quantize_int",
     "dequantize_int",
     "apply_scale_type",

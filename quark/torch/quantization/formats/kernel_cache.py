@@ -37,29 +37,42 @@ MAX_SIGNATURES = 512
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _tensor_key(t: torch.Tensor, exact: bool) -> tuple[Hashable, ...] | None:
-    """A tensor's part of a signature: with ``exact``, its shape and strides too (else only what no guard of a
-    graph checks reliably for reuse: dtype, device, rank, grad and inference flags)."""
-    if type(t) not in _PLAIN_TENSORS:
-        return None  # DTensor, FakeTensor, FunctionalTensor...: torch.compile's own path
-    base = (type(t), t.dtype, t.device, t.ndim, t.requires_grad, t.is_inference())
-    return (*base, tuple(t.shape), t.stride()) if exact else base
+#: argument types keyed by value as they are (hashable, and equal exactly when equal for a graph)
+_BY_VALUE = (int, bool, str, type(None))
 
 
 def _key(value: Any, exact: bool) -> Hashable | None:
-    """One argument's part of the signature (None: not keyable)."""
+    """One argument's part of the signature (None: not keyable). A tensor gives its type, dtype, device, rank,
+    grad and inference flags and, with ``exact``, its shape and strides (without them: what graphs are reused
+    across, as no guard of a graph checks them reliably); anything else its value. Runs on every kernel call: the
+    common types are tested first, by exact type."""
+    cls = type(value)
+    if cls in _PLAIN_TENSORS:
+        if exact:  # (torch.Size is a tuple: hashed and compared as one)
+            return (
+                cls,
+                value.dtype,
+                value.device,
+                value.requires_grad,
+                value.is_inference(),
+                value.shape,
+                value.stride(),
+            )
+        return (cls, value.dtype, value.device, value.ndim, value.requires_grad, value.is_inference())
+    if cls in _BY_VALUE:
+        return (cls, value)
     if isinstance(value, torch.Tensor):
-        return _tensor_key(value, exact)
-    if isinstance(value, float):
+        return None  # DTensor, FakeTensor, FunctionalTensor...: torch.compile's own path
+    if cls is float:
         return (float, value.hex())  # -0.0 and 0.0 apart, NaN equal to itself
     if isinstance(value, tuple | list):
         parts = tuple(_key(v, exact) for v in value)
-        return None if any(p is None for p in parts) else (type(value), parts)
+        return None if any(p is None for p in parts) else (cls, parts)
     try:
         hash(value)
     except TypeError:
         return None
-    return (type(value), value)
+    return (cls, value)
 
 
 def _global_state() -> tuple[Hashable, ...]:
@@ -82,7 +95,12 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
     keyed (then the call takes the guarded path). Non-tensor arguments count by value: a graph built by
     ``aot_compile`` keeps guards on tensors and global state only, none on a plan object or an enum argument."""
     parts: list[Hashable] = [_global_state()]
-    for name, value in (*((None, a) for a in args), *sorted(kwargs.items())):
+    for value in args:
+        key = _key(value, exact)
+        if key is None:
+            return None
+        parts.append(key)
+    for name, value in sorted(kwargs.items()) if kwargs else ():
         key = _key(value, exact)
         if key is None:
             return None
