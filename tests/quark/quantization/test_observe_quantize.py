@@ -224,3 +224,20 @@ def test_a_quantizer_cast_to_bfloat16_keeps_float32_statistics_and_fuses_alike(
     assert fused_calls and all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
     assert torch.equal(scale_a, scale_b) and torch.equal(min_a, min_b)
     assert float(min_a) == min(float(x.float().min()) for x in xs)  # the exact range of the data
+
+
+def test_a_weight_observer_reset_before_every_batch_keeps_fusing(compiled: None, fused_calls: list) -> None:
+    """QAT's warm-up resets a weight's observer before each batch (its range is the current weights'): the reset
+    keeps the statistics' shape (+inf / -inf in place), so every batch after the first takes the fused pass, with
+    the qparams of that batch alone, as a fresh observer gives them."""
+    spec = SPECS["int8 per-channel symmetric"]
+    xs = _batches()
+    fq = FakeQuantizeBase.get_fake_quantize(spec)
+    for x in xs:
+        fq.observer.reset_state()
+        assert not fq.observer.has_statistics
+        out = fq(x)
+        fresh = FakeQuantizeBase.get_fake_quantize(spec)
+        assert torch.equal(out, fresh(x)) and torch.equal(fq.scale, fresh.scale)
+    assert fused_calls == [tuple(x.shape) for x in xs[1:]]
+    assert fq.observer.min_val.shape == (ROWS,)

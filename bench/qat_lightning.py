@@ -1,0 +1,155 @@
+"""QAT step time over FP32 under ``Trainer.fit``, the way a user runs it: the MLP of ``qat_overhead.py`` (1024 ->
+width -> 1024 -> 10, batch 32, Adam) in a LightningModule, FP32 against the same fit with ``QuantCallback(config,
+mode="qat", observer_steps=steps // 2)``: observers on for the first half of the training batches, fixed after, the
+protocol of issue 38.
+
+A step is the time from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step and
+every callback hook of the batch, the QuantCallback's included), taken by a timing callback. Each fit runs
+``--steps`` batches; the first ``--skip`` batches of each half are left out (the first compile of a kernel in a
+process, the switch of the observers). Fits alternate FP32 / int8 / fp8 / MX, ``--rounds`` times, in one process:
+x FP32 is the median over rounds of (the contender's median step) / (FP32's median step in the same round), per half
+and for the whole fit ("half": the mean of the two halves, the observers on for half the steps). The loggers,
+checkpoints and progress bar are off, so Lightning's fixed cost per step is as small as it gets: the ratios are the
+least favourable to QAT a fit gives.
+
+    python bench/qat_lightning.py --widths 512,1024,4096
+    python bench/qat_lightning.py --widths 1024 --rounds 3 --steps 60   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8  # noqa: E402
+from callbacks import QuantCallback  # noqa: E402
+from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
+
+CONTENDERS = {"fp32": None, "int8 W8A8": W8A8, "fp8 W8A8": FP8_W8A8, "MXFP4/MXFP8": MX_W4A8}
+
+
+class MLPModule(LightningModule):
+    """The bench's MLP, trained with Adam on cross-entropy."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.model = MLP(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class StepTimer(Callback):
+    """Seconds per training batch, from ``on_train_batch_start`` to ``on_train_batch_end``."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def fit(width: int, config: dict[str, Any] | None, steps: int, seed: int = 0) -> list[float]:
+    """Per-batch seconds of one fit of ``steps`` batches (FP32 when ``config`` is None)."""
+    torch.manual_seed(seed)
+    module = MLPModule(width)
+    data = TensorDataset(torch.rand(steps * 32, 1024), torch.randint(0, 10, (steps * 32,)))
+    timer = StepTimer()
+    callbacks: list[Callback] = [timer]
+    if config is not None:
+        callbacks.insert(0, QuantCallback(config, mode="qat", observer_steps=steps // 2, save_quantized=False))
+    trainer = Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, DataLoader(data, batch_size=32, shuffle=True))
+    return timer.times
+
+
+def _halves(times: list[float], skip: int) -> tuple[float, float]:
+    """Median step of the first half (observers on) and of the second (off), the first ``skip`` of each left out."""
+    mid = len(times) // 2
+    return statistics.median(times[skip:mid]), statistics.median(times[mid + skip :])
+
+
+def sweep(widths: list[int], rounds: int, steps: int, skip: int) -> None:
+    rows = []
+    for width in widths:
+        fit(width, W8A8, max(2 * skip + 4, 16))  # compile (or load) the kernels this width uses
+        per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in CONTENDERS}
+        for _ in range(rounds):
+            for name, config in CONTENDERS.items():
+                per_round[name].append(_halves(fit(width, config, steps), skip))
+        fp32 = per_round["fp32"]
+        row = {"width": width, "fp32 ms": 1e3 * statistics.median((a + b) / 2 for a, b in fp32)}
+        for name in list(CONTENDERS)[1:]:
+            on = [a / ((f + g) / 2) for (a, _), (f, g) in zip(per_round[name], fp32, strict=True)]
+            off = [b / ((f + g) / 2) for (_, b), (f, g) in zip(per_round[name], fp32, strict=True)]
+            row[f"{name} on"], row[f"{name} off"] = statistics.median(on), statistics.median(off)
+            row[f"{name} half"] = statistics.median((a + b) / 2 for a, b in zip(on, off, strict=True))
+        rows.append(row)
+        print("# " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    names = list(CONTENDERS)[1:]
+    print(
+        f"\n# QAT step / FP32 step under Trainer.fit, MLP 1024 -> width -> 1024 -> 10, batch 32, Adam; {rounds} rounds "
+        f"of {steps}-step fits, observers on for the first half (QuantCallback observer_steps={steps // 2}); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print("| width | FP32 ms | " + " | ".join(f"{n} on | {n} off | **{n} half**" for n in names) + " |")
+    print("|---|---|" + "---|---|---|" * len(names))
+    for row in rows:
+        cells = " | ".join(f"{row[f'{n} on']:.2f} | {row[f'{n} off']:.2f} | **{row[f'{n} half']:.2f}**" for n in names)
+        print(f"| {row['width']} | {row['fp32 ms']:.1f} | {cells} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--widths", default="512,1024,4096", help="comma-separated MLP hidden widths")
+    parser.add_argument("--rounds", type=int, default=5, help="fits per contender per width")
+    parser.add_argument("--steps", type=int, default=80, help="training batches per fit (observers on for half)")
+    parser.add_argument("--skip", type=int, default=5, help="batches left out at the start of each half")
+    args = parser.parse_args()
+    if args.steps < 2 * args.skip + 4:
+        parser.error(f"--steps {args.steps} leaves too few batches after --skip {args.skip} in each half")
+    keep_freed_memory()  # as train.py does
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("quark").setLevel(logging.WARNING)
+    sweep([int(w) for w in args.widths.split(",")], args.rounds, args.steps, args.skip)
+
+
+if __name__ == "__main__":
+    main()
