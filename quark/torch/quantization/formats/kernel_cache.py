@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
+from enum import Enum
 from typing import Any
 
 import torch
@@ -65,6 +66,8 @@ def _key(value: Any, exact: bool) -> Hashable | None:
         return None  # DTensor, FakeTensor, FunctionalTensor...: torch.compile's own path
     if cls is float:
         return (float, value.hex())  # -0.0 and 0.0 apart, NaN equal to itself
+    if isinstance(value, Enum):
+        return (cls, value._name_)  # (an Enum hashes in Python code: a call's key is hashed on every lookup)
     if isinstance(value, tuple | list):
         parts = tuple(_key(v, exact) for v in value)
         return None if any(p is None for p in parts) else (cls, parts)
