@@ -79,7 +79,7 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         buffers["scale"] = scale if scale.device == held.device else scale.to(held.device)  # type: ignore[union-attr]
         held = buffers["zero_point"]
         buffers["zero_point"] = zp if zp.device == held.device else zp.to(held.device)  # type: ignore[union-attr]
-        self.initialized.fill_(1)
+        self.set_flag("initialized", 1)
         self.__dict__["_stale"] = False
 
     def _sync(self) -> None:

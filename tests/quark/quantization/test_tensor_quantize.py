@@ -757,3 +757,28 @@ def test_fixed_qparams_follow_every_change_of_the_qparams(spec: QuantizationSpec
     assert torch.equal(q(y), reference(y))
     q.zero_point.add_(3)
     assert torch.equal(q(y), reference(y))
+
+
+def test_switches_skip_repeated_writes_and_follow_any_other_write() -> None:
+    """``enable_observer`` / ``enable_fake_quant`` run on every QAT batch: a repeated switch writes nothing, and a
+    write by anything else (a state_dict load, a direct fill) is never taken for the switch's own."""
+    q = ScaledFakeQuantize(int_spec())
+    q.enable_observer(True)
+    version = q.observer_enabled._version
+    q.enable_observer(True)
+    assert q.observer_enabled._version == version  # nothing written
+    q.observer_enabled.fill_(0)
+    q.enable_observer(True)
+    assert bool(q.observer_enabled)
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    state["observer_enabled"].fill_(0)
+    state["fake_quant_enabled"].fill_(0)
+    q.enable_fake_quant(True)
+    q.load_state_dict(state)
+    assert not bool(q.observer_enabled) and not bool(q.fake_quant_enabled)
+    q.enable_observer(True)
+    q.enable_fake_quant(True)
+    assert bool(q.observer_enabled) and bool(q.fake_quant_enabled)
+    q.observer_enabled = torch.tensor(0, dtype=torch.uint8)  # a new buffer object
+    q.enable_observer(True)
+    assert bool(q.observer_enabled)

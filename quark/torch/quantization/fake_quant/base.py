@@ -71,15 +71,32 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
             )
         return cls(spec, device)
 
+    def set_flag(self, name: str, value: int) -> None:
+        """Write ``value`` into the 0-dim flag buffer ``name`` (observer / fake-quant switches, ``initialized``),
+        skipping the write when this method wrote the same value last and nothing has written the buffer since (its
+        version counter says so): QAT's warm-up switches every observer on and marks every quantizer initialised on
+        each batch, and a tensor write per quantizer per batch is not free. No read of the buffer (a device sync on
+        CUDA)."""
+        buf = self._buffers[name]
+        written = self.__dict__.get("_flags_written")
+        if written is None:
+            written = self.__dict__["_flags_written"] = {}
+        inference = buf.is_inference()  # type: ignore[union-attr]  # (no version counter)
+        last = written.get(name)
+        if not inference and last is not None and last[0] is buf and last[1] == value and last[2] == buf._version:  # type: ignore[union-attr]
+            return
+        buf.fill_(value)  # type: ignore[union-attr]
+        written[name] = None if inference else (buf, value, buf._version)  # type: ignore[union-attr]
+
     def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
-        self.observer_enabled.fill_(int(enabled))
+        self.set_flag("observer_enabled", int(enabled))
         return self
 
     def disable_observer(self) -> FakeQuantizeBase:
         return self.enable_observer(False)
 
     def enable_fake_quant(self, enabled: bool = True) -> FakeQuantizeBase:
-        self.fake_quant_enabled.fill_(int(enabled))
+        self.set_flag("fake_quant_enabled", int(enabled))
         return self
 
     def disable_fake_quant(self) -> FakeQuantizeBase:
