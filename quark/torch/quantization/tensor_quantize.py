@@ -156,7 +156,8 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         another address)."""
         scale, zp = self._buffers["scale"], self._buffers["zero_point"]
         if (
-            scale.is_inference()  # type: ignore[union-attr]  # (no version counter)
+            torch.compiler.is_compiling()  # traced: no memo (its checks would break the graph)
+            or scale.is_inference()  # type: ignore[union-attr]  # (no version counter)
             or zp.is_inference()  # type: ignore[union-attr]
             or scale.dtype != torch.float32  # type: ignore[union-attr]  # prepared as a copy: not kept
             or not (zp.dtype == torch.int32 or zp.is_floating_point())  # type: ignore[union-attr]
