@@ -863,3 +863,25 @@ def test_fixed_qparams_load_under_the_swap_flag() -> None:
         torch.__future__.set_swap_module_params_on_conversion(before)
     assert torch.equal(q.scale, state["scale"])
     assert torch.equal(q(y), apply_format(y, q.spec, q.scale, q.zero_point))
+
+
+def test_switches_follow_a_new_storage_under_the_same_buffer_object() -> None:
+    """``.data = t`` and ``load_state_dict(..., assign=True)`` under torch.__future__'s swap flag keep the buffer
+    object but give it another storage (and, for the swap, the loaded tensor's version counter): a switch after
+    either writes."""
+    q = ScaledFakeQuantize(int_spec())
+    q.disable_observer()  # version 1, recorded as 0
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    state["observer_enabled"].fill_(1)  # version 1 too
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        q.load_state_dict(state, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert bool(q.observer_enabled)
+    q.disable_observer()
+    assert not bool(q.observer_enabled)
+    q.observer_enabled.data = torch.tensor(1, dtype=torch.uint8)
+    q.disable_observer()
+    assert not bool(q.observer_enabled)

@@ -93,12 +93,18 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         written = self.__dict__.get("_flags_written")
         if written is None:
             written = self.__dict__["_flags_written"] = {}
-        inference = buf.is_inference()  # type: ignore[union-attr]  # (no version counter)
+        if buf.is_inference() or torch.compiler.is_compiling():  # type: ignore[union-attr]  # (no version counter)
+            buf.fill_(value)  # type: ignore[union-attr]
+            written[name] = None
+            return
+        # the storage's address too: ``.data = t`` and ``swap_tensors`` (``load_state_dict`` under torch.__future__'s
+        # swap flag) keep the tensor object but not its storage or version counter
+        mark = (value, buf._version, buf.data_ptr())  # type: ignore[union-attr]
         last = written.get(name)
-        if not inference and last is not None and last[0] is buf and last[1] == value and last[2] == buf._version:  # type: ignore[union-attr]
+        if last is not None and last[0] is buf and last[1] == mark:
             return
         buf.fill_(value)  # type: ignore[union-attr]
-        written[name] = None if inference else (buf, value, buf._version)  # type: ignore[union-attr]
+        written[name] = (buf, (value, buf._version, buf.data_ptr()))  # type: ignore[union-attr]
 
     def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
         self.set_flag("observer_enabled", int(enabled))
