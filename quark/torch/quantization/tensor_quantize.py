@@ -146,17 +146,30 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
     def _prepared(self, x: torch.Tensor) -> PreparedInt | None:
         """``apply_format`` for integers per tensor or per channel with the qparams shaped once (``PreparedInt``, the
         same bits), kept while the qparams are the same tensors, unmodified in place, and inputs keep their rank: the
-        steady state of QAT with observers off makes no bookkeeping per call. None for other formats and layouts."""
+        steady state of QAT with observers off makes no bookkeeping per call. None for other formats and layouts.
+
+        Kept only where the prepared qparams are views of the buffers (a float32 scale, an int32 or float zero point):
+        a write through ``.data`` bumps no version counter, but a view sees it. The views are of detached aliases
+        (``swap_tensors``, which ``load_state_dict`` uses under ``torch.__future__``'s swap flag, refuses a tensor
+        that others view), and the storages' addresses are part of the key (``.data = t`` or a swap keeps the
+        tensor object and its version but not its storage; the views keep the old storage alive, so a new one has
+        another address)."""
         scale, zp = self._buffers["scale"], self._buffers["zero_point"]
-        if scale.is_inference() or zp.is_inference():  # type: ignore[union-attr]
-            return prepare_int(x.ndim, self.spec, scale, zp)  # type: ignore[arg-type]  # (no version counter)
-        versions = (scale._version, zp._version, x.ndim)  # type: ignore[union-attr]
+        if (
+            torch.compiler.is_compiling()  # traced: no memo (its checks would break the graph)
+            or scale.is_inference()  # type: ignore[union-attr]  # (no version counter)
+            or zp.is_inference()  # type: ignore[union-attr]
+            or scale.dtype != torch.float32  # type: ignore[union-attr]  # prepared as a copy: not kept
+            or not (zp.dtype == torch.int32 or zp.is_floating_point())  # type: ignore[union-attr]
+        ):
+            return prepare_int(x.ndim, self.spec, scale, zp)  # type: ignore[arg-type]
+        key = (scale._version, zp._version, scale.data_ptr(), zp.data_ptr(), x.ndim)  # type: ignore[union-attr]
         cached = self.__dict__.get("_prepared_int")
         if cached is not None and cached[0] is self.spec and cached[1] is scale and cached[2] is zp:
-            if cached[3] == versions:
+            if cached[3] == key:
                 return cached[4]
-        prepared = prepare_int(x.ndim, self.spec, scale, zp)  # type: ignore[arg-type]
-        self.__dict__["_prepared_int"] = (self.spec, scale, zp, versions, prepared)
+        prepared = prepare_int(x.ndim, self.spec, scale.detach(), zp.detach())  # type: ignore[union-attr]
+        self.__dict__["_prepared_int"] = (self.spec, scale, zp, key, prepared)
         return prepared
 
     def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:

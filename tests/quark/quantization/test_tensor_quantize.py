@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ from specs import int_spec
 
 from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType, TQTThresholdInitMeth
+from quark.torch.quantization.fake_quant.base import apply_format
 from quark.torch.quantization.formats import fake_quantize_mx
 from quark.torch.quantization.observer.observer import (
     PerBlockBFPObserver,
@@ -782,3 +785,103 @@ def test_switches_skip_repeated_writes_and_follow_any_other_write() -> None:
     q.observer_enabled = torch.tensor(0, dtype=torch.uint8)  # a new buffer object
     q.enable_observer(True)
     assert bool(q.observer_enabled)
+
+
+def test_switches_are_written_on_a_deepcopied_or_unpickled_quantizer() -> None:
+    """The switches' record of their last write vouches for a buffer by its version counter, which a copy does not
+    carry (a deepcopied or unpickled buffer starts again at version 1): a copy writes its switches as asked."""
+    q = ScaledFakeQuantize(int_spec())
+    q.disable_observer()  # version 1, recorded as 0
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    state["observer_enabled"].fill_(1)
+    q.load_state_dict(state)  # version 2, holding 1
+    for copy_of in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+        c = copy_of(q)
+        assert bool(c.observer_enabled)
+        c.disable_observer()  # before: taken for the recorded write (version 1, 0) and skipped
+        assert not bool(c.observer_enabled)
+
+
+@pytest.mark.parametrize("spec", [int_spec(), per_channel_spec()], ids=["per_tensor", "per_channel"])
+def test_fixed_qparams_follow_writes_that_bypass_the_version_counter(spec: QuantizationSpec) -> None:
+    """Writes through ``.data`` bump no version counter: the prepared qparams must still follow them, for a scale
+    held in float16 (a model cast with ``.half()`` after calibration: prepared as a float32 copy), an int64 zero
+    point, and a ``.data`` assignment of new tensors; and a copy of a quantizer must not reuse its prepared form."""
+    y = randn(8, 16, seed=1, scale=1.5)
+
+    def calibrated() -> ScaledFakeQuantize:
+        q = ScaledFakeQuantize(spec)
+        q(randn(8, 16, seed=0))
+        q.disable_observer()
+        return q
+
+    def reference(q: ScaledFakeQuantize) -> torch.Tensor:
+        return apply_format(y, q.spec, q.scale, q.zero_point)
+
+    q = calibrated()
+    q.scale = q.scale.half()
+    assert torch.equal(q(y), reference(q))
+    q.scale.data.mul_(0.5)
+    assert torch.equal(q(y), reference(q))
+
+    q = calibrated()
+    q.zero_point = q.zero_point.to(torch.int64)
+    assert torch.equal(q(y), reference(q))
+    q.zero_point.data.add_(3)
+    assert torch.equal(q(y), reference(q))
+
+    q = calibrated()
+    assert torch.equal(q(y), reference(q))
+    q.scale.data = q.scale.data * 0.5
+    assert torch.equal(q(y), reference(q))
+    q.zero_point.data = q.zero_point.data + 3
+    assert torch.equal(q(y), reference(q))
+
+    q = calibrated()
+    q(y)
+    c = pickle.loads(pickle.dumps(q))  # (a plain pickle does not keep the prepared views on the buffers' storage)
+    c.scale.data.mul_(0.5)
+    assert torch.equal(c(y), reference(c))
+
+
+def test_fixed_qparams_load_under_the_swap_flag() -> None:
+    """``load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion(True)`` swaps the buffers'
+    tensors (``swap_tensors``, which refuses a tensor that others view): the prepared qparams view detached aliases,
+    and follow the swap."""
+    q = ScaledFakeQuantize(per_channel_spec())
+    q(randn(8, 16, seed=0))
+    q.disable_observer()
+    y = randn(8, 16, seed=1, scale=1.5)
+    q(y)
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    state["scale"] = state["scale"] / 3
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        q.load_state_dict(state)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert torch.equal(q.scale, state["scale"])
+    assert torch.equal(q(y), apply_format(y, q.spec, q.scale, q.zero_point))
+
+
+def test_switches_follow_a_new_storage_under_the_same_buffer_object() -> None:
+    """``.data = t`` and ``load_state_dict(..., assign=True)`` under torch.__future__'s swap flag keep the buffer
+    object but give it another storage (and, for the swap, the loaded tensor's version counter): a switch after
+    either writes."""
+    q = ScaledFakeQuantize(int_spec())
+    q.disable_observer()  # version 1, recorded as 0
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    state["observer_enabled"].fill_(1)  # version 1 too
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        q.load_state_dict(state, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert bool(q.observer_enabled)
+    q.disable_observer()
+    assert not bool(q.observer_enabled)
+    q.observer_enabled.data = torch.tensor(1, dtype=torch.uint8)
+    q.disable_observer()
+    assert not bool(q.observer_enabled)

@@ -71,22 +71,40 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
             )
         return cls(spec, device)
 
+    #: per-object memos of what this module wrote (``set_flag``) or prepared (``ScaledFakeQuantize._prepared``):
+    #: they vouch for these very tensors' contents by their version counters, which a copy does not carry (a
+    #: deepcopied or unpickled buffer starts again at version 1), so copies and pickles leave them behind
+    _MEMOS: ClassVar[tuple[str, ...]] = ("_flags_written", "_prepared_int")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for key in self._MEMOS:
+            state.pop(key, None)
+        return state
+
     def set_flag(self, name: str, value: int) -> None:
         """Write ``value`` into the 0-dim flag buffer ``name`` (observer / fake-quant switches, ``initialized``),
         skipping the write when this method wrote the same value last and nothing has written the buffer since (its
         version counter says so): QAT's warm-up switches every observer on and marks every quantizer initialised on
         each batch, and a tensor write per quantizer per batch is not free. No read of the buffer (a device sync on
-        CUDA)."""
+        CUDA). A write that bypasses the version counter (through ``.data``, or a ``torch.distributed`` collective
+        on the buffer itself) is not seen: write such flags with ``fill_`` / ``copy_`` or ``set_flag`` itself."""
         buf = self._buffers[name]
         written = self.__dict__.get("_flags_written")
         if written is None:
             written = self.__dict__["_flags_written"] = {}
-        inference = buf.is_inference()  # type: ignore[union-attr]  # (no version counter)
+        if buf.is_inference() or torch.compiler.is_compiling():  # type: ignore[union-attr]  # (no version counter)
+            buf.fill_(value)  # type: ignore[union-attr]
+            written[name] = None
+            return
+        # the storage's address too: ``.data = t`` and ``swap_tensors`` (``load_state_dict`` under torch.__future__'s
+        # swap flag) keep the tensor object but not its storage or version counter
+        mark = (value, buf._version, buf.data_ptr())  # type: ignore[union-attr]
         last = written.get(name)
-        if not inference and last is not None and last[0] is buf and last[1] == value and last[2] == buf._version:  # type: ignore[union-attr]
+        if last is not None and last[0] is buf and last[1] == mark:
             return
         buf.fill_(value)  # type: ignore[union-attr]
-        written[name] = None if inference else (buf, value, buf._version)  # type: ignore[union-attr]
+        written[name] = (buf, (value, buf._version, buf.data_ptr()))  # type: ignore[union-attr]
 
     def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
         self.set_flag("observer_enabled", int(enabled))
