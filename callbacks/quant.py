@@ -249,6 +249,8 @@ class QuantCallback(
         self.fp32_metric: float | None = None
         self._paused = contextlib.ExitStack()  # the quantizer pause of a running evaluation (_pause / _resume)
         self._observing = mode == "qat"
+        #: QAT after the warm-up: (the module last scanned, whether it has TQT / LSQ quantizers); None: scan next batch
+        self._learnable_seen: tuple[weakref.ReferenceType[nn.Module], bool] | None = None
         self._learnable_synced = False
         self._pending: list[FakeQuantizeBase] = []  # QAT: quantizers still observing after the warm-up (unreached)
         self._batches_seen = 0  # QAT: training batches run so far (observer_steps counts these)

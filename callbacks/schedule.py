@@ -53,12 +53,17 @@ class QuantSchedule:
         """Observers run for the first ``observer_steps`` training batches (weights: their current values), then are
         fixed. Batches, not optimizer steps: with gradient accumulation or several optimizers they differ."""
         observing = self._batches_seen < self.observer_steps
+        seen = self._learnable_seen  # (the module last scanned, whether it had TQT / LSQ quantizers)
+        if not observing and not self._observing and seen is not None and seen[0]() is pl_module and not seen[1]:
+            return  # after the warm-up only TQT / LSQ quantizers change per batch, and this module's last scan found none
         if observing:
             self._pending = []  # a new warm-up (a later fit) observes everything again
+        learnable = False
         for role, q in iter_quantizers(pl_module):
             if q.is_dynamic:
                 continue
             if is_learnable(q):
+                learnable = True
                 q.enable_observer(not is_ready(q))  # TQT / LSQ: initialise on the first batch, then learn
             elif observing:
                 if role in ("weight", "bias") and getattr(q, "observer", None) is not None:
@@ -66,6 +71,8 @@ class QuantSchedule:
                 q.enable_observer(True)
         if self._observing and not observing:
             self._fix_observers(trainer, pl_module, batch)
+            learnable = any(is_learnable(q) for _, q in iter_quantizers(pl_module))  # (fixing may swap quantizers)
+        self._learnable_seen = (weakref.ref(pl_module), learnable)  # a walk over every module per batch is not free
         self._observing = observing
 
     def _fix_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:

@@ -58,3 +58,30 @@ def test_quantizer_buffers_are_kept_out_of_ddp_buffer_broadcast(tmp_path) -> Non
     assert "user.choice" in ignored
     assert {"fc1._input_quantizer.observer.min_val", "fc2._weight_quantizer.scale"} <= buffers <= ignored
     assert not any(n in ignored for n, _ in model.named_parameters())  # parameters keep DDP's gradient reduction
+
+
+@pytest.mark.parametrize("config", ["minmax", "tqt"])
+def test_after_the_warm_up_batches_walk_the_model_only_for_learned_quantizers(tmp_path, monkeypatch, config) -> None:
+    """After the warm-up a batch changes nothing for min-max quantizers, so it walks no module; TQT / LSQ thresholds
+    are still switched per batch (each initialises on its first batch, then learns), so with them every batch walks."""
+    import callbacks.schedule as schedule
+
+    cfg = minmax_config() if config == "minmax" else tqt_config()
+    model = BoringMLP()
+    cb = QuantCallback(cfg, mode="qat", observer_steps=2)
+    walked_at: list[int] = []  # the batches seen when a walk over the model's quantizers started
+    inner = schedule.iter_quantizers
+
+    def counting(module):
+        walked_at.append(cb._batches_seen)
+        return inner(module)
+
+    monkeypatch.setattr(schedule, "iter_quantizers", counting)
+    trainer = make_trainer(tmp_path, [cb], limit_train_batches=6, limit_val_batches=0)
+    trainer.fit(model, datamodule=DataModule())
+    assert cb._batches_seen == 6
+    after = sorted({n for n in walked_at if n > 2})  # the batches after the switch (batch 2 fixes the observers)
+    assert after == ([] if config == "minmax" else [3, 4, 5])
+    assert {0, 1, 2} <= set(walked_at)  # the warm-up and the switch still walk
+    if config == "minmax":
+        assert all(not bool(q.observer_enabled) for _, q in inner(model))

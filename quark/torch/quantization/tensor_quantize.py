@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from quark.torch.quantization.config.config import QuantizationSpec
-from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format, prepare_int
+from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format, prepare_int, prepares_int
 from quark.torch.quantization.fake_quant.fixed import BakedFakeQuantize, FrozenScaledFakeQuantize
 from quark.torch.quantization.fake_quant.learnable import LearnableFakeQuantize, LSQFakeQuantize, TQTFakeQuantize
 from quark.torch.quantization.formats import PreparedInt
@@ -154,6 +154,11 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         that others view), and the storages' addresses are part of the key (``.data = t`` or a swap keeps the
         tensor object and its version but not its storage; the views keep the old storage alive, so a new one has
         another address)."""
+        spec_serves = self.__dict__.get("_prepares_for")  # (spec, prepares_int(spec)): other formats skip the rest
+        if spec_serves is None or spec_serves[0] is not self.spec:
+            spec_serves = self.__dict__["_prepares_for"] = (self.spec, prepares_int(self.spec))
+        if not spec_serves[1]:
+            return None
         scale, zp = self._buffers["scale"], self._buffers["zero_point"]
         if (
             torch.compiler.is_compiling()  # traced: no memo (its checks would break the graph)

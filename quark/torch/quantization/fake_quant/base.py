@@ -12,7 +12,7 @@ from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQ
 from quark.torch.quantization.config.type import QSchemeType, RoundType
 from quark.torch.quantization.formats import IntFormat, PreparedInt, fake_quantize, format_of, is_scaled
 
-__all__ = ["FakeQuantizeBase", "apply_format", "prepare_int"]
+__all__ = ["FakeQuantizeBase", "apply_format", "prepare_int", "prepares_int"]
 
 
 def _spec_kind(spec: QuantizationSpec) -> str:
@@ -173,12 +173,18 @@ def apply_format(
 def prepare_int(ndim: int, spec: QuantizationSpec, scale: torch.Tensor, zp: torch.Tensor) -> PreparedInt | None:
     """``apply_format`` with these qparams prepared for inputs of rank ``ndim`` (``PreparedInt``: the same bits), for an
     integer spec per tensor or per channel; None for any other (those take ``apply_format``)."""
-    fmt = format_of(spec.dtype)
-    qscheme = spec.qscheme or QSchemeType.per_tensor
-    if not isinstance(fmt, IntFormat) or qscheme not in (QSchemeType.per_tensor, QSchemeType.per_channel):
+    if not prepares_int(spec):
         return None
-    axis = spec.ch_axis if qscheme == QSchemeType.per_channel else None
-    if qscheme == QSchemeType.per_channel and axis is None:
-        return None  # apply_format raises the error that names the missing axis
+    fmt = format_of(spec.dtype)
+    axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
     method = spec.round_method or RoundType.half_even
-    return PreparedInt.of(scale, zp, fmt.qmin, fmt.qmax, method, axis, ndim)
+    return PreparedInt.of(scale, zp, fmt.qmin, fmt.qmax, method, axis, ndim)  # type: ignore[union-attr]
+
+
+def prepares_int(spec: QuantizationSpec) -> bool:
+    """Whether ``prepare_int`` serves ``spec``: an integer per tensor, or per channel with its axis (without one,
+    ``apply_format`` raises the error that names it)."""
+    qscheme = spec.qscheme or QSchemeType.per_tensor
+    if not isinstance(format_of(spec.dtype), IntFormat):
+        return False
+    return qscheme == QSchemeType.per_tensor or (qscheme == QSchemeType.per_channel and spec.ch_axis is not None)
