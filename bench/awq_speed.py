@@ -35,14 +35,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from quark_side import REPO_ROOT, import_quark  # bench/: the folder of this script, first on sys.path
+from quark_side import REPO_ROOT, import_quark, run_worker  # bench/: the folder of this script, first on sys.path
 
 GROUP = 128
 VOCAB = 256
@@ -297,16 +296,7 @@ def run_side(
     command += ["--warmup-job", str(warmup)] if warmup else []
     command += ["--threads", str(threads)] if threads else []
     command += ["--measure"] if measure else []
-    env = (
-        {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        if side != "amd"
-        else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    )
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=env, cwd=str(REPO_ROOT) if side != "amd" else "/"
-    )
-    if done.returncode:
-        raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    run_worker(command, side)
     return torch.load(out, weights_only=True)
 
 

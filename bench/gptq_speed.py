@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from quark_side import REPO_ROOT, import_quark  # bench/: the folder of this script, first on sys.path
+from quark_side import import_quark, run_worker  # bench/: the folder of this script, first on sys.path
 
 MODULES = [
     "self_attn.q_proj",
@@ -164,16 +163,7 @@ def run_side(
     command = [python, str(Path(__file__).resolve()), "--worker", side, str(job), str(out), "--repeats", str(repeats)]
     command += ["--warmup-job", str(warmup)] if warmup else []
     command += ["--threads", str(threads)] if threads else []
-    env = (
-        {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        if side == "ours"
-        else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    )
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=env, cwd=str(REPO_ROOT) if side == "ours" else "/"
-    )
-    if done.returncode:
-        raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    run_worker(command, side)
     return torch.load(out, weights_only=True)
 
 

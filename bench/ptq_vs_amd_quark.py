@@ -33,17 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-from quark_side import REPO_ROOT  # bench/: the folder of this script, first on sys.path
+from quark_side import prepare_side, run_worker  # bench/: the folder of this script, first on sys.path
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "amd_quark_reference"
 RECIPES = ("w8a8", "w8a8_uint8_asym", "w4_per_group", "fp8_e4m3", "a8_percentile", "a8_mse")
@@ -63,16 +60,6 @@ def _import_side(side: str) -> Any:
 
     factories = {**make_reference.CONFIGS, "w4_per_group": make_reference.config_w4_per_group_linear_only}
     return lambda recipe: (make_reference.ModelQuantizer, factories[recipe]()[0])
-
-
-def _prepare_side(side: str) -> None:
-    """``quark_side.import_quark`` without importing quark (the worker times that): amd-quark's side loses this
-    repository from ``sys.path``; logging and warnings are quieted on both."""
-    if side == "amd":
-        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (REPO_ROOT, Path(__file__).parent)]
-        os.environ.setdefault("QUARK_LOG_LEVEL", "error")
-    logging.disable(logging.WARNING)
-    warnings.simplefilter("ignore")
 
 
 def _check_side(side: str) -> None:
@@ -100,7 +87,7 @@ def worker(side: str, recipe: str, repeats: int, threads: int | None, out_path: 
     if threads:
         torch.set_num_threads(threads)
 
-    _prepare_side(side)
+    prepare_side(side)  # quark_side.import_quark's first part: the import itself is timed below
 
     sys.path.insert(0, str(REFERENCE_DIR))
     from load import load_reference
@@ -148,20 +135,11 @@ def worker(side: str, recipe: str, repeats: int, threads: int | None, out_path: 
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def run_worker(python: str, side: str, recipe: str, repeats: int, threads: int, out: Path) -> dict[str, Any]:
+def run_side(python: str, side: str, recipe: str, repeats: int, threads: int, out: Path) -> dict[str, Any]:
     """One fresh worker process for (side, recipe); its JSON report."""
     command = [python, str(Path(__file__).resolve()), "--worker", side, recipe, str(out), "--repeats", str(repeats)]
     command += ["--threads", str(threads)]
-    env = (
-        {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        if side == "ours"
-        else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    )
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=env, cwd=str(REPO_ROOT) if side == "ours" else "/"
-    )
-    if done.returncode:
-        raise SystemExit(f"{side} {recipe} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    run_worker(command, side, f"{side} {recipe}")
     return json.loads(out.read_text())
 
 
@@ -208,7 +186,7 @@ def main() -> None:
             for recipe in args.recipes:
                 for side in sides:
                     python = sys.executable if side == "ours" else args.amd_python
-                    report = run_worker(python, side, recipe, args.repeats, args.threads, Path(tmp) / f"{side}.json")
+                    report = run_side(python, side, recipe, args.repeats, args.threads, Path(tmp) / f"{side}.json")
                     reports.setdefault((side, recipe), []).append(report)
             loads.append(_load())
             print(f"round {round_ + 1}/{args.rounds} done, load average {loads[-1]}", file=sys.stderr, flush=True)
