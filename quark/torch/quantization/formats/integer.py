@@ -203,6 +203,19 @@ def _torch_kernel_applies(zero_point: torch.Tensor, qmin: int, qmax: int, method
     )
 
 
+def _torch_kernel_serves(x: torch.Tensor, applies: bool) -> bool:
+    """Whether torch's fused fake-quant kernel quantizes ``x`` (``applies``: the caller allows it and the qparams
+    suit it): eagerly and on small tensors only. Above ``TORCH_KERNEL_MAX_NUMEL`` the elementwise chain
+    (multithreaded ops) is faster, a compiled kernel (one pass, no stored mask) beats both, and traced into a
+    caller's compiled graph the elementwise chain fuses."""
+    return (
+        applies
+        and x.numel() <= TORCH_KERNEL_MAX_NUMEL
+        and not compiled_kernels_active(x)
+        and not torch.compiler.is_compiling()
+    )
+
+
 def _fake_quantize_elementwise(
     x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, qmin: int, qmax: int, method: RoundType
 ) -> torch.Tensor:
@@ -253,16 +266,9 @@ class PreparedInt:
         return cls(s, z, flat_s, flat_z, normalize_axis(axis, ndim), qmin, qmax, round_method, torch_kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # eagerly, torch's fused kernels win on small tensors only: above TORCH_KERNEL_MAX_NUMEL the elementwise
-        # chain (multithreaded ops) is faster, and a compiled kernel (one pass, no stored mask) beats both; our
-        # kernels read any float dtype and compute in float32, torch's take float32 (a bfloat16 weight is not cast
-        # to float32 and back around a compiled kernel: 4096x4096 bf16 per channel 23 -> 3 ms)
-        if (
-            self.torch_kernel
-            and x.numel() <= TORCH_KERNEL_MAX_NUMEL
-            and not compiled_kernels_active(x)
-            and not torch.compiler.is_compiling()  # traced into a compiled graph, the elementwise chain fuses
-        ):
+        # torch's kernels take float32; ours read any float dtype and compute in float32 (a bfloat16 weight is not
+        # cast to float32 and back around a compiled kernel: 4096x4096 bf16 per channel 23 -> 3 ms)
+        if _torch_kernel_serves(x, self.torch_kernel):
             if self.axis is None:
                 out = torch.fake_quantize_per_tensor_affine(
                     x.float(), self.scale, self.zero_point, self.qmin, self.qmax
@@ -296,13 +302,7 @@ def fake_quantize_int(
         return PreparedInt.of(scale, zero_point, qmin, qmax, round_method, axis, x.ndim, use_torch_kernel)(x)
     orig_dtype = x.dtype
     scale = scale.float()
-    fast = (  # as PreparedInt decides
-        use_torch_kernel
-        and x.numel() <= TORCH_KERNEL_MAX_NUMEL
-        and _torch_kernel_applies(zero_point, qmin, qmax, round_method)
-        and not compiled_kernels_active(x)
-        and not torch.compiler.is_compiling()
-    )
+    fast = _torch_kernel_serves(x, use_torch_kernel and _torch_kernel_applies(zero_point, qmin, qmax, round_method))
     xf = x.float() if fast else x
     if not zero_point.is_floating_point():
         zero_point = zero_point.to(torch.int32)
