@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -87,6 +87,20 @@ def rtn(weight: torch.Tensor, spec: QuantizationSpec | None) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- input statistics
+T = TypeVar("T")
+
+
+def _collected(value: T | None, what: str) -> T:
+    """``value``, or a RuntimeError naming the statistic AWQ needs and a module's calibration did not collect (no
+    calibration token reached it, or its statistics were set up without that one)."""
+    if value is None:
+        raise RuntimeError(
+            f"AWQ: no {what} for a layer it searches: no calibration input reached it, or its statistics were "
+            "set up without it"
+        )
+    return value
+
+
 @dataclass
 class _InputStats:
     """What one module's calibration inputs are needed for: mean |x| per channel, and the squared output error of a
@@ -126,19 +140,17 @@ class _InputStats:
             n = self.features // self.block
             idx = torch.arange(n, device=self.gram.device)
             return self.gram.reshape(n, self.block, n, self.block)[idx, :, idx, :]
-        assert self._blocks is not None
-        return self._blocks
+        return _collected(self._blocks, "Gram blocks of its inputs")
 
     def mean_abs(self) -> torch.Tensor:
-        assert self.abs_sum is not None
-        return self.abs_sum / self.tokens
+        return _collected(self.abs_sum, "mean |x| of its inputs") / self.tokens
 
     def output_error(self, delta: torch.Tensor) -> float:
         """Sum over tokens and outputs of ``(x . delta_row)^2`` for a weight change ``delta`` [out, in]."""
         if self.rows:
             return sum(float((x @ delta.T).pow(2).sum()) for x in self.rows)
-        assert self.gram is not None
-        return float(((delta @ self.gram) * delta).sum())
+        gram = _collected(self.gram, "Gram matrix of its inputs")
+        return float(((delta @ gram) * delta).sum())
 
     def rescale(self, s: torch.Tensor) -> None:
         """The statistics of ``x / s`` (a scale folded into the producer of these inputs)."""
@@ -428,10 +440,9 @@ def _search_clip(module: nn.Module, spec: QuantizationSpec, stats: _InputStats) 
     the least error of the group's partial output (from the diagonal blocks of the inputs' Gram matrix), refined
     row-wise by ``_refine_clip`` when the full Gram matrix is there."""
     blocks = stats.blocks
-    assert stats.block is not None
+    group = _collected(stats.block, "group size in its input statistics")
     w = linear_weight(module).detach()
     out_features, in_features = w.shape
-    group = stats.block
     wg = w.float().reshape(out_features, -1, group)
     max_val = wg.abs().amax(dim=-1, keepdim=True)
     best_err = torch.full(wg.shape[:2], float("inf"), device=w.device)
