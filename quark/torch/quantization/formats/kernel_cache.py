@@ -12,7 +12,9 @@ built for the kernel (a new batch size reuses the dynamic-shape graph when its g
 so every call runs a graph whose guards held for exactly that signature: the same results as ``torch.compile``, and
 bit-identical to the eager kernel as before (the format tests check that).
 
-Graphs are stored on disk (``kernel_store``) and loaded by later processes instead of compiled again.
+Graphs are stored on disk (``kernel_store``) and loaded by later processes instead of compiled again. A signature
+called ``DIRECT_AFTER_CALLS`` times (a quantizer in a training loop) is compiled once more at its exact shapes and
+then called straight into inductor's generated code (``direct_kernel``), without the graph's wrapper layers.
 
 Anything the cache cannot key (a tensor subclass such as DTensor or a fake tensor, an unhashable argument) or a
 kernel ``aot_compile`` refuses takes the caller's ``torch.compile`` path as before, with its guards.
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from quark.torch.quantization.formats.direct_kernel import DirectKernel
 from quark.torch.quantization.formats.kernel_store import KernelStore
 
 __all__ = ["KernelCache", "call_signature"]
@@ -34,6 +37,11 @@ __all__ = ["KernelCache", "call_signature"]
 #: keyed signatures per kernel before the cache stops adding (a model feeding ever new shapes): the guards'
 #: answers stay correct beyond it, they are just no longer remembered
 MAX_SIGNATURES = 512
+
+#: calls of one signature after which it is compiled at its exact shapes and served directly (None: never). A compile
+#: costs about 0.5 s (0.04 s from torch's disk cache) and saves 10 us a call on 2 idle cores, 25-40 inside a training
+#: step, so a signature seen this often is one of a loop that will run on
+DIRECT_AFTER_CALLS: int | None = 200
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -111,6 +119,18 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
     return tuple(parts)
 
 
+class _Entry:
+    """What serves one signature: its ``aot_compile`` graph (False: refused), the calls it served, and its direct
+    kernel once it has one."""
+
+    __slots__ = ("graph", "calls", "direct")
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+        self.calls = 0
+        self.direct: DirectKernel | None = None
+
+
 class KernelCache:
     """``fn`` compiled per call signature and called without guard evaluation (module docstring).
 
@@ -128,26 +148,44 @@ class KernelCache:
         self.options = options
         self.on_compile = on_compile  # called before each compile (the first-compile log line)
         self.store = KernelStore(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
-        self._by_signature: dict[tuple[Hashable, ...], Any] = {}
+        self._by_signature: dict[tuple[Hashable, ...], _Entry] = {}
         #: graphs built per signature without shapes and strides: what a new shape is checked against
         self._by_family: dict[tuple[Hashable, ...], list[Any]] = {}
         self._lock = threading.Lock()
-        #: graphs built (compiles) and signatures that reused a graph after its guards held, for tests and logs
+        #: graphs built (compiles), signatures that reused a graph after its guards held, and signatures served by a
+        #: direct kernel, for tests and logs
         self.compiles = 0
         self.reuses = 0
+        self.directs = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_signature(args, kwargs)
         if key is None:
             raise LookupError("unkeyable arguments")
-        graph = self._by_signature.get(key)
-        if graph is None:
-            graph = self._graph_for(key, args, kwargs)
-        if graph is False:
+        entry = self._by_signature.get(key)
+        if entry is None:
+            entry = self._graph_for(key, args, kwargs)
+        if entry.direct is not None:
+            return entry.direct(args)
+        if entry.graph is False:
             raise LookupError("aot_compile refused this kernel")
-        return graph.fn(*args, **kwargs)
+        entry.calls += 1
+        if entry.calls == DIRECT_AFTER_CALLS:
+            return self._go_direct(entry, args, kwargs)
+        return entry.graph.fn(*args, **kwargs)
 
-    def _graph_for(self, key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _go_direct(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """This call through the graph, and from now on the signature's direct kernel where one serves it exactly."""
+        out = entry.graph.fn(*args, **kwargs)
+        with self._lock:
+            if entry.direct is None:
+                if self.on_compile is not None:
+                    self.on_compile()
+                entry.direct = DirectKernel.build(self.fn, args, kwargs, out, self.options)
+                self.directs += entry.direct is not None
+        return out
+
+    def _graph_for(self, key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
         """The graph serving a new signature: one built for the same arguments but other shapes whose guards (on the
         tensors' shapes and strides, and the global state) hold for these, else a new one (False where
         ``aot_compile`` fails: that signature keeps the guarded path)."""
@@ -171,10 +209,11 @@ class KernelCache:
             self.store.save(family, graph)  # type: ignore[arg-type]
             return self._remember(key, graph)
 
-    def _remember(self, key: tuple[Hashable, ...], graph: Any) -> Any:
+    def _remember(self, key: tuple[Hashable, ...], graph: Any) -> _Entry:
+        entry = _Entry(graph)
         if len(self._by_signature) < MAX_SIGNATURES:
-            self._by_signature[key] = graph
-        return graph
+            self._by_signature[key] = entry
+        return entry
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One graph for these arguments: dynamic shapes without duck sizing (equal example sizes are not assumed

@@ -7,10 +7,13 @@ guards could go wrong: another value of a non-tensor argument (aot_compile keeps
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from quark.torch.quantization.config.type import RoundType
+from quark.torch.quantization.formats import kernel_cache
 from quark.torch.quantization.formats.kernel_cache import KernelCache, call_signature
 
 
@@ -146,3 +149,111 @@ def test_an_unreadable_stored_graph_is_skipped_and_the_store_can_be_off(tmp_path
     off = KernelCache(_int_fq)
     off(x, s, -128, 127, RoundType.half_even)
     assert off.compiles == 1 and off.store.stored == 0 and len(list(tmp_path.rglob("*.graph"))) == 2
+
+
+# --- direct kernels: a signature called often is served straight into inductor's generated code ---------------------
+
+
+@pytest.fixture
+def direct_after(monkeypatch) -> int:
+    monkeypatch.setattr(kernel_cache, "DIRECT_AFTER_CALLS", 3)
+    return 3
+
+
+def _calls(cache: KernelCache, n: int, *args):
+    return [cache(*args) for _ in range(n)]
+
+
+def test_a_signature_called_often_is_served_directly_with_the_same_bits(direct_after: int) -> None:
+    s = torch.tensor(0.1)
+    for method in (RoundType.half_even, RoundType.round, RoundType.floor):
+        cache = KernelCache(_int_fq)
+        x = _x(16, 64)
+        outs = _calls(cache, direct_after + 2, x, s, -128, 127, method)
+        assert cache.directs == 1, method
+        for out in outs:
+            assert torch.equal(out.view(torch.int32), _int_fq(x, s, -128, 127, method).view(torch.int32)), method
+        (entry,) = cache._by_signature.values()
+        entry.graph = None  # from now on only the direct kernel can serve the signature
+        y = _x(16, 64) * 2
+        assert torch.equal(cache(y, s, -128, 127, method), _int_fq(y, s, -128, 127, method))
+    # another signature (a shape, a value) counts its own calls and keeps its graph until then
+    other = _x(8, 64)
+    assert torch.equal(cache(other, s, -8, 7, RoundType.floor), _int_fq(other, s, -8, 7, RoundType.floor))
+    assert cache.directs == 1
+
+
+def _pair(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return torch.round(x / s) * s, {"amax": x.abs().amax(dim=-1)}
+
+
+def test_a_kernel_returning_several_tensors_keeps_its_structure(direct_after: int) -> None:
+    cache = KernelCache(_pair)
+    x, s = _x(16, 64), torch.tensor(0.1)
+    *_, (out, stats) = _calls(cache, direct_after + 1, x, s)
+    assert cache.directs == 1
+    ref_out, ref_stats = _pair(x, s)
+    assert torch.equal(out, ref_out) and list(stats) == ["amax"] and torch.equal(stats["amax"], ref_stats["amax"])
+
+
+def _writes_input(x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    acc.add_(x.sum())
+    return x * 2
+
+
+def _returns_input(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x, x * s
+
+
+def _random(x: torch.Tensor) -> torch.Tensor:
+    return torch.floor(x + torch.rand_like(x))
+
+
+def test_kernels_that_are_not_pure_functions_of_their_tensors_keep_their_graph(direct_after: int, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="quark.torch.quantization.formats.direct_kernel")
+    x = _x(16, 64)
+    acc = torch.zeros(())
+    cache = KernelCache(_writes_input)
+    _calls(cache, direct_after + 2, x, acc)
+    assert cache.directs == 0 and torch.allclose(acc, x.sum() * (direct_after + 2))  # every call wrote it
+    cache = KernelCache(_returns_input)
+    out, _ = _calls(cache, direct_after + 1, x, torch.tensor(0.5))[-1]
+    assert cache.directs == 0 and out.data_ptr() == x.data_ptr()
+    cache = KernelCache(_random)
+    _calls(cache, direct_after + 1, x)
+    assert cache.directs == 0
+    reasons = [r.getMessage() for r in caplog.records]
+    assert any("_writes_input" in r and "writes in place" in r for r in reasons), reasons
+    assert any("_returns_input" in r and "shares an input's memory" in r for r in reasons), reasons
+    assert any("_random" in r and "random numbers" in r for r in reasons), reasons
+
+
+def test_a_graph_autograd_records_keeps_its_graph(direct_after: int) -> None:
+    cache = KernelCache(_int_fq)
+    x = _x(16, 64).requires_grad_()
+    out = _calls(cache, direct_after + 1, x, torch.tensor(0.1), -128, 127, RoundType.half_even)[-1]
+    assert cache.directs == 0 and out.requires_grad
+
+
+def test_a_direct_kernel_whose_result_differs_is_not_used(direct_after: int, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="quark.torch.quantization.formats.direct_kernel")
+    import torch._inductor.compile_fx as compile_fx
+
+    real = compile_fx.compile_fx_inner
+
+    def wrong(gm, inputs):
+        compiled = real(gm, inputs)
+
+        class Off:
+            @staticmethod
+            def current_callable(args):
+                return [t + 1 for t in compiled.current_callable(args)]
+
+        return Off
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", wrong)
+    cache = KernelCache(_int_fq)
+    x, s = _x(16, 64), torch.tensor(0.1)
+    outs = _calls(cache, direct_after + 2, x, s, -128, 127, RoundType.half_even)
+    assert cache.directs == 0 and any("differs" in r.getMessage() for r in caplog.records)
+    assert all(torch.equal(o, _int_fq(x, s, -128, 127, RoundType.half_even)) for o in outs)

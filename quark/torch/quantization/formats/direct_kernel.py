@@ -1,0 +1,148 @@
+"""A format kernel compiled for one exact call signature and called straight into inductor's generated code.
+
+A graph from ``aot_compile`` (``kernel_cache``) is reached through dynamo's bytecode and AOTAutograd's runtime
+wrappers: about a hundred Python calls per kernel call (14 us on 2 idle cores for an int8 fake quantization of
+32x1024 elements, against 4 us for the generated code alone), and more inside a training step, whose streams of
+weights and optimizer state evict the interpreter's objects from the cache. A signature called often (a quantizer in
+a training loop: the same shapes every step) is therefore traced once more at its exact shapes (``make_fx``,
+functionalized, with inductor's decompositions) and compiled by ``compile_fx_inner``; the call is then a list of
+tensors into the generated ``call``. torch's FX-graph cache keeps the compiled code on disk, so a later process loads
+it (about 0.04 s) instead of compiling it (about 0.5 s).
+
+Only kernels that are pure functions of their tensors are served so: no input written in place, no output sharing
+an input's memory, no random numbers, and no graph that autograd records (grad mode on with an input that requires
+grad). The first direct call is checked bit for bit against the graph that served the signature before; anything
+else (a refusal, a compile error, a mismatch) keeps that graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["DirectKernel"]
+
+_log = logging.getLogger(__name__)
+
+
+def _storages(tensors: Sequence[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape, strides and bits (NaN payloads and the sign of zero included)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return False
+    if a.dtype.is_floating_point and a.element_size() in (2, 4, 8):
+        view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+    return torch.equal(a, b)
+
+
+def _pure(gm: torch.fx.GraphModule) -> str | None:
+    """Why the traced graph cannot be served directly (None: it can): an input written in place, random numbers, or
+    an output that is an input."""
+    placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            tags = getattr(node.target, "tags", ())
+            if torch.Tag.nondeterministic_seeded in tags:
+                return f"random numbers ({node.target})"
+            schema = getattr(node.target, "_schema", None)
+            if schema is not None and schema.is_mutable:
+                return f"writes in place ({node.target})"
+        if node.op == "output":
+            if any(arg in placeholders for arg in pytree.tree_leaves(node.args)):
+                return "returns an input"
+    return None
+
+
+class DirectKernel:
+    """``fn(*args, **kwargs)`` for one exact signature as inductor's generated code, called with the tensors only
+    (every other argument is a constant of the graph, as it is part of the signature)."""
+
+    __slots__ = ("_call", "_positions", "_spec", "_single")
+
+    def __init__(self, call: Callable[[list[torch.Tensor]], Any], positions: tuple[int, ...], spec: Any) -> None:
+        self._call = call
+        self._positions = positions
+        self._spec = spec
+        self._single = spec.is_leaf() if hasattr(spec, "is_leaf") else False
+
+    def __call__(self, args: Sequence[Any]) -> Any:
+        out = self._call([args[i] for i in self._positions])  # (the generated code empties the list it gets)
+        if self._single:
+            return out[0]
+        return pytree.tree_unflatten(list(out), self._spec)
+
+    @classmethod
+    def build(
+        cls,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reference: Any,
+        options: dict[str, Any] | None = None,
+    ) -> DirectKernel | None:
+        """The direct kernel of ``fn`` at these arguments, or None where it cannot serve them exactly as the graph
+        that returned ``reference`` for them did (the reason logged at DEBUG)."""
+        try:
+            kernel, why = cls._build(fn, args, kwargs, reference, options)
+        except Exception as err:  # noqa: BLE001 - any tracing or compile failure: the graph keeps serving
+            kernel, why = None, f"{type(err).__name__}: {str(err).strip()[:200]}"
+        if kernel is None:
+            _log.debug("quark: %s keeps its aot_compile graph (%s)", getattr(fn, "__qualname__", fn), why)
+        return kernel
+
+    @classmethod
+    def _build(
+        cls,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reference: Any,
+        options: dict[str, Any] | None,
+    ) -> tuple[DirectKernel | None, str]:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        tensors = [args[i] for i in positions]
+        if any(t.device.type != "cpu" for t in tensors):
+            return None, "not a CPU kernel"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None, "autograd records it"
+        ref_leaves, spec = pytree.tree_flatten(reference)
+        if not ref_leaves or not all(type(t) is torch.Tensor for t in ref_leaves):
+            return None, "returns something other than tensors"
+        if _storages(ref_leaves) & _storages(tensors):
+            return None, "an output shares an input's memory"
+
+        def flat(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(args)
+            for i, t in zip(positions, ts, strict=True):
+                full[i] = t
+            return tuple(pytree.tree_leaves(fn(*full, **kwargs)))
+
+        with torch.no_grad():
+            gm = make_fx(
+                torch.func.functionalize(flat, remove="mutations_and_views"),
+                decomposition_table=select_decomp_table(),
+                tracing_mode="fake",  # (no side effect of the kernel runs while tracing)
+            )(*tensors)
+        why = _pure(gm)
+        if why is not None:
+            return None, why
+        with inductor_config.patch(options or {}):
+            call = compile_fx_inner(gm, list(tensors)).current_callable
+        kernel = cls(call, positions, spec)
+        out = pytree.tree_leaves(kernel(args))
+        if len(out) != len(ref_leaves) or not all(_same_bits(a, b) for a, b in zip(out, ref_leaves, strict=True)):
+            return None, "its result differs from the graph's"
+        return kernel, ""
