@@ -5,8 +5,10 @@ protocol of issue 38.
 
 A step is the time from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step and
 every callback hook of the batch, the QuantCallback's included), taken by a timing callback. Each fit runs
-``--steps`` batches; the first ``--skip`` batches of each half are left out (the first compile of a kernel in a
-process, the switch of the observers). Fits alternate FP32 / int8 / fp8 / MX, ``--rounds`` times, in one process:
+``--steps`` batches; the first ``--skip`` batches of each half are left out (the switch of the observers). Before
+the timed fits, every quantized contender runs one untimed fit of ``--warmup-steps`` batches, so the kernels are
+compiled (or loaded) and, past ``kernel_cache.DIRECT_AFTER_CALLS`` calls of a signature, served directly, as they
+are in the later steps of a long run. Fits alternate FP32 / int8 / fp8 / MX, ``--rounds`` times, in one process:
 x FP32 is the median over rounds of (the contender's median step) / (FP32's median step in the same round), per half
 and for the whole fit ("half": the mean of the two halves, the observers on for half the steps). The loggers,
 checkpoints and progress bar are off, so Lightning's fixed cost per step is as small as it gets: the ratios are the
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8  # noqa: E402
 from callbacks import QuantCallback  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
+from quark.torch.quantization.formats.kernel_cache import DIRECT_AFTER_CALLS  # noqa: E402
 
 CONTENDERS = {"fp32": None, "int8 W8A8": W8A8, "fp8 W8A8": FP8_W8A8, "MXFP4/MXFP8": MX_W4A8}
 
@@ -115,10 +118,12 @@ def _halves(times: list[float], skip: int) -> tuple[float, float]:
     return statistics.median(times[skip:mid]), statistics.median(times[mid + skip :])
 
 
-def sweep(widths: list[int], rounds: int, steps: int, skip: int) -> None:
+def sweep(widths: list[int], rounds: int, steps: int, skip: int, warmup_steps: int) -> None:
     rows = []
     for width in widths:
-        fit(width, W8A8, max(2 * skip + 4, 16))  # compile (or load) the kernels this width uses
+        for config in CONTENDERS.values():
+            if config is not None and warmup_steps:
+                fit(width, config, warmup_steps)
         per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in CONTENDERS}
         for _ in range(rounds):
             for name, config in CONTENDERS.items():
@@ -151,6 +156,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="fits per contender per width")
     parser.add_argument("--steps", type=int, default=80, help="training batches per fit (observers on for half)")
     parser.add_argument("--skip", type=int, default=5, help="batches left out at the start of each half")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=2 * (DIRECT_AFTER_CALLS or 0) + 20,
+        help="batches of one untimed fit per quantized contender first (observers on for half of them)",
+    )
     args = parser.parse_args()
     if args.steps < 2 * args.skip + 4:
         parser.error(f"--steps {args.steps} leaves too few batches after --skip {args.skip} in each half")
@@ -158,7 +169,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("quark").setLevel(logging.WARNING)
-    sweep([int(w) for w in args.widths.split(",")], args.rounds, args.steps, args.skip)
+    sweep([int(w) for w in args.widths.split(",")], args.rounds, args.steps, args.skip, args.warmup_steps)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ from torch.ao import quantization as tq
 from quark.torch import ModelQuantizer
 from quark.torch.cpu_allocator import keep_freed_memory
 from quark.torch.quantization.formats import Backend
+from quark.torch.quantization.formats.kernel_cache import DIRECT_AFTER_CALLS
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 from quark_lightning.tasks.digits import DigitsCNN
 from quark_lightning.tasks.recipes import FP8_PER_TENSOR, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT, MXFP4
@@ -556,7 +557,13 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=5, help="steps per contender per round")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=(DIRECT_AFTER_CALLS or 0) + 10,
+        help="untimed steps per contender first: kernels compiled and, past DIRECT_AFTER_CALLS calls of a signature, "
+        "served directly, as in the later steps of a long run",
+    )
     parser.add_argument("--memory-steps", type=int, default=5)
     parser.add_argument("--memory-repeats", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true", help="time only")
