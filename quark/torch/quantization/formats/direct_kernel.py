@@ -68,18 +68,22 @@ class DirectKernel:
     """``fn(*args, **kwargs)`` for one exact signature as inductor's generated code, called with the tensors only
     (every other argument is a constant of the graph, as it is part of the signature)."""
 
-    __slots__ = ("_call", "_positions", "_spec", "_single")
+    __slots__ = ("_call", "_positions", "_spec", "_shape")
 
     def __init__(self, call: Callable[[list[torch.Tensor]], Any], positions: tuple[int, ...], spec: Any) -> None:
         self._call = call
         self._positions = positions
         self._spec = spec
-        self._single = spec.is_leaf() if hasattr(spec, "is_leaf") else False
+        # the result's structure: one tensor, a flat tuple of them, or anything else (pytree; some us a call)
+        numbered = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+        self._shape = "one" if numbered == 0 else "tuple" if numbered == tuple(range(spec.num_leaves)) else "tree"
 
     def __call__(self, args: Sequence[Any]) -> Any:
         out = self._call([args[i] for i in self._positions])  # (the generated code empties the list it gets)
-        if self._single:
+        if self._shape == "one":
             return out[0]
+        if self._shape == "tuple":
+            return tuple(out)
         return pytree.tree_unflatten(list(out), self._spec)
 
     @classmethod

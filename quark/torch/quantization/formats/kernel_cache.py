@@ -79,11 +79,44 @@ def _key(value: Any, exact: bool) -> Hashable | None:
     if isinstance(value, tuple | list):
         parts = tuple(_key(v, exact) for v in value)
         return None if any(p is None for p in parts) else (cls, parts)
+    known = _HASHED.get(id(value))
+    if known is not None and known.value[1] is value:
+        return known
     try:
-        hash(value)
+        key = _Hashed((cls, value))
     except TypeError:
         return None
-    return (cls, value)
+    if len(_HASHED) < MAX_HASHED:
+        _HASHED[id(value)] = key  # (it holds ``value``: the id is not reused while it is here)
+    return key
+
+
+#: keys of the frozen plans and formats kernels take, by the argument's identity (bounded: see ``_key``)
+MAX_HASHED = 4096
+_HASHED: dict[int, _Hashed] = {}
+
+
+class _Hashed:
+    """``(type, value)`` as a key whose hash is computed once: a frozen dataclass hashes all its fields (enums in
+    Python code) on every hash, and a signature is hashed on every kernel call. Equal, and printed (the kernel
+    store names folders by the key's repr), as the tuple it wraps."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple[type, Any]) -> None:
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            type(other) is _Hashed and self._hash == other._hash and self.value == other.value  # type: ignore[attr-defined]
+        )
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 def _global_state() -> tuple[Hashable, ...]:
