@@ -156,12 +156,13 @@ class _Entry:
     """What serves one signature: its ``aot_compile`` graph (False: refused), the calls it served, and its direct
     kernel once it has one."""
 
-    __slots__ = ("graph", "calls", "direct")
+    __slots__ = ("graph", "calls", "direct", "refused")
 
     def __init__(self, graph: Any) -> None:
         self.graph = graph
         self.calls = 0
         self.direct: DirectKernel | None = None
+        self.refused = False  # a direct kernel was tried and cannot serve this signature
 
 
 class KernelCache:
@@ -203,7 +204,7 @@ class KernelCache:
         if entry.graph is False:
             raise LookupError("aot_compile refused this kernel")
         entry.calls += 1
-        if entry.calls == DIRECT_AFTER_CALLS:
+        if DIRECT_AFTER_CALLS is not None and entry.calls >= DIRECT_AFTER_CALLS and not entry.refused:
             return self._go_direct(entry, args, kwargs)
         return entry.graph.fn(*args, **kwargs)
 
@@ -215,6 +216,7 @@ class KernelCache:
                 if self.on_compile is not None:
                     self.on_compile()
                 entry.direct = DirectKernel.build(self.fn, args, kwargs, out, self.options)
+                entry.refused = entry.direct is None
                 self.directs += entry.direct is not None
         return out
 
