@@ -123,16 +123,17 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.numel():  # nothing to observe or round (an MoE expert no token was routed to): qparams or not
             return x
-        if self.is_dynamic or self.observer_enabled:
+        flags = self._buffers  # (the switches read from the dict: Module.__getattr__ on every forward is not free)
+        if self.spec.is_dynamic or flags["observer_enabled"]:
             out = self._observe_and_quantize(x)
             if out is not None:
                 return out
             self.observer(x)
             self._stale = True  # qparams follow lazily: calibration with fake quant off never pays for them
-        if not self.fake_quant_enabled:
+        if not flags["fake_quant_enabled"]:
             return x
         self._sync()
-        if not self.initialized:
+        if not flags["initialized"]:
             raise RuntimeError(
                 f"{self.where}: {type(self).__name__}({self.extra_repr()}) has no qparams yet: it has observed no data "
                 "and its observer is off. Calibrate (observer on) with data that reaches this layer before quantizing; "

@@ -140,9 +140,23 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
     ``aot_compile`` keeps guards on tensors and global state only, none on a plan object or an enum argument."""
     parts: list[Hashable] = [_global_state()]
     for value in args:
-        key = _key(value, exact)
-        if key is None:
-            return None
+        cls = type(value)
+        if exact and cls in _PLAIN_TENSORS:  # the common case first, inline (this runs on every kernel call)
+            key = (
+                cls,
+                value.dtype,
+                value.device,
+                value.requires_grad,
+                value.is_inference(),
+                value.shape,
+                value.stride(),
+            )
+        elif cls in _BY_VALUE:
+            key = (cls, value)
+        else:
+            key = _key(value, exact)
+            if key is None:
+                return None
         parts.append(key)
     for name, value in sorted(kwargs.items()) if kwargs else ():
         key = _key(value, exact)
