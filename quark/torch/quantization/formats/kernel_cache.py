@@ -22,6 +22,7 @@ kernel ``aot_compile`` refuses takes the caller's ``torch.compile`` path as befo
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Hashable
 from enum import Enum
@@ -38,10 +39,24 @@ __all__ = ["KernelCache", "call_signature"]
 #: answers stay correct beyond it, they are just no longer remembered
 MAX_SIGNATURES = 512
 
-#: calls of one signature after which it is compiled at its exact shapes and served directly (None: never). A compile
-#: costs about 0.5 s (0.04 s from torch's disk cache) and saves 10 us a call on 2 idle cores, 25-40 inside a training
-#: step, so a signature seen this often is one of a loop that will run on
-DIRECT_AFTER_CALLS: int | None = 200
+
+def _direct_after_from_env(default: int = 200) -> int | None:
+    """``QUARK_DIRECT_KERNELS``: unset or ``1``, the default threshold; ``0``, never; a number ``n`` > 1, after ``n``
+    calls. Anything else is refused, naming the variable."""
+    setting = os.environ.get("QUARK_DIRECT_KERNELS", "").strip()
+    if setting in ("", "1"):
+        return default
+    if setting == "0":
+        return None
+    if setting.isdigit():
+        return int(setting)
+    raise ValueError(f"QUARK_DIRECT_KERNELS={setting!r}: allowed 0 (never), 1 (after {default} calls) or a call count")
+
+
+#: calls of one signature after which it is compiled at its exact shapes and served directly (None: never;
+#: ``QUARK_DIRECT_KERNELS``). A compile costs about 0.5 s (0.04 s from torch's disk cache) and saves 5 us a call on
+#: 2 idle cores, more inside a training step, so a signature seen this often is one of a loop that will run on
+DIRECT_AFTER_CALLS: int | None = _direct_after_from_env()
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 

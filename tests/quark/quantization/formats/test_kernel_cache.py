@@ -257,3 +257,12 @@ def test_a_direct_kernel_whose_result_differs_is_not_used(direct_after: int, mon
     outs = _calls(cache, direct_after + 2, x, s, -128, 127, RoundType.half_even)
     assert cache.directs == 0 and any("differs" in r.getMessage() for r in caplog.records)
     assert all(torch.equal(o, _int_fq(x, s, -128, 127, RoundType.half_even)) for o in outs)
+
+
+def test_direct_kernels_follow_the_environment(monkeypatch) -> None:
+    for setting, expected in (("", 200), ("1", 200), ("0", None), ("50", 50)):
+        monkeypatch.setenv("QUARK_DIRECT_KERNELS", setting)
+        assert kernel_cache._direct_after_from_env() == expected, setting
+    monkeypatch.setenv("QUARK_DIRECT_KERNELS", "often")
+    with pytest.raises(ValueError, match="QUARK_DIRECT_KERNELS='often'"):
+        kernel_cache._direct_after_from_env()
