@@ -54,7 +54,7 @@ def _direct_after_from_env(default: int = 200) -> int | None:
 
 
 #: calls of one signature after which it is compiled at its exact shapes and served directly (None: never;
-#: ``QUARK_DIRECT_KERNELS``). A compile costs about 0.5 s (0.04 s from torch's disk cache) and saves 5 us a call on
+#: ``QUARK_DIRECT_KERNELS``). A build costs about 0.4 s (0.15 s from torch's disk cache) and saves 5 us a call on
 #: 2 idle cores, more inside a training step, so a signature seen this often is one of a loop that will run on
 DIRECT_AFTER_CALLS: int | None = _direct_after_from_env()
 
