@@ -6,15 +6,13 @@ wrappers: about a hundred Python calls per kernel call (14 us on 2 idle cores fo
 weights and optimizer state evict the interpreter's objects from the cache. A signature called often (a quantizer in
 a training loop: the same shapes every step) is therefore traced once more at its exact shapes
 (``aot_export_joint_simple``: functional, with inductor's decompositions, on fake tensors) and compiled by
-``compile_fx_inner``; the call is then a list of
-tensors into the generated ``call``. torch's FX-graph cache keeps the compiled code on disk, so a later process builds
-one in about 0.15 s instead of 0.4 s (2 cores).
+``compile_fx_inner``; the call is then a list of tensors into the generated ``call``. torch's FX-graph cache keeps the
+compiled code on disk, so a later process builds one in about 0.15 s instead of 0.4 s (2 cores).
 
 Only kernels that are pure functions of their tensors are served so: no input written in place, no output sharing
 an input's memory, no random numbers, and no graph that autograd records (grad mode on with an input that requires
 grad). The first direct call is checked against the graph that served the signature before (the same values, NaN
-included); anything
-else (a refusal, a compile error, another value) keeps that graph.
+included); anything else (a refusal, a compile error, another value) keeps that graph.
 """
 
 from __future__ import annotations
