@@ -19,7 +19,7 @@ import torch
 
 from quark.torch.quantization.config.type import Dtype, RoundType
 from quark.torch.quantization.formats import fake_quantize, fake_quantize_grad, scale_dtype
-from quark.torch.quantization.formats.grouping import Backend, compilable, compiled_kernels_active
+from quark.torch.quantization.formats.grouping import Backend, compilable, compiled_kernels_active, fast_apply
 from quark.torch.quantization.observer.observer import MinMaxPlan
 
 __all__ = [
@@ -104,13 +104,16 @@ class _ObserveFakeQuant(torch.autograd.Function):
         return fake_quantize_grad(grad, x, plan.dtype, scale, zp, **plan.quantize_kwargs()), None, None, None
 
 
+_observe_fake_quant = fast_apply(_ObserveFakeQuant)
+
+
 def observe_fake_quantize(
     x: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor, plan: FusedPlan
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Observe ``x`` into the running statistics ``min_val`` / ``max_val`` (updated in place; left as they were where
     this batch has NaN or Inf) and fake-quantize it with the qparams that gives: (out, scale, zero point, finite: a
     bool tensor the caller checks). Differentiable in ``x`` (straight-through)."""
-    return _ObserveFakeQuant.apply(x, min_val, max_val, plan)
+    return _observe_fake_quant(x, min_val, max_val, plan)
 
 
 def scale_may_have_saturated(plan: FusedPlan, scale: torch.Tensor, model_dtype: torch.dtype) -> bool:

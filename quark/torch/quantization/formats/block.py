@@ -10,7 +10,14 @@ import torch
 
 from quark.torch.quantization.config.type import Dtype
 from quark.torch.quantization.formats.bits import frexp32, ldexp32, pow2
-from quark.torch.quantization.formats.grouping import cast_saturating, compilable, from_blocks, static_int, to_blocks
+from quark.torch.quantization.formats.grouping import (
+    cast_saturating,
+    compilable,
+    fast_apply,
+    from_blocks,
+    static_int,
+    to_blocks,
+)
 from quark.torch.quantization.formats.minifloat import round_to_grid
 from quark.torch.quantization.formats.table import (
     FLOAT_FORMATS,
@@ -252,26 +259,29 @@ class _BlockSTE(torch.autograd.Function):
         return grad, None, None
 
 
+_block_ste = fast_apply(_BlockSTE)
+
+
 def fake_quantize_mx(
     x: torch.Tensor, element: Dtype | str, block_size: int = 32, axis: int = -1, mode: str = "floor"
 ) -> torch.Tensor:
     """OCP MX: blocks of ``block_size`` along ``axis`` share ``2^(floor(log2 amax) - emax_elem)`` (``mode``: the
     scale rule of ``mx_shared_exponent``); elements RNE."""
-    return _BlockSTE.apply(x, _fake_mx, (Dtype(element), block_size, axis, mode))
+    return _block_ste(x, _fake_mx, (Dtype(element), block_size, axis, mode))
 
 
 def fake_quantize_mx6(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:
     """MX6: 8-bit shared exponent per 16, 1-bit micro-exponent per pair, sign + 4-bit mantissas."""
     _check_even(block_size)
-    return _BlockSTE.apply(x, _fake_microexponent, (4, block_size, axis))
+    return _block_ste(x, _fake_microexponent, (4, block_size, axis))
 
 
 def fake_quantize_mx9(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:
     """MX9: as MX6 with sign + 7-bit mantissas."""
     _check_even(block_size)
-    return _BlockSTE.apply(x, _fake_microexponent, (7, block_size, axis))
+    return _block_ste(x, _fake_microexponent, (7, block_size, axis))
 
 
 def fake_quantize_bfp16(x: torch.Tensor, block_size: int = 8, axis: int = -1) -> torch.Tensor:
     """BFP16: blocks of ``block_size`` share an 8-bit exponent; 8-bit two's complement elements."""
-    return _BlockSTE.apply(x, _fake_bfp, (block_size, axis))
+    return _block_ste(x, _fake_bfp, (block_size, axis))

@@ -29,6 +29,7 @@ from quark.torch.quantization.formats.grouping import (
     channel_view,
     compilable,
     compiled_kernels_active,
+    fast_apply,
     from_blocks,
     from_tiles,
     normalize_axis,
@@ -195,6 +196,9 @@ class _IntFakeQuant(torch.autograd.Function):
         return _int_grad(grad, x, scale, zero_point, *ctx.meta), None, None, None, None, None
 
 
+_int_fake_quant = fast_apply(_IntFakeQuant)
+
+
 def _torch_kernel_applies(zero_point: torch.Tensor, qmin: int, qmax: int, method: RoundType) -> bool:
     return (
         method == RoundType.half_even
@@ -220,7 +224,7 @@ def _fake_quantize_elementwise(
     x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, qmin: int, qmax: int, method: RoundType
 ) -> torch.Tensor:
     """Core with ``scale``/``zp`` already broadcastable to ``x``."""
-    return _IntFakeQuant.apply(x, scale, zp, qmin, qmax, method)
+    return _int_fake_quant(x, scale, zp, qmin, qmax, method)
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,7 +282,7 @@ class PreparedInt:
                     x.float(), self.flat_scale, self.flat_zero_point, self.axis, self.qmin, self.qmax
                 )
         else:
-            out = _IntFakeQuant.apply(x, self.scale, self.zero_point, self.qmin, self.qmax, self.round_method)
+            out = _int_fake_quant(x, self.scale, self.zero_point, self.qmin, self.qmax, self.round_method)
         return cast_saturating(out, x.dtype)  # fp16 at 65504 on a grid point past it: 65504, not inf
 
 

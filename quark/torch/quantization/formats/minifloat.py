@@ -17,6 +17,7 @@ from quark.torch.quantization.formats.grouping import (
     channel_view,
     compilable,
     compiled_kernels_active,
+    fast_apply,
     from_blocks,
     from_tiles,
     saturate_to,
@@ -152,7 +153,10 @@ def _scaled_round(
     if torch_dtype is not None and not compiled_kernels_active(x, GRID_MIN_NUMEL) and not torch.compiler.is_compiling():
         # the cast: the fastest eager rounding (compiled, the grid rounding vectorizes and the cast does not)
         return _CastSTE.apply(x, scale, fmt, torch_dtype)
-    return _GridSTE.apply(x, scale, fmt)
+    return _grid_ste(x, scale, fmt)
+
+
+_grid_ste = fast_apply(_GridSTE)
 
 
 class _CastSTE(torch.autograd.Function):
