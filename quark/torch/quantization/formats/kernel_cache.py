@@ -135,13 +135,14 @@ class _Hashed:
 
 
 def _global_state() -> tuple[Hashable, ...]:
-    """The global state a graph is built under and its guards would check (grad and inference mode, autocast, the
-    default dtype, determinism, torch's thread count, which the CPU kernels are generated for)."""
+    """The global state a graph is built under and its guards would check (grad and inference mode, autocast and
+    the dtype it casts to, the default dtype, determinism, torch's thread count, which the CPU kernels are generated
+    for)."""
     return (
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
+        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),  # (False, or the dtype: bf16 != fp16)
+        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
         torch.get_default_dtype(),
         torch.are_deterministic_algorithms_enabled(),
         torch.get_num_threads(),

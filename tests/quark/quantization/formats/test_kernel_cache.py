@@ -116,6 +116,9 @@ def test_global_state_is_part_of_the_signature() -> None:
         torch.set_num_threads(threads)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert call_signature((x,), {}) != base
+        bf16 = call_signature((x,), {})
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert call_signature((x,), {}) != bf16  # autocast's dtype counts: a graph traced for bf16 casts to bf16
     with torch.inference_mode():
         assert call_signature((x,), {}) != base
     assert call_signature((x,), {}) == base
@@ -318,3 +321,17 @@ def test_a_direct_kernel_returns_named_tuples_as_their_type(direct_after: int) -
     assert named.directs == 1 and aminmax.directs == 1
     assert type(pair) is _MinMax and torch.equal(pair.hi, x.amax() * 2)
     assert type(stats) is torch.return_types.aminmax and torch.equal(stats.max, (x * 3).amax())
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+def test_a_graph_traced_under_one_autocast_dtype_does_not_serve_another(direct_after: int) -> None:
+    a, b = _x(8, 16), _x(16, 4)
+    cache = KernelCache(_mm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert all(out.dtype == torch.bfloat16 for out in _calls(cache, direct_after + 1, a, b))
+    assert cache.directs == 1
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert cache(a, b).dtype == torch.float16 == _mm(a, b).dtype
