@@ -252,7 +252,7 @@ class KernelCache:
         """This call through the graph, and from now on the signature's direct kernel where one serves it exactly."""
         out = entry.graph.fn(*args, **kwargs)
         with self._lock:
-            if entry.direct is None:
+            if entry.direct is None and not entry.refused:  # (another thread may have built or refused it meanwhile)
                 if self.on_compile is not None:
                     self.on_compile()
                 entry.direct = DirectKernel.build(self.fn, args, kwargs, out, self.options)

@@ -335,3 +335,19 @@ def test_a_graph_traced_under_one_autocast_dtype_does_not_serve_another(direct_a
     assert cache.directs == 1
     with torch.autocast("cpu", dtype=torch.float16):
         assert cache(a, b).dtype == torch.float16 == _mm(a, b).dtype
+
+
+def test_a_refused_signature_is_not_built_again(direct_after: int, monkeypatch) -> None:
+    """A thread that passed the refusal check while another thread's build was refusing waits for the lock, then
+    keeps the graph instead of compiling the same refusal again."""
+    from quark.torch.quantization.formats.direct_kernel import DirectKernel
+
+    builds: list[str] = []
+    monkeypatch.setattr(DirectKernel, "build", classmethod(lambda cls, fn, *rest: builds.append(fn.__name__)))
+    cache = KernelCache(_int_fq)
+    args = (_x(16, 64), torch.tensor(0.1), -128, 127, RoundType.half_even)
+    _calls(cache, direct_after + 2, *args)
+    assert builds == ["_int_fq"] and cache.directs == 0
+    (entry,) = cache._by_signature.values()
+    assert torch.equal(cache._go_direct(entry, args, {}), _int_fq(*args))  # the late thread
+    assert builds == ["_int_fq"]
