@@ -74,7 +74,9 @@ class DirectKernel:
         self._spec = spec
         # the result's structure: one tensor, a flat tuple of them, or anything else (pytree; some us a call)
         numbered = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-        self._shape = "one" if numbered == 0 else "tuple" if numbered == tuple(range(spec.num_leaves)) else "tree"
+        # (a namedtuple, torch.return_types included, compares equal to the plain tuple but is rebuilt as its type)
+        plain = type(numbered) is tuple and numbered == tuple(range(spec.num_leaves))
+        self._shape = "one" if numbered == 0 else "tuple" if plain else "tree"
 
     def __call__(self, args: Sequence[Any]) -> Any:
         out = self._call([args[i] for i in self._positions])  # (the generated code empties the list it gets)

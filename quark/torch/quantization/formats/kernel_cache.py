@@ -5,8 +5,8 @@ fields, several variants per kernel) that took 50-70 us per call on 2 CPU cores,
 activation of 32x1024 elements (7 us), and a QAT step makes one call per quantizer forward and one per backward.
 
 ``KernelCache`` compiles a kernel ahead of time (``aot_compile``, one graph, dynamic shapes) and keeps the result by
-the call's exact signature: each tensor's type, dtype, device, shape, strides and ``requires_grad``, every other
-argument by value, and the grad / inference mode. A signature seen before runs the compiled graph directly (a
+the call's exact signature: each tensor's type, dtype, device, shape, strides and ``requires_grad`` (and which
+arguments are one tensor passed twice), every other argument by value, and the grad / inference mode. A signature seen before runs the compiled graph directly (a
 dictionary lookup, a few microseconds). A new signature is matched once against the guards of the graphs already
 built for the kernel (a new batch size reuses the dynamic-shape graph when its guards hold) and only then compiled,
 so every call runs a graph whose guards held for exactly that signature: the same results as ``torch.compile``, and
@@ -101,9 +101,24 @@ def _key(value: Any, exact: bool) -> Hashable | None:
         key = _Hashed((cls, value))
     except TypeError:
         return None
-    if len(_HASHED) < MAX_HASHED:
+    # only a value that cannot change keeps its key by identity: a mutable object that hashes its fields (a dataclass
+    # with unsafe_hash) changed in place is another signature, which a remembered key (its old hash) would hide
+    if len(_HASHED) < MAX_HASHED and _frozen(cls):
         _HASHED[id(value)] = key  # (it holds ``value``: the id is not reused while it is here)
     return key
+
+
+def _frozen(cls: type) -> bool:
+    """Whether instances of ``cls`` are frozen dataclasses (the plans and formats kernels take): their hash cannot
+    change, so their key may be remembered by identity."""
+    frozen = _FROZEN.get(cls)
+    if frozen is None:
+        params = getattr(cls, "__dataclass_params__", None)
+        frozen = _FROZEN[cls] = bool(params is not None and params.frozen)
+    return frozen
+
+
+_FROZEN: dict[type, bool] = {}
 
 
 #: keys of the frozen plans and formats kernels take, by the argument's identity (bounded: see ``_key``)
@@ -135,13 +150,14 @@ class _Hashed:
 
 
 def _global_state() -> tuple[Hashable, ...]:
-    """The global state a graph is built under and its guards would check (grad and inference mode, autocast, the
-    default dtype, determinism, torch's thread count, which the CPU kernels are generated for)."""
+    """The global state a graph is built under and its guards would check (grad and inference mode, autocast and
+    the dtype it casts to, the default dtype, determinism, torch's thread count, which the CPU kernels are generated
+    for)."""
     return (
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
+        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),  # (False, or the dtype: bf16 != fp16)
+        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
         torch.get_default_dtype(),
         torch.are_deterministic_algorithms_enabled(),
         torch.get_num_threads(),
@@ -154,9 +170,11 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
     keyed (then the call takes the guarded path). Non-tensor arguments count by value: a graph built by
     ``aot_compile`` keeps guards on tensors and global state only, none on a plan object or an enum argument."""
     parts: list[Hashable] = [_global_state()]
+    tensors: list[int] = []  # ids of the tensor arguments: one tensor passed twice is traced as one input
     for value in args:
         cls = type(value)
         if exact and cls in _PLAIN_TENSORS:  # the common case first, inline (this runs on every kernel call)
+            tensors.append(id(value))
             key = (
                 cls,
                 value.dtype,
@@ -169,15 +187,23 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
         elif cls in _BY_VALUE:
             key = (cls, value)
         else:
+            if cls in _PLAIN_TENSORS:
+                tensors.append(id(value))
             key = _key(value, exact)
             if key is None:
                 return None
         parts.append(key)
     for name, value in sorted(kwargs.items()) if kwargs else ():
+        if type(value) in _PLAIN_TENSORS:
+            tensors.append(id(value))
         key = _key(value, exact)
         if key is None:
             return None
         parts.append((name, key))
+    if len(tensors) > 1 and len(set(tensors)) < len(tensors):
+        # dynamo and AOTAutograd trace a tensor passed twice as one input (the graph then reads one of the two
+        # arguments for both): which arguments are the same tensor is part of the signature
+        parts.append(("same tensors", tuple(tensors.index(t) for t in tensors)))
     return tuple(parts)
 
 
@@ -241,7 +267,7 @@ class KernelCache:
         """This call through the graph, and from now on the signature's direct kernel where one serves it exactly."""
         out = entry.graph.fn(*args, **kwargs)
         with self._lock:
-            if entry.direct is None:
+            if entry.direct is None and not entry.refused:  # (another thread may have built or refused it meanwhile)
                 if self.on_compile is not None:
                     self.on_compile()
                 entry.direct = DirectKernel.build(self.fn, args, kwargs, out, self.options)

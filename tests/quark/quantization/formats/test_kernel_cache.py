@@ -8,6 +8,8 @@ guards could go wrong: another value of a non-tensor argument (aot_compile keeps
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -114,6 +116,9 @@ def test_global_state_is_part_of_the_signature() -> None:
         torch.set_num_threads(threads)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert call_signature((x,), {}) != base
+        bf16 = call_signature((x,), {})
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert call_signature((x,), {}) != bf16  # autocast's dtype counts: a graph traced for bf16 casts to bf16
     with torch.inference_mode():
         assert call_signature((x,), {}) != base
     assert call_signature((x,), {}) == base
@@ -266,3 +271,92 @@ def test_direct_kernels_follow_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("QUARK_DIRECT_KERNELS", "often")
     with pytest.raises(ValueError, match="QUARK_DIRECT_KERNELS='often'"):
         kernel_cache._direct_after_from_env()
+
+
+def _twice_plus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * 2 + b
+
+
+def test_one_tensor_passed_twice_is_another_signature() -> None:
+    """dynamo traces ``f(x, x)`` with one input: a graph built for it and served to ``f(x, y)`` read ``x`` twice."""
+    x, y = torch.ones(4, 8), torch.full((4, 8), 10.0)
+    assert call_signature((x, x), {}) != call_signature((x, y), {})
+    assert call_signature((x, y), {}) == call_signature((y, x), {})
+    assert call_signature((x,), {"b": x}) != call_signature((x,), {"b": y})
+    cache = KernelCache(_twice_plus)
+    assert torch.equal(cache(x, x), _twice_plus(x, x))
+    assert torch.equal(cache(x, y), _twice_plus(x, y)) and cache.compiles == 2
+
+
+@dataclass(unsafe_hash=True)
+class _MutableMode:
+    mode: str
+
+
+def _round_by(x: torch.Tensor, how: _MutableMode) -> torch.Tensor:
+    return (torch.round(x * 8) if how.mode == "round" else torch.floor(x * 8)) / 8
+
+
+def test_a_mutable_argument_changed_in_place_is_keyed_by_its_new_value() -> None:
+    """Only a frozen argument's key is remembered by identity: an object hashed by its fields and changed in place is
+    another signature, not the one its old value was compiled for."""
+    cache = KernelCache(_round_by)
+    x = torch.linspace(-1, 1, 64)
+    how = _MutableMode("round")
+    assert torch.equal(cache(x, how), _round_by(x, how))
+    how.mode = "floor"
+    assert torch.equal(cache(x, how), _round_by(x, how)) and cache.compiles == 2
+
+
+class _MinMax(NamedTuple):
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+def _named(x: torch.Tensor) -> _MinMax:
+    return _MinMax(x.amin() * 2, x.amax() * 2)
+
+
+def _aminmax(x: torch.Tensor) -> torch.return_types.aminmax:
+    return torch.aminmax(x * 3)
+
+
+def test_a_direct_kernel_returns_named_tuples_as_their_type(direct_after: int) -> None:
+    """A namedtuple compares equal to the plain tuple of its fields: the direct kernel still rebuilds its type."""
+    x = _x(8, 16)
+    named, aminmax = KernelCache(_named), KernelCache(_aminmax)
+    pair = _calls(named, direct_after + 1, x)[-1]
+    stats = _calls(aminmax, direct_after + 1, x)[-1]
+    assert named.directs == 1 and aminmax.directs == 1
+    assert type(pair) is _MinMax and torch.equal(pair.hi, x.amax() * 2)
+    assert type(stats) is torch.return_types.aminmax and torch.equal(stats.max, (x * 3).amax())
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+def test_a_graph_traced_under_one_autocast_dtype_does_not_serve_another(direct_after: int) -> None:
+    a, b = _x(8, 16), _x(16, 4)
+    cache = KernelCache(_mm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert all(out.dtype == torch.bfloat16 for out in _calls(cache, direct_after + 1, a, b))
+    assert cache.directs == 1
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert cache(a, b).dtype == torch.float16 == _mm(a, b).dtype
+
+
+def test_a_refused_signature_is_not_built_again(direct_after: int, monkeypatch) -> None:
+    """A thread that passed the refusal check while another thread's build was refusing waits for the lock, then
+    keeps the graph instead of compiling the same refusal again."""
+    from quark.torch.quantization.formats.direct_kernel import DirectKernel
+
+    builds: list[str] = []
+    monkeypatch.setattr(DirectKernel, "build", classmethod(lambda cls, fn, *rest: builds.append(fn.__name__)))
+    cache = KernelCache(_int_fq)
+    args = (_x(16, 64), torch.tensor(0.1), -128, 127, RoundType.half_even)
+    _calls(cache, direct_after + 2, *args)
+    assert builds == ["_int_fq"] and cache.directs == 0
+    (entry,) = cache._by_signature.values()
+    assert torch.equal(cache._go_direct(entry, args, {}), _int_fq(*args))  # the late thread
+    assert builds == ["_int_fq"]
