@@ -172,26 +172,11 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
     parts: list[Hashable] = [_global_state()]
     tensors: list[int] = []  # ids of the tensor arguments: one tensor passed twice is traced as one input
     for value in args:
-        cls = type(value)
-        if exact and cls in _PLAIN_TENSORS:  # the common case first, inline (this runs on every kernel call)
+        if type(value) in _PLAIN_TENSORS:
             tensors.append(id(value))
-            key = (
-                cls,
-                value.dtype,
-                value.device,
-                value.requires_grad,
-                value.is_inference(),
-                value.shape,
-                value.stride(),
-            )
-        elif cls in _BY_VALUE:
-            key = (cls, value)
-        else:
-            if cls in _PLAIN_TENSORS:
-                tensors.append(id(value))
-            key = _key(value, exact)
-            if key is None:
-                return None
+        key = _key(value, exact)
+        if key is None:
+            return None
         parts.append(key)
     for name, value in sorted(kwargs.items()) if kwargs else ():
         if type(value) in _PLAIN_TENSORS:
