@@ -16,6 +16,7 @@ least favourable to QAT a fit gives.
 
     python bench/qat_lightning.py --widths 512,1024,4096
     python bench/qat_lightning.py --widths 1024 --rounds 3 --steps 60   # quicker
+    python bench/qat_lightning.py --widths 512,1024,4096 --rounds 5 --graphs   # + int8 without direct kernels
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8  # noqa: E402
 from callbacks import QuantCallback  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
+from quark.torch.quantization.formats import kernel_cache  # noqa: E402
 from quark.torch.quantization.formats.kernel_cache import DIRECT_AFTER_CALLS  # noqa: E402
 
 CONTENDERS = {"fp32": None, "int8 W8A8": W8A8, "fp8 W8A8": FP8_W8A8, "MXFP4/MXFP8": MX_W4A8}
+#: ``--graphs``: int8 with every kernel through its aot_compile graph (no direct kernels), in the same rounds
+GRAPHS = "int8 W8A8, graphs"
 
 
 class MLPModule(LightningModule):
@@ -118,26 +122,39 @@ def _halves(times: list[float], skip: int) -> tuple[float, float]:
     return statistics.median(times[skip:mid]), statistics.median(times[mid + skip :])
 
 
-def sweep(widths: list[int], rounds: int, steps: int, skip: int, warmup_steps: int) -> None:
+def _fit_as(name: str, config: dict[str, Any] | None, width: int, steps: int) -> list[float]:
+    """``fit`` for contender ``name``: the ``GRAPHS`` contender's kernels take their graphs, not direct kernels."""
+    if name != GRAPHS:
+        return fit(width, config, steps)
+    before = kernel_cache.DIRECT_AFTER_CALLS
+    kernel_cache.DIRECT_AFTER_CALLS = None
+    try:
+        return fit(width, config, steps)
+    finally:
+        kernel_cache.DIRECT_AFTER_CALLS = before
+
+
+def sweep(widths: list[int], rounds: int, steps: int, skip: int, warmup_steps: int, graphs: bool = False) -> None:
+    contenders = {**CONTENDERS, GRAPHS: W8A8} if graphs else CONTENDERS
     rows = []
     for width in widths:
         for config in CONTENDERS.values():
             if config is not None and warmup_steps:
                 fit(width, config, warmup_steps)
-        per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in CONTENDERS}
+        per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
         for _ in range(rounds):
-            for name, config in CONTENDERS.items():
-                per_round[name].append(_halves(fit(width, config, steps), skip))
+            for name, config in contenders.items():
+                per_round[name].append(_halves(_fit_as(name, config, width, steps), skip))
         fp32 = per_round["fp32"]
         row = {"width": width, "fp32 ms": 1e3 * statistics.median((a + b) / 2 for a, b in fp32)}
-        for name in list(CONTENDERS)[1:]:
+        for name in list(contenders)[1:]:
             on = [a / ((f + g) / 2) for (a, _), (f, g) in zip(per_round[name], fp32, strict=True)]
             off = [b / ((f + g) / 2) for (_, b), (f, g) in zip(per_round[name], fp32, strict=True)]
             row[f"{name} on"], row[f"{name} off"] = statistics.median(on), statistics.median(off)
             row[f"{name} half"] = statistics.median((a + b) / 2 for a, b in zip(on, off, strict=True))
         rows.append(row)
         print("# " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-    names = list(CONTENDERS)[1:]
+    names = list(contenders)[1:]
     print(
         f"\n# QAT step / FP32 step under Trainer.fit, MLP 1024 -> width -> 1024 -> 10, batch 32, Adam; {rounds} rounds "
         f"of {steps}-step fits, observers on for the first half (QuantCallback observer_steps={steps // 2}); "
@@ -162,6 +179,11 @@ def main() -> None:
         default=2 * (DIRECT_AFTER_CALLS or 0) + 20,
         help="batches of one untimed fit per quantized contender first (observers on for half of them)",
     )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help=f"also {GRAPHS!r}: int8 with direct kernels off in the same rounds (what they save)",
+    )
     args = parser.parse_args()
     if args.steps < 2 * args.skip + 4:
         parser.error(f"--steps {args.steps} leaves too few batches after --skip {args.skip} in each half")
@@ -169,7 +191,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("quark").setLevel(logging.WARNING)
-    sweep([int(w) for w in args.widths.split(",")], args.rounds, args.steps, args.skip, args.warmup_steps)
+    sweep([int(w) for w in args.widths.split(",")], args.rounds, args.steps, args.skip, args.warmup_steps, args.graphs)
 
 
 if __name__ == "__main__":

@@ -360,3 +360,18 @@ def test_a_refused_signature_is_not_built_again(direct_after: int, monkeypatch) 
     (entry,) = cache._by_signature.values()
     assert torch.equal(cache._go_direct(entry, args, {}), _int_fq(*args))  # the late thread
     assert builds == ["_int_fq"]
+
+
+def test_direct_kernels_off_serves_the_graph_again(direct_after: int, monkeypatch) -> None:
+    cache = KernelCache(_int_fq)
+    x, s = _x(16, 64), torch.tensor(0.1)
+    _calls(cache, direct_after + 1, x, s, -128, 127, RoundType.half_even)
+    (entry,) = cache._by_signature.values()
+    assert entry.direct is not None
+
+    def not_served(args):
+        raise AssertionError("a direct kernel served the call with direct kernels off")
+
+    entry.direct = not_served
+    monkeypatch.setattr(kernel_cache, "DIRECT_AFTER_CALLS", None)
+    assert torch.equal(cache(x, s, -128, 127, RoundType.half_even), _int_fq(x, s, -128, 127, RoundType.half_even))
