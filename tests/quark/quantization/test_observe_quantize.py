@@ -136,18 +136,20 @@ def test_fused_pass_gives_the_step_by_step_bits(
 def test_the_fused_pass_served_directly_gives_the_same_bits(
     name: str, compiled: None, fused_calls: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A signature served by a direct kernel (``formats.direct_kernel``, here from its first call) computes what the
-    step-by-step path does, writes the running statistics, and its tracing (nested format kernels inside the fused
+    """A signature served by a direct kernel (``formats.direct_kernel``, here from its first call; the backward's as
+    well) computes what the step-by-step path does, writes the running statistics, and its tracing (nested format kernels inside the fused
     pass) leaves the compiled backend on."""
     from quark.torch.quantization import observe_quantize
     from quark.torch.quantization.formats import kernel_cache
 
     monkeypatch.setattr(kernel_cache, "DIRECT_AFTER_CALLS", 1)
     cache = observe_quantize._observe_fake_quantize.kernel_cache
-    before = cache.directs
+    grad_cache = observe_quantize._observe_fake_quantize_grad.kernel_cache  # the backward: a compiled pass too
+    before, grad_before = cache.directs, grad_cache.directs
     xs = _batches()
     fused = _run(SPECS[name], xs, True, monkeypatch)
     assert fused_calls and cache.directs > before and Backend.failure is None, name
+    assert grad_cache.directs > grad_before, name
     plain = _run(SPECS[name], xs, False, monkeypatch)
     for key in fused:
         for step, (a, b) in enumerate(zip(fused[key], plain[key], strict=True)):

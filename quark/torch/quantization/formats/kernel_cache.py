@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable, Hashable
 from enum import Enum
 from typing import Any
@@ -300,6 +301,10 @@ class KernelCache:
         dynamic = not isinstance(args[0], torch.nn.Parameter) if args else True
         with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
             compiled = torch.compile(self.fn, dynamic=dynamic, fullgraph=True, options=self.options)
-            graph = compiled.aot_compile((args, kwargs))
+            with warnings.catch_warnings():
+                # dynamo's guard serialization reads .grad of every example tensor: a saved activation (not a leaf)
+                # in a backward kernel warns about a .grad nobody asked for
+                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+                graph = compiled.aot_compile((args, kwargs))
         graph.disable_guard_check()
         return graph

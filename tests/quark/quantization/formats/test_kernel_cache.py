@@ -8,6 +8,7 @@ guards could go wrong: another value of a non-tensor argument (aot_compile keeps
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -375,3 +376,15 @@ def test_direct_kernels_off_serves_the_graph_again(direct_after: int, monkeypatc
     entry.direct = not_served
     monkeypatch.setattr(kernel_cache, "DIRECT_AFTER_CALLS", None)
     assert torch.equal(cache(x, s, -128, 127, RoundType.half_even), _int_fq(x, s, -128, 127, RoundType.half_even))
+
+
+def test_a_saved_activation_passed_to_a_kernel_compiles_without_torch_warning_about_grad(cache: KernelCache) -> None:
+    """A backward kernel gets the saved input, a non-leaf that requires grad: building its graph must not warn the
+    user about reading ``.grad`` (dynamo's guard serialization reads it for every example tensor)."""
+    x = _x(16, 64).requires_grad_() * 2  # not a leaf
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cache(x, torch.tensor(0.1), -128, 127, RoundType.half_even)
+    assert cache.compiles == 1
+    assert not [w for w in caught if ".grad attribute" in str(w.message)]
+    assert torch.equal(out, _int_fq(x.detach(), torch.tensor(0.1), -128, 127, RoundType.half_even))
