@@ -252,6 +252,8 @@ class QuantCallback(
         #: QAT after the warm-up: (the module last scanned, whether it has TQT / LSQ quantizers); None: scan next batch
         self._learnable_seen: tuple[weakref.ReferenceType[nn.Module], bool] | None = None
         self._learnable_synced = False
+        #: (module, epoch, [(layer, slot attribute, quantizer)], what the per-batch schedule sets): ``_quantizers_now``
+        self._quantizer_walk: tuple[Any, Any, list[tuple[nn.Module, str, Any]], Any] | None = None
         self._pending: list[FakeQuantizeBase] = []  # QAT: quantizers still observing after the warm-up (unreached)
         self._batches_seen = 0  # QAT: training batches run so far (observer_steps counts these)
         self._counting_for: weakref.ReferenceType[Trainer] | None = None  # the trainer whose batches those are

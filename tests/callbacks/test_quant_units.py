@@ -61,27 +61,74 @@ def test_quantizer_buffers_are_kept_out_of_ddp_buffer_broadcast(tmp_path) -> Non
 
 
 @pytest.mark.parametrize("config", ["minmax", "tqt"])
-def test_after_the_warm_up_batches_walk_the_model_only_for_learned_quantizers(tmp_path, monkeypatch, config) -> None:
-    """After the warm-up a batch changes nothing for min-max quantizers, so it walks no module; TQT / LSQ thresholds
-    are still switched per batch (each initialises on its first batch, then learns), so with them every batch walks."""
+def test_the_model_is_walked_once_per_epoch_and_after_the_warm_up_only_for_learned_quantizers(
+    tmp_path, monkeypatch, config
+) -> None:
+    """The per-batch schedule sets quantizers found by one walk over the model per epoch, not one per batch; after the
+    warm-up a batch changes nothing for min-max quantizers, so it sets nothing; TQT / LSQ thresholds are still switched
+    per batch (each initialises on its first batch, then learns), from a walk made after the switch (fixing the
+    observers may swap quantizers)."""
     import callbacks.schedule as schedule
 
     cfg = minmax_config() if config == "minmax" else tqt_config()
     model = BoringMLP()
     cb = QuantCallback(cfg, mode="qat", observer_steps=2)
-    walked_at: list[int] = []  # the batches seen when a walk over the model's quantizers started
-    inner = schedule.iter_quantizers
+    walked_at: list[tuple[int, int]] = []  # (epoch, batches seen) when a walk over the model's quantizers started
+    inner = schedule._walk_quantizers
+    set_at: list[int] = []
+    enable = TQTFakeQuantize.enable_observer
 
     def counting(module):
-        walked_at.append(cb._batches_seen)
+        walked_at.append((trainer.current_epoch, cb._batches_seen))
         return inner(module)
 
-    monkeypatch.setattr(schedule, "iter_quantizers", counting)
-    trainer = make_trainer(tmp_path, [cb], limit_train_batches=6, limit_val_batches=0)
+    def switching(q, enabled=True):
+        set_at.append(cb._batches_seen)
+        return enable(q, enabled)
+
+    monkeypatch.setattr(schedule, "_walk_quantizers", counting)
+    monkeypatch.setattr(TQTFakeQuantize, "enable_observer", switching)
+    trainer = make_trainer(tmp_path, [cb], limit_train_batches=3, limit_val_batches=0, max_epochs=2)
     trainer.fit(model, datamodule=DataModule())
     assert cb._batches_seen == 6
-    after = sorted({n for n in walked_at if n > 2})  # the batches after the switch (batch 2 fixes the observers)
-    assert after == ([] if config == "minmax" else [3, 4, 5])
-    assert {0, 1, 2} <= set(walked_at)  # the warm-up and the switch still walk
+    # the warm-up's epoch once; the second epoch once where a learned quantizer is set after the warm-up
+    assert walked_at == ([(0, 0)] if config == "minmax" else [(0, 0), (1, 3)])
     if config == "minmax":
-        assert all(not bool(q.observer_enabled) for _, q in inner(model))
+        assert all(not bool(q.observer_enabled) for _, q in schedule.iter_quantizers(model))
+    else:
+        assert {3, 4, 5} <= set(set_at)  # every batch after the warm-up still switches the thresholds
+
+
+def test_a_quantizer_put_in_a_slot_during_the_warm_up_is_observed_from_the_next_batch(tmp_path) -> None:
+    """The per-batch schedule keeps its walk while every quantizer is the one it found: a weight quantizer swapped in
+    mid-epoch (observer off, stale statistics) gets its observer switched on and reset before the next batch like the
+    others, so its range is that batch's weight."""
+    from lightning.pytorch import Callback
+
+    seen: dict[str, object] = {}
+
+    class Swap(Callback):  # after QuantCallback in the list: its batch-start hook runs after the schedule's
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == 0:
+                old = pl_module.fc2._weight_quantizer
+                fresh = type(old)(old.spec)
+                fresh.observer.min_val = torch.tensor(-1e6)  # stale statistics the reset must drop
+                fresh.observer.max_val = torch.tensor(1e6)
+                fresh.disable_observer()
+                pl_module.fc2._weight_quantizer = seen["fresh"] = fresh
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == 1:
+                seen["enabled"] = bool(pl_module.fc2._weight_quantizer.observer_enabled)
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            if trainer.fit_loop.batch_idx == 1:
+                q, w = pl_module.fc2._weight_quantizer, pl_module.fc2.weight.detach()
+                seen["range"] = (float(q.observer.min_val), float(q.observer.max_val), float(w.min()), float(w.max()))
+
+    cb = QuantCallback(minmax_config(), mode="qat", observer_steps=10)
+    model = BoringMLP()
+    make_trainer(tmp_path, [cb, Swap()], limit_train_batches=2, limit_val_batches=0).fit(model, datamodule=DataModule())
+    assert model.fc2._weight_quantizer is seen["fresh"] and seen["enabled"]
+    lo, hi, wmin, wmax = seen["range"]  # type: ignore[misc]
+    assert (lo, hi) == (wmin, wmax)
