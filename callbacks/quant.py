@@ -252,8 +252,8 @@ class QuantCallback(
         #: QAT after the warm-up: (the module last scanned, whether it has TQT / LSQ quantizers); None: scan next batch
         self._learnable_seen: tuple[weakref.ReferenceType[nn.Module], bool] | None = None
         self._learnable_synced = False
-        #: (module, epoch, [(layer, slot attribute, quantizer)], what the per-batch schedule sets): ``_quantizers_now``
-        self._quantizer_walk: tuple[Any, Any, list[tuple[nn.Module, str, Any]], Any] | None = None
+        #: (module, epoch, module-tree generation, what the per-batch schedule sets): ``_quantizers_now``'s walk
+        self._quantizer_walk: tuple[Any, Any, int, Any] | None = None
         self._pending: list[FakeQuantizeBase] = []  # QAT: quantizers still observing after the warm-up (unreached)
         self._batches_seen = 0  # QAT: training batches run so far (observer_steps counts these)
         self._counting_for: weakref.ReferenceType[Trainer] | None = None  # the trainer whose batches those are
@@ -323,9 +323,13 @@ class QuantCallback(
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._take_float_start(pl_module)
+        self._quantizer_walk = None  # a fit walks its module afresh
         if self.mode == "qat":
             self._update_observers(trainer, pl_module)
             self._start_distill(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._quantizer_walk = None  # the schedule's walk holds the quantizers: not past the training it served
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode != "qat":

@@ -11,6 +11,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from callbacks.calibration_data import as_model_input, as_trained
 from callbacks.mixed_precision import choose as choose_mixed
@@ -27,25 +28,34 @@ from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-def _walk_quantizers(
-    pl_module: nn.Module,
-) -> tuple[
-    list[tuple[nn.Module, str, FakeQuantizeBase]], tuple[list[FakeQuantizeBase], list[tuple[FakeQuantizeBase, bool]]]
-]:
-    """Every quantizer slot of ``pl_module`` as (layer, attribute, quantizer), and what the QAT schedule sets per
-    batch: (TQT / LSQ quantizers, the other static ones with whether each takes a weight or bias)."""
-    slots = [
-        (module, slot, q)
-        for module in pl_module.modules()
-        if isinstance(module, QuantMixin)
-        for slot, q in module.quantizer_slots()
-    ]
-    static = [(slot.role, q) for _, slot, q in slots if not q.is_dynamic]
-    plan = (
+#: module registrations (a submodule set, replaced or set to None anywhere) counted since the hook went in
+_tree_changes = 0
+_tree_hook: Any = None
+
+
+def _count_tree_change(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    global _tree_changes
+    _tree_changes += 1
+
+
+def module_tree_generation() -> int:
+    """A number that changes whenever any module gets, replaces or drops a submodule (``nn.Module.__setattr__``,
+    ``add_module``, ``register_module``: torch's global registration hook, installed on the first call), so a walk
+    over a model is known to be current without walking it again."""
+    global _tree_hook
+    if _tree_hook is None:
+        _tree_hook = register_module_module_registration_hook(_count_tree_change)
+    return _tree_changes
+
+
+def _walk_quantizers(pl_module: nn.Module) -> tuple[list[FakeQuantizeBase], list[tuple[FakeQuantizeBase, bool]]]:
+    """What the QAT schedule sets per batch: (the TQT / LSQ quantizers of ``pl_module``, the other static ones with
+    whether each takes a weight or bias)."""
+    static = [(role, q) for role, q in iter_quantizers(pl_module) if not q.is_dynamic]
+    return (
         [q for _, q in static if is_learnable(q)],
         [(q, role in ("weight", "bias")) for role, q in static if not is_learnable(q)],
     )
-    return [(m, slot.attr, q) for m, slot, q in slots], plan
 
 
 class QuantSchedule:
@@ -90,8 +100,7 @@ class QuantSchedule:
                 q.enable_observer(True)
         learnable = bool(learnables)
         if self._observing and not observing:
-            self._fix_observers(trainer, pl_module, batch)
-            self._quantizer_walk = None  # (fixing may swap quantizers)
+            self._fix_observers(trainer, pl_module, batch)  # (drops the walk: fixing may swap quantizers)
             learnable = any(is_learnable(q) for _, q in iter_quantizers(pl_module))
         self._learnable_seen = (weakref.ref(pl_module), learnable)  # a walk over every module per batch is not free
         self._observing = observing
@@ -99,27 +108,23 @@ class QuantSchedule:
     def _quantizers_now(
         self, trainer: Trainer, pl_module: LightningModule
     ) -> tuple[list[FakeQuantizeBase], list[tuple[FakeQuantizeBase, bool]]]:
-        """The quantizers the per-batch schedule sets: (TQT / LSQ ones, the other static ones with whether each
-        takes a weight or bias). Walked once per epoch and module, not per batch: inside ``Trainer.fit`` the walk and
-        its checks cost more than the settings (width-512 MLP, 6 quantizers: 176 -> 107 us a warm-up batch). A
-        quantizer put in another's slot since the walk (checked per batch, a dict lookup each) makes it walk again."""
-        epoch = getattr(trainer, "current_epoch", None)
+        """The quantizers the per-batch schedule sets (``_walk_quantizers``), from a walk kept while the module tree
+        is unchanged (``module_tree_generation``), within one epoch of one fit: inside ``Trainer.fit`` a walk per
+        batch and its checks cost more than the settings (width-512 MLP, 6 quantizers: 176 -> 107 us a warm-up
+        batch). Holds the quantizers, not the layers; dropped when a fit's training ends."""
+        key = (pl_module, getattr(trainer, "current_epoch", None), module_tree_generation())
         walk = self._quantizer_walk
-        if (
-            walk is not None
-            and walk[0]() is pl_module
-            and walk[1] == epoch
-            and all(layer._modules.get(attr) is q for layer, attr, q in walk[2])
-        ):
+        if walk is not None and walk[0]() is key[0] and walk[1:3] == key[1:]:
             return walk[3]
-        slots, plan = _walk_quantizers(pl_module)
-        self._quantizer_walk = (weakref.ref(pl_module), epoch, slots, plan)
+        plan = _walk_quantizers(pl_module)
+        self._quantizer_walk = (weakref.ref(pl_module), key[1], key[2], plan)
         return plan
 
     def _fix_observers(self, trainer: Trainer, pl_module: LightningModule, batch: Any = None) -> None:
         """Reduce the statistics across ranks, fix the qparams (observers off) and log the report. Quantizers without
         qparams on some rank (an MoE expert the router has not chosen yet) keep observing, on every rank alike: the
         first batch that reaches one on any rank calibrates it, and its qparams are fixed after it (``_fix_pending``)."""
+        self._quantizer_walk = None  # fixing may swap quantizers
         sync_observers(pl_module)  # statistics are the union of the ranks'
         candidates = [q for _, q in iter_quantizers(pl_module) if not q.is_dynamic and not is_learnable(q)]
         ready = flags_across_ranks([is_ready(q) for q in candidates], "all", device_of(candidates))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from collections.abc import Callable, Hashable
 from enum import Enum
 from typing import Any
@@ -193,6 +192,23 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
     return tuple(parts)
 
 
+def _as_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments a graph is built from: each tensor that is not a leaf (a saved activation given to a backward
+    kernel) as a leaf view of it with the same grad flag, one view per tensor (a tensor passed twice stays one).
+    dynamo's guard serialization reads ``.grad`` of every example tensor, which for a non-leaf makes torch warn the
+    user about a ``.grad`` nobody asked for; no guard depends on leafness."""
+    views: dict[int, torch.Tensor] = {}
+
+    def leaf(value: Any) -> Any:
+        if type(value) is torch.Tensor and not value.is_leaf:
+            if id(value) not in views:
+                views[id(value)] = value.detach().requires_grad_(value.requires_grad)
+            return views[id(value)]
+        return value
+
+    return tuple(leaf(a) for a in args), {k: leaf(v) for k, v in kwargs.items()}
+
+
 class _Entry:
     """What serves one signature: its ``aot_compile`` graph (False: refused), the calls it served, and its direct
     kernel once it has one."""
@@ -301,10 +317,6 @@ class KernelCache:
         dynamic = not isinstance(args[0], torch.nn.Parameter) if args else True
         with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
             compiled = torch.compile(self.fn, dynamic=dynamic, fullgraph=True, options=self.options)
-            with warnings.catch_warnings():
-                # dynamo's guard serialization reads .grad of every example tensor: a saved activation (not a leaf)
-                # in a backward kernel warns about a .grad nobody asked for
-                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-                graph = compiled.aot_compile((args, kwargs))
+            graph = compiled.aot_compile(_as_leaves(args, kwargs))
         graph.disable_guard_check()
         return graph
