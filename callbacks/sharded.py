@@ -26,9 +26,8 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from callbacks.quantizer_state import is_learnable, is_ready
+from callbacks.quantizer_state import is_ready
 from quark.torch.quantization.distributed import gathered_parameters, has_sharded_parameters, write_initial_values
-from quark.torch.quantization.nn.modules import iter_quantizers
 
 
 def uses_fsdp2(trainer: Trainer) -> bool:
@@ -99,7 +98,8 @@ class ShardedTraining:
         whether its Parameter is a shard now: the root module keeps its gathered Parameters after an evaluation
         forward."""
         self._fsdp_init_pending = uses_fsdp2(trainer) and any(
-            is_learnable(q) and not is_ready(q) for _, q in iter_quantizers(pl_module)
+            not is_ready(q)
+            for q in self._quantizers_now(trainer, pl_module)[0]  # (the TQT / LSQ ones)
         )
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
