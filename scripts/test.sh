@@ -8,7 +8,11 @@ bash scripts/setup.sh
 VENV="${VENV:-.venv}"
 SITE="$(mktemp -d)"
 trap 'rm -rf "$SITE"' EXIT
-NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$SITE"
+# (not --quiet: it hides warnings from --strict, which then passes a broken link; the log is shown when it fails)
+if ! log="$(NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --site-dir "$SITE" 2>&1)"; then
+    echo "$log" >&2
+    exit 1
+fi
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 "$VENV/bin/lint-imports"
