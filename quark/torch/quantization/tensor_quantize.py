@@ -97,7 +97,7 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         """Observe ``x`` and fake-quantize it in one compiled pass (``observe_quantize``) where that applies: a min-max
         observer whose statistics already have this input's shape, fake quant on, the compiled kernels active. None
         where it does not (the caller takes the step-by-step path, with the same bits)."""
-        if not self.fake_quant_enabled or not x.is_floating_point() or not fused_pass_active(x):
+        if not self.flag("fake_quant_enabled") or not x.is_floating_point() or not fused_pass_active(x):
             return None  # the cheap checks first: this runs on every forward while observing
         obs = self.observer
         fused = self._fused_plan(obs)
@@ -123,17 +123,17 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.numel():  # nothing to observe or round (an MoE expert no token was routed to): qparams or not
             return x
-        flags = self._buffers  # (the switches read from the dict: Module.__getattr__ on every forward is not free)
-        if self.spec.is_dynamic or flags["observer_enabled"]:
+        flag = self.flag  # the switches, read from the device only when written since (a host sync on CUDA)
+        if self.spec.is_dynamic or flag("observer_enabled"):
             out = self._observe_and_quantize(x)
             if out is not None:
                 return out
             self.observer(x)
             self._stale = True  # qparams follow lazily: calibration with fake quant off never pays for them
-        if not flags["fake_quant_enabled"]:
+        if not flag("fake_quant_enabled"):
             return x
         self._sync()
-        if not flags["initialized"]:
+        if not flag("initialized"):
             raise RuntimeError(
                 f"{self.where}: {type(self).__name__}({self.extra_repr()}) has no qparams yet: it has observed no data "
                 "and its observer is off. Calibrate (observer on) with data that reaches this layer before quantizing; "
@@ -221,8 +221,8 @@ class NonScaledFakeQuantize(FakeQuantizeBase, kind="non_scaled"):
         self.observer = spec.observer_cls(spec, device)  # type: ignore[misc]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.observer_enabled:
+        if self.flag("observer_enabled"):
             self.observer(x)
-        if not self.fake_quant_enabled:
+        if not self.flag("fake_quant_enabled"):
             return x
         return apply_format(x, self.spec, None, None)

@@ -44,7 +44,7 @@ def add_scale_gradient(quantizer: nn.Module, args: tuple[Any, ...], out: Any) ->
     if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
         return None
     x = args[0]
-    if not x.requires_grad or not quantizer.fake_quant_enabled or not isinstance(quantizer, FakeQuantizeBase):
+    if not x.requires_grad or not isinstance(quantizer, FakeQuantizeBase) or not quantizer.flag("fake_quant_enabled"):
         return None
     dims = reduce_dims(quantizer, x)
     if dims is None:

@@ -33,7 +33,7 @@ class FrozenScaledFakeQuantize(FakeQuantizeBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.numel():  # nothing to round (an MoE expert no token was routed to)
             return x
-        if not self.fake_quant_enabled:
+        if not self.flag("fake_quant_enabled"):
             return x
         return apply_format(x, self.spec, self.scale, self.zero_point)
 

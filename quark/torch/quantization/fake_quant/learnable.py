@@ -16,6 +16,7 @@ from quark.torch.quantization.fake_quant.fixed import FrozenScaledFakeQuantize
 from quark.torch.quantization.fake_quant.learnable_grad import LSQFunction, TQTFunction
 from quark.torch.quantization.formats import IntFormat, format_of
 from quark.torch.quantization.formats.grouping import cast_saturating
+from quark.torch.quantization.late_flag import LateFlag
 from quark.torch.quantization.observer.observer import threshold_3sd, threshold_kl_j
 
 __all__ = ["LearnableFakeQuantize", "TQTFakeQuantize", "LSQFakeQuantize"]
@@ -37,7 +38,9 @@ class LearnableFakeQuantize(FakeQuantizeBase):
     moments carry the NaN on), and quantizing with it would turn every output into NaN or inf silently; the error
     points at the step to fix (learning rate, gradient clipping, the data) or the checkpoint to resume from. The
     check runs on every training forward, and in eval mode only when the Parameter has changed since the last one
-    (its version counter), so evaluation pays it once.
+    (its version counter), so evaluation pays it once. In training on CUDA its result is read without a host sync
+    (``LateFlag``): the error comes a step or a few later; eval, exports and ``calculate_qparams`` check at once.
+    The forward reads its switches without a host sync too (``FakeQuantizeBase.flag``).
     """
 
     initialized: torch.Tensor
@@ -46,6 +49,8 @@ class LearnableFakeQuantize(FakeQuantizeBase):
     _checked: tuple[int, int] | None = None  # (version, data_ptr) of the learned Parameter last found valid
     _what: str = ""  # the learned quantity in error messages
     initial_value: torch.Tensor | None = None  # what the last initialisation wrote, until ``take_initial_value``
+    #: the late check's pending device copies belong to this object and process: copies and pickles leave them behind
+    _MEMOS = (*FakeQuantizeBase._MEMOS, "_late_check")
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__(spec, device)
@@ -75,12 +80,12 @@ class LearnableFakeQuantize(FakeQuantizeBase):
     def channels_known(self) -> bool:
         """Whether the learned Parameter already has its final shape (per tensor, or per channel sized by
         ``set_channels``, or initialised)."""
-        return self.axis is None or self.channels is not None or bool(self.initialized)
+        return self.axis is None or self.channels is not None or self.flag("initialized")
 
     def set_channels(self, count: int) -> None:
         """Give a per-channel Parameter its final shape before training, so that a wrapper that lays out gradient
         buffers once (DDP) sees the Parameter as it will stay."""
-        if self.axis is None or bool(self.initialized):
+        if self.axis is None or self.flag("initialized"):
             return
         self._resize(count)
         self.channels = count
@@ -105,7 +110,7 @@ class LearnableFakeQuantize(FakeQuantizeBase):
         with torch.no_grad():
             param.copy_(value.reshape(param.shape).to(param.device))
         self.initial_value = param.detach().clone()
-        self.initialized.fill_(1)
+        self.set_flag("initialized", 1)
 
     def _per_channel_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as one row per channel along ``axis`` (float32, detached)."""
@@ -121,10 +126,11 @@ class LearnableFakeQuantize(FakeQuantizeBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.numel():  # an empty input (an MoE expert no token was routed to): nothing to learn from or round
             return x
-        if not self.initialized:
-            if not self.observer_enabled and not self.fake_quant_enabled:
+        flag = self.flag  # the switches, read from the device only when written since (a host sync on CUDA)
+        if not flag("initialized"):
+            if not flag("observer_enabled") and not flag("fake_quant_enabled"):
                 return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
-            if not self.observer_enabled:
+            if not flag("observer_enabled"):
                 raise RuntimeError(
                     f"{self.where}: {type(self).__name__} is not initialised yet: run a batch with the observer on first"
                 )
@@ -134,10 +140,22 @@ class LearnableFakeQuantize(FakeQuantizeBase):
                     "NaN or Inf. Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
                 )
             self._initialize(x)
-        if not self.fake_quant_enabled:
+        if not flag("fake_quant_enabled"):
             return x
-        self.check_learned()
+        if self.training:
+            self._check_late()
+        else:
+            self.check_learned()
         return self._learned(x)
+
+    def _check_late(self) -> None:
+        """The training forward's check of the learned values: on CUDA read late, without a host sync (``LateFlag``);
+        on the CPU at once, as ``check_learned``."""
+        late = self.__dict__.get("_late_check")
+        if late is None:
+            late = self.__dict__["_late_check"] = LateFlag()
+        if late.raised(self._invalid().any()):
+            self._raise_invalid(late=True)
 
     def _invalid(self) -> torch.Tensor:  # pragma: no cover - abstract
         """Mask of the learned elements whose scale is not a finite positive number."""
@@ -149,19 +167,32 @@ class LearnableFakeQuantize(FakeQuantizeBase):
         storage); in training mode it always runs (writes through ``.data``, as a cross-rank average does, leave the
         version counter as it was)."""
         param = self._learned_param
+        late = self.__dict__.get("_late_check")
+        if late is not None and late.wait():  # a training forward's late check, still on its way: read it now
+            self._raise_invalid(late=True)
         state = (tensor_version(param), param.data_ptr())
         if state == self._checked and not self.training:
             return
+        if bool(self._invalid().any()):
+            self._raise_invalid(late=False)
+        self._checked = state
+
+    def _raise_invalid(self, late: bool) -> None:
+        """The ValueError of learned values that give no finite positive scale, with the bad values where they are
+        still there (``late``: found by an earlier training forward's check, read without a host sync)."""
+        param = self._learned_param
         bad = self._invalid()
+        when = "an earlier training step (this check is read late on CUDA, without a host sync)" if late else "now"
         if bool(bad.any()):
             values = param.detach().reshape(-1)[bad.reshape(-1)][:4].tolist()
-            raise ValueError(
-                f"{self.where}: the learned {type(self).__name__} {self._what} ({self._learned_name}) is "
-                f"{', '.join(f'{v:.6g}' for v in values)} in {int(bad.sum())} of {bad.numel()} element(s), which gives "
-                "no finite positive scale: a training step made it so (a NaN/inf loss or gradient, too high a learning "
-                "rate). Lower the learning rate or clip gradients, and resume from a checkpoint saved before it."
-            )
-        self._checked = state
+            found = f"is {', '.join(f'{v:.6g}' for v in values)} in {int(bad.sum())} of {bad.numel()} element(s)"
+        else:
+            found = f"was not finite and positive at {when}, and has changed since"
+        raise ValueError(
+            f"{self.where}: the learned {type(self).__name__} {self._what} ({self._learned_name}) {found}, which gives "
+            "no finite positive scale: a training step made it so (a NaN/inf loss or gradient, too high a learning "
+            "rate). Lower the learning rate or clip gradients, and resume from a checkpoint saved before it."
+        )
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         key = prefix + self._learned_name

@@ -90,10 +90,10 @@ class SharedFakeQuantize(FakeQuantizeBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         src = self.source
-        if not self.fake_quant_enabled or not src.fake_quant_enabled:
+        if not self.flag("fake_quant_enabled") or not src.flag("fake_quant_enabled"):
             return x
         initialized = getattr(src, "initialized", None)
-        if isinstance(initialized, torch.Tensor) and not bool(initialized) and not getattr(src, "_stale", False):
+        if isinstance(initialized, torch.Tensor) and not src.flag("initialized") and not getattr(src, "_stale", False):
             return x  # the source has seen no data yet
         if isinstance(src, LearnableFakeQuantize):
             return src._learned(x)

@@ -1,0 +1,112 @@
+"""A steady-state QAT step of ``Trainer.fit`` reads no tensor on the host: on CUDA each such read would stall the GPU.
+
+Lightning's own ``BoringModel`` (a two-layer MLP in its ``layer``) trains under ``QuantCallback(mode="qat")`` with
+TQT, LSQ and min-max quantizers; from the fourth batch on (observers fixed, thresholds initialised) every op of the
+training step, backward and optimizer step included, is watched. The CUDA paths' logic runs on the CPU
+(``tests/host_syncs.py``): the quantizers' switches through their memo, the TQT/LSQ checks through late reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from cb_helpers import make_trainer, seed
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+
+from callbacks.quant import QuantCallback
+from quark.torch.quantization.config.config import Config
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+from tests.host_syncs import HostSyncs, as_if_on_cuda
+
+STEADY_FROM = 3  # batches 0-1 observe (observer_steps=2), batch 2 fixes the observers: 3 on are steady
+
+
+def _spec(method: str | None, qscheme: str = "per_tensor") -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "dtype": "int8",
+        "qscheme": qscheme,
+        "observer_cls": "PerTensorMinMaxObserver" if qscheme == "per_tensor" else "PerChannelMinMaxObserver",
+        "symmetric": True,
+        "round_method": "half_even",
+        "is_dynamic": False,
+        "scale_type": "float",
+    }
+    if qscheme == "per_channel":
+        spec["ch_axis"] = 0
+    if method == "tqt":
+        spec.update(scale_type="pof2", qat_spec={"method": "tqt", "threshold_init_meth": "_3SD"})
+    elif method == "lsq":
+        spec["qat_spec"] = {"method": "lsq"}
+    return spec
+
+
+CONFIGS = {
+    "tqt": (_spec("tqt"), _spec("tqt")),
+    "tqt_per_channel_weights": (_spec("tqt", "per_channel"), _spec("tqt")),
+    "lsq_per_channel_weights": (_spec("lsq", "per_channel"), _spec("lsq")),
+    "minmax_observers_fixed": (_spec(None, "per_channel"), _spec(None)),
+}
+
+
+class TwoLayerBoring(BoringModel):
+    """Lightning's BoringModel with a hidden layer: two quantized Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
+
+
+class WatchSteadySteps(Callback):
+    """Watches each training batch from ``STEADY_FROM`` on (its step, backward and optimizer step) for host reads."""
+
+    def __init__(self) -> None:
+        self.probe = HostSyncs()
+        self.watched = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx >= STEADY_FROM:
+            self.probe.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx >= STEADY_FROM:
+            self.probe.__exit__(None, None, None)
+            self.watched += 1
+
+
+def _learned(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for n, p in model.named_parameters() if n.endswith(("log_threshold", ".scale"))]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_steady_qat_step_reads_no_tensor_on_the_host(name: str, tmp_path: Any, monkeypatch: Any) -> None:
+    weight, act = CONFIGS[name]
+    config = Config.from_dict({"global_quant_config": {"weight": weight, "input_tensors": act}})
+    seed(0)
+    model = TwoLayerBoring()
+    watch = WatchSteadySteps()
+    learned: list[list[torch.Tensor]] = []
+
+    class Snapshot(Callback):
+        def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+            learned.append(_learned(pl_module))
+
+    with as_if_on_cuda(monkeypatch) as events:
+        trainer = make_trainer(
+            tmp_path, [QuantCallback(config, mode="qat", observer_steps=2), watch, Snapshot()], limit_train_batches=8
+        )
+        trainer.fit(model)
+
+    assert watch.watched == 8 - STEADY_FROM
+    assert not watch.probe.found, f"host reads in steady QAT steps: {dict(watch.probe.found)}"
+    quantizers = [m for m in model.modules() if isinstance(m, FakeQuantizeBase)]
+    assert len(quantizers) == 4 and all(q.flag("fake_quant_enabled") for q in quantizers)
+    if name.startswith(("tqt", "lsq")):
+        # the thresholds / step sizes learned in the watched steps, and each forward queued its check late
+        assert all(not torch.equal(a, b) for a, b in zip(learned[STEADY_FROM - 1], learned[-1], strict=True))
+        assert events.recorded >= 4 * 8

@@ -1,0 +1,191 @@
+"""The engine's reads without host syncs, run on the CPU as on CUDA (``tests/host_syncs.py``): the quantizers' switches
+through their memo (``FakeQuantizeBase.flag``) and the TQT/LSQ training checks read late (``LateFlag``).
+
+The memo must see every write that goes through the tensor (an in-place write, ``load_state_dict``, ``.data =``, a
+device move, torch.ao's helpers), and the late check must still refuse a bad learned value: in a later forward while
+its copy is on its way, at once where an exact answer is needed (``calculate_qparams``, eval), and after at most
+``MAX_PENDING`` forwards when the device never catches up.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from quark.torch import ModelQuantizer
+from quark.torch.quantization.config.config import Config
+from quark.torch.quantization.late_flag import MAX_PENDING, LateFlag
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, LSQFakeQuantize, TQTFakeQuantize
+from tests.host_syncs import HostSyncs, as_if_on_cuda
+
+
+def _spec(**kw: Any) -> dict[str, Any]:
+    base = {
+        "dtype": "int8",
+        "qscheme": "per_tensor",
+        "observer_cls": "PerTensorMinMaxObserver",
+        "symmetric": True,
+        "round_method": "half_even",
+        "is_dynamic": False,
+        "scale_type": "float",
+    }
+    return base | kw
+
+
+TQT = _spec(scale_type="pof2", qat_spec={"method": "tqt"})
+LSQ = _spec(qat_spec={"method": "lsq"})
+MINMAX = _spec()
+
+
+def _model(spec: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    config = Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})
+    model = ModelQuantizer(config).prepare(model)
+    model(torch.randn(8, 16))  # the first batch: statistics, thresholds, step sizes
+    return model
+
+
+def _fix_observers(model: nn.Module) -> None:
+    for q in model.modules():
+        if isinstance(q, FakeQuantizeBase):
+            q.disable_observer()  # written through set_flag: the memo knows the value without a read
+
+
+def _reads(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    with HostSyncs() as probe:
+        model(x)
+    return dict(probe.found)
+
+
+# ----------------------------------------------------------------------------------------------- the switches' memo
+def test_a_quantizer_reads_its_switches_once_until_written(monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch):
+        model = _model(MINMAX)
+        _fix_observers(model)
+        x = torch.randn(8, 16)
+        model(x)
+        assert _reads(model, x) == {}
+        model[0]._input_quantizer.fake_quant_enabled.fill_(0)  # a write the memo did not make: read once, then known
+        assert sum(_reads(model, x).values()) == 1
+        assert _reads(model, x) == {}
+
+
+@pytest.mark.parametrize("write", ["fill_", "index_put", "load_state_dict", "assign", "data", "method"])
+def test_every_write_through_the_tensor_is_seen(write: str, monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch):
+        model = _model(MINMAX)
+        _fix_observers(model)
+        x = torch.randn(8, 16)
+        q = model[0]._input_quantizer
+        assert not torch.equal(q(x), x)  # rounds to its grid; the switches are in the memo now
+        if write == "fill_":
+            q.fake_quant_enabled.fill_(0)
+        elif write == "index_put":
+            q.fake_quant_enabled[...] = 0
+        elif write in ("load_state_dict", "assign"):  # copied into the buffer / the buffer replaced
+            state = model.state_dict()
+            state["0._input_quantizer.fake_quant_enabled"] = torch.tensor(0, dtype=torch.uint8)
+            model.load_state_dict(state, assign=write == "assign")
+        elif write == "data":  # the same tensor object on another storage
+            q.fake_quant_enabled.data = torch.tensor(0, dtype=torch.uint8)
+        elif write == "method":
+            q.disable_fake_quant()
+        assert torch.equal(q(x), x), write  # passed through, as the buffer now says
+        assert torch.equal(model(x), _float_fc1_then_quantized_fc2(model, x)), write
+        if write == "method":
+            q.enable_fake_quant()
+            assert not torch.equal(q(x), x)
+
+
+def _float_fc1_then_quantized_fc2(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's output with fc1's input in float: its weight still quantized, fc2 as configured."""
+    fc1 = model[0]
+    h = nn.functional.linear(x, fc1._weight_quantizer(fc1.weight), fc1.bias)
+    return model[2](torch.relu(h))
+
+
+def test_copies_and_pickles_leave_the_memo_behind(monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch):
+        model = _model(MINMAX)
+        _fix_observers(model)
+        model(torch.randn(8, 16))
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            q = twin[0]._input_quantizer
+            assert "_flags_known" not in q.__dict__
+            q.fake_quant_enabled.fill_(0)  # version 1 again in a copy: a memo carried over could match it
+            x = torch.randn(8, 16)
+            assert torch.equal(q(x), x)
+
+
+# ----------------------------------------------------------------------------------------------- late checks
+def _break_learned(model: nn.Module, spec: dict[str, Any]) -> None:
+    """What a NaN gradient and an optimizer step leave in fc2's weight quantizer."""
+    q = model[2]._weight_quantizer
+    with torch.no_grad():
+        (q.log_threshold if spec is TQT else q.scale).fill_(float("nan"))
+
+
+@pytest.mark.parametrize("spec", [TQT, LSQ], ids=["tqt", "lsq"])
+def test_a_training_forward_queues_its_check_and_a_later_one_raises(spec: dict[str, Any], monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False) as events:
+        model = _model(spec)
+        _break_learned(model, spec)
+        x = torch.randn(8, 16)
+        out = model(x)  # the check's copy is on its way: no wait, no error yet (on CUDA the GPU runs behind)
+        assert not torch.isfinite(out).all()
+        assert _reads(model, x) == {}  # nor does the next forward wait while the copies are pending
+        events.done = True  # the device caught up
+        with pytest.raises(ValueError, match=r"layer '2' \(Linear, weight\).*no finite positive scale"):
+            model(x)
+
+
+@pytest.mark.parametrize("spec", [TQT, LSQ], ids=["tqt", "lsq"])
+def test_an_exact_answer_waits_for_the_pending_check(spec: dict[str, Any], monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False) as events:
+        model = _model(spec)
+        model(torch.randn(8, 16))
+        q = model[2]._weight_quantizer
+        assert isinstance(q, TQTFakeQuantize | LSQFakeQuantize)
+        q.calculate_qparams()  # valid: waits for the queued checks, finds nothing
+        assert events.waited >= 1
+        _break_learned(model, spec)
+        model(torch.randn(8, 16))
+        # the learned value is made valid again before anyone looked: the pending check still reports the step
+        with torch.no_grad():
+            (q.log_threshold if spec is TQT else q.scale).fill_(0.5)
+        with pytest.raises(ValueError, match=r"layer '2' \(Linear, weight\).*earlier training step"):
+            q.calculate_qparams()
+
+
+def test_the_late_check_waits_once_the_device_is_max_pending_behind(monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False) as events:
+        model = _model(TQT)  # its first batch queued one check per quantizer, of valid values
+        _break_learned(model, TQT)
+        x = torch.randn(8, 16)
+        for _ in range(MAX_PENDING):  # each forward queues one more check, of fc2's bad weight threshold
+            model(x)  # none completes: past MAX_PENDING the oldest is waited for (the valid one)
+        assert events.waited == 4  # one per quantizer
+        with pytest.raises(ValueError, match=r"layer '2' \(Linear, weight\)"):
+            model(x)  # the oldest waited for now is the first bad one
+
+
+def test_eval_checks_at_once(monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        model = _model(LSQ)
+        _break_learned(model, LSQ)
+        model.eval()
+        with pytest.raises(ValueError, match=r"layer '2' \(Linear, weight\)"):
+            model(torch.randn(8, 16))
+
+
+def test_on_the_cpu_the_check_is_read_in_the_same_forward() -> None:
+    flag = LateFlag()
+    assert not flag.raised(torch.tensor(False))
+    assert flag.raised(torch.tensor(True))
+    assert not flag.wait()
