@@ -9,17 +9,23 @@ compiled where they work) unless ``--backend`` says otherwise.
     python bench/fake_quant.py --size 1024 --repeats 5
     python bench/fake_quant.py --backend eager   # the eager kernels (what runs where torch.compile cannot)
     python bench/fake_quant.py --dtype bfloat16  # a bfloat16 tensor (the copy peer copies bfloat16 too)
+    python bench/fake_quant.py --device cuda     # on a GPU: every span synchronised, the copy's GB/s reported
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.device import CPU, copy_bandwidth, describe, parse_device, sync
 from quark.torch.cpu_allocator import keep_freed_memory
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
 from quark.torch.quantization.formats import (
@@ -36,9 +42,11 @@ from quark.torch.quantization.formats import (
 from quark.torch.quantization.formats.table import TORCH_FLOAT8
 
 
-def _ms(fn: Callable[[], object]) -> float:
+def _ms(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
     t0 = time.perf_counter()
     fn()
+    sync(device)
     return 1e3 * (time.perf_counter() - t0)
 
 
@@ -46,9 +54,9 @@ def _cases(x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
     rows = x.shape[0]
     xs = x.detach().float()  # float32 scales, whatever x's dtype
     s_t = (xs.abs().max() / 127.5).reshape(())
-    z_t = torch.zeros((), dtype=torch.int32)
+    z_t = torch.zeros((), dtype=torch.int32, device=x.device)
     s_c = xs.abs().amax(dim=1) / 127.5
-    z_c = torch.zeros(rows, dtype=torch.int32)
+    z_c = torch.zeros(rows, dtype=torch.int32, device=x.device)
     s_g = xs.reshape(rows, -1, 32).abs().amax(dim=-1) / 7.5
     z_g = torch.zeros_like(s_g, dtype=torch.int32)
     s_f8 = (xs.abs().max() / 448).reshape(())
@@ -99,14 +107,18 @@ def _cases(x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def run(
-    size: int = 4096, repeats: int = 7, seed: int = 0, dtype: torch.dtype = torch.float32
+    size: int = 4096,
+    repeats: int = 7,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
 ) -> dict[str, tuple[float, float, float]]:
     """{name: (forward ms, forward+backward ms, forward / copy)}: medians over ``repeats`` rounds, each of which
     times every case once after two warm-up calls per case (the first compile the kernels); the copy ratio is the
     median of per-round ratios, so a slow stretch of a shared machine hits both sides of it alike."""
     torch.manual_seed(seed)
-    x = torch.randn(size, size).to(dtype)
-    grad = torch.randn(size, size).to(dtype)
+    x = torch.randn(size, size).to(device, dtype)
+    grad = torch.randn(size, size).to(device, dtype)
     xg = x.clone().requires_grad_(True)
     fwd_fns, both_fns = {}, {}
     for name, fn in _cases(x).items():
@@ -125,9 +137,9 @@ def run(
     both: dict[str, list[float]] = {name: [] for name in both_fns}
     for _ in range(repeats):
         for name, fn in fwd_fns.items():
-            fwd[name].append(_ms(fn))
+            fwd[name].append(_ms(fn, device))
         for name, fn in both_fns.items():
-            both[name].append(_ms(fn))
+            both[name].append(_ms(fn, device))
     copy = fwd["peer: copy"]
     return {
         name: (
@@ -147,15 +159,24 @@ def _copy_goal(name: str) -> float | None:
     return next((g for prefix, g in COPY_GOALS.items() if name.startswith(prefix)), None)
 
 
-def _report(results: dict[str, tuple[float, float, float]], size: int, dtype: torch.dtype = torch.float32) -> None:
+def _report(
+    results: dict[str, tuple[float, float, float]],
+    size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+) -> None:
     ref = {
         "int8 per-tensor": "peer: torch int8 per-tensor",
         "int8 per-channel": "peer: torch int8 per-channel",
         "fp8_e4m3 per-tensor": "peer: fp8 e4m3 cast round trip",
         "fp8_e5m2 per-tensor": "peer: fp8 e4m3 cast round trip",
     }
+    copy_ms = results["peer: copy"][0]
+    moved = 2 * size * size * torch.empty((), dtype=dtype).element_size()  # the copy peer reads and writes it once
+    print(f"# fake quantization of a {size}x{size} {str(dtype).removeprefix('torch.')} tensor on {describe(device)}")
     print(
-        f"# fake quantization of a {size}x{size} {str(dtype).removeprefix('torch.')} tensor, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        f"# memory bandwidth: the copy peer moves {moved / 1e6:.0f} MB in {copy_ms:.3f} ms ({moved / copy_ms / 1e6:.0f}"
+        f" GB/s); a 256 MiB device copy: {copy_bandwidth(device):.0f} GB/s"
     )
     print(f"| {'format':34s} | fwd ms | fwd+bwd ms | fwd / copy | fwd / peer | peer | goal (fwd / copy) |")
     print("|" + "---|" * 7)
@@ -177,6 +198,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
         "--backend",
         choices=("auto", "compile", "eager"),
@@ -189,7 +211,8 @@ def main() -> None:
     set_compile({"auto": None, "compile": True, "eager": False}[args.backend])
     print(f"# format kernels: {args.backend}")
     dtype = getattr(torch, args.dtype)
-    _report(run(args.size, args.repeats, dtype=dtype), args.size, dtype)
+    device = parse_device(args.device)
+    _report(run(args.size, args.repeats, dtype=dtype, device=device), args.size, dtype, device)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ least favourable to QAT a fit gives.
     python bench/qat_lightning.py --widths 512,1024,4096
     python bench/qat_lightning.py --widths 1024 --rounds 3 --steps 60   # quicker
     python bench/qat_lightning.py --widths 512,1024,4096 --rounds 5 --graphs   # + int8 without direct kernels
+    python bench/qat_lightning.py --widths 1024,4096 --accelerator gpu   # on a GPU: each step's span synchronised
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.device import copy_bandwidth, describe, sync  # noqa: E402
 from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8  # noqa: E402
 from callbacks import QuantCallback  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
@@ -79,6 +81,7 @@ class StepTimer(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        sync(pl_module.device)  # on CUDA: the step's kernels done, not only launched
         self.times.append(time.perf_counter() - self._start)
 
 
@@ -89,7 +92,12 @@ class _StepStart(Callback):
         self.timer = timer
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        sync(pl_module.device)
         self.timer._start = time.perf_counter()
+
+
+#: ``--accelerator``: where the fits run (Lightning's name: cpu, gpu)
+ACCELERATOR = {"name": "cpu"}
 
 
 def fit(width: int, config: dict[str, Any] | None, steps: int, seed: int = 0) -> list[float]:
@@ -103,7 +111,7 @@ def fit(width: int, config: dict[str, Any] | None, steps: int, seed: int = 0) ->
         callbacks.insert(1, QuantCallback(config, mode="qat", observer_steps=steps // 2, save_quantized=False))
     trainer = Trainer(
         max_steps=steps,
-        accelerator="cpu",
+        accelerator=ACCELERATOR["name"],
         devices=1,
         logger=False,
         enable_checkpointing=False,
@@ -158,8 +166,10 @@ def sweep(widths: list[int], rounds: int, steps: int, skip: int, warmup_steps: i
     print(
         f"\n# QAT step / FP32 step under Trainer.fit, MLP 1024 -> width -> 1024 -> 10, batch 32, Adam; {rounds} rounds "
         f"of {steps}-step fits, observers on for the first half (QuantCallback observer_steps={steps // 2}); "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} CPU threads"
     )
+    device = torch.device("cuda" if ACCELERATOR["name"] == "gpu" else "cpu")
+    print(f"# on {describe(device)}; copy bandwidth {copy_bandwidth(device):.0f} GB/s")
     print("| width | FP32 ms | " + " | ".join(f"{n} on | {n} off | **{n} half**" for n in names) + " |")
     print("|---|---|" + "---|---|---|" * len(names))
     for row in rows:
@@ -184,7 +194,11 @@ def main() -> None:
         action="store_true",
         help=f"also {GRAPHS!r}: int8 with direct kernels off in the same rounds (what they save)",
     )
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="Lightning's accelerator")
     args = parser.parse_args()
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        parser.error(f"--accelerator gpu: torch {torch.__version__} sees no CUDA device here")
+    ACCELERATOR["name"] = args.accelerator
     if args.steps < 2 * args.skip + 4:
         parser.error(f"--steps {args.steps} leaves too few batches after --skip {args.skip} in each half")
     keep_freed_memory()  # as train.py does

@@ -51,6 +51,12 @@ off, TQT vs torch.ao on, the default state of prepare_qat); our peak tensor memo
     python bench/qat_overhead.py --model mlp --memory-repeats 1
     python bench/qat_overhead.py --model llama --quick
     python bench/qat_overhead.py --widths 256,512,1024,2048,4096 --rounds 11 --plot docs/qat_overhead_width.png
+    python bench/qat_overhead.py --device cuda --widths 1024,4096 --no-memory   # on a GPU (spans synchronised)
+    python bench/qat_overhead.py --device cuda --check-syncs   # host syncs per steady step of every contender
+
+On CUDA the memory figures are ``torch.cuda.max_memory_allocated`` over the steps (no RSS), the report names the
+GPU and its measured copy bandwidth (``bench/device.py``), and the floor contender (FP32 plus one pass per weight
+each way) is the step's memory-bandwidth limit measured on the device.
 """
 
 from __future__ import annotations
@@ -65,12 +71,16 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.ao import quantization as tq
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``bench`` itself, run as a script from anywhere
+
+from bench.device import copy_bandwidth, describe, parse_device, sync
 from quark.torch import ModelQuantizer
 from quark.torch.cpu_allocator import keep_freed_memory
 from quark.torch.quantization.formats import Backend
@@ -234,6 +244,7 @@ def build(
     seed: int = 0,
     kind: str = "cnn",
     width: int = 4096,
+    device: str = "cpu",
 ) -> tuple[Callable[[], None], torch.optim.Optimizer]:
     """The training step of one contender (and its optimizer), ready to run.
 
@@ -243,8 +254,8 @@ def build(
     """
     torch.manual_seed(seed)
     base = make_model(kind, width)
-    x, y = make_batch(kind, batch)
-    model = _quantized_model(name, base)
+    x, y = (t.to(device) for t in make_batch(kind, batch))
+    model = _quantized_model(name, base).to(device)
     params = list(model.parameters())  # TQT adds the log2 thresholds
     opt = torch.optim.Adam(params, lr=1e-3) if optimizer == "adam" else torch.optim.SGD(params, lr=1e-2, momentum=0.9)
 
@@ -275,13 +286,16 @@ class Setup:
     batch: int = 256
     optimizer: str = "adam"
     width: int = 4096
+    device: str = "cpu"
 
     @property
     def contenders(self) -> tuple[str, ...]:
         return CONTENDERS[self.kind]
 
     def build(self, name: str, observe_steps: int = 3) -> tuple[Callable[[], None], torch.optim.Optimizer]:
-        return build(name, self.batch, self.optimizer, observe_steps, kind=self.kind, width=self.width)
+        return build(
+            name, self.batch, self.optimizer, observe_steps, kind=self.kind, width=self.width, device=self.device
+        )
 
     def describe(self) -> str:
         model = {
@@ -289,7 +303,7 @@ class Setup:
             "mlp": f"MLP 1024 -> {self.width} -> 1024 -> 10, batch {self.batch}",
             "llama": f"LLaMA-style block (hidden 1024, 16 heads, MLP 2816), batch {self.batch}x64 tokens",
         }[self.kind]
-        return f"{model}, {self.optimizer}"
+        return f"{model}, {self.optimizer}, on {describe(torch.device(self.device))}"
 
 
 def run(
@@ -301,14 +315,17 @@ def run(
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    device = torch.device(setup.device)
     order = list(fns)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in order[r % len(order) :] + order[: r % len(order)]:
             fn = fns[name]
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
+            sync(device)
             times[name].append(1e3 * (time.perf_counter() - t0) / steps)
     return times
 
@@ -339,6 +356,15 @@ def _tensor_peak_mb(step: Callable[[], None], opt: torch.optim.Optimizer, steps:
     from torch.profiler import ProfilerActivity, profile
 
     opt.zero_grad(set_to_none=True)  # start with no gradients alive (their frees would be of unknown size)
+    device = next(p.device for group in opt.param_groups for p in group["params"])
+    if device.type == "cuda":  # the caching allocator counts its own peak
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - start) / 2**20
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(steps):
             step()
@@ -359,7 +385,8 @@ def memory_child(name: str, setup: Setup, steps: int) -> dict[str, float]:
     baseline = _status_mb("VmRSS")
     for _ in range(steps):
         step()
-    rss = _status_mb("VmHWM") - baseline
+    sync(torch.device(setup.device))
+    rss = _status_mb("VmHWM") - baseline if setup.device == "cpu" else float("nan")  # (host memory: not the GPU's)
     return {"rss_mb": rss, "tensor_mb": _tensor_peak_mb(step, opt, steps)}
 
 
@@ -373,6 +400,8 @@ def _setup_args(setup: Setup) -> list[str]:
         setup.optimizer,
         "--width",
         str(setup.width),
+        "--device",
+        setup.device,
     ]
 
 
@@ -398,6 +427,29 @@ def run_memory(
                 raise RuntimeError(f"memory child for {name!r} failed (rc {proc.returncode}):\n{stderr[-2000:]}")
             samples[name].append(json.loads(lines[-1].removeprefix(_MARK)))
     return {name: {k: statistics.median(s[k] for s in v) for k in v[0]} for name, v in samples.items()}
+
+
+# ----------------------------------------------------------------------------------------------- host syncs
+def count_syncs(setup: Setup, steps: int = 3, warmup: int = 5) -> dict[str, float]:
+    """Host syncs per steady step of every contender on CUDA, counted from the warnings of
+    ``torch.cuda.set_sync_debug_mode("warn")`` (each ``.item()``, ``bool(tensor)``, ``nonzero`` ... that waits for
+    the GPU) after ``warmup`` steps."""
+    out = {}
+    for name in setup.contenders:
+        step, _ = setup.build(name)
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        out[name] = sum("synchroniz" in str(w.message) for w in caught) / steps
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- profile
@@ -448,7 +500,7 @@ def _report(
         "median of per-round ratios (quartiles in brackets)"
         + (f"; memory: {args.memory_steps} steps, median of {args.memory_repeats} fresh process(es)" if memory else "")
     )
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, format kernels: {_backend_name()}")
+    print(f"# {torch.get_num_threads()} CPU threads, format kernels: {_backend_name()}; {_bandwidth(setup)}")
     print("| contender | step ms | x FP32 | peak MB | x FP32 memory | RSS MB | x FP32 RSS | goal |")
     print("|---|---|---|---|---|---|---|---|")
     for name in times:
@@ -458,9 +510,26 @@ def _report(
             m, r = memory[name]["tensor_mb"], memory[name]["rss_mb"]
             mem_ratio = m / memory[FP32]["tensor_mb"]
             fp32_rss = memory[FP32]["rss_mb"]
-            rss_ratio = f"{r / fp32_rss:.2f}" if fp32_rss >= 1 else "-"  # below 1 MB: noise
+            rss_ratio = f"{r / fp32_rss:.2f}" if fp32_rss >= 1 else "-"  # below 1 MB (or NaN on CUDA): noise
             mem_cols = f"| {m:.1f} | {mem_ratio:.2f} | {r:.1f} | {rss_ratio} "
         print(f"| {name} | {t:.2f} | {ratio:.2f} ({q1:.2f}-{q3:.2f}) {mem_cols}| {_goal(name, rel, mem_ratio)} |")
+
+
+def _weights_mb(kind: str, width: int) -> float:
+    """MB one read + write of the model's float32 weights moves."""
+    return 2 * 4 * sum(m.weight.numel() for m in make_model(kind, width).modules() if hasattr(m, "weight")) / 1e6
+
+
+def _bandwidth(setup: Setup, widths: Sequence[int] = ()) -> str:
+    """The device's measured copy bandwidth, and what one read + write of the model's weights costs at it (at each
+    of ``widths``, the MLP's, else at the setup's)."""
+    gbs = copy_bandwidth(torch.device(setup.device))
+    passes = ", ".join(
+        f"{_weights_mb(setup.kind, w):.0f} MB {_weights_mb(setup.kind, w) / gbs:.3f} ms"
+        + (f" at {w}" if widths else "")
+        for w in widths or (setup.width,)
+    )
+    return f"copy bandwidth {gbs:.0f} GB/s; one read + write of the weights: {passes}"
 
 
 def _backend_name() -> str:
@@ -510,13 +579,14 @@ def sweep(widths: Sequence[int], args: argparse.Namespace, plot: str | None) -> 
     half-and-half ratios when ``plot`` names a file (needs matplotlib)."""
     table: dict[int, dict[str, float]] = {}
     for width in widths:
-        setup = Setup("mlp", args.batch or DEFAULT_BATCH["mlp"], args.optimizer, width)
+        setup = Setup("mlp", args.batch or DEFAULT_BATCH["mlp"], args.optimizer, width, args.device)
         table[width] = _sweep_row(run(setup, args.rounds, args.steps, args.warmup, names=(FP32, *SWEEP)))
         print(f"# width {width}: " + ", ".join(f"{n} {v:.2f}" for n, v in table[width].items()), flush=True)
     print(
         f"\n# QAT step time over FP32, MLP 1024 -> width -> 1024 -> 10, batch {args.batch or DEFAULT_BATCH['mlp']}, "
         f"{args.optimizer}, format kernels: {_backend_name()}; half = observers on for half the steps; floor = {FLOOR}"
     )
+    print(f"# {describe(torch.device(args.device))}; {_bandwidth(Setup('mlp', device=args.device), widths)}")
     print("| width | FP32 ms | " + " | ".join(COLUMNS) + " |")
     print("|---|---|" + "---|" * len(COLUMNS))
     for width, row in table.items():
@@ -555,6 +625,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096, help="the MLP's hidden width")
     parser.add_argument("--batch", type=int, default=None, help="default: 256 (cnn), 32 (mlp), 4 sequences (llama)")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (every timed span synchronised)")
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=5, help="steps per contender per round")
     parser.add_argument(
@@ -571,10 +642,23 @@ def main() -> None:
     parser.add_argument("--plot", help="with --widths: write the plot to this PNG")
     parser.add_argument("--quick", action="store_true", help="a short run: 5 rounds of 2 steps, 1 memory process each")
     parser.add_argument("--profile", action="store_true", help="also print the top ops of every contender")
+    parser.add_argument(
+        "--check-syncs",
+        action="store_true",
+        help="with --device cuda: only count the host syncs per steady step of every contender",
+    )
     parser.add_argument("--memory-child", metavar="CONTENDER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     kept = not args.system_allocator and keep_freed_memory()
-    setup = Setup(args.model, args.batch or DEFAULT_BATCH[args.model], args.optimizer, args.width)
+    parse_device(args.device)  # refused before any work where this machine has no such device
+    setup = Setup(args.model, args.batch or DEFAULT_BATCH[args.model], args.optimizer, args.width, args.device)
+    if args.check_syncs:
+        if not args.device.startswith("cuda"):
+            parser.error("--check-syncs needs --device cuda (on the CPU: tests/callbacks/test_quant_host_syncs.py)")
+        print(f"# host syncs per steady step, {setup.describe()}")
+        for name, count in count_syncs(setup).items():
+            print(f"| {name} | {count:g} |")
+        return
     if args.memory_child:
         print(_MARK + json.dumps(memory_child(args.memory_child, setup, args.memory_steps)), flush=True)
         return
