@@ -45,6 +45,13 @@ class LateFlag:
         self._pending.append((host, event))
         return self._drain()
 
+    def failed(self, ok: torch.Tensor) -> bool:
+        """``raised`` of a check that passes where ``ok`` (a tensor holding one bool) is True: on the CPU ``not
+        bool(ok)`` (no op for the negation), on CUDA the negation queued."""
+        if not defers(ok.device):
+            return not bool(ok)
+        return self.raised(~ok)
+
     def _drain(self) -> bool:
         """Read the completed copies, oldest first (waiting for the oldest while more than ``MAX_PENDING`` wait)."""
         seen = False

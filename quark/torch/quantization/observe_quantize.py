@@ -70,15 +70,18 @@ def _observe_fake_quantize(
     x: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor, plan: FusedPlan
 ) -> tuple[torch.Tensor, ...]:
     """(fake-quantized x, scale, zero point, whether this batch's statistics are finite, the running minimum and
-    maximum after observing ``x``: as they were when the batch is not finite). A pure function of its tensors (the
+    maximum after observing ``x``: as they were when the batch is not finite, and the qparams theirs). A pure function of its tensors (the
     caller writes the statistics back), so a signature called often can be served directly (``direct_kernel``)."""
     obs = plan.observer
     mn, mx = obs.statistics(x)
     finite = torch.isfinite(mn).all() & torch.isfinite(mx).all()
     new_min, new_max = obs.fold(min_val, max_val, mn, mx)
+    # a batch with NaN or Inf leaves the statistics as they were, and the qparams follow them: on CUDA the caller
+    # reads ``finite`` a few forwards late (``LateFlag``), so nothing this batch computed may outlive its forward
+    new_min, new_max = torch.where(finite, new_min, min_val), torch.where(finite, new_max, max_val)
     scale, zp = obs.qparams(new_min, new_max, x.dtype)
     out = fake_quantize(x, plan.dtype, scale, zp, **plan.quantize_kwargs())
-    return out, scale, zp, finite, torch.where(finite, new_min, min_val), torch.where(finite, new_max, max_val)
+    return out, scale, zp, finite, new_min, new_max
 
 
 @compilable(min_numel=0, options={"emulate_precision_casts": True})  # the forward was fused: so is its gradient

@@ -30,12 +30,14 @@ from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_for
 from quark.torch.quantization.fake_quant.fixed import BakedFakeQuantize, FrozenScaledFakeQuantize
 from quark.torch.quantization.fake_quant.learnable import LearnableFakeQuantize, LSQFakeQuantize, TQTFakeQuantize
 from quark.torch.quantization.formats import PreparedInt
+from quark.torch.quantization.late_flag import LateFlag
 from quark.torch.quantization.observe_quantize import (
     fused_pass_active,
     fused_plan,
     observe_fake_quantize,
     scale_may_have_saturated,
 )
+from quark.torch.quantization.observer.base import raise_non_finite
 
 __all__ = [
     "FakeQuantizeBase",
@@ -104,7 +106,11 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         if fused is None or obs.min_val.shape != fused.observer.statistics_shape(x.shape):
             return None  # not a planned observer; or the first batch / a new shape: the eager path rebinds
         out, scale, zp, finite = observe_fake_quantize(x, obs.min_val, obs.max_val, fused)
-        obs.fused_observed(x, finite)  # raises on NaN / Inf (the statistics stayed as they were)
+        late = self.__dict__.get("_late_nonfinite")
+        if late is None:
+            late = self.__dict__["_late_nonfinite"] = LateFlag()
+        # raises on NaN / Inf (the statistics stayed as they were), read late on CUDA: no host sync per forward
+        obs.fused_observed(x, late.failed(finite))
         if scale_may_have_saturated(fused, scale, x.dtype):
             scale, zp = obs.calculate_qparams()  # the same qparams, computed eagerly: it warns where they saturated
         self._hold(scale, zp)
@@ -180,10 +186,19 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
 
     def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
         if not enabled:
+            self._raise_late_nonfinite()
             self._sync()  # statistics are final: fix the qparams now
         return super().enable_observer(enabled)
 
+    def _raise_late_nonfinite(self) -> None:
+        """Wait for the fused pass's NaN / Inf checks still on their way (CUDA) and raise where one found a bad batch:
+        before the qparams are fixed or read, a late error must not be lost."""
+        late = self.__dict__.get("_late_nonfinite")
+        if late is not None and late.wait():
+            raise_non_finite(self.observer.who)
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._raise_late_nonfinite()
         self._sync()
         return self.scale, self.zero_point
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
+from quark.torch.quantization.formats import Backend, set_compile
 from quark.torch.quantization.late_flag import MAX_PENDING, LateFlag
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, LSQFakeQuantize, TQTFakeQuantize
 from tests.host_syncs import HostSyncs, as_if_on_cuda
@@ -189,3 +191,65 @@ def test_on_the_cpu_the_check_is_read_in_the_same_forward() -> None:
     assert not flag.raised(torch.tensor(False))
     assert flag.raised(torch.tensor(True))
     assert not flag.wait()
+
+
+# ----------------------------------------------------------------------------------------------- the fused observe pass
+@pytest.fixture
+def compiled(compiler: None) -> Iterator[None]:
+    before = Backend.compile
+    set_compile(True)
+    try:
+        yield
+    finally:
+        set_compile(before)
+
+
+def _fused_quantizer() -> FakeQuantizeBase:
+    spec = Config.from_dict({"global_quant_config": {"input_tensors": _spec(symmetric=False, dtype="uint8")}})
+    fq = FakeQuantizeBase.get_fake_quantize(spec.global_quant_config.input_tensors)
+    fq.where = fq.observer.where = "layer 'fc1' (Linear, input_tensors)"
+    return fq
+
+
+def test_an_observing_forward_on_the_fused_pass_reads_nothing_on_the_host(compiled: None, monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        fq = _fused_quantizer()
+        x = torch.randn(96, 128)  # 12288 elements: the fused pass
+        fq(x)  # compiles (outside the probe)
+        with HostSyncs() as probe:
+            fq(x * 2)
+        assert not probe.found, dict(probe.found)
+        assert torch.equal(fq.observer.max_val, (x * 2).max())  # it did observe
+
+
+def test_a_nan_batch_on_the_fused_pass_is_refused_late_and_changes_nothing(compiled: None, monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False) as events:
+        fq = _fused_quantizer()
+        x = torch.randn(96, 128)
+        fq(x)
+        kept = (fq.observer.min_val.clone(), fq.observer.max_val.clone(), fq.scale.clone(), fq.zero_point.clone())
+        bad = x.clone()
+        bad[3, 3] = float("nan")
+        fq(bad)  # its check is on its way: no wait, no error yet
+        # nothing the bad batch computed outlives its forward: statistics and the held qparams are the good ones
+        got = (fq.observer.min_val, fq.observer.max_val, fq.scale, fq.zero_point)
+        assert all(torch.equal(a, b) for a, b in zip(got, kept, strict=True))
+        assert torch.equal(fq(x), fq(x))  # later batches (still pending) quantize as before
+        events.done = True
+        with pytest.raises(ValueError, match=r"fc1.*NaN or Inf"):
+            fq(x)
+
+
+@pytest.mark.parametrize("reader", ["enable_observer(False)", "calculate_qparams"])
+def test_fixing_or_reading_the_qparams_waits_for_a_pending_nan_check(
+    reader: str, compiled: None, monkeypatch: Any
+) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        fq = _fused_quantizer()
+        x = torch.randn(96, 128)
+        fq(x)
+        bad = x.clone()
+        bad[0, 0] = float("inf")
+        fq(bad)
+        with pytest.raises(ValueError, match=r"fc1.*NaN or Inf"):
+            fq.disable_observer() if reader.startswith("enable") else fq.calculate_qparams()

@@ -85,11 +85,11 @@ class UniformScalingObserver(ObserverBase):
                 self._buffers[name] = buf.float()
         return self
 
-    def fused_observed(self, x: torch.Tensor, finite: torch.Tensor) -> None:
+    def fused_observed(self, x: torch.Tensor, failed: bool) -> None:
         """Book a batch the quantizer's fused pass folded into the statistics (``observe_quantize``): raises
-        ValueError naming the layer, as ``forward`` does, where it had NaN or Inf (the pass then left them as they
-        were)."""
-        if not bool(finite):
+        ValueError naming the layer, as ``forward`` does, where ``failed`` (the batch had NaN or Inf; on CUDA, one a
+        few forwards before, read late: the pass left the statistics as they were)."""
+        if failed:
             raise_non_finite(self.who)
         self.__dict__["model_dtype"] = x.dtype  # a plain attribute (set per forward: no Module.__setattr__ checks)
 
