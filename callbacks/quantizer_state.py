@@ -24,8 +24,12 @@ def is_learnable(q: FakeQuantizeBase) -> bool:
 
 def is_ready(q: FakeQuantizeBase) -> bool:
     """Whether a quantizer has what it needs to quantize (qparams, or a learned threshold)."""
-    initialized = getattr(q, "initialized", None)
-    return q.is_dynamic or initialized is None or bool(initialized)
+    if q.is_dynamic:
+        return True
+    if "initialized" in q._buffers:  # through the flag memo: no host sync on CUDA while unchanged
+        return q.flag("initialized")
+    initialized = getattr(q, "initialized", None)  # a SharedFakeQuantize: its source's
+    return initialized is None or bool(initialized)
 
 
 def device_of(quantizers: list[FakeQuantizeBase]) -> torch.device:
