@@ -1,0 +1,83 @@
+"""Review 42: tests the host-sync round (dea0c55) lacked (each kills a mutant of the code that the round's tests let
+live), and repros of what the flag memo and the probe miss (``xfail(strict=True)``: they pass once fixed)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from test_host_syncs import LSQ, MINMAX, TQT, _break_learned, _fix_observers, _model
+
+from quark.torch.quantization.tensor_quantize import LSQFakeQuantize, TQTFakeQuantize
+from tests.host_syncs import HostSyncs, as_if_on_cuda
+
+
+def test_flags_that_are_inference_tensors_are_read_directly(monkeypatch: Any) -> None:
+    """A model prepared and run under ``torch.inference_mode`` holds inference tensors, which have no version counter
+    (``buf._version`` raises): ``flag`` must read them (its ``is_inference`` branch; no other test reaches it)."""
+    with as_if_on_cuda(monkeypatch), torch.inference_mode():
+        model = _model(MINMAX)
+        _fix_observers(model)
+        q = model[0]._input_quantizer
+        assert q.fake_quant_enabled.is_inference()
+        x = torch.randn(8, 16)
+        assert not torch.equal(q(x), x)
+        q.disable_fake_quant()
+        assert torch.equal(q(x), x)
+        q.fake_quant_enabled.fill_(1)
+        assert not torch.equal(q(x), x)
+
+
+@pytest.mark.parametrize("spec", [TQT, LSQ], ids=["tqt", "lsq"])
+def test_copies_and_pickles_leave_pending_late_checks_behind(spec: dict[str, Any], monkeypatch: Any) -> None:
+    """Pending checks hold CUDA events (not copyable, not picklable): a deepcopy or pickle of a learnable quantizer
+    with checks on their way must leave them behind (``_MEMOS`` names ``_late_check``; no test covered it)."""
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        model = _model(spec)
+        model(torch.randn(8, 16))
+        q = model[2]._weight_quantizer
+        assert q.__dict__["_late_check"]._pending
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert "_late_check" not in twin[2]._weight_quantizer.__dict__
+        assert q.__dict__["_late_check"]._pending  # the original keeps its own
+
+
+@pytest.mark.parametrize("spec", [TQT, LSQ], ids=["tqt", "lsq"])
+def test_an_exact_answer_reads_every_pending_check_not_only_the_newest(spec: dict[str, Any], monkeypatch: Any) -> None:
+    """A bad check queued before a good one is still reported by ``calculate_qparams`` (``LateFlag.wait`` reads all)."""
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        model = _model(spec)
+        q = model[2]._weight_quantizer
+        assert isinstance(q, TQTFakeQuantize | LSQFakeQuantize)
+        _break_learned(model, spec)
+        model(torch.randn(8, 16))  # queues the bad check
+        with torch.no_grad():
+            (q.log_threshold if spec is TQT else q.scale).fill_(0.5)
+        model(torch.randn(8, 16))  # queues a good one after it
+        with pytest.raises(ValueError, match="earlier training step"):
+            q.calculate_qparams()
+
+
+# ----------------------------------------------------------------------------------------------- the probe's blind spots
+# Each is a host read on CUDA that ``HostSyncs`` does not record (on CPU tensors they dispatch no op it watches, or
+# read the data without dispatching at all), so a steady-step test cannot catch them in the engine or the callbacks.
+_BLIND = {
+    "tolist": lambda t, m: t.tolist(),
+    "equal": lambda t, m: torch.equal(t, t),
+    "allclose": lambda t, m: torch.allclose(t, t),
+    "index_put_bool_mask": lambda t, m: t.clone().__setitem__(m, 0.0),
+    "bincount": lambda t, m: torch.bincount(m.long()),
+    "histc": lambda t, m: torch.histc(t),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="review42: HostSyncs does not record this host read")
+@pytest.mark.parametrize("read", list(_BLIND))
+def test_the_probe_records_host_reads(read: str) -> None:
+    t = torch.randn(8)
+    with HostSyncs() as probe:
+        _BLIND[read](t, t > 0)
+    assert probe.found
