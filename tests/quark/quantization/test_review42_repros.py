@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_host_syncs import LSQ, MINMAX, TQT, _break_learned, _fix_observers, _model
 
+from quark.torch.quantization.late_flag import LateFlag
 from quark.torch.quantization.tensor_quantize import LSQFakeQuantize, TQTFakeQuantize
 from tests.host_syncs import HostSyncs, as_if_on_cuda
 
@@ -81,3 +82,21 @@ def test_the_probe_records_host_reads(read: str) -> None:
     with HostSyncs() as probe:
         _BLIND[read](t, t > 0)
     assert probe.found
+
+
+# ----------------------------------------------------------------------------------------------- the real CUDA path
+# (never run in this review: no GPU was lent; the CPU tests replace the pinned copy and the event by stand-ins)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("index", [0, 1], ids=["current_device", "other_device"])
+def test_a_late_flag_is_read_after_its_copy_on_the_flags_own_device(index: int) -> None:
+    """The event waits for the copy on the flag's device, also when another device is current (``torch.Event``'s
+    ``record()`` without a stream records on the current device's stream)."""
+    if index >= torch.cuda.device_count():
+        pytest.skip("needs two CUDA devices")
+    device = torch.device("cuda", index)
+    late = LateFlag()
+    with torch.cuda.device(0):  # cuda:0 current (and idle, for the other device's case)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(10**9)  # noqa: SLF001 - the flag's device runs behind the host
+        late.raised(torch.ones((), dtype=torch.bool, device=device))
+        assert late.wait()  # waits for the copy, then reads True (not the pinned buffer's unwritten bytes)
