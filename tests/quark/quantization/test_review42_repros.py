@@ -9,14 +9,54 @@ from typing import Any
 
 import pytest
 import torch
-from test_host_syncs import LSQ, MINMAX, TQT, _break_learned, _fix_observers, _model, _spec
 from torch import nn
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.late_flag import LateFlag
-from quark.torch.quantization.tensor_quantize import LSQFakeQuantize, TQTFakeQuantize
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, LSQFakeQuantize, TQTFakeQuantize
 from tests.host_syncs import HostSyncs, as_if_on_cuda
+
+
+def _spec(**kw: Any) -> dict[str, Any]:
+    base = {
+        "dtype": "int8",
+        "qscheme": "per_tensor",
+        "observer_cls": "PerTensorMinMaxObserver",
+        "symmetric": True,
+        "round_method": "half_even",
+        "is_dynamic": False,
+        "scale_type": "float",
+    }
+    return base | kw
+
+
+TQT = _spec(scale_type="pof2", qat_spec={"method": "tqt"})
+LSQ = _spec(qat_spec={"method": "lsq"})
+MINMAX = _spec()
+
+
+def _model(spec: dict[str, Any]) -> nn.Module:
+    """A quantized MLP after its first batch (statistics, thresholds, step sizes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    config = Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})
+    model = ModelQuantizer(config).prepare(model)
+    model(torch.randn(8, 16))
+    return model
+
+
+def _fix_observers(model: nn.Module) -> None:
+    for q in model.modules():
+        if isinstance(q, FakeQuantizeBase):
+            q.disable_observer()
+
+
+def _break_learned(model: nn.Module, spec: dict[str, Any]) -> None:
+    """What a NaN gradient and an optimizer step leave in fc2's weight quantizer."""
+    q = model[2]._weight_quantizer
+    with torch.no_grad():
+        (q.log_threshold if spec is TQT else q.scale).fill_(float("nan"))
 
 
 def test_flags_that_are_inference_tensors_are_read_directly(monkeypatch: Any) -> None:
