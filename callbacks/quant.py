@@ -35,7 +35,7 @@ from callbacks.quant_checkpoints import (
     read_checkpoint,
 )
 from callbacks.quantizer_lr import follow_schedule
-from callbacks.quantizer_state import is_ready, keep_out_of_ddp_broadcast, pause_quantizers
+from callbacks.quantizer_state import is_ready, keep_out_of_ddp_broadcast, pause_quantizers, read_late_checks
 from callbacks.report import QuantReport
 from callbacks.schedule import QuantSchedule
 from callbacks.setup_checks import SetupChecks
@@ -330,6 +330,7 @@ class QuantCallback(
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._quantizer_walk = None  # the schedule's walk holds the quantizers: not past the training it served
+        read_late_checks(pl_module)  # the last steps' TQT / LSQ checks (read late on CUDA)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode != "qat":
@@ -469,7 +470,8 @@ class QuantCallback(
         self._load_distill_state(state_dict)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Mark the state_dict as a quantized model's (see ``QUANTIZED_CHECKPOINT_KEY``)."""
+        """Mark the state_dict as a quantized model's (see ``QUANTIZED_CHECKPOINT_KEY``); no bad learned value saved."""
+        read_late_checks(pl_module)
         if isinstance(checkpoint.get("state_dict"), dict) and any(True for _ in iter_quantizers(pl_module)):
             checkpoint["state_dict"][QUANTIZED_CHECKPOINT_KEY] = torch.zeros(0)
 

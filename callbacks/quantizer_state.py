@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from quark.torch.compat import ddp_ignore_states
-from quark.torch.quantization.nn.modules import QuantMixin
+from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.state import paused_quantizers
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
+    LearnableFakeQuantize,
     LSQFakeQuantize,
     TQTFakeQuantize,
 )
@@ -24,8 +25,21 @@ def is_learnable(q: FakeQuantizeBase) -> bool:
 
 def is_ready(q: FakeQuantizeBase) -> bool:
     """Whether a quantizer has what it needs to quantize (qparams, or a learned threshold)."""
-    initialized = getattr(q, "initialized", None)
-    return q.is_dynamic or initialized is None or bool(initialized)
+    if q.is_dynamic:
+        return True
+    if "initialized" in q._buffers:  # through the flag memo: no host sync on CUDA while unchanged
+        return q.flag("initialized")
+    initialized = getattr(q, "initialized", None)  # a SharedFakeQuantize: its source's
+    return initialized is None or bool(initialized)
+
+
+def read_late_checks(module: nn.Module) -> None:
+    """Read the TQT / LSQ training checks still on their way (a host sync on CUDA): a ValueError naming the layer if
+    one found a bad learned value. Where a fit ends or a checkpoint is saved: the last steps' checks have no later
+    training forward to read them."""
+    for _, q in iter_quantizers(module):
+        if isinstance(q, LearnableFakeQuantize):
+            q.read_late_checks()
 
 
 def device_of(quantizers: list[FakeQuantizeBase]) -> torch.device:

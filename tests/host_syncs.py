@@ -83,6 +83,12 @@ def _stand_in_copy(flag: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _recorded_stand_in(device: torch.device) -> StandInEvent:
+    event = StandInEvent()
+    event.record()
+    return event
+
+
 @contextmanager
 def as_if_on_cuda(monkeypatch: pytest.MonkeyPatch, events_complete: bool = True) -> Iterator[type[StandInEvent]]:
     """Run the engine's CUDA paths on CPU tensors: flags read through their memo, late checks deferred to events
@@ -90,7 +96,7 @@ def as_if_on_cuda(monkeypatch: pytest.MonkeyPatch, events_complete: bool = True)
     monkeypatch.setattr(FakeQuantizeBase, "_read_cpu_flags", False)
     monkeypatch.setattr(late_flag, "defers", lambda device: True)
     monkeypatch.setattr(late_flag.LateFlag, "_host_copy", staticmethod(_stand_in_copy))
-    monkeypatch.setattr(late_flag.LateFlag, "_event", staticmethod(lambda device: StandInEvent()))
+    monkeypatch.setattr(late_flag.LateFlag, "_recorded_event", staticmethod(_recorded_stand_in))
     monkeypatch.setattr(StandInEvent, "done", events_complete)
     monkeypatch.setattr(StandInEvent, "recorded", 0)
     monkeypatch.setattr(StandInEvent, "waited", 0)

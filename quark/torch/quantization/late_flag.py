@@ -40,9 +40,7 @@ class LateFlag:
         if not defers(flag.device):
             return bool(flag)
         host = self._host_copy(flag)
-        event = self._event(flag.device)
-        event.record()
-        self._pending.append((host, event))
+        self._pending.append((host, self._recorded_event(flag.device)))
         return self._drain()
 
     def failed(self, ok: torch.Tensor) -> bool:
@@ -82,6 +80,11 @@ class LateFlag:
         return host.copy_(flag.reshape(()), non_blocking=True)
 
     @staticmethod
-    def _event(device: torch.device) -> Any:
-        """An event of ``device``'s current stream (``record`` / ``query`` / ``synchronize``)."""
-        return torch.Event(device=device)
+    def _recorded_event(device: torch.device) -> Any:
+        """An event recorded on ``device``'s current stream, where ``_host_copy`` queued the copy (``query`` /
+        ``synchronize``). The stream is named: ``torch.Event(device=d).record()`` records on the current device's
+        stream whichever device ``d`` is (the event keeps only the device type), so for a model on cuda:1 while cuda:0
+        is current the event would complete with nothing of the copy's stream, and the flag be read unwritten."""
+        event = torch.Event(device=device, enable_timing=False)
+        event.record(torch.accelerator.current_stream(device))
+        return event

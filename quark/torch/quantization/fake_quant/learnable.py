@@ -167,15 +167,21 @@ class LearnableFakeQuantize(FakeQuantizeBase):
         storage); in training mode it always runs (writes through ``.data``, as a cross-rank average does, leave the
         version counter as it was)."""
         param = self._learned_param
-        late = self.__dict__.get("_late_check")
-        if late is not None and late.wait():  # a training forward's late check, still on its way: read it now
-            self._raise_invalid(late=True)
+        self.read_late_checks()
         state = (tensor_version(param), param.data_ptr())
         if state == self._checked and not self.training:
             return
         if bool(self._invalid().any()):
             self._raise_invalid(late=False)
         self._checked = state
+
+    def read_late_checks(self) -> None:
+        """Wait for the training forwards' checks still on their way (``LateFlag``, CUDA) and raise their ValueError
+        if one found a bad value: where an exact answer is needed now (eval, exports, the end of a fit, a checkpoint),
+        so that a bad value made by one of the last steps is not left unread."""
+        late = self.__dict__.get("_late_check")
+        if late is not None and late.wait():
+            self._raise_invalid(late=True)
 
     def _raise_invalid(self, late: bool) -> None:
         """The ValueError of learned values that give no finite positive scale, with the bad values where they are
