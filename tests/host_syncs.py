@@ -31,30 +31,57 @@ _READS = {
     "aten._unique2.default",
     "aten.unique_dim.default",
     "aten.unique_consecutive.default",
+    "aten.equal.default",
+    "aten.allclose.default",
+    "aten.bincount.default",
+    "aten.histc.default",
 }
+#: ops indexed by a tensor argument: a bool mask there makes the output's shape (or the write) data-dependent
+_MASKED = {"aten.index.Tensor": 1, "aten.index_put_.default": 1, "aten.index_put.default": 1}
 
 
 def _is_host_read(func: Any, args: tuple[Any, ...]) -> bool:
     name = str(func)
     if name == "aten._local_scalar_dense.default" and getattr(args[0], "_pinned_stand_in", False):
         return False  # the late check's copy in (what stands for) pinned host memory: no device to wait for
-    if name == "aten.index.Tensor":
-        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    if name in _MASKED:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[_MASKED[name]])
+    if name == "aten.fake_quantize_per_channel_affine_cachemask.default":
+        return not args[2].is_floating_point()  # checks its integer zero points with two .item() inside the op
     return name in _READS
 
 
 class HostSyncs(TorchDispatchMode):
-    """Records, while active, each op that reads a tensor on the host: (op, the innermost frame of the project)."""
+    """Records, while active, each op that reads a tensor on the host: (op, the innermost frame of the project).
+    ``Tensor.tolist`` dispatches nothing on the CPU: it is wrapped while the probe is active."""
 
     def __init__(self) -> None:
         super().__init__()
         self.found: collections.Counter[str] = collections.Counter()
 
+    def _record(self, what: str) -> None:
+        ours = [f for f in traceback.extract_stack() if "/quark/" in f.filename or "/callbacks/" in f.filename]
+        where = f"{ours[-1].filename}:{ours[-1].lineno} {ours[-1].line}" if ours else "outside the project"
+        self.found[f"{what} at {where}"] += 1
+
+    def __enter__(self) -> HostSyncs:
+        tolist = self._tolist = torch.Tensor.tolist
+        probe = self
+
+        def recorded_tolist(t: torch.Tensor) -> Any:
+            probe._record("Tensor.tolist")
+            return tolist(t)
+
+        torch.Tensor.tolist = recorded_tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if _is_host_read(func, args):
-            ours = [f for f in traceback.extract_stack() if "/quark/" in f.filename or "/callbacks/" in f.filename]
-            where = f"{ours[-1].filename}:{ours[-1].lineno} {ours[-1].line}" if ours else "outside the project"
-            self.found[f"{func} at {where}"] += 1
+            self._record(str(func))
         return func(*args, **(kwargs or {}))
 
 

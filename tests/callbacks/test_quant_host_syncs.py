@@ -2,7 +2,7 @@
 
 Lightning's own ``BoringModel`` (a two-layer MLP in its ``layer``) trains under ``QuantCallback(mode="qat")`` with
 TQT, LSQ and min-max quantizers; from the fourth batch on (observers fixed, thresholds initialised) every op of the
-training step, backward and optimizer step included, is watched. The CUDA paths' logic runs on the CPU
+training step, backward, optimizer step and every callback's batch hooks included, is watched. The CUDA paths' logic runs on the CPU
 (``tests/host_syncs.py``): the quantizers' switches through their memo, the TQT/LSQ checks through late reads.
 """
 
@@ -60,21 +60,27 @@ class TwoLayerBoring(BoringModel):
         self.layer = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
 
 
-class WatchSteadySteps(Callback):
-    """Watches each training batch from ``STEADY_FROM`` on (its step, backward and optimizer step) for host reads."""
+class Open(Callback):
+    """Opens the probe before every other callback's ``on_train_batch_start`` (listed first: Lightning calls the
+    callbacks in list order), from batch ``STEADY_FROM`` on."""
 
-    def __init__(self) -> None:
-        self.probe = HostSyncs()
-        self.watched = 0
+    def __init__(self, probe: HostSyncs) -> None:
+        self.probe = probe
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx >= STEADY_FROM:
             self.probe.__enter__()
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx >= STEADY_FROM:
+
+class Close(Callback):
+    """Closes it after every other callback's ``on_train_batch_end`` (listed last)."""
+
+    def __init__(self, probe: HostSyncs) -> None:
+        self.probe = probe
+        self.watched = 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if args[-1] >= STEADY_FROM:
             self.probe.__exit__(None, None, None)
             self.watched += 1
 
@@ -89,7 +95,8 @@ def test_a_steady_qat_step_reads_no_tensor_on_the_host(name: str, tmp_path: Any,
     config = Config.from_dict({"global_quant_config": {"weight": weight, "input_tensors": act}})
     seed(0)
     model = TwoLayerBoring()
-    watch = WatchSteadySteps()
+    probe = HostSyncs()
+    close = Close(probe)
     learned: list[list[torch.Tensor]] = []
 
     class Snapshot(Callback):
@@ -97,16 +104,37 @@ def test_a_steady_qat_step_reads_no_tensor_on_the_host(name: str, tmp_path: Any,
             learned.append(_learned(pl_module))
 
     with as_if_on_cuda(monkeypatch) as events:
-        trainer = make_trainer(
-            tmp_path, [QuantCallback(config, mode="qat", observer_steps=2), watch, Snapshot()], limit_train_batches=8
-        )
-        trainer.fit(model)
+        callbacks = [Open(probe), QuantCallback(config, mode="qat", observer_steps=2), Snapshot(), close]
+        make_trainer(tmp_path, callbacks, limit_train_batches=8).fit(model)
 
-    assert watch.watched == 8 - STEADY_FROM
-    assert not watch.probe.found, f"host reads in steady QAT steps: {dict(watch.probe.found)}"
+    assert close.watched == 8 - STEADY_FROM
+    assert not probe.found, f"host reads in steady QAT steps: {dict(probe.found)}"
     quantizers = [m for m in model.modules() if isinstance(m, FakeQuantizeBase)]
     assert len(quantizers) == 4 and all(q.flag("fake_quant_enabled") for q in quantizers)
     if name.startswith(("tqt", "lsq")):
         # the thresholds / step sizes learned in the watched steps, and each forward queued its check late
         assert all(not torch.equal(a, b) for a, b in zip(learned[STEADY_FROM - 1], learned[-1], strict=True))
         assert events.recorded >= 4 * 8
+
+
+class WithUnusedHead(TwoLayerBoring):
+    """A layer no training batch reaches (an unused head; an MoE expert no token is routed to): QuantCallback asks
+    its quantizers every batch whether they have qparams yet (``_fix_pending``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(32, 2)
+
+
+@pytest.mark.parametrize("name", ["minmax_observers_fixed", "tqt"])
+def test_a_layer_no_batch_reaches_costs_no_host_read_per_step(name: str, tmp_path: Any, monkeypatch: Any) -> None:
+    weight, act = CONFIGS[name]
+    config = Config.from_dict({"global_quant_config": {"weight": weight, "input_tensors": act}})
+    seed(0)
+    probe = HostSyncs()
+    close = Close(probe)
+    with as_if_on_cuda(monkeypatch):
+        callbacks = [Open(probe), QuantCallback(config, mode="qat", observer_steps=2), close]
+        make_trainer(tmp_path, callbacks, limit_train_batches=6).fit(WithUnusedHead())
+    assert close.watched == 6 - STEADY_FROM
+    assert not probe.found, f"host reads in steady QAT steps: {dict(probe.found)}"

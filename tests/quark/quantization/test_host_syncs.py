@@ -253,3 +253,113 @@ def test_fixing_or_reading_the_qparams_waits_for_a_pending_nan_check(
         fq(bad)
         with pytest.raises(ValueError, match=r"fc1.*NaN or Inf"):
             fq.disable_observer() if reader.startswith("enable") else fq.calculate_qparams()
+
+
+# ----------------------------------------------------------------------------------------------- found by review
+def test_flags_that_are_inference_tensors_are_read_directly(monkeypatch: Any) -> None:
+    """A model prepared and run under ``torch.inference_mode`` holds inference tensors, which have no version counter
+    (``buf._version`` raises): ``flag`` must read them (its ``is_inference`` branch; no other test reaches it)."""
+    with as_if_on_cuda(monkeypatch), torch.inference_mode():
+        model = _model(MINMAX)
+        _fix_observers(model)
+        q = model[0]._input_quantizer
+        assert q.fake_quant_enabled.is_inference()
+        x = torch.randn(8, 16)
+        assert not torch.equal(q(x), x)
+        q.disable_fake_quant()
+        assert torch.equal(q(x), x)
+        q.fake_quant_enabled.fill_(1)
+        assert not torch.equal(q(x), x)
+
+
+@pytest.mark.parametrize("spec", [TQT, LSQ], ids=["tqt", "lsq"])
+def test_copies_and_pickles_leave_pending_late_checks_behind(spec: dict[str, Any], monkeypatch: Any) -> None:
+    """Pending checks hold CUDA events (not copyable, not picklable): a deepcopy or pickle of a learnable quantizer
+    with checks on their way must leave them behind (``_MEMOS`` names ``_late_check``; no test covered it)."""
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        model = _model(spec)
+        model(torch.randn(8, 16))
+        q = model[2]._weight_quantizer
+        assert q.__dict__["_late_check"]._pending
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert "_late_check" not in twin[2]._weight_quantizer.__dict__
+        assert q.__dict__["_late_check"]._pending  # the original keeps its own
+
+
+@pytest.mark.parametrize("spec", [TQT, LSQ], ids=["tqt", "lsq"])
+def test_an_exact_answer_reads_every_pending_check_not_only_the_newest(spec: dict[str, Any], monkeypatch: Any) -> None:
+    """A bad check queued before a good one is still reported by ``calculate_qparams`` (``LateFlag.wait`` reads all)."""
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        model = _model(spec)
+        q = model[2]._weight_quantizer
+        assert isinstance(q, TQTFakeQuantize | LSQFakeQuantize)
+        _break_learned(model, spec)
+        model(torch.randn(8, 16))  # queues the bad check
+        with torch.no_grad():
+            (q.log_threshold if spec is TQT else q.scale).fill_(0.5)
+        model(torch.randn(8, 16))  # queues a good one after it
+        with pytest.raises(ValueError, match="earlier training step"):
+            q.calculate_qparams()
+
+
+# ----------------------------------------------------------------------------------------------- the probe itself
+# Host reads on CUDA that dispatch no op the first probe watched, or read the data without dispatching at all
+# (``tolist``): the probe records each (found by review).
+_BLIND = {
+    "tolist": lambda t, m: t.tolist(),
+    "equal": lambda t, m: torch.equal(t, t),
+    "allclose": lambda t, m: torch.allclose(t, t),
+    "index_put_bool_mask": lambda t, m: t.clone().__setitem__(m, 0.0),
+    "bincount": lambda t, m: torch.bincount(m.long()),
+    "histc": lambda t, m: torch.histc(t),
+    # its zero-point range check: aminmax, then two .item() inside the op, on CUDA as on the CPU
+    "fake_quantize_per_channel_affine": lambda t, m: torch.fake_quantize_per_channel_affine(
+        t.reshape(2, 4), torch.ones(2), torch.zeros(2, dtype=torch.int32), 0, -128, 127
+    ),
+}
+
+
+@pytest.mark.parametrize("read", list(_BLIND))
+def test_the_probe_records_every_kind_of_host_read(read: str) -> None:
+    t = torch.randn(8)
+    with HostSyncs() as probe:
+        _BLIND[read](t, t > 0)
+    assert probe.found
+
+
+def test_small_per_channel_weights_skip_torchs_kernel_where_it_syncs(monkeypatch: Any) -> None:
+    """Per-channel int8 weights of 2048 and 128 elements (under ``TORCH_KERNEL_MAX_NUMEL``) take torch's per-channel
+    kernel on the CPU; on CUDA that kernel checks its integer zero points with two ``.item()`` inside the op, so the
+    elementwise chain serves them there (found by review)."""
+
+    weight = _spec(qscheme="per_channel", observer_cls="PerChannelMinMaxObserver", ch_axis=0)
+    with as_if_on_cuda(monkeypatch):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
+        config = Config.from_dict({"global_quant_config": {"weight": weight, "input_tensors": MINMAX}})
+        model = ModelQuantizer(config).prepare(model)
+        x = torch.randn(8, 32)
+        model(x)
+        _fix_observers(model)
+        model(x).sum().backward()
+        with HostSyncs() as probe:
+            model(x).sum().backward()
+    assert not probe.found, dict(probe.found)
+
+
+# ----------------------------------------------------------------------------------------------- the real CUDA path
+# (never run in this review: no GPU was lent; the CPU tests replace the pinned copy and the event by stand-ins)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("index", [0, 1], ids=["current_device", "other_device"])
+def test_a_late_flag_is_read_after_its_copy_on_the_flags_own_device(index: int) -> None:
+    """The event waits for the copy on the flag's device, also when another device is current (``torch.Event``'s
+    ``record()`` without a stream records on the current device's stream)."""
+    if index >= torch.cuda.device_count():
+        pytest.skip("needs two CUDA devices")
+    device = torch.device("cuda", index)
+    late = LateFlag()
+    with torch.cuda.device(0):  # cuda:0 current (and idle, for the other device's case)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(10**9)  # noqa: SLF001 - the flag's device runs behind the host
+        late.raised(torch.ones((), dtype=torch.bool, device=device))
+        assert late.wait()  # waits for the copy, then reads True (not the pinned buffer's unwritten bytes)

@@ -106,12 +106,13 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         """The 0-dim flag buffer ``name`` (``observer_enabled``, ``fake_quant_enabled``, ``initialized``) as a bool,
         read from its tensor only when something wrote it since this module last wrote or read it: on CUDA a read is
         a host sync, waiting for the GPU to finish all it was given, and every forward asks its switches. Writes that
-        bypass the version counter are not seen (see ``set_flag``). On the CPU the tensor is read each time: there is
-        nothing to wait for, and the read costs less than the memo (0.16 against 0.5 us)."""
+        bypass the version counter are not seen (see ``set_flag``), DDP's buffer broadcast among them: set switches
+        alike on every rank, or keep quantizer buffers out of the broadcast. On the CPU the tensor is read each time:
+        there is nothing to wait for, and the read costs less than the memo (0.16 against 0.5 us)."""
         buf = self._buffers[name]
         if buf.is_cpu and self._read_cpu_flags:  # type: ignore[union-attr]
             return bool(buf)
-        if buf.is_inference() or torch.compiler.is_compiling():  # type: ignore[union-attr]  # (no version counter)
+        if torch.compiler.is_compiling() or buf.is_inference():  # type: ignore[union-attr]  # (no version counter)
             return bool(buf)
         value = self._known_flag(name, buf)  # type: ignore[arg-type]
         if value is None:
@@ -127,7 +128,7 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         (through ``.data``, or a ``torch.distributed`` collective on the buffer itself) is not seen: write such flags
         with ``fill_`` / ``copy_`` or ``set_flag`` itself."""
         buf = self._buffers[name]
-        if buf.is_inference() or torch.compiler.is_compiling():  # type: ignore[union-attr]  # (no version counter)
+        if torch.compiler.is_compiling() or buf.is_inference():  # type: ignore[union-attr]  # (no version counter)
             buf.fill_(value)  # type: ignore[union-attr]
             self.__dict__.get("_flags_known", {}).pop(name, None)
             return

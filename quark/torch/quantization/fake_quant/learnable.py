@@ -148,6 +148,7 @@ class LearnableFakeQuantize(FakeQuantizeBase):
             self.check_learned()
         return self._learned(x)
 
+    @torch.compiler.disable  # a pinned copy and an event: run as they are, outside a caller's compiled graph
     def _check_late(self) -> None:
         """The training forward's check of the learned values: on CUDA read late, without a host sync (``LateFlag``);
         on the CPU at once, as ``check_learned``."""
@@ -188,15 +189,20 @@ class LearnableFakeQuantize(FakeQuantizeBase):
         still there (``late``: found by an earlier training forward's check, read without a host sync)."""
         param = self._learned_param
         bad = self._invalid()
-        when = "an earlier training step (this check is read late on CUDA, without a host sync)" if late else "now"
+        what = f"the learned {type(self).__name__} {self._what} ({self._learned_name})"
         if bool(bad.any()):
             values = param.detach().reshape(-1)[bad.reshape(-1)][:4].tolist()
-            found = f"is {', '.join(f'{v:.6g}' for v in values)} in {int(bad.sum())} of {bad.numel()} element(s)"
-        else:
-            found = f"was not finite and positive at {when}, and has changed since"
+            found = (
+                f"{what} is {', '.join(f'{v:.6g}' for v in values)} in {int(bad.sum())} of {bad.numel()} "
+                "element(s), which gives no finite positive scale"
+            )
+        else:  # (only a late check: it is valid again now)
+            found = (
+                f"{what} gave no finite positive scale at an earlier training step (read late on CUDA, without a host "
+                "sync); it has changed since"
+            )
         raise ValueError(
-            f"{self.where}: the learned {type(self).__name__} {self._what} ({self._learned_name}) {found}, which gives "
-            "no finite positive scale: a training step made it so (a NaN/inf loss or gradient, too high a learning "
+            f"{self.where}: {found}: a training step made it so (a NaN/inf loss or gradient, too high a learning "
             "rate). Lower the learning rate or clip gradients, and resume from a checkpoint saved before it."
         )
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
 from quark.torch.quantization.formats.grouping import (
     cast_saturating,
@@ -207,13 +208,16 @@ def _torch_kernel_applies(zero_point: torch.Tensor, qmin: int, qmax: int, method
     )
 
 
-def _torch_kernel_serves(x: torch.Tensor, applies: bool) -> bool:
+def _torch_kernel_serves(x: torch.Tensor, applies: bool, per_channel: bool) -> bool:
     """Whether torch's fused fake-quant kernel quantizes ``x`` (``applies``: the caller allows it and the qparams
     suit it): eagerly and on small tensors only. Above ``TORCH_KERNEL_MAX_NUMEL`` the elementwise chain
     (multithreaded ops) is faster, a compiled kernel (one pass, no stored mask) beats both, and traced into a
-    caller's compiled graph the elementwise chain fuses."""
+    caller's compiled graph the elementwise chain fuses. Not torch's per-channel kernel where a host read waits for
+    the device (CUDA, ``late_flag.defers``): it checks its integer zero points with ``aminmax`` and two ``.item()``
+    inside the op, two host syncs per call."""
     return (
         applies
+        and not (per_channel and late_flag.defers(x.device))
         and x.numel() <= TORCH_KERNEL_MAX_NUMEL
         and not compiled_kernels_active(x)
         and not torch.compiler.is_compiling()
@@ -272,7 +276,7 @@ class PreparedInt:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # torch's kernels take float32; ours read any float dtype and compute in float32 (a bfloat16 weight is not
         # cast to float32 and back around a compiled kernel: 4096x4096 bf16 per channel 23 -> 3 ms)
-        if _torch_kernel_serves(x, self.torch_kernel):
+        if _torch_kernel_serves(x, self.torch_kernel, self.axis is not None):
             if self.axis is None:
                 out = torch.fake_quantize_per_tensor_affine(
                     x.float(), self.scale, self.zero_point, self.qmin, self.qmax
@@ -306,7 +310,8 @@ def fake_quantize_int(
         return PreparedInt.of(scale, zero_point, qmin, qmax, round_method, axis, x.ndim, use_torch_kernel)(x)
     orig_dtype = x.dtype
     scale = scale.float()
-    fast = _torch_kernel_serves(x, use_torch_kernel and _torch_kernel_applies(zero_point, qmin, qmax, round_method))
+    applies = use_torch_kernel and _torch_kernel_applies(zero_point, qmin, qmax, round_method)
+    fast = _torch_kernel_serves(x, applies, per_channel=True)  # per group: torch's per-channel kernel, one row a group
     xf = x.float() if fast else x
     if not zero_point.is_floating_point():
         zero_point = zero_point.to(torch.int32)

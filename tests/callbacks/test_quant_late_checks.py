@@ -1,9 +1,8 @@
-"""Review 42 repro: a NaN learned threshold made by one of the last training steps of a fit was never reported
-when no eval forward or export followed (``LateFlag``'s docstring said "the end of a fit" waits; nothing did):
-``QuantCallback.on_train_end`` and ``on_save_checkpoint`` now read the pending checks (``read_late_checks``).
-
-The CUDA logic runs on the CPU (``tests/host_syncs.py``) with events that complete late, as on a GPU that runs
-behind the host. Before the late check (dea0c55~1) the next training forward raised.
+"""A NaN learned threshold made by one of the last training steps of a fit is reported even when no eval forward or
+export follows: on CUDA the training forward's check is read late (``LateFlag``), and ``QuantCallback``'s
+``on_train_end`` and ``on_save_checkpoint`` read the checks still on their way (``read_late_checks``; found by
+review). The CUDA logic runs on the CPU (``tests/host_syncs.py``) with events that complete late, as on a GPU that
+runs behind the host.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""Review 42 repro: DDP's buffer broadcast (``broadcast_buffers=True``, DDP's default, before every forward) writes
-the buffers without bumping their version counters, so on CUDA ``FakeQuantizeBase.flag`` keeps answering what the
-rank read before: a rank whose switch rank 0 overrode keeps its own (the ranks quantize differently, silently).
-``QuantCallback`` keeps quantizer buffers out of the broadcast (``keep_out_of_ddp_broadcast``); the engine's own
-users wrapping a prepared model in DDP do not. Two gloo ranks on the CPU, the CUDA logic (``_read_cpu_flags``).
+"""A known limit of the flag memo, kept as a strict xfail (found by review).
+
+DDP's buffer broadcast (``broadcast_buffers=True``, DDP's default, before every forward) writes the buffers without
+bumping their version counters, so on CUDA ``FakeQuantizeBase.flag`` keeps answering what the rank read before: a
+rank whose switch rank 0 overrode keeps its own (the ranks quantize differently, silently). ``QuantCallback`` keeps
+quantizer buffers out of the broadcast (``keep_out_of_ddp_broadcast``); the engine's own users wrapping a prepared
+model in DDP do not (docs/performance.md says so: set the switches alike on every rank). Two gloo ranks on the CPU,
+the CUDA logic (``_read_cpu_flags``).
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.xfail(strict=True, reason="review42: DDP's buffer broadcast bumps no version counter: the memo is stale")
+@pytest.mark.xfail(
+    strict=True, reason="DDP's buffer broadcast bumps no version counter: the memo misses it (documented)"
+)
 def test_a_flag_written_by_ddps_buffer_broadcast_is_seen(tmp_path: Path) -> None:
     script = tmp_path / "ddp_flag.py"
     script.write_text(SCRIPT)
