@@ -79,7 +79,7 @@ from quark.torch.export.quark_tensors import as_linear, quark_tensors, stored_pa
 from quark.torch.export.quark_validation import check_before_import
 from quark.torch.export.rotation_export import exported_rotations
 from quark.torch.export.skeleton import materialize
-from quark.torch.export.tied import TiedWeights
+from quark.torch.export.tied import TiedWeights, embeddings_stored_apart
 from quark.torch.export.validation import (
     quantized_modules,
     unreached_layers,
@@ -128,6 +128,8 @@ def export_quark_dir(
     floated = _unreached_for_export(model)
     tensors = quark_tensors(model, config, pack_method, names, floated)
     document = quark_document(model, config, names, floated, weight_format, pack_method)
+    if embeddings_stored_apart(model, tensors):  # two quantized versions of one tied weight: a loader must not tie
+        document["tie_word_embeddings"] = False
     out = Path(output_dir)
     write_atomically(
         out,
@@ -363,7 +365,7 @@ def _load_parts(
             view = slot_tensor(m, weight_slot)
             values, scale, zp = decode_quark_weight(t, key, view.shape, wq.spec, pack_method)  # type: ignore[union-attr]
             plain.pop(key, None)
-            tied.load(f"{name}.{part}", m, weight_slot, view, values, wq.spec, scale, zp)  # type: ignore[arg-type]
+            tied.load(name, m, weight_slot, view, values, wq.spec, scale, zp)  # type: ignore[arg-type]
         aq = getattr(m, input_slot.attr, None) if input_slot is not None else None
         if aq is None or f"{prefix}{part}.input_scale" not in t:
             continue

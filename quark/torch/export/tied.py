@@ -1,6 +1,9 @@
-"""Tied weights on import: a Parameter that several modules hold (an ``lm_head`` tied to the input embeddings, two
-Linear layers sharing one ``weight``), each of whose quantized holders the exports store as its own codes. Used by
-both safetensors imports (``single_file.read_single_file``, ``quark_format.import_quark_dir``).
+"""Tied weights in the safetensors exports: a Parameter that several modules hold (an ``lm_head`` tied to the input
+embeddings, two Linear layers sharing one ``weight``), each of whose quantized holders the exports store as its own
+codes (a float holder's values are stored once, ``codec.first_of_its_storage``). Used by both imports
+(``single_file.read_single_file``, ``quark_format.import_quark_dir``) and by amd-quark's directory, whose config.json
+says ``tie_word_embeddings: false`` when the input embeddings and the lm_head are stored as different quantized
+versions of their one weight (``embeddings_stored_apart``): a Hugging Face loader then builds them untied.
 
 Per shared Parameter, once every layer is decoded (``TiedWeights.finish``):
 
@@ -10,8 +13,10 @@ Per shared Parameter, once every layer is decoded (``TiedWeights.finish``):
 - else, every quantized holder decoded to the same values bit for bit: the tie is kept, the Parameter holds them and
     each holder gets a pass-through quantizer (``decoded_weight_quantizer``);
 - else (two different quantized versions of one tensor, e.g. int8 in one layer and int4 in the other): one
-    Parameter cannot hold both, so each holder gets a Parameter of its own with its decoded values (untied), and a
-    warning names the layers. Each layer computes what it computed in the exported model.
+    Parameter cannot hold both, so the holders whose values differ from the first one's get a Parameter of their own
+    (``untie_differing_weights``, which also sets a Hugging Face ``config.tie_word_embeddings`` to False), each with
+    its decoded values and a pass-through quantizer, and a warning names the layers. Each layer computes what it
+    computed in the exported model.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from quark.torch.export.codec import decoded_weight_quantizer
 from quark.torch.quantization.config.config import QuantizationSpec
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import QuantSlot, shared_tensors, slot_label
+from quark.torch.quantization.online_rotation import untie_differing_weights
 from quark.torch.quantization.tensor_quantize import FrozenScaledFakeQuantize
 
-__all__ = ["TiedWeights"]
+__all__ = ["TiedWeights", "embeddings_stored_apart"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +111,7 @@ class TiedWeights:
                 for h in holders:
                     _pass_through(h, set())
             else:
-                _untie(holders, param)
+                _untie(self.model, holders)
 
 
 def _keep_quantizing(holders: list[_Holder]) -> None:
@@ -124,18 +130,27 @@ def _pass_through(h: _Holder, shared: set[int]) -> None:
         h.module.set_quantizer(h.slot, quantizer)
 
 
-def _untie(holders: list[_Holder], param: nn.Parameter) -> None:
-    """Give each holder a Parameter of its own with its decoded values and a pass-through quantizer."""
+def _untie(model: nn.Module, holders: list[_Holder]) -> None:
+    """Untie the holders whose decoded values differ (``untie_differing_weights``; those equal to another's keep
+    sharing), each then holding its values with a pass-through quantizer."""
+    values = {
+        f"{name}.{h.slot.tensor}" if name else str(h.slot.tensor): h.values
+        for name, module in model.named_modules(remove_duplicate=False)
+        for h in holders
+        if module is h.module
+    }
+    untied = untie_differing_weights(model, values)
     for h in holders:
-        setattr(h.module, h.slot.tensor, nn.Parameter(h.values, requires_grad=param.requires_grad))  # type: ignore[arg-type]
+        getattr(h.module, h.slot.tensor).data.copy_(h.values)  # type: ignore[arg-type]
         _pass_through(h, set())
     logger.warning(
-        "import: %s share one Parameter but were exported with different quantized values of it (%s); one "
-        "Parameter cannot hold both, so each layer now has its own copy of its decoded weight (untied; the tie's "
-        "memory saving is lost, and a model.tie_weights() call would tie them again and change the outputs). Each "
-        "layer computes exactly what it computed in the exported model.",
+        "import: %s share one Parameter but were exported with different quantized values of it (%s); one Parameter "
+        "cannot hold both, so %s now %s its own copy (untied; a Hugging Face config's tie_word_embeddings is set to "
+        "False). Each layer computes exactly what it computed in the exported model.",
         " and ".join(h.label for h in holders),
         ", ".join(_describe(h.spec) for h in holders),
+        ", ".join(repr(k) for k in untied),
+        "has" if len(untied) == 1 else "have",
     )
 
 
@@ -149,3 +164,26 @@ def _describe(spec: QuantizationSpec | None) -> str:
     if spec.group_size:
         words.append(f"of {spec.group_size}")
     return " ".join(words)
+
+
+def embeddings_stored_apart(model: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether ``model`` (a Hugging Face model) ties its input embeddings and its output projection, and ``tensors``
+    (the export's, by key) store the two as different quantized versions of that weight (codes, scales or zero
+    points differ): one Parameter cannot hold both, so the checkpoint must not say they are tied."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not callable(get_in) or not callable(get_out):
+        return False
+    embed, head = get_in(), get_out()
+    if embed is None or head is None or getattr(embed, "weight", None) is not getattr(head, "weight", False):
+        return False
+    names = {id(m): n for n, m in model.named_modules()}
+    first, second = (f"{names.get(id(m), '')}.weight" for m in (embed, head))
+    if first not in tensors or second not in tensors:  # one stored (a float holder): loaded into the one Parameter
+        return False
+    for suffix in ("", "_scale", "_zero_point"):
+        a, b = tensors.get(first + suffix), tensors.get(second + suffix)
+        if (a is None) != (b is None) or (
+            a is not None and (a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b))  # type: ignore[union-attr]
+        ):
+            return True
+    return False

@@ -12,6 +12,7 @@ with torch's ``fake_quantize_per_channel_affine`` from the model's float weight 
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -208,6 +209,37 @@ def test_two_different_quantized_versions_of_one_weight_are_untied(
     assert len(messages) == 1 and "'a' (weight) and 'b' (weight)" in messages[0] and "untied" in messages[0]
 
 
+class _ThreeTied(nn.Module):
+    """Three Linear layers holding one ``weight``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.b.weight = self.c.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_only_the_layer_with_other_values_is_untied(mode: str, tmp_path: Path) -> None:
+    """a and c int8 per channel, b int4 per group: b gets its own Parameter, a and c keep sharing theirs."""
+    x = _inputs()
+    model = _ThreeTied()
+    config = Config(
+        global_quant_config=QuantizationConfig(weight=INT8_PC, input_tensors=INT8_ACT),
+        layer_quant_config={"b": QuantizationConfig(weight=_per_group("int4"), input_tensors=INT8_ACT)},
+    )
+    ModelQuantizer(config).quantize_model(model, [x])
+    ModelQuantizer.freeze(model)
+    restored = _round_trip(model, tmp_path, mode, _ThreeTied(seed=5))
+    assert restored.a.weight is restored.c.weight and restored.b.weight is not restored.a.weight
+    for layer in "abc":
+        assert torch.equal(getattr(restored, layer).weight, _effective_weight(getattr(model, layer))), layer
+    _assert_same_outputs(restored, model, x)
+
+
 def test_the_untied_weights_are_torchs_fake_quantization(tmp_path: Path) -> None:
     """Each untied layer holds torch's fake quantization of the one float weight with that layer's scales."""
     model = _quantized(DIFFERENT["int4_per_group"])
@@ -355,25 +387,39 @@ def test_a_tied_llama_with_quantized_embeddings_and_lm_head(
         assert torch.equal(restored(ids).logits, model(ids).logits)
     warned = [r.getMessage() for r in caplog.records if r.name == TIED_LOGGER]
     assert len(warned) == (0 if same else 1)
-    if not same:
-        assert "'model.embed_tokens' (weight) and 'lm_head' (weight)" in warned[0]
+    assert restored.config.tie_word_embeddings == same  # tie_weights() would not tie the two versions again
+    if same:
+        assert isinstance(restored.lm_head._weight_quantizer, BakedFakeQuantize)
+    else:
+        assert "'model.embed_tokens' (weight) and 'lm_head' (weight)" in warned[0] and "'lm_head.weight'" in warned[0]
 
 
-def test_a_tied_llama_skeleton_built_from_config_json(tmp_path: Path) -> None:
-    """``import_model_from_safetensors(None, dir)``: the skeleton transformers builds is tied; it is untied as the
-    stored embedding (int4 per group) and lm_head (int8 per channel) differ, and computes the same logits."""
+@pytest.mark.parametrize("embedding", list(EMBEDDING_SPECS))
+def test_config_json_unties_embeddings_stored_as_two_quantized_versions(
+    embedding: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """amd-quark's directory is a Hugging Face checkpoint: with the embedding int4 per group and the lm_head int8 per
+    channel, config.json says ``tie_word_embeddings: false`` (a loader that ties them would load one version into
+    both), and ``import_model_from_safetensors(None, dir)`` builds them untied, with no warning; logits bit for bit.
+    The same spec keeps ``true`` and the tie."""
+
     pytest.importorskip("transformers")
     model = _tiny_llama()
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     config = Config(
         global_quant_config=QuantizationConfig(weight=INT8_PC, input_tensors=INT8_ACT),
-        layer_quant_config={"model.embed_tokens": QuantizationConfig(weight=_per_group("int4"))},
+        layer_quant_config={"model.embed_tokens": QuantizationConfig(weight=EMBEDDING_SPECS[embedding])},
     )
     ModelQuantizer(config).quantize_model(model, [ids])
     ModelQuantizer.freeze(model)
     export_safetensors(model, tmp_path)
-    restored = import_model_from_safetensors(None, tmp_path, device="cpu")
-    assert restored.lm_head.weight is not restored.model.embed_tokens.weight
+    same = embedding == "same_as_lm_head"
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is same
+    assert model.config.tie_word_embeddings  # the exported model is left as it was
+    with caplog.at_level(logging.WARNING, logger=TIED_LOGGER):
+        restored = import_model_from_safetensors(None, tmp_path, device="cpu")
+    assert not [r for r in caplog.records if r.name == TIED_LOGGER]
+    assert (restored.lm_head.weight is restored.model.embed_tokens.weight) == same
     with torch.no_grad():
         assert torch.equal(restored(ids).logits, model(ids).logits)
 
