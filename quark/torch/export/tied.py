@@ -64,6 +64,7 @@ class TiedWeights:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.shared = shared_tensors(model)
+        self.float_held = _float_held(model, self.shared)  # loaded as before: no copy of the decoded values kept
         self.held: dict[int, list[_Holder]] = {}
 
     def load(
@@ -83,7 +84,7 @@ class TiedWeights:
         ``finish`` instead."""
         view.copy_(values.to(view.dtype))
         param = getattr(module, slot.tensor) if slot.tensor is not None else None
-        if isinstance(param, nn.Parameter) and id(param) in self.shared and view.numel() == param.numel():
+        if id(param) in self.shared and id(param) not in self.float_held and view.numel() == param.numel():
             holder = _Holder(name, module, slot, param.detach().clone(), spec, scale, zero_point)
             self.held.setdefault(id(param), []).append(holder)
             return
@@ -112,6 +113,19 @@ class TiedWeights:
                     _pass_through(h, set())
             else:
                 _untie(self.model, holders)
+
+
+def _float_held(model: nn.Module, shared: set[int]) -> set[int]:
+    """Ids of the ``shared`` Parameters that a module holds without quantizing them (a float embedding, a layer whose
+    slot has no quantizer): they keep the float values the file stores for that module."""
+    out = set()
+    for module in model.modules():
+        slots = module.quant_slots if isinstance(module, QuantMixin) else ()
+        quantized = {s.tensor for s in slots if s.tensor is not None and getattr(module, s.attr, None) is not None}
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in shared and name not in quantized:
+                out.add(id(param))
+    return out
 
 
 def _keep_quantizing(holders: list[_Holder]) -> None:
@@ -167,8 +181,8 @@ def _describe(spec: QuantizationSpec | None) -> str:
 
 
 def embeddings_stored_apart(model: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether ``model`` (a Hugging Face model) ties its input embeddings and its output projection, and ``tensors``
-    (the export's, by key) store the two as different quantized versions of that weight (codes, scales or zero
+    """Whether ``model`` (a Hugging Face model) ties its input embeddings and its output projection, both quantized,
+    and ``tensors`` (the export's, by key) store the two as different quantized versions of that weight (codes, scales or zero
     points differ): one Parameter cannot hold both, so the checkpoint must not say they are tied."""
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     if not callable(get_in) or not callable(get_out):
@@ -176,6 +190,8 @@ def embeddings_stored_apart(model: nn.Module, tensors: dict[str, torch.Tensor]) 
     embed, head = get_in(), get_out()
     if embed is None or head is None or getattr(embed, "weight", None) is not getattr(head, "weight", False):
         return False
+    if not all(getattr(m, "_weight_quantizer", None) is not None for m in (embed, head)):
+        return False  # a float holder: its values are what the Parameter holds, the other quantizes them
     names = {id(m): n for n, m in model.named_modules()}
     first, second = (f"{names.get(id(m), '')}.weight" for m in (embed, head))
     if first not in tensors or second not in tensors:  # one stored (a float holder): loaded into the one Parameter

@@ -394,26 +394,28 @@ def test_a_tied_llama_with_quantized_embeddings_and_lm_head(
         assert "'model.embed_tokens' (weight) and 'lm_head' (weight)" in warned[0] and "'lm_head.weight'" in warned[0]
 
 
-@pytest.mark.parametrize("embedding", list(EMBEDDING_SPECS))
+@pytest.mark.parametrize("embedding", [*EMBEDDING_SPECS, "float"])
 def test_config_json_unties_embeddings_stored_as_two_quantized_versions(
     embedding: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """amd-quark's directory is a Hugging Face checkpoint: with the embedding int4 per group and the lm_head int8 per
     channel, config.json says ``tie_word_embeddings: false`` (a loader that ties them would load one version into
     both), and ``import_model_from_safetensors(None, dir)`` builds them untied, with no warning; logits bit for bit.
-    The same spec keeps ``true`` and the tie."""
-
+    The same spec keeps ``true`` and the tie, and so does a float embedding (the tie of a float tensor)."""
     pytest.importorskip("transformers")
     model = _tiny_llama()
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    embedding_entry = (
+        {} if embedding == "float" else {"model.embed_tokens": QuantizationConfig(weight=EMBEDDING_SPECS[embedding])}
+    )
     config = Config(
         global_quant_config=QuantizationConfig(weight=INT8_PC, input_tensors=INT8_ACT),
-        layer_quant_config={"model.embed_tokens": QuantizationConfig(weight=EMBEDDING_SPECS[embedding])},
+        layer_quant_config=embedding_entry,
     )
     ModelQuantizer(config).quantize_model(model, [ids])
     ModelQuantizer.freeze(model)
     export_safetensors(model, tmp_path)
-    same = embedding == "same_as_lm_head"
+    same = embedding != "int4_per_group"
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is same
     assert model.config.tie_word_embeddings  # the exported model is left as it was
     with caplog.at_level(logging.WARNING, logger=TIED_LOGGER):
