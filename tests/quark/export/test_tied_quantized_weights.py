@@ -452,3 +452,29 @@ def test_calibration_still_reports_a_float_use_of_a_shared_quantized_weight() ->
     config = Config(global_quant_config=QuantizationConfig(weight=INT8_PC, input_tensors=INT8_ACT))
     (message,) = _float_use_warnings(_TiedAndRaw(), config, _inputs())
     assert "'weight' (linear)" in message
+
+
+def test_a_streamed_export_unties_the_same_embeddings_as_the_in_memory_one(tmp_path: Path) -> None:
+    """``stream_quantize`` writes the config.json ``export_quark_dir`` writes: ``tie_word_embeddings`` false for an
+    int4 per-group embedding and an int8 per-channel lm_head, the same tensors bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from quark.torch.streaming import stream_quantize
+
+    _tiny_llama().save_pretrained(tmp_path / "checkpoint")
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    config = Config(
+        global_quant_config=QuantizationConfig(weight=INT8_PC),
+        layer_quant_config={"model.embed_tokens": QuantizationConfig(weight=_per_group("int4"))},
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").eval()
+    ModelQuantizer(config).quantize_model(model, [{"input_ids": ids}])
+    export_safetensors(model, tmp_path / "memory")
+    streamed = stream_quantize(tmp_path / "checkpoint", config, [{"input_ids": ids}], tmp_path / "stream")
+    documents = [json.loads((d / "config.json").read_text()) for d in (tmp_path / "memory", streamed)]
+    assert documents[0]["tie_word_embeddings"] is False and documents[0] == documents[1]
+    memory = load_file(str(tmp_path / "memory" / "model.safetensors"))
+    stream = {k: v for f in sorted(streamed.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert sorted(memory) == sorted(stream)
+    assert all(memory[k].dtype == stream[k].dtype and torch.equal(memory[k], stream[k]) for k in memory)
