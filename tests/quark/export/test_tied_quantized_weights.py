@@ -308,6 +308,21 @@ def test_a_float_holder_keeps_the_tie_with_float_values(mode: str, tmp_path: Pat
         assert torch.equal(restored(ids), model(ids))
 
 
+@pytest.mark.parametrize("off", ["a", "b"])
+def test_a_holder_with_fake_quant_off_keeps_the_float_values_in_the_single_file(off: str, tmp_path: Path) -> None:
+    """One layer's weight quantizer switched off (the single file stores that weight in float, as it computes with
+    it): the tie holds the float values, which the other layer quantizes. With ``a`` switched off, b's decoded
+    values were written last and ``a`` computed with them."""
+    x = _inputs()
+    model = _quantized(None)
+    getattr(model, off)._weight_quantizer.disable_fake_quant()
+    floats = model.a.weight.detach().clone()
+    restored = _round_trip(model, tmp_path, "single_file", _TwoTied(seed=5))
+    assert restored.a.weight is restored.b.weight and torch.equal(restored.a.weight, floats)
+    assert getattr(restored, off)._weight_quantizer is None
+    _assert_same_outputs(restored, model, x)
+
+
 # ----------------------------------------------------------------------------------------------- ONNX
 def test_onnx_stores_each_layers_codes_of_a_shared_weight(tmp_path: Path) -> None:
     """Different specs: each layer's DequantizeLinear reads its own codes (int8 [64, 64] and int4 [64, 64]), which
