@@ -89,7 +89,8 @@ class TiedWeights:
             self.held.setdefault(id(param), []).append(holder)
             return
         if spec is None:
-            module.set_quantizer(slot, None)
+            if getattr(module, slot.attr, None) is not None:
+                module.set_quantizer(slot, None)
             return
         quantizer = decoded_weight_quantizer(module, slot, spec, scale, zero_point, self.shared)
         if quantizer is not None:
@@ -133,7 +134,8 @@ def _keep_quantizing(holders: list[_Holder]) -> None:
     with its stored qparams (a format without qparams keeps the quantizer the import prepared)."""
     for h in holders:
         if h.spec is None:
-            h.module.set_quantizer(h.slot, None)
+            if getattr(h.module, h.slot.attr, None) is not None:
+                h.module.set_quantizer(h.slot, None)
         elif h.scale is not None:
             h.module.set_quantizer(h.slot, FrozenScaledFakeQuantize(h.spec, h.scale, h.zero_point))
 
