@@ -53,10 +53,7 @@ import torch
 from torch import nn
 
 from quark.torch.export.checkpoint_names import CheckpointNames, checkpoint_names
-from quark.torch.export.codec import (
-    decoded_weight_quantizer,
-    require_safetensors,
-)
+from quark.torch.export.codec import require_safetensors
 from quark.torch.export.files import write_atomically
 from quark.torch.export.packing import (
     pack_int4,
@@ -82,6 +79,7 @@ from quark.torch.export.quark_tensors import as_linear, quark_tensors, stored_pa
 from quark.torch.export.quark_validation import check_before_import
 from quark.torch.export.rotation_export import exported_rotations
 from quark.torch.export.skeleton import materialize
+from quark.torch.export.tied import TiedWeights, embeddings_stored_apart
 from quark.torch.export.validation import (
     quantized_modules,
     unreached_layers,
@@ -92,7 +90,6 @@ from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_attention import QuantAttentionProbs
 from quark.torch.quantization.nn.modules.quant_modules import (
     DEFAULT_SLOTS,
-    shared_tensors,
     slot_label,
     slot_tensor,
 )
@@ -131,6 +128,8 @@ def export_quark_dir(
     floated = _unreached_for_export(model)
     tensors = quark_tensors(model, config, pack_method, names, floated)
     document = quark_document(model, config, names, floated, weight_format, pack_method)
+    if embeddings_stored_apart(model, tensors):  # two quantized versions of one tied weight: a loader must not tie
+        document["tie_word_embeddings"] = False
     out = Path(output_dir)
     write_atomically(
         out,
@@ -314,20 +313,17 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     plain = {k: v for k, v in t.items() if not k.endswith(("_scale", "_zero_point", "weight_shift"))}
-    shared = shared_tensors(model)
+    tied = TiedWeights(model)
     with torch.no_grad():
         for name, m in quantized_modules(model):
             prefix = f"{name}." if name else ""
             wq = getattr(m, "_weight_quantizer", None)
             key = prefix + "weight"
             if wq is not None and key in t:
-                weight, linear_quantizer = as_linear(m, wq)
+                weight, linear_quantizer = as_linear(m, wq)  # a Conv1D's weight through its [out, in] view
                 values, scale, zp = decode_quark_weight(t, key, weight.shape, linear_quantizer.spec, pack_method)
-                weight.copy_(values.to(weight.dtype))  # a Conv1D's weight through its [out, in] view
                 plain.pop(key, None)
-                quantizer = decoded_weight_quantizer(m, _WEIGHT_SLOT, wq.spec, scale, zp, shared)
-                if quantizer is not None:
-                    m.set_quantizer(_WEIGHT_SLOT, quantizer)
+                tied.load(name, m, _WEIGHT_SLOT, weight, values, wq.spec, scale, zp)
             prefix = activation_prefix(name, m)
             for role in ("input", "output"):
                 aq = getattr(m, f"_{role}_quantizer", None)
@@ -335,7 +331,8 @@ def import_quark_dir(model: nn.Module, model_dir: str | Path, device: str | torc
                     s = t[f"{prefix}{role}_scale"].float()
                     z = t.get(f"{prefix}{role}_zero_point", torch.zeros_like(s)).to(torch.int32)
                     setattr(m, f"_{role}_quantizer", FrozenScaledFakeQuantize(aq.spec, s, z))
-            _load_parts(m, prefix, t, pack_method, shared, plain)
+            _load_parts(name, m, prefix, t, pack_method, tied, plain)
+        tied.finish(plain)  # Parameters several layers hold: tie kept, or untied where their quantized values differ
     model.load_state_dict(plain, strict=False)  # check_before_import made sure every key has its place
     return ModelQuantizer.freeze(model).eval()
 
@@ -350,11 +347,12 @@ def _our_key(names: CheckpointNames, hub: str) -> str:
 
 
 def _load_parts(
+    name: str,
     m: QuantMixin,
     prefix: str,
     t: dict[str, torch.Tensor],
     pack_method: str,
-    shared: set[int],
+    tied: TiedWeights,
     plain: dict[str, torch.Tensor],
 ) -> None:
     """Decode each stored part (one expert's projection) into its block of the stacked Parameter, with the quantizer
@@ -366,11 +364,8 @@ def _load_parts(
         if wq is not None and key in t:
             view = slot_tensor(m, weight_slot)
             values, scale, zp = decode_quark_weight(t, key, view.shape, wq.spec, pack_method)  # type: ignore[union-attr]
-            view.copy_(values.to(view.dtype))  # type: ignore[union-attr]
             plain.pop(key, None)
-            quantizer = decoded_weight_quantizer(m, weight_slot, wq.spec, scale, zp, shared)
-            if quantizer is not None:
-                m.set_quantizer(weight_slot, quantizer)
+            tied.load(name, m, weight_slot, view, values, wq.spec, scale, zp)  # type: ignore[arg-type]
         aq = getattr(m, input_slot.attr, None) if input_slot is not None else None
         if aq is None or f"{prefix}{part}.input_scale" not in t:
             continue

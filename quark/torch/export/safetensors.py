@@ -82,7 +82,8 @@ def import_model_from_safetensors(
     left as it was. Returns the model prepared with the stored Config, in eval mode: weights set to their dequantized
     codes, each with a pass-through ``BakedFakeQuantize`` holding its spec and qparams (the values are on the grid;
     a weight another module shares, such as an lm_head tied to float input embeddings, holds those float values and
-    keeps a frozen quantizer), every static activation quantizer frozen with the stored qparams; a tensor stored as
+    keeps a frozen quantizer; one two quantized layers share stays tied where their quantized values are equal and is
+    untied, with a warning, where they differ: ``quark.torch.export.tied``), every static activation quantizer frozen with the stored qparams; a tensor stored as
     the exported model ran it unquantized (fake quant switched off, not on its grid) has no quantizer."""
     if multi_device or multi_gpu:
         raise ValueError(

@@ -17,7 +17,6 @@ from torch import nn
 from quark.torch.export.codec import (
     activation_key,
     decode_weight,
-    decoded_weight_quantizer,
     encode_weight,
     first_of_its_storage,
     has_qparams,
@@ -30,6 +29,7 @@ from quark.torch.export.codec import (
 from quark.torch.export.files import write_atomically
 from quark.torch.export.rotation_export import exported_rotations, stored_config_dict, stored_tensor
 from quark.torch.export.skeleton import materialize
+from quark.torch.export.tied import TiedWeights
 from quark.torch.export.validation import (
     check_header,
     check_import,
@@ -39,7 +39,6 @@ from quark.torch.quantization.api import ModelQuantizer
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.nn.modules import QuantMixin
 from quark.torch.quantization.nn.modules.quant_modules import (
-    shared_tensors,
     slot_tensor,
     slot_tensor_name,
 )
@@ -133,14 +132,16 @@ def read_single_file(model: nn.Module, path: str | Path, device: str | torch.dev
     if not any(isinstance(m, QuantMixin) for m in model.modules()):
         ModelQuantizer(config).prepare(model)
     owned = {k for key in info for k in (key, key + "_scale", key + "_zero_point")}
-    shared = shared_tensors(model)
+    plain = {k: v for k, v in tensors.items() if k not in owned}
+    tied = TiedWeights(model)
     with torch.no_grad():
         for name, m in model.named_modules():
             if isinstance(m, QuantMixin):
-                _load_layer(m, f"{name}." if name else "", tensors, info, shared)
+                _load_layer(name, m, tensors, info, tied)
+        tied.finish(plain)  # Parameters several layers hold: tie kept, or untied where their quantized values differ
     # the float tensors last: a Parameter a quantized layer shares with a float one (an lm_head tied to the input
     # embeddings) holds the float values, as in the model exported; the layer's frozen quantizer applies its codes
-    model.load_state_dict({k: v for k, v in tensors.items() if k not in owned}, strict=False)
+    model.load_state_dict(plain, strict=False)
     return ModelQuantizer.freeze(model).eval()
 
 
@@ -168,11 +169,13 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Config]:
 
 
 def _load_layer(
-    m: QuantMixin, prefix: str, tensors: dict[str, torch.Tensor], info: dict[str, Any], shared: set[int]
+    name: str, m: QuantMixin, tensors: dict[str, torch.Tensor], info: dict[str, Any], tied: TiedWeights
 ) -> None:
-    """One quantized layer from the single file: each stored weight decoded into its tensor with the quantizer
-    ``decoded_weight_quantizer`` gives (none where it was stored as the model used it, unquantized), each activation
-    slot frozen with its stored qparams, or emptied where the exported model ran it unquantized."""
+    """One quantized layer ``name`` from the single file: each stored weight decoded into its tensor with the
+    quantizer ``decoded_weight_quantizer`` gives (none where it was stored as the model used it, unquantized; a
+    Parameter other layers hold is settled by ``tied``), each activation slot frozen with its stored qparams, or
+    emptied where the exported model ran it unquantized."""
+    prefix = f"{name}." if name else ""
     for slot in quant_slots(m):
         q = getattr(m, slot.attr, None)
         key = prefix + (slot_tensor_name(slot) if slot.tensor is not None else activation_key(slot))  # type: ignore[operator]
@@ -180,20 +183,20 @@ def _load_layer(
         if meta is None:
             continue
         encoding = meta["encoding"]
+        unquantized = q is None or (encoding == "float" and "dtype" not in meta)  # stored as the model used it
         if slot.tensor is not None:
-            slot_tensor(m, slot).copy_(decode_weight(tensors, key, meta))  # type: ignore[union-attr]
-        if q is None:
-            continue
-        if encoding == "float" and "dtype" not in meta:
-            m.set_quantizer(slot, None)  # stored as the model used it: unquantized
-        elif slot.tensor is None:
+            values = decode_weight(tensors, key, meta)
+            view = slot_tensor(m, slot)
+            if unquantized:
+                tied.load(name, m, slot, view, values, None)  # type: ignore[arg-type]
+            else:
+                scaled = encoding.startswith(("int", "float8", "minifloat"))  # an MX _scale: E8M0 exponents
+                scale = tensors[key + "_scale"].float() if scaled else None
+                zp = tensors.get(key + "_zero_point", torch.zeros((), dtype=torch.int32)) if scaled else None
+                tied.load(name, m, slot, view, values, q.spec, scale, zp)  # type: ignore[arg-type, union-attr]
+        elif q is not None and unquantized:
+            m.set_quantizer(slot, None)
+        elif q is not None:
             m.set_quantizer(
                 slot, FrozenScaledFakeQuantize(q.spec, tensors[key + "_scale"], tensors[key + "_zero_point"])
             )
-        else:
-            scaled = encoding.startswith(("int", "float8", "minifloat"))  # an MX _scale is E8M0 exponents, no qparam
-            scale = tensors[key + "_scale"].float() if scaled else None
-            zp = tensors.get(key + "_zero_point", torch.zeros((), dtype=torch.int32)) if scaled else None
-            quantizer = decoded_weight_quantizer(m, slot, q.spec, scale, zp, shared)
-            if quantizer is not None:
-                m.set_quantizer(slot, quantizer)

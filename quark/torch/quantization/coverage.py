@@ -112,9 +112,9 @@ class _FunctionalUse(TorchFunctionMode):
     """Records weight-consuming calls that receive a model Parameter directly, outside the quantized layer that owns
     it (inside, the layer's own quantizer handles it, even while fake quantization is off for calibration)."""
 
-    def __init__(self, params: dict[int, tuple[str, str | None]], active: list[str]) -> None:
+    def __init__(self, params: dict[int, tuple[str, frozenset[str]]], active: list[str]) -> None:
         super().__init__()
-        self.params = params  # id -> (parameter name, owning quantized layer or None)
+        self.params = params  # id -> (parameter name, the quantized layers holding it: several for a tied one)
         self.active = active  # quantized layers whose forward is running
         self.found: dict[str, str] = {}
 
@@ -125,7 +125,7 @@ class _FunctionalUse(TorchFunctionMode):
             for a in list(args) + list(kwargs.values()):
                 for t in a if isinstance(a, list | tuple) else (a,):
                     entry = self.params.get(id(t)) if isinstance(t, nn.Parameter) else None
-                    if entry is not None and entry[1] not in self.active and entry[0] not in self.found:
+                    if entry is not None and entry[1].isdisjoint(self.active) and entry[0] not in self.found:
                         self.found[entry[0]] = op
         return func(*args, **kwargs)
 
@@ -137,7 +137,7 @@ def track_forward(model: nn.Module, functional: bool = True) -> Iterator[dict[st
     record: dict[str, Any] = {"reached": set(), "functional": {}}
     active: list[str] = []
     handles = []
-    params: dict[int, tuple[str, str | None]] = {id(p): (n, None) for n, p in model.named_parameters()}
+    params: dict[int, tuple[str, frozenset[str]]] = {id(p): (n, frozenset()) for n, p in model.named_parameters()}
 
     def enter(name: str, args: tuple[Any, ...]) -> None:  # hooks return None (a value would replace the input)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -154,8 +154,8 @@ def track_forward(model: nn.Module, functional: bool = True) -> Iterator[dict[st
             handles.append(m.register_forward_pre_hook(lambda mod, args, n=name: enter(n, args)))
             handles.append(m.register_forward_hook(lambda mod, args, out: leave()))
             prefix = f"{name}." if name else ""
-            for p_name, p in m.named_parameters(recurse=False):
-                params[id(p)] = (prefix + p_name, name)
+            for p_name, p in m.named_parameters(recurse=False):  # a tied Parameter: inside any of its layers
+                params[id(p)] = (prefix + p_name, params.get(id(p), ("", frozenset()))[1] | {name})
     mode = _FunctionalUse(params, active) if functional else None
     try:
         if mode is None:

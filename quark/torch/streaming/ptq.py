@@ -38,6 +38,7 @@ from quark.torch.export.quark_config import check_export_options
 from quark.torch.export.quark_format import check_quark_exportable, quark_document
 from quark.torch.export.quark_tensors import quark_tensors
 from quark.torch.export.skeleton import hf_skeleton
+from quark.torch.export.tied import embeddings_stored_apart
 from quark.torch.quantization.api import ModelQuantizer, observe_params
 from quark.torch.quantization.batches import run_batch
 from quark.torch.quantization.config.config import AWQConfig, Config, GPTQConfig
@@ -99,9 +100,13 @@ def stream_quantize(
     )
     export = ShardedExport(output_dir, max_shard_bytes)
     try:
+        run = _Run(model, config, checkpoint, stack, layers, batches or [], export, pack_method)
         with torch.no_grad(), no_kv_cache(model):
-            _Run(model, config, checkpoint, stack, layers, batches or [], export, pack_method).run()
-        return export.finish(quark_document(model, config, None, [], weight_format, pack_method))
+            run.run()
+        document = quark_document(model, config, None, [], weight_format, pack_method)
+        if run.embeddings_apart:  # two quantized versions of one tied weight, as export_quark_dir writes it
+            document["tie_word_embeddings"] = False
+        return export.finish(document)
     except BaseException:
         export.abort()
         raise
@@ -191,6 +196,7 @@ class _Run:
         self.last_output: Any = None  # a real output of the last layer: its structure, for the pass-throughs
         self.head, self.tail = _outside_stack(model, stack)
         self.current = 0  # the batch the pass-through stack is running (``indexed_run``)
+        self.embeddings_apart = False  # ``embeddings_stored_apart`` of the modules outside the stack
 
     def run_batch(self, model: nn.Module, batch: Any) -> Any:
         """A calibration batch through ``model`` (as ``ModelQuantizer`` runs one)."""
@@ -262,7 +268,9 @@ class _Run:
                 gptq_layerwise(self.model, rest, self.gptq, self.batches, self.indexed_run(), self.losses, self.kept)
         for name in self.head + self.tail:
             check_quark_exportable(self.model.get_submodule(name))
-        self.export.add(quark_tensors(self.model, self.config, self.pack_method, None, [], skip=self.stack))
+        tensors = quark_tensors(self.model, self.config, self.pack_method, None, [], skip=self.stack)
+        self.embeddings_apart = embeddings_stored_apart(self.model, tensors)
+        self.export.add(tensors)
 
     def indexed_run(self) -> Callable[[nn.Module, Any], Any]:
         """``run_batch`` that tells the pass-through stack which batch runs (by identity in ``batches``)."""
