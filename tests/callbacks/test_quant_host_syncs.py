@@ -20,8 +20,17 @@ from torch import nn
 from callbacks.quant import QuantCallback
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+from quark_lightning.tasks.recipes import MXFP4
 from tests.host_syncs import HostSyncs, as_if_on_cuda
 
+MX6 = {
+    "dtype": "mx6",
+    "qscheme": "per_group",
+    "ch_axis": -1,
+    "group_size": 16,
+    "observer_cls": "PerBlockMXObserver",
+    "is_dynamic": False,
+}
 STEADY_FROM = 3  # batches 0-1 observe (observer_steps=2), batch 2 fixes the observers: 3 on are steady
 
 
@@ -49,6 +58,10 @@ CONFIGS = {
     "tqt_per_channel_weights": (_spec("tqt", "per_channel"), _spec("tqt")),
     "lsq_per_channel_weights": (_spec("lsq", "per_channel"), _spec("lsq")),
     "minmax_observers_fixed": (_spec(None, "per_channel"), _spec(None)),
+    "minmax_dynamic_activations": (_spec(None, "per_channel"), {**_spec(None), "is_dynamic": True}),
+    "mxfp4_mxfp8": (MXFP4, {**MXFP4, "mx_element_dtype": "fp8_e4m3"}),
+    "mx6": (MX6, MX6),
+    "bfp16": ({**MX6, "dtype": "bfp16", "group_size": 8, "observer_cls": "PerBlockBFPObserver"},) * 2,
 }
 
 
@@ -138,3 +151,38 @@ def test_a_layer_no_batch_reaches_costs_no_host_read_per_step(name: str, tmp_pat
         make_trainer(tmp_path, callbacks, limit_train_batches=6).fit(WithUnusedHead())
     assert close.watched == 6 - STEADY_FROM
     assert not probe.found, f"host reads in steady QAT steps: {dict(probe.found)}"
+
+
+@pytest.mark.parametrize("name", ["minmax_observers_fixed", "mx6"])
+def test_a_warm_up_qat_step_reads_no_tensor_on_the_host(name: str, tmp_path: Any, monkeypatch: Any) -> None:
+    """Observers on in every watched step (QuantCallback's warm-up: weights' statistics reset and observed again per
+    batch, activations' running ones), on the eager observe path these small layers take."""
+    weight, act = CONFIGS[name]
+    config = Config.from_dict({"global_quant_config": {"weight": weight, "input_tensors": act}})
+    seed(0)
+    model = TwoLayerBoring()
+    probe = HostSyncs()
+    close = Close(probe)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the weight's row maxima at a batch's start, observed)
+
+    def expected(w: torch.Tensor) -> torch.Tensor:  # what the weight's observer records of ``w``
+        return w.amax(dim=1) if name.startswith("minmax") else w.abs().reshape(w.shape[0], -1, 16).amax(dim=-1)
+
+    def observed(observer: nn.Module) -> torch.Tensor:
+        return observer.max_val if name.startswith("minmax") else observer.amax
+
+    class RowMaxima(Callback):
+        def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+            self.before = expected(pl_module.layer[0].weight.detach())
+
+        def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+            seen.append((self.before, observed(pl_module.layer[0]._weight_quantizer.observer).clone()))
+
+    with as_if_on_cuda(monkeypatch):
+        callbacks = [Open(probe), QuantCallback(config, mode="qat", observer_steps=100), RowMaxima(), close]
+        make_trainer(tmp_path, callbacks, limit_train_batches=6).fit(model)
+    assert close.watched == 6 - STEADY_FROM
+    assert not probe.found, f"host reads in warm-up QAT steps: {dict(probe.found)}"
+    # each batch observed the weight as it was then (its statistics reset per batch), not a running range
+    assert len(seen) == 6 and all(torch.equal(before, observed) for before, observed in seen)
+    assert not torch.equal(seen[0][1], seen[-1][1])

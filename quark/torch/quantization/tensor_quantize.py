@@ -25,19 +25,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.config import QuantizationSpec
 from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format, prepare_int, prepares_int
 from quark.torch.quantization.fake_quant.fixed import BakedFakeQuantize, FrozenScaledFakeQuantize
 from quark.torch.quantization.fake_quant.learnable import LearnableFakeQuantize, LSQFakeQuantize, TQTFakeQuantize
 from quark.torch.quantization.formats import PreparedInt
-from quark.torch.quantization.late_flag import LateFlag
 from quark.torch.quantization.observe_quantize import (
     fused_pass_active,
     fused_plan,
     observe_fake_quantize,
     scale_may_have_saturated,
 )
-from quark.torch.quantization.observer.base import raise_non_finite
+from quark.torch.quantization.observer.minmax import UniformScalingObserver
 
 __all__ = [
     "FakeQuantizeBase",
@@ -88,6 +88,16 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         if getattr(self, "_stale", False):
             self._refresh_qparams()
 
+    def _hold_observed(self) -> None:
+        """The qparams of the statistics this forward has just folded, without first asking the observer whether it
+        has any (``has_statistics``: a host read on CUDA; a batch that was not finite is reported late by the
+        observer's check). Min-max observers only: others compute their qparams their own way."""
+        obs = self.observer
+        if type(obs).calculate_qparams is UniformScalingObserver.calculate_qparams:
+            self._hold(*obs.calculate_qparams(obs.min_val, obs.max_val))
+        else:
+            self._refresh_qparams()
+
     def forget_qparams(self) -> None:
         """Back to no qparams (the state before any data), statistics kept: the next batch it observes gives them."""
         self.scale = torch.ones((), device=self.scale.device)
@@ -106,11 +116,7 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         if fused is None or obs.min_val.shape != fused.observer.statistics_shape(x.shape):
             return None  # not a planned observer; or the first batch / a new shape: the eager path rebinds
         out, scale, zp, finite = observe_fake_quantize(x, obs.min_val, obs.max_val, fused)
-        late = self.__dict__.get("_late_nonfinite")
-        if late is None:
-            late = self.__dict__["_late_nonfinite"] = LateFlag()
-        # raises on NaN / Inf (the statistics stayed as they were), read late on CUDA: no host sync per forward
-        obs.fused_observed(x, late.failed(finite))
+        obs.fused_observed(x, finite)  # raises on NaN / Inf (statistics and qparams stay), read late on CUDA
         if scale_may_have_saturated(fused, scale, x.dtype):
             scale, zp = obs.calculate_qparams()  # the same qparams, computed eagerly: it warns where they saturated
         self._hold(scale, zp)
@@ -130,15 +136,19 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         if not x.numel():  # nothing to observe or round (an MoE expert no token was routed to): qparams or not
             return x
         flag = self.flag  # the switches, read from the device only when written since (a host sync on CUDA)
+        observed = False
         if self.spec.is_dynamic or flag("observer_enabled"):
             out = self._observe_and_quantize(x)
             if out is not None:
                 return out
             self.observer(x)
-            self._stale = True  # qparams follow lazily: calibration with fake quant off never pays for them
+            self._stale = observed = True  # qparams follow lazily: calibration with fake quant off never pays for them
         if not flag("fake_quant_enabled"):
             return x
-        self._sync()
+        if observed and late_flag.defers(x.device):
+            self._hold_observed()
+        else:
+            self._sync()
         if not flag("initialized"):
             raise RuntimeError(
                 f"{self.where}: {type(self).__name__}({self.extra_repr()}) has no qparams yet: it has observed no data "
@@ -191,11 +201,11 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         return super().enable_observer(enabled)
 
     def _raise_late_nonfinite(self) -> None:
-        """Wait for the fused pass's NaN / Inf checks still on their way (CUDA) and raise where one found a bad batch:
-        before the qparams are fixed or read, a late error must not be lost."""
-        late = self.__dict__.get("_late_nonfinite")
-        if late is not None and late.wait():
-            raise_non_finite(self.observer.who)
+        """The observer's NaN / Inf checks still on their way (CUDA), read now (``read_late_checks``): before the
+        qparams are fixed or read, a late error must not be lost."""
+        read = getattr(self.observer, "read_late_checks", None)
+        if read is not None:
+            read()
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._raise_late_nonfinite()

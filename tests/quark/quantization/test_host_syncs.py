@@ -255,6 +255,84 @@ def test_fixing_or_reading_the_qparams_waits_for_a_pending_nan_check(
             fq.disable_observer() if reader.startswith("enable") else fq.calculate_qparams()
 
 
+# ----------------------------------------------------------------------------------------------- the eager observe path
+DYNAMIC = _spec(is_dynamic=True)
+
+
+@pytest.mark.parametrize("spec", [MINMAX, DYNAMIC], ids=["observing", "dynamic"])
+def test_an_observing_forward_on_the_eager_path_reads_nothing_on_the_host(
+    spec: dict[str, Any], monkeypatch: Any
+) -> None:
+    """Tensors under the fused pass's size (and every tensor before compiled kernels run) observe step by step: the
+    NaN / Inf check is read late and the qparams of the statistics just folded are taken without asking whether
+    there are any."""
+    with as_if_on_cuda(monkeypatch):
+        model = _model(spec)
+        x = torch.randn(8, 16)
+        model(x)
+        assert _reads(model, x * 3) == {}
+        q = model[0]._input_quantizer
+        assert torch.equal(q.observer.max_val, (x * 3).max()) or not spec["is_dynamic"]  # it did observe
+        assert torch.equal(q.scale, q.observer.calculate_qparams()[0])  # and holds those statistics' qparams
+
+
+@pytest.mark.parametrize("spec", [MINMAX, DYNAMIC], ids=["observing", "dynamic"])
+def test_a_nan_batch_on_the_eager_path_is_refused_late(spec: dict[str, Any], monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False) as events:
+        model = _model(spec)
+        q = model[0]._input_quantizer
+        x = torch.randn(8, 16)
+        model(x)
+        kept = (q.observer.min_val.clone(), q.observer.max_val.clone())
+        bad = x.clone()
+        bad[2, 2] = float("nan")
+        model(bad)  # its check is on its way: no wait, no error yet
+        if not spec["is_dynamic"]:  # the running statistics stay as they were
+            assert torch.equal(q.observer.min_val, kept[0]) and torch.equal(q.observer.max_val, kept[1])
+        events.done = True
+        with pytest.raises(ValueError, match=r"layer '0' \(Linear, input_tensors\).*NaN or Inf"):
+            model(x)
+
+
+def test_a_nan_batch_in_a_block_observer_is_refused_late_and_its_maxima_stay(monkeypatch: Any) -> None:
+    mx6 = {"dtype": "mx6", "qscheme": "per_group", "ch_axis": -1, "group_size": 16}
+    mx6 |= {"observer_cls": "PerBlockMXObserver", "is_dynamic": False}
+    with as_if_on_cuda(monkeypatch, events_complete=False) as events:
+        model = _model(mx6)
+        observer = model[0]._input_quantizer.observer
+        x = torch.randn(8, 16)
+        model(x)
+        kept = observer.amax.clone()
+        bad = x * 100
+        bad[1, 1] = float("inf")
+        assert _reads(model, bad) == {}  # no wait, no error yet
+        assert torch.equal(observer.amax, kept)  # the block maxima stay as they were
+        events.done = True
+        with pytest.raises(ValueError, match=r"layer '0' \(Linear, input_tensors\).*NaN or Inf"):
+            model(x)
+
+
+def test_fixing_the_observers_waits_for_an_eager_nan_check(monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        model = _model(MINMAX)
+        bad = torch.randn(8, 16)
+        bad[0, 0] = float("inf")
+        model(bad)
+        with pytest.raises(ValueError, match=r"layer '0' \(Linear, input_tensors\).*NaN or Inf"):
+            model[0]._input_quantizer.disable_observer()
+
+
+def test_copies_and_pickles_leave_an_observers_pending_checks_behind(monkeypatch: Any) -> None:
+    with as_if_on_cuda(monkeypatch, events_complete=False):
+        model = _model(MINMAX)
+        model(torch.randn(8, 16))
+        observer = model[0]._input_quantizer.observer
+        assert observer.__dict__["_late_nonfinite"]._pending
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert "_late_nonfinite" not in twin[0]._input_quantizer.observer.__dict__
+        assert observer.__dict__["_late_nonfinite"]._pending  # the original keeps its own
+
+
 # ----------------------------------------------------------------------------------------------- found by review
 def test_flags_that_are_inference_tensors_are_read_directly(monkeypatch: Any) -> None:
     """A model prepared and run under ``torch.inference_mode`` holds inference tensors, which have no version counter

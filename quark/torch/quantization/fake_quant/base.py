@@ -72,10 +72,10 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         return cls(spec, device)
 
     #: per-object memos of the flags this module wrote or read (``set_flag`` / ``flag``) and of what it prepared
-    #: (``ScaledFakeQuantize._prepared``), and its late checks' pending device copies (``LateFlag``): they vouch for these very tensors' contents by their version counters, which
+    #: (``ScaledFakeQuantize._prepared``): they vouch for these very tensors' contents by their version counters, which
     #: a copy does not carry (a deepcopied or unpickled buffer starts again at version 1), so copies and pickles leave
     #: them behind
-    _MEMOS: ClassVar[tuple[str, ...]] = ("_flags_known", "_prepared_int", "_late_nonfinite")
+    _MEMOS: ClassVar[tuple[str, ...]] = ("_flags_known", "_prepared_int")
     #: ``flag`` reads CPU flags directly (False: through the memo, as on CUDA; the tests of the CUDA path set it)
     _read_cpu_flags: ClassVar[bool] = True
 

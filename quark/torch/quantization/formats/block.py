@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.type import Dtype
 from quark.torch.quantization.formats.bits import frexp32, ldexp32, pow2
 from quark.torch.quantization.formats.grouping import (
@@ -141,7 +142,7 @@ def _pow2_wide(k: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # no data-dependent branch in a traced graph
         return pow2(k1) * pow2((k - k1).clamp(min=-126))
     out = pow2(k1)
-    if bool((k < -126).any()):
+    if late_flag.defers(k.device) or bool((k < -126).any()):  # (on CUDA no read: the factor is 1, the same bits)
         out = out * pow2((k - k1).clamp(min=-126))
     return out
 
@@ -180,7 +181,7 @@ def _microexponent_eager(x: torch.Tensor, mantissa_bits: int, block_size: int, a
     step_exp = block_exp - (sub_max < _pow2_wide(block_exp)).to(torch.int32) - (mantissa_bits - 1)  # [-134, 124]
     inverse = (-step_exp).clamp(max=127)  # x / 2^step as one or two exact power-of-two multiplies (2^134 is no float32)
     scaled = pairs * pow2(inverse)
-    if bool((-step_exp > 127).any()):
+    if late_flag.defers(step_exp.device) or bool((-step_exp > 127).any()):  # (as _pow2_wide)
         scaled = scaled * pow2(-step_exp - inverse)
     limit = 2**mantissa_bits - 1
     out = scaled.round_().clamp_(-limit, limit).mul_(_pow2_wide(step_exp))

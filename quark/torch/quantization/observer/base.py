@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from quark.torch.quantization import late_flag
 from quark.torch.quantization.buffers import ResizableBuffersMixin
 from quark.torch.quantization.config.type import Dtype, QSchemeType, ScaleType, ZeroPointType
 from quark.torch.quantization.formats import (
@@ -207,6 +208,42 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
         """The pure form of this observer's statistics and qparams, for the fused observe-and-quantize pass; None
         (the default) where there is none."""
         return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_late_nonfinite", None)  # pending device copies belong to this object and process
+        return state
+
+    def late_check(self) -> late_flag.LateFlag:
+        """This observer's NaN / Inf checks of its batches, read late where a host read waits for the device."""
+        late = self.__dict__.get("_late_nonfinite")
+        if late is None:
+            late = self.__dict__["_late_nonfinite"] = late_flag.LateFlag()
+        return late
+
+    def refuse_non_finite(self, identities: tuple[float, ...], *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A batch's statistics ``values`` as the fold may take them. On the CPU checked at once (``check_finite``:
+        ValueError naming the layer). Where a host read waits for the device (CUDA, ``late_flag.defers``) the check
+        is read late (the error comes some forwards later) and a batch that is not finite is replaced by the fold's
+        ``identities`` (one per value: +inf for a running minimum, 0 for a maximum of magnitudes), so the running
+        statistics stay as they were."""
+        if not late_flag.defers(values[0].device):
+            check_finite(self.who, *values)
+            return values
+        finite = torch.stack([torch.isfinite(v).all() for v in values]).all()
+        if self.late_check().failed(finite):
+            raise_non_finite(self.who)
+        return tuple(
+            torch.where(finite, v, torch.tensor(i, dtype=v.dtype, device=v.device))
+            for v, i in zip(values, identities, strict=True)
+        )
+
+    def read_late_checks(self) -> None:
+        """Wait for the NaN / Inf checks still on their way (CUDA) and raise where one found a bad batch: before the
+        qparams are fixed or read, a late error must not be lost."""
+        late = self.__dict__.get("_late_nonfinite")
+        if late is not None and late.wait():
+            raise_non_finite(self.who)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -8,7 +8,7 @@ import torch
 
 from quark.torch.quantization.config.type import Dtype, QSchemeType
 from quark.torch.quantization.formats import bfp_codes, block_absmax, mx_shared_exponent, to_blocks
-from quark.torch.quantization.observer.base import EPS, ObserverBase, check_finite
+from quark.torch.quantization.observer.base import EPS, ObserverBase
 
 if TYPE_CHECKING:
     from quark.torch.quantization.config.spec import QuantizationSpec
@@ -37,8 +37,7 @@ class PerBlockMXObserver(ObserverBase):
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel():
-            amax = block_absmax(x_orig.detach(), self.block_size, self.axis)
-            check_finite(self.who, amax)
+            (amax,) = self.refuse_non_finite((0.0,), block_absmax(x_orig.detach(), self.block_size, self.axis))
             if not self.is_dynamic and self.amax.shape == amax.shape:
                 amax = torch.maximum(self.amax, amax)
             self.amax = amax

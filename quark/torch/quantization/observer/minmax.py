@@ -15,7 +15,6 @@ from quark.torch.quantization.observer.base import (
     MinMaxPlan,
     ObserverBase,
     channel_minmax,
-    check_finite,
     group_minmax,
     is_scaled,
     minmax_qparams,
@@ -61,7 +60,7 @@ class UniformScalingObserver(ObserverBase):
     def _update(self, min_val: torch.Tensor, max_val: torch.Tensor, x: torch.Tensor) -> None:
         """Fold new statistics into the running ones (or replace them when dynamic)."""
         min_val, max_val = min_val.float(), max_val.float()  # float64 past float32's range becomes inf: refused
-        check_finite(self.who, min_val, max_val)
+        min_val, max_val = self.refuse_non_finite((float("inf"), float("-inf")), min_val, max_val)
         self.model_dtype = x.dtype
         # first statistics of this shape (e.g. per channel, or per token: the shape follows the batch), or buffers
         # made under inference_mode (a validation loop) now updated outside it (in-place is not allowed): rebind
@@ -85,11 +84,11 @@ class UniformScalingObserver(ObserverBase):
                 self._buffers[name] = buf.float()
         return self
 
-    def fused_observed(self, x: torch.Tensor, failed: bool) -> None:
+    def fused_observed(self, x: torch.Tensor, finite: torch.Tensor) -> None:
         """Book a batch the quantizer's fused pass folded into the statistics (``observe_quantize``): raises
-        ValueError naming the layer, as ``forward`` does, where ``failed`` (the batch had NaN or Inf; on CUDA, one a
-        few forwards before, read late: the pass left the statistics as they were)."""
-        if failed:
+        ValueError naming the layer, as ``forward`` does, where it had NaN or Inf (on CUDA read late, for a batch
+        some forwards ago: the pass left the statistics and qparams as they were)."""
+        if self.late_check().failed(finite):
             raise_non_finite(self.who)
         self.__dict__["model_dtype"] = x.dtype  # a plain attribute (set per forward: no Module.__setattr__ checks)
 
