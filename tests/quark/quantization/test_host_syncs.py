@@ -294,19 +294,21 @@ def test_a_nan_batch_on_the_eager_path_is_refused_late(spec: dict[str, Any], mon
             model(x)
 
 
-def test_a_nan_batch_in_a_block_observer_is_refused_late_and_its_maxima_stay(monkeypatch: Any) -> None:
-    mx6 = {"dtype": "mx6", "qscheme": "per_group", "ch_axis": -1, "group_size": 16}
-    mx6 |= {"observer_cls": "PerBlockMXObserver", "is_dynamic": False}
+@pytest.mark.parametrize("dtype", ["mx6", "bfp16"])
+def test_a_nan_batch_in_a_block_observer_is_refused_late_and_its_maxima_stay(dtype: str, monkeypatch: Any) -> None:
+    spec = {"dtype": dtype, "qscheme": "per_group", "ch_axis": -1, "group_size": 16 if dtype == "mx6" else 8}
+    spec |= {"observer_cls": "PerBlockMXObserver" if dtype == "mx6" else "PerBlockBFPObserver", "is_dynamic": False}
     with as_if_on_cuda(monkeypatch, events_complete=False) as events:
-        model = _model(mx6)
+        model = _model(spec)
         observer = model[0]._input_quantizer.observer
         x = torch.randn(8, 16)
         model(x)
-        kept = observer.amax.clone()
+        kept = {k: v.clone() for k, v in observer.state_dict().items()}  # block maxima (and BFP's block steps)
         bad = x * 100
         bad[1, 1] = float("inf")
         assert _reads(model, bad) == {}  # no wait, no error yet
-        assert torch.equal(observer.amax, kept)  # the block maxima stay as they were
+        assert all(torch.equal(observer.state_dict()[k], v) for k, v in kept.items())  # the statistics stay
+        assert torch.equal(observer(x * 100), x * 100) and not torch.equal(observer.amax, kept["amax"])  # (they move)
         events.done = True
         with pytest.raises(ValueError, match=r"layer '0' \(Linear, input_tensors\).*NaN or Inf"):
             model(x)

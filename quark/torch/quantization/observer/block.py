@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.type import Dtype, QSchemeType
 from quark.torch.quantization.formats import bfp_codes, block_absmax, mx_shared_exponent, to_blocks
 from quark.torch.quantization.observer.base import EPS, ObserverBase
@@ -37,11 +38,18 @@ class PerBlockMXObserver(ObserverBase):
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
         if x_orig.numel():
-            (amax,) = self.refuse_non_finite((0.0,), block_absmax(x_orig.detach(), self.block_size, self.axis))
-            if not self.is_dynamic and self.amax.shape == amax.shape:
-                amax = torch.maximum(self.amax, amax)
-            self.amax = amax
+            self._fold_amax(x_orig)
         return x_orig
+
+    def _fold_amax(self, x: torch.Tensor) -> torch.Tensor:
+        """Fold the block maxima of ``x`` into the running ones (a batch with NaN or Inf refused: at once, or on CUDA
+        late with the running maxima kept, ``refuse_non_finite``); the batch's own maxima."""
+        batch = block_absmax(x.detach(), self.block_size, self.axis)
+        (amax,) = self.refuse_non_finite((0.0,), batch)
+        if not self.is_dynamic and self.amax.shape == amax.shape:
+            amax = torch.maximum(self.amax, amax)
+        self.amax = amax
+        return batch
 
     def reset_state(self) -> None:
         self.amax = torch.zeros((), device=self.amax.device)
@@ -74,10 +82,12 @@ class PerBlockBFPObserver(PerBlockMXObserver):
         return dtype == Dtype.bfp16 and qscheme in (None, QSchemeType.per_group)
 
     def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        super().forward(x_orig)
         if x_orig.numel():
+            batch = self._fold_amax(x_orig)
             xb, _ = to_blocks(x_orig.detach().float(), self.axis, self.block_size)
             step_exp = bfp_codes(xb)[1].squeeze(-1)
+            if late_flag.defers(step_exp.device):  # a batch refused late leaves the running steps as they were too
+                step_exp = torch.where(torch.isfinite(batch).all(), step_exp, -127)
             if not self.is_dynamic and self.step_exp.shape == step_exp.shape:
                 step_exp = torch.maximum(self.step_exp, step_exp)
             self.step_exp = step_exp
