@@ -33,19 +33,21 @@ class RunDirCheck(Callback):
 
 
 def run_dir_problem(config: DictConfig) -> str:
-    """ "" when the run's folders exist or were created (and may be written), else the message of the first that
-    cannot; a value only Hydra can resolve is left to Hydra."""
+    """The message about the first of the run's folders that cannot be created or written; empty when they exist or
+    were created (a value only Hydra can resolve is left to Hydra, as before)."""
     try:
-        run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir", throw_on_missing=True)))
+        run_dir = OmegaConf.select(config, "hydra.run.dir", throw_on_missing=True)
         subdir = OmegaConf.select(config, "hydra.output_subdir")
     except Exception:  # noqa: BLE001 - an interpolation only Hydra resolves: its own error, as before
         return ""
+    if run_dir is None:
+        return ""
     instead = "hydra.run.dir=<another dir>"
     try:
-        check_writable(run_dir, "run", instead)
+        check_writable(Path(str(run_dir)), "run", instead)
         if subdir is not None:
             where = "hydra.output_subdir=<another dir> (or null: the app writes its .hydra/ itself)"
-            check_writable(run_dir / str(subdir), "Hydra output", where)
+            check_writable(Path(str(run_dir)) / str(subdir), "Hydra output", where)
     except ValueError as err:
         return str(err)
     return ""
