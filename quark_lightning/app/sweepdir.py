@@ -146,11 +146,12 @@ def check_job_folders(config: DictConfig) -> None:
 
 def check_numbered_folders(sweep_dir: Path) -> None:
     """ValueError naming the first entry of ``sweep_dir`` named by a number (a job's folder) that is not a folder."""
-    if not sweep_dir.is_dir():
-        return  # created by the sweep: nothing in the way
-    blocking = sorted(
-        (p for p in sweep_dir.iterdir() if p.name.isdigit() and not p.is_dir()), key=lambda p: int(p.name)
-    )
+    try:
+        entries = list(sweep_dir.iterdir())
+    except OSError:
+        return  # absent (the sweep creates it) or unreadable (check_writable names it)
+    numbered = [p for p in entries if p.name.isascii() and p.name.isdigit() and str(int(p.name)) == p.name]
+    blocking = sorted((p for p in numbered if not p.is_dir()), key=lambda p: int(p.name))
     if blocking:
         raise ValueError(
             f"the sweep directory {sweep_dir} cannot be used: {blocking[0]} is not a directory, and job "

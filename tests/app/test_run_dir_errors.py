@@ -132,6 +132,8 @@ def test_the_run_callback_creates_the_folder_hydra_will_use(tmp_path: Path) -> N
 
 def test_a_file_where_a_sweep_job_goes_is_named(tmp_path: Path) -> None:
     (tmp_path / "0").mkdir()  # an earlier sweep's job: reused
+    for name in ("007", "notes", "\u00b2"):  # no job's folder is called that (Hydra numbers them 0, 1, ...)
+        (tmp_path / name).write_text("the user's")
     check_numbered_folders(tmp_path)
     check_numbered_folders(tmp_path / "absent")
     (tmp_path / "12").write_text("the user's")
