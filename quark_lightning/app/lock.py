@@ -95,20 +95,43 @@ def locked(out: Path) -> bool:
     return False
 
 
-def check_writable(out: Path) -> None:
-    """ValueError naming ``out`` when the run cannot write there (read-only, or not a folder), before anything is
-    written: creates ``out`` (and its parents) when absent."""
+def check_writable(out: Path, kind: str = "run", instead: str = KINDS[RUN_STATE][1]) -> None:
+    """ValueError naming ``out`` when the run cannot write there, before anything is written: creates ``out`` (and
+    its parents) when absent. The message says why (read-only, a file in the way, a read-only folder above it, a
+    folder that cannot be created) and what to do (``instead``: the option that gives the ``kind`` directory another
+    place)."""
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
-        writable = os.access(out, os.W_OK | os.X_OK)
-        problem = "" if writable else "it is read-only"
+        failed = None
     except OSError as err:
-        problem = err.strerror or str(err)
+        failed = err
+    problem, fix = why_not_writable(Path(out), failed)
     if problem:
         raise ValueError(
-            f"the run directory {out} cannot be written ({problem}): make it writable, or give this run "
-            "another directory: hydra.run.dir=<another dir> (hydra.sweep.dir=<another dir> with -m)"
+            f"the {kind} directory {out} cannot be written ({problem}): {fix}choose another directory: {instead}"
         )
+
+
+def why_not_writable(out: Path, failed: OSError | None = None) -> tuple[str, str]:
+    """Why this process cannot write into the directory ``out`` ("" when it can), and the start of the remedy;
+    ``failed``: the error creating it raised. Looks, never creates: the nearest existing path at or above ``out``
+    decides (not a folder: not a directory; a folder without write permission: read-only; else ``failed``'s reason)."""
+    target = Path(os.path.abspath(out))
+    at = target
+    while not os.path.lexists(at) and at != at.parent:
+        at = at.parent
+    if at == target:
+        where = "it"
+    else:
+        where = f"its parent {at}" if at == target.parent else f"{at}, a folder above it,"
+    if not at.is_dir():
+        return f"{where if at == target else at} is not a directory", f"move {at} away, or "
+    if not os.access(at, os.W_OK | os.X_OK):
+        return f"{where} is read-only", f"make {at} writable, or "
+    if failed is None:
+        return "", ""
+    reason = failed.strerror or str(failed)
+    return (reason if at == target else f"it cannot be created in {at}: {reason}"), ""
 
 
 def inside(out: Path, path: Path) -> bool:

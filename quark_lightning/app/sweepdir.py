@@ -21,6 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from quark_lightning.app.conf import ConfigError
+from quark_lightning.app.lock import KINDS
 from quark_lightning.app.rundir import (
     SWEEP_FILES,
     SWEEP_STATE,
@@ -77,7 +78,7 @@ class SweepFiles(Callback):
         """Every check before anything is written (a refused sweep leaves the directory as it was), then the lock,
         the check again under it, and the claim."""
         check_free(out, files, (), SWEEP_STATE)
-        check_writable(out)
+        check_writable(out, "sweep", KINDS[SWEEP_STATE][1])  # Hydra would create it after this, with a traceback
 
         self._held.enter_context(run_dir_lock(out))
         check_free(out, files, (), SWEEP_STATE)  # the directory may have changed before the lock
@@ -128,12 +129,32 @@ def claimed_sweep(folder: Path) -> bool:
 
 def check_job_folders(config: DictConfig) -> None:
     """ValueError when ``hydra.sweep.subdir`` names one folder for every job (no interpolation, e.g. ``.``): the jobs
-    would share a run directory (the sweep's own, for ``.``), so each would replace the one before it."""
+    would share a run directory (the sweep's own, for ``.``), so each would replace the one before it; or when, with
+    the default ``${hydra.job.num}``, something that is not a folder already has a job's number as its name in the
+    sweep directory (Hydra would fail creating that job's folder, with a traceback, after the jobs before it ran)."""
     subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")  # type: ignore[union-attr]
+    if subdir == "${hydra.job.num}":
+        check_numbered_folders(Path(str(config.hydra.sweep.dir)))
     if isinstance(subdir, str) and "${" not in subdir:
         raise ValueError(
             f"hydra.sweep.subdir={subdir!r} puts every job of the sweep into the same folder"
             f"{' (the sweep directory itself)' if Path(subdir) == Path('.') else ''}, so each job would replace the "
             "results of the one before it: give each job a folder of its own, e.g. hydra.sweep.subdir='${hydra.job.num}' "
             "(the default) or '${hydra.job.override_dirname}'"
+        )
+
+
+def check_numbered_folders(sweep_dir: Path) -> None:
+    """ValueError naming the first entry of ``sweep_dir`` named by a number (a job's folder) that is not a folder."""
+    try:
+        entries = list(sweep_dir.iterdir())
+    except OSError:
+        return  # absent (the sweep creates it) or unreadable (check_writable names it)
+    numbered = [p for p in entries if p.name.isascii() and p.name.isdigit() and str(int(p.name)) == p.name]
+    blocking = sorted((p for p in numbered if not p.is_dir()), key=lambda p: int(p.name))
+    if blocking:
+        raise ValueError(
+            f"the sweep directory {sweep_dir} cannot be used: {blocking[0]} is not a directory, and job "
+            f"{blocking[0].name} of the sweep would get its folder there (hydra.sweep.subdir=${{hydra.job.num}}): move "
+            f"it away, or give this sweep another directory: {KINDS[SWEEP_STATE][1]}"
         )
