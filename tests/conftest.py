@@ -13,6 +13,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,16 @@ def compiler() -> None:
         torch.compile(lambda t: t * 2 + 1, dynamic=True)(torch.ones(4))
     except Exception as err:  # noqa: BLE001 - whatever stops inductor here
         pytest.skip(f"torch.compile does not work on this machine: {type(err).__name__}: {err}"[:300])
+
+
+@pytest.fixture
+def compiled(compiler: None) -> Iterator[None]:
+    """The compiled kernels on from the first call (``set_compile(True)``) for one test, off again after it."""
+    from quark.torch.quantization.formats import Backend, set_compile
+
+    before = Backend.compile
+    set_compile(True)
+    try:
+        yield
+    finally:
+        set_compile(before)

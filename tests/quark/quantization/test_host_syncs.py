@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ from torch import nn
 
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.config.config import Config
-from quark.torch.quantization.formats import Backend, set_compile
 from quark.torch.quantization.late_flag import MAX_PENDING, LateFlag
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase, LSQFakeQuantize, TQTFakeQuantize
 from tests.host_syncs import HostSyncs, as_if_on_cuda
@@ -194,16 +192,6 @@ def test_on_the_cpu_the_check_is_read_in_the_same_forward() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- the fused observe pass
-@pytest.fixture
-def compiled(compiler: None) -> Iterator[None]:
-    before = Backend.compile
-    set_compile(True)
-    try:
-        yield
-    finally:
-        set_compile(before)
-
-
 def _fused_quantizer() -> FakeQuantizeBase:
     spec = Config.from_dict({"global_quant_config": {"input_tensors": _spec(symmetric=False, dtype="uint8")}})
     fq = FakeQuantizeBase.get_fake_quantize(spec.global_quant_config.input_tensors)

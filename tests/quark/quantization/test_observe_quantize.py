@@ -5,8 +5,6 @@ does without touching the statistics, and warn where a narrow scale saturates.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -22,16 +20,6 @@ from quark.torch.quantization.observer.observer import (
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 ROWS, COLS = 96, 128  # 12288 elements: above the fused pass's auto-mode threshold (8192), so auto mode fuses too
-
-
-@pytest.fixture
-def compiled(compiler: None) -> Iterator[None]:
-    before = Backend.compile
-    set_compile(True)
-    try:
-        yield
-    finally:
-        set_compile(before)
 
 
 @pytest.fixture
