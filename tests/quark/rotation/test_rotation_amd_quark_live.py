@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rot_models import WEIGHT, plain_llama
 
 from quark.torch import ModelQuantizer
 from quark.torch.export.quark_format import export_quark_dir
@@ -35,31 +36,6 @@ pytestmark = [
     pytest.mark.skipif(not AMD_PYTHON, reason="set AMD_QUARK_PYTHON to an amd-quark 0.13 venv's python"),
     pytest.mark.integration,
 ]
-WEIGHT = {
-    "dtype": "int4",
-    "qscheme": "per_channel",
-    "ch_axis": 0,
-    "symmetric": True,
-    "observer_cls": "PerChannelMinMaxObserver",
-    "is_dynamic": False,
-    "round_method": "half_even",
-    "scale_type": "float",
-}
-
-
-def _tiny_llama(intermediate: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=intermediate,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def _rotated(intermediate: int, rotation_size: int | None, trainable: bool) -> torch.nn.Module:
@@ -72,7 +48,7 @@ def _rotated(intermediate: int, rotation_size: int | None, trainable: bool) -> t
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*stay float.*")
         warnings.filterwarnings("ignore", ".*rotation training.*")
-        return ModelQuantizer.freeze(ModelQuantizer(config).quantize_model(_tiny_llama(intermediate), calib))
+        return ModelQuantizer.freeze(ModelQuantizer(config).quantize_model(plain_llama(intermediate), calib))
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rot_models import hf_batches, hf_llama, logits
+from rot_models import WEIGHT, hf_batches, hf_llama, logits, plain_llama
 
 from quark.torch import ModelQuantizer
 from quark.torch.algorithm.rotation import ROTATION_BUFFER
@@ -24,16 +24,6 @@ from quark.torch.quantization.online_rotation import decode_input_rotation, deco
 scipy_linalg = pytest.importorskip("scipy.linalg")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.filterwarnings("ignore:.*stay float.*")
-WEIGHT = {
-    "dtype": "int4",
-    "qscheme": "per_channel",
-    "ch_axis": 0,
-    "symmetric": True,
-    "observer_cls": "PerChannelMinMaxObserver",
-    "is_dynamic": False,
-    "round_method": "half_even",
-    "scale_type": "float",
-}
 DOWN = "model.layers.0.mlp.down_proj"
 
 
@@ -104,7 +94,7 @@ class _Lazy(Mapping):
 def _rotated(rotation_size, intermediate=None):
     model = hf_llama(False)
     if intermediate is not None:
-        model = _resized(intermediate)
+        model = plain_llama(intermediate)
     config = Config.from_dict(
         {
             "global_quant_config": {"weight": WEIGHT},
@@ -112,22 +102,6 @@ def _rotated(rotation_size, intermediate=None):
         }
     )
     return ModelQuantizer.freeze(ModelQuantizer(config).quantize_model(model, hf_batches()))
-
-
-def _resized(intermediate):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=intermediate,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("fmt", ["quark", "safetensors"])
