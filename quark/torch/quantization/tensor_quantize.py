@@ -203,9 +203,7 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
     def _raise_late_nonfinite(self) -> None:
         """The observer's NaN / Inf checks still on their way (CUDA), read now (``read_late_checks``): before the
         qparams are fixed or read, a late error must not be lost."""
-        read = getattr(self.observer, "read_late_checks", None)
-        if read is not None:
-            read()
+        self.observer.read_late_checks()
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._raise_late_nonfinite()

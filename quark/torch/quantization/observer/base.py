@@ -233,10 +233,8 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
         finite = torch.stack([torch.isfinite(v).all() for v in values]).all()
         if self.late_check().failed(finite):
             raise_non_finite(self.who)
-        return tuple(
-            torch.where(finite, v, torch.tensor(i, dtype=v.dtype, device=v.device))
-            for v, i in zip(values, identities, strict=True)
-        )
+        # the identities as Python scalars: a tensor made from one on CUDA is a pageable copy, which waits for the stream
+        return tuple(torch.where(finite, v, i) for v, i in zip(values, identities, strict=True))
 
     def read_late_checks(self) -> None:
         """Wait for the NaN / Inf checks still on their way (CUDA) and raise where one found a bad batch: before the
