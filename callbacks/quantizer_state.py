@@ -12,7 +12,6 @@ from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.state import paused_quantizers
 from quark.torch.quantization.tensor_quantize import (
     FakeQuantizeBase,
-    LearnableFakeQuantize,
     LSQFakeQuantize,
     TQTFakeQuantize,
 )
@@ -34,12 +33,11 @@ def is_ready(q: FakeQuantizeBase) -> bool:
 
 
 def read_late_checks(module: nn.Module) -> None:
-    """Read the TQT / LSQ training checks still on their way (a host sync on CUDA): a ValueError naming the layer if
-    one found a bad learned value. Where a fit ends or a checkpoint is saved: the last steps' checks have no later
-    training forward to read them."""
+    """Read every quantizer's training checks still on their way (a host sync on CUDA): a ValueError naming the layer
+    if one found a bad learned value (TQT / LSQ) or a batch with NaN / Inf (an observer still on). Where a fit ends or
+    a checkpoint is saved: the last steps' checks have no later training forward to read them."""
     for _, q in iter_quantizers(module):
-        if isinstance(q, LearnableFakeQuantize):
-            q.read_late_checks()
+        q.read_late_checks()
 
 
 def device_of(quantizers: list[FakeQuantizeBase]) -> torch.device:

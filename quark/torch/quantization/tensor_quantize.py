@@ -196,17 +196,12 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
 
     def enable_observer(self, enabled: bool = True) -> FakeQuantizeBase:
         if not enabled:
-            self._raise_late_nonfinite()
+            self.read_late_checks()  # before the qparams are fixed, a late error must not be lost
             self._sync()  # statistics are final: fix the qparams now
         return super().enable_observer(enabled)
 
-    def _raise_late_nonfinite(self) -> None:
-        """The observer's NaN / Inf checks still on their way (CUDA), read now (``read_late_checks``): before the
-        qparams are fixed or read, a late error must not be lost."""
-        self.observer.read_late_checks()
-
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self._raise_late_nonfinite()
+        self.read_late_checks()
         self._sync()
         return self.scale, self.zero_point
 

@@ -161,6 +161,14 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         used by the exports."""
         return self.spec.round_method or RoundType.half_even
 
+    def read_late_checks(self) -> None:
+        """Wait for this quantizer's checks still on their way (``late_flag``: on CUDA a training forward's NaN / Inf
+        and learned-value checks are read some forwards later) and raise the error one found. Where no later forward
+        will read them: the end of a fit, a checkpoint, fixing or exporting the qparams. Here: the observer's."""
+        observer = self._modules.get("observer")
+        if observer is not None:
+            observer.read_late_checks()
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (scale, zero_point) in use."""
         raise NotImplementedError(f"{type(self).__name__} has no scale and zero point")

@@ -180,6 +180,7 @@ class LearnableFakeQuantize(FakeQuantizeBase):
         """Wait for the training forwards' checks still on their way (``LateFlag``, CUDA) and raise their ValueError
         if one found a bad value: where an exact answer is needed now (eval, exports, the end of a fit, a checkpoint),
         so that a bad value made by one of the last steps is not left unread."""
+        super().read_late_checks()
         late = self.__dict__.get("_late_check")
         if late is not None and late.wait():
             self._raise_invalid(late=True)

@@ -22,6 +22,7 @@ from quark.torch.quantization.formats import (
     aminmax_along,
     apply_scale_type,
     format_of,
+    minmax_all,
     to_blocks,
 )
 from quark.torch.quantization.observer.registry import register_observer
@@ -140,7 +141,7 @@ class MinMaxPlan:
         elif self.qscheme == QSchemeType.per_group:
             mn, mx = group_minmax(x, self.ch_axis, self.group_size)  # type: ignore[arg-type]
         else:
-            mn, mx = torch.aminmax(x)
+            mn, mx = minmax_all(x)
         return mn.float(), mx.float()
 
     def statistics_shape(self, shape: torch.Size) -> tuple[int, ...]:
