@@ -206,47 +206,11 @@ def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: d
 AMINMAX_MIN_NUMEL = 1 << 22
 
 
-#: traced reductions fold this many slices of a long row elementwise before reducing what is left (``_split_along``)
-REDUCE_SLICES = 4
-#: rows shorter than this are reduced as they are (their chain of dependent steps is short already)
-_SPLIT_MIN_LENGTH = 256
-
-
-def _split_along(x: torch.Tensor, dim: int, op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``x`` with ``dim`` shortened ``REDUCE_SLICES`` times by folding that many slices of it together with the
-    elementwise ``op`` (``torch.minimum`` / ``maximum``), so the reduction that follows sees the same extremes. For
-    traced kernels: inductor's CPU reduction keeps one vector accumulator per row, a chain of dependent min / max steps
-    whose latency bounds it; folded first, each step takes ``REDUCE_SLICES`` independent loads (2 cores, min and max
-    along the rows of 1024x1024 float32: 89 -> 44 us; torch's eager ``amin`` + ``amax``: 54 us). Min and max are
-    exact, so the result is the same (a row with both zeros may give -0.0 for 0.0; a NaN stays a NaN)."""
-    length = x.shape[dim]
-    if length < _SPLIT_MIN_LENGTH or length % REDUCE_SLICES:
-        return x
-    parts = list(x.unflatten(dim, (REDUCE_SLICES, length // REDUCE_SLICES)).unbind(dim))
-    while len(parts) > 1:  # a tree: the folds are independent too
-        parts = [op(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
-    return parts[0]
-
-
-def _minmax_traced(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x.amin(dim), x.amax(dim))`` in the form that compiles to a fast loop (``_split_along``)."""
-    return _split_along(x, dim, torch.minimum).amin(dim=dim), _split_along(x, dim, torch.maximum).amax(dim=dim)
-
-
 @compilable(min_numel=AMINMAX_MIN_NUMEL)
 def aminmax_along(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.aminmax(x, dim=dim)`` as (min, max): observers' per-channel / per-group statistics. Compiled it is
     one vectorized pass; it pays only for large tensors of short groups (``AMINMAX_MIN_NUMEL``)."""
-    if torch.compiler.is_compiling():  # (this kernel compiled, or traced into the fused observe pass)
-        return _minmax_traced(x, dim)
     return x.amin(dim=dim), x.amax(dim=dim)
-
-
-def minmax_all(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.aminmax(x)``: per-tensor statistics, in the fast form where traced (``_split_along``)."""
-    if torch.compiler.is_compiling() and x.ndim and x.is_contiguous():
-        return _minmax_traced(x.reshape(-1), 0)
-    return torch.aminmax(x)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from quark.torch.quantization.formats import (
     aminmax_along,
     apply_scale_type,
     format_of,
-    minmax_all,
     to_blocks,
 )
 from quark.torch.quantization.observer.registry import register_observer
@@ -141,7 +140,7 @@ class MinMaxPlan:
         elif self.qscheme == QSchemeType.per_group:
             mn, mx = group_minmax(x, self.ch_axis, self.group_size)  # type: ignore[arg-type]
         else:
-            mn, mx = minmax_all(x)
+            mn, mx = torch.aminmax(x)
         return mn.float(), mx.float()
 
     def statistics_shape(self, shape: torch.Size) -> tuple[int, ...]:
