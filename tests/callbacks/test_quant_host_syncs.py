@@ -4,10 +4,12 @@ Lightning's own ``BoringModel`` (a two-layer MLP in its ``layer``) trains under 
 TQT, LSQ and min-max quantizers; from the fourth batch on (observers fixed, thresholds initialised) every op of the
 training step, backward, optimizer step and every callback's batch hooks included, is watched. The CUDA paths' logic runs on the CPU
 (``tests/host_syncs.py``): the quantizers' switches through their memo, the TQT/LSQ checks through late reads.
+Every spec preset of ``conf/quant/spec`` is run too, a warm-up step and steady steps.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -186,3 +188,50 @@ def test_a_warm_up_qat_step_reads_no_tensor_on_the_host(name: str, tmp_path: Any
     # each batch observed the weight as it was then (its statistics reset per batch), not a running range
     assert len(seen) == 6 and all(torch.equal(before, observed) for before, observed in seen)
     assert not torch.equal(seen[0][1], seen[-1][1])
+
+
+class Watch(Callback):
+    """Opens the probe before every other callback's batch hooks of the batches in ``batches`` (listed first) and
+    closes it after them (``close``, listed last)."""
+
+    def __init__(self, probe: HostSyncs, batches: set[int]) -> None:
+        self.probe, self.batches, self.watched = probe, batches, 0
+        self.close = _WatchEnd(self)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx in self.batches:
+            self.probe.__enter__()
+
+
+class _WatchEnd(Callback):
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if args[-1] in self.watch.batches:
+            self.watch.probe.__exit__(None, None, None)
+            self.watch.watched += 1
+
+
+def _preset_specs() -> list[Any]:
+    """Every spec preset of ``conf/quant/spec`` that a weight can take (per-token dynamic is for activations)."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[2] / "conf" / "quant" / "spec"
+    specs = [(p.stem, yaml.safe_load(p.read_text())) for p in sorted(root.glob("*.yaml"))]
+    return [pytest.param(spec, id=name) for name, spec in specs if "per_token" not in name]
+
+
+@pytest.mark.parametrize("spec", _preset_specs())
+def test_no_preset_spec_reads_the_host_in_a_qat_step(spec: dict[str, Any], tmp_path: Any, monkeypatch: Any) -> None:
+    """Every spec preset for weights and activations: a warm-up step (batch 1: observers on, weights' statistics reset)
+    and the steady steps (3-5: observers fixed at batch 2) read no tensor on the host."""
+    config = Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})
+    seed(0)
+    probe = HostSyncs()
+    watch = Watch(probe, {1, 3, 4, 5})
+    with as_if_on_cuda(monkeypatch):
+        callbacks = [watch, QuantCallback(config, mode="qat", observer_steps=2), watch.close]
+        make_trainer(tmp_path, callbacks, limit_train_batches=6).fit(TwoLayerBoring())
+    assert watch.watched == 4
+    assert not probe.found, f"host reads in QAT steps: {dict(probe.found)}"
