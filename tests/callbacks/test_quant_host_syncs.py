@@ -235,3 +235,13 @@ def test_no_preset_spec_reads_the_host_in_a_qat_step(spec: dict[str, Any], tmp_p
         make_trainer(tmp_path, callbacks, limit_train_batches=6).fit(TwoLayerBoring())
     assert watch.watched == 4
     assert not probe.found, f"host reads in QAT steps: {dict(probe.found)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", _preset_specs())
+def test_no_preset_spec_reads_the_host_in_a_compiled_qat_step(
+    spec: dict[str, Any], tmp_path: Any, monkeypatch: Any, compiled: None
+) -> None:
+    """The same with the compiled kernels from the first call (the fused observe pass and the format kernels a large
+    layer takes; slow: each format compiles its kernels once, or loads them from the kernel store)."""
+    test_no_preset_spec_reads_the_host_in_a_qat_step(spec, tmp_path, monkeypatch)
