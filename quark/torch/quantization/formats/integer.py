@@ -49,6 +49,11 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 #: 47, 4M: 13.6 ms against 3.9 (torch's kernel runs about 6 ns per element on one thread)
 TORCH_KERNEL_MAX_NUMEL = 8192
 _E8M0_MIN, _E8M0_MAX = 2.0**-127, 2.0**127  # the finite range of float8_e8m0fnu
+#: auto mode compiles the integer kernels from this size, as the block and minifloat ones (``BLOCK_MIN_NUMEL``,
+#: ``GRID_MIN_NUMEL``). Inside a training step the eager chain (about ten ops forward) runs with cold caches and costs
+#: 3-5x its tight-loop time: the width-512 MLP's 32x512 activation took 108-125 us a forward there against 47 us
+#: compiled (docs/performance.md, seventh round)
+INT_MIN_NUMEL = 1 << 12
 
 
 def apply_scale_type(
@@ -130,7 +135,7 @@ def _int_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, m
     return q + zero_point
 
 
-@compilable
+@compilable(min_numel=INT_MIN_NUMEL)
 def int_forward(
     x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, method: RoundType
 ) -> torch.Tensor:
@@ -141,7 +146,7 @@ def int_forward(
     )
 
 
-@compilable
+@compilable(min_numel=INT_MIN_NUMEL)
 def _int_grad(
     grad: torch.Tensor,
     x: torch.Tensor,
@@ -177,7 +182,7 @@ class _IntFakeQuant(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:  # (a scale that requires grad gets none here: it is not learned)
             ctx.meta = "no grad"
             return int_forward(x, scale, zero_point, qmin, qmax, round_method)
-        if compiled_kernels_active(x) or torch.compiler.is_compiling():
+        if compiled_kernels_active(x, INT_MIN_NUMEL) or torch.compiler.is_compiling():
             ctx.save_for_backward(x, scale, zero_point)
             ctx.meta = (qmin, qmax, round_method)
             return int_forward(x, scale, zero_point, qmin, qmax, round_method)
@@ -219,7 +224,7 @@ def _torch_kernel_serves(x: torch.Tensor, applies: bool, per_channel: bool) -> b
         applies
         and not (per_channel and late_flag.defers(x.device))
         and x.numel() <= TORCH_KERNEL_MAX_NUMEL
-        and not compiled_kernels_active(x)
+        and not compiled_kernels_active(x, INT_MIN_NUMEL)
         and not torch.compiler.is_compiling()
     )
 

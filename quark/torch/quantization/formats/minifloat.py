@@ -61,7 +61,7 @@ def cast_forward(x: torch.Tensor, scale: torch.Tensor, max_normal: float, torch_
     return (x / scale).clamp_(-max_normal, max_normal).to(torch_dtype).to(torch.float32).mul_(scale)
 
 
-@compilable
+@compilable(min_numel=GRID_MIN_NUMEL)  # the forward's threshold: its gradient is as cheap to serve compiled
 def _saturation_grad(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, max_normal: float) -> torch.Tensor:
     """The straight-through gradient: ``grad`` where ``|x / scale| <= max_normal``, 0 where the format saturates
     (recomputed from ``x``, not stored as a mask)."""

@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from quark.torch.quantization.config.type import QSchemeType
-from quark.torch.quantization.formats import Backend, fake_quantize_int, set_compile
+from quark.torch.quantization.config.type import Dtype, QSchemeType
+from quark.torch.quantization.formats import Backend, fake_quantize, fake_quantize_int, set_compile
 from quark.torch.quantization.formats.grouping import compilable, compile_warm, compiled_kernels_active
+from quark.torch.quantization.formats.integer import INT_MIN_NUMEL
 from quark.torch.quantization.formats.kernel_cache import KernelCache
+from quark.torch.quantization.formats.minifloat import GRID_MIN_NUMEL
 
 LOGGER = "quark.torch.quantization.formats.grouping"
 
@@ -168,3 +170,45 @@ def test_calls_after_the_warm_up_give_the_eager_bits(
     for y, gx, _ in outs[1:]:
         assert torch.equal(y, outs[0][0]) and torch.equal(gx, outs[0][1])
     assert not torch.equal(outs[0][0], x)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_small_quantizer_tensors_compile_from_4096_elements_once_warm(
+    policy: None, compiler: None, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A QAT layer's small tensors (a 32x512 activation, below ``Backend.min_numel``) take the compiled integer /
+    fp8 kernels, forward and straight-through backward, once the run is warm: inside a training step their eager
+    chains run with cold caches (docs/performance.md, seventh round). Below 4096 elements they stay eager; the bits
+    are the eager path's."""
+    served: list[str] = []
+    original = KernelCache.__call__
+
+    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
+        served.append(getattr(self.fn, "__name__", "?"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelCache, "__call__", spy)
+
+    def run(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(shape, generator=g) * 3).requires_grad_(True)
+        if kind == "int8":
+            y = fake_quantize_int(x, torch.tensor(0.02), torch.tensor(0, dtype=torch.int32), -128, 127)
+        else:
+            y = fake_quantize(x, Dtype.fp8_e4m3, torch.tensor(0.004), None)
+        y.backward(torch.randn(shape, generator=g))
+        return y.detach(), x.grad  # type: ignore[return-value]
+
+    assert INT_MIN_NUMEL == GRID_MIN_NUMEL == 4096 < Backend.min_numel
+    set_compile(False)
+    eager = run((32, 512))
+    set_compile(None)
+    Backend.warmup_numel = 0  # warm: a training run past its first steps
+    run((32, 512))  # (the first call may build or load the graphs)
+    served.clear()
+    compiled = run((32, 512))
+    assert len(served) == 2, served  # forward and backward, compiled
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    served.clear()
+    run((32, 127))  # 4064 elements: eager
+    assert served == []
