@@ -190,7 +190,7 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         if cached is not None and cached[0] is self.spec and cached[1] is scale and cached[2] is zp:
             if cached[3] == key:
                 return cached[4]
-        prepared = prepare_int(x.ndim, self.spec, scale.detach(), zp.detach())  # type: ignore[union-attr]
+        prepared = prepare_int(x.ndim, self.spec, scale.detach(), zp.detach(), keep=True)  # type: ignore[union-attr]
         self.__dict__["_prepared_int"] = (self.spec, scale, zp, key, prepared)
         return prepared
 

@@ -209,15 +209,18 @@ def apply_format(
     )
 
 
-def prepare_int(ndim: int, spec: QuantizationSpec, scale: torch.Tensor, zp: torch.Tensor) -> PreparedInt | None:
+def prepare_int(
+    ndim: int, spec: QuantizationSpec, scale: torch.Tensor, zp: torch.Tensor, keep: bool = False
+) -> PreparedInt | None:
     """``apply_format`` with these qparams prepared for inputs of rank ``ndim`` (``PreparedInt``: the same bits), for an
-    integer spec per tensor or per channel; None for any other (those take ``apply_format``)."""
+    integer spec per tensor or per channel; None for any other (those take ``apply_format``). ``keep``: the caller
+    keeps it for many calls (``PreparedInt.of``)."""
     if not prepares_int(spec):
         return None
     fmt = format_of(spec.dtype)
     axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
     method = spec.round_method or RoundType.half_even
-    return PreparedInt.of(scale, zp, fmt.qmin, fmt.qmax, method, axis, ndim)  # type: ignore[union-attr]
+    return PreparedInt.of(scale, zp, fmt.qmin, fmt.qmax, method, axis, ndim, keep=keep)  # type: ignore[union-attr]
 
 
 def prepares_int(spec: QuantizationSpec) -> bool:

@@ -82,10 +82,11 @@ def compile_warm() -> bool:
     return Backend.seen_numel >= Backend.warmup_numel
 
 
-def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None) -> bool:
+def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count: bool = True) -> bool:
     """Whether a ``compilable`` kernel called on ``x`` now would run compiled (``min_numel``: auto mode's threshold
     for this kernel, by default ``Backend.min_numel``). In auto mode, a call on a tensor at or above the threshold
-    made before the warm-up is over counts its elements toward ``Backend.warmup_numel`` and answers False."""
+    made before the warm-up is over counts its elements toward ``Backend.warmup_numel`` (``count``: a question about
+    a call already made counts nothing) and answers False."""
     if Backend.compile is False or torch.compiler.is_compiling():
         return False  # inside a caller's torch.compile the eager body is traced into the caller's graph
     if torch.jit.is_tracing():
@@ -97,7 +98,8 @@ def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None) -> bo
         return False
     if compile_warm():
         return True
-    Backend.seen_numel += x.numel()
+    if count:
+        Backend.seen_numel += x.numel()
     return False
 
 

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
+from quark.torch.quantization.formats import kernel_cache
+from quark.torch.quantization.formats.direct_kernel import DirectKernel
 from quark.torch.quantization.formats.grouping import (
+    Backend,
     cast_saturating,
     channel_view,
     compilable,
@@ -41,6 +45,7 @@ from quark.torch.quantization.formats.grouping import (
     to_blocks,
     to_tiles,
 )
+from quark.torch.quantization.formats.kernel_cache import _global_state
 from quark.torch.quantization.formats.masks import equal, within
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -236,6 +241,68 @@ def _fake_quantize_elementwise(
     return _int_fake_quant(x, scale, zp, qmin, qmax, method)
 
 
+#: ``PreparedInt``'s normal calls on one input signature that look for its direct kernels before giving up (the
+#: kernels are built after ``kernel_cache.DIRECT_AFTER_CALLS`` compiled calls; a refused one never comes)
+STEADY_LOOKUPS = 2 * (kernel_cache.DIRECT_AFTER_CALLS or 0) + 16
+
+
+def _steady_key(x: torch.Tensor) -> tuple[Any, ...] | None:
+    """What the steady path's kernels depend on besides the prepared qparams: ``x``'s layout and flags and the global
+    state the kernels were built under (``kernel_cache._global_state``). None where it may not run: traced
+    (``torch.compile``, TorchScript), or the compiled kernels switched off or failed since."""
+    if (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or Backend.compile is False
+        or Backend.failure
+        or kernel_cache.DIRECT_AFTER_CALLS is None
+    ):
+        return None
+    return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_inference(), _global_state())
+
+
+class _Steady:
+    """The direct kernels serving one ``PreparedInt`` for inputs of one signature: the forward's, and the
+    straight-through gradient's by the gradient's layout and the global state (filled by its first backward)."""
+
+    __slots__ = ("forward", "backward")
+
+    def __init__(self, forward: DirectKernel) -> None:
+        self.forward = forward
+        self.backward: dict[tuple[Any, ...], DirectKernel] = {}
+
+
+class _SteadyIntFakeQuant(torch.autograd.Function):
+    """``_IntFakeQuant``'s compiled path with its direct kernels called straight: the same kernels and bits, without
+    the decisions and signature lookups between the quantizer and the generated code. Inside a training step every
+    layer of Python between them runs with cold caches (docs/performance.md, seventh round)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, prepared, steady):  # type: ignore[override]
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x, scale, zero_point)
+            ctx.prepared, ctx.steady = prepared, steady
+        return steady.forward((x, scale, zero_point, prepared.qmin, prepared.qmax, prepared.round_method))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, scale, zero_point = ctx.saved_tensors
+        p, steady = ctx.prepared, ctx.steady
+        args = (grad, x, scale, zero_point, p.qmin, p.qmax, p.round_method)
+        key = (grad.shape, grad.stride(), grad.dtype, _global_state())
+        kernel = steady.backward.get(key)
+        if kernel is not None:
+            return kernel(args), None, None, None, None
+        out = _int_grad(*args)
+        found = _int_grad.kernel_cache.direct_for(args)  # type: ignore[attr-defined]
+        if found is not None:
+            steady.backward[key] = found
+        return out, None, None, None, None
+
+
+_steady_int_fake_quant = fast_apply(_SteadyIntFakeQuant)
+
+
 @dataclass(frozen=True, eq=False)
 class PreparedInt:
     """``fake_quantize_int`` per tensor or per channel with its qparams cast and shaped once, for inputs of one rank:
@@ -252,6 +319,10 @@ class PreparedInt:
     qmax: int
     round_method: RoundType
     torch_kernel: bool  #: whether torch's fused kernels may serve small inputs eagerly
+    #: the steady path of an object its caller keeps (``of(..., keep=True)``; None: off): the direct kernels found per
+    #: input signature (``_steady_key``), and the compiled calls seen per signature while none is found
+    steady: dict[tuple[Any, ...], _Steady] | None = field(default=None, repr=False)
+    calls: dict[tuple[Any, ...], int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(
@@ -264,21 +335,53 @@ class PreparedInt:
         axis: int | None,
         ndim: int,
         use_torch_kernel: bool = True,
+        keep: bool = False,
     ) -> PreparedInt:
         """Prepared for inputs of rank ``ndim``; ``axis`` None is per tensor, else the (possibly negative) channel
-        axis."""
+        axis. ``keep``: the caller keeps this object for many calls (a quantizer with fixed qparams), so it takes the
+        steady path once its kernels are served directly."""
         scale = scale.float()
         if not zero_point.is_floating_point():
             zero_point = zero_point.to(torch.int32)
         torch_kernel = use_torch_kernel and _torch_kernel_applies(zero_point, qmin, qmax, round_method)
         if axis is None:
             s, z = scale.reshape(()), zero_point.reshape(())
-            return cls(s, z, s, z, None, qmin, qmax, round_method, torch_kernel)
+            return cls(s, z, s, z, None, qmin, qmax, round_method, torch_kernel, {} if keep else None)
         s, z = channel_view(scale, ndim, axis), channel_view(zero_point, ndim, axis)
         flat_s, flat_z = scale.reshape(-1), zero_point.reshape(-1)  # torch's kernel rejects a negative axis
-        return cls(s, z, flat_s, flat_z, normalize_axis(axis, ndim), qmin, qmax, round_method, torch_kernel)
+        axis = normalize_axis(axis, ndim)
+        return cls(s, z, flat_s, flat_z, axis, qmin, qmax, round_method, torch_kernel, {} if keep else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.steady is None:
+            return self._call(x)
+        key = _steady_key(x)
+        steady = self.steady.get(key) if key is not None else None
+        if steady is not None:  # a signature called often: its direct kernels, called straight
+            return cast_saturating(_steady_int_fake_quant(x, self.scale, self.zero_point, self, steady), x.dtype)
+        out = self._call(x)
+        if key is not None and compiled_kernels_active(x, INT_MIN_NUMEL, count=False):
+            self._look_for_steady(key, x)
+        return out
+
+    def _look_for_steady(self, key: tuple[Any, ...], x: torch.Tensor) -> None:
+        """Take the forward's direct kernel for ``key`` once the kernel cache has built it (it builds one after
+        ``kernel_cache.DIRECT_AFTER_CALLS`` compiled calls of a signature), looking in the first ``STEADY_LOOKUPS``
+        compiled calls only (a lookup computes the full signature; a refused kernel never comes). Not where the
+        qparams require grad (the steady Function gives them none, as ``_IntFakeQuant`` does, but its output would
+        not require grad)."""
+        calls = self.calls.get(key, 0) + 1
+        self.calls[key] = calls
+        if calls > STEADY_LOOKUPS or self.scale.requires_grad or self.zero_point.requires_grad:
+            return
+        with torch.no_grad():  # as inside the Function's forward, where the kernel cache saw the call
+            found = int_forward.kernel_cache.direct_for(  # type: ignore[attr-defined]
+                (x, self.scale, self.zero_point, self.qmin, self.qmax, self.round_method)
+            )
+        if found is not None:
+            self.steady[key] = _Steady(found)  # type: ignore[index]
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         # torch's kernels take float32; ours read any float dtype and compute in float32 (a bfloat16 weight is not
         # cast to float32 and back around a compiled kernel: 4096x4096 bf16 per channel 23 -> 3 ms)
         if _torch_kernel_serves(x, self.torch_kernel, self.axis is not None):

@@ -265,6 +265,15 @@ class KernelCache:
             return self._go_direct(entry, args, kwargs)
         return entry.graph.fn(*args, **kwargs)
 
+    def direct_for(self, args: tuple[Any, ...]) -> DirectKernel | None:
+        """The direct kernel serving these (positional) arguments now, None where none does yet: for a caller that
+        keeps it and calls it itself while the signature stays the same (``PreparedInt``'s steady path)."""
+        if DIRECT_AFTER_CALLS is None:
+            return None
+        key = call_signature(args, {})
+        entry = self._by_signature.get(key) if key is not None else None
+        return entry.direct if entry is not None else None
+
     def _go_direct(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """This call through the graph, and from now on the signature's direct kernel where one serves it exactly."""
         out = entry.graph.fn(*args, **kwargs)

@@ -1,0 +1,170 @@
+"""``PreparedInt``'s steady path: a quantizer with fixed qparams whose kernels are served directly calls them
+straight (``_SteadyIntFakeQuant``), skipping the decisions and signature lookups between it and the generated code.
+Checked against the eager kernels (a reference the compiled path is itself tested against) for outputs and
+straight-through gradients, and for what must send a call back to the normal path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from quark.torch.quantization.config.config import QuantizationSpec
+from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType
+from quark.torch.quantization.formats import Backend, fake_quantize_int, kernel_cache, set_compile
+from quark.torch.quantization.formats.direct_kernel import DirectKernel
+from quark.torch.quantization.formats.integer import PreparedInt
+from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
+
+SPECS = {
+    "per_channel_weight": (
+        QuantizationSpec(
+            dtype=Dtype.int8,
+            qscheme=QSchemeType.per_channel,
+            ch_axis=0,
+            observer_cls="PerChannelMinMaxObserver",
+            symmetric=True,
+            round_method=RoundType.half_even,
+            is_dynamic=False,
+            scale_type=ScaleType.float,
+        ),
+        (64, 128),
+    ),
+    "per_tensor_asymmetric": (
+        QuantizationSpec(
+            dtype=Dtype.uint8,
+            qscheme=QSchemeType.per_tensor,
+            observer_cls="PerTensorMinMaxObserver",
+            symmetric=False,
+            round_method=RoundType.half_even,
+            is_dynamic=False,
+            scale_type=ScaleType.float,
+        ),
+        (32, 256),
+    ),
+}
+
+
+@pytest.fixture
+def direct_soon(compiler: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Compiled kernels from the first call, served directly from a signature's third call; records every direct
+    kernel call."""
+    calls: list[str] = []
+    original = DirectKernel.__call__
+
+    def spy(self: DirectKernel, args: Any) -> Any:
+        calls.append("direct")
+        return original(self, args)
+
+    monkeypatch.setattr(DirectKernel, "__call__", spy)
+    monkeypatch.setattr(kernel_cache, "DIRECT_AFTER_CALLS", 2)
+    before = Backend.compile
+    set_compile(True)
+    try:
+        yield calls
+    finally:
+        set_compile(before)
+
+
+def _quantizer(name: str) -> tuple[ScaledFakeQuantize, tuple[int, int]]:
+    spec, shape = SPECS[name]
+    q = ScaledFakeQuantize(spec)
+    with torch.no_grad():
+        q(torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2)  # calibrate
+    q.disable_observer()
+    return q, shape
+
+
+def _step(q: ScaledFakeQuantize, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).requires_grad_(True)
+    y = q(x)
+    y.backward(torch.randn(shape, generator=g))
+    return y.detach(), x.grad  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_the_steady_path_gives_the_eager_bits(name: str, direct_soon: list[str]) -> None:
+    q, shape = _quantizer(name)
+    set_compile(False)
+    eager = [_step(q, shape, seed) for seed in range(8)]
+    set_compile(True)
+    got = [_step(q, shape, seed) for seed in range(8)]
+    prepared = q.__dict__["_prepared_int"][4]
+    assert prepared.steady, "the steady path never took over"
+    steady = next(iter(prepared.steady.values()))
+    assert steady.backward, "its backward kernel was never taken"
+    for (y, gx), (ye, gxe) in zip(got, eager, strict=True):
+        assert torch.equal(y, ye) and torch.equal(gx, gxe)
+    assert not torch.equal(eager[0][0], eager[1][0])  # (different data each step)
+    # the last steps ran on it: one direct call each way per step, nothing else between
+    direct_soon.clear()
+    _step(q, shape, 9)
+    assert direct_soon == ["direct", "direct"]
+
+
+def test_switching_the_compiled_kernels_off_leaves_the_steady_path(direct_soon: list[str]) -> None:
+    q, shape = _quantizer("per_channel_weight")
+    for seed in range(6):
+        _step(q, shape, seed)
+    assert q.__dict__["_prepared_int"][4].steady
+    set_compile(False)
+    direct_soon.clear()
+    _step(q, shape, 7)
+    assert direct_soon == []
+
+
+def test_other_global_state_or_layout_takes_the_normal_path(direct_soon: list[str]) -> None:
+    """Another thread count (the generated code was built for one) or other strides: a signature of its own, which
+    the normal path serves (the same bits as eager) until its own kernels are served directly."""
+    q, shape = _quantizer("per_channel_weight")
+    for seed in range(6):
+        _step(q, shape, seed)
+    prepared = q.__dict__["_prepared_int"][4]
+    before = set(prepared.steady)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        direct_soon.clear()
+        _step(q, shape, 7)  # a new signature: its graph serves it (no direct kernel yet)
+        assert direct_soon == []
+    finally:
+        torch.set_num_threads(threads)
+    x = torch.randn(shape[1], shape[0]).t()  # the same shape, transposed strides
+    set_compile(False)
+    want = q(x)
+    set_compile(True)
+    direct_soon.clear()
+    assert torch.equal(q(x), want)
+    assert direct_soon == []
+    assert set(prepared.steady) == before  # nothing taken for the new signatures yet
+
+
+def test_qparams_written_between_forward_and_backward_are_refused(direct_soon: list[str]) -> None:
+    """As on the normal path: the saved qparams are version-checked, so a write before the backward raises instead
+    of masking with other qparams."""
+    q, shape = _quantizer("per_channel_weight")
+    for seed in range(6):
+        _step(q, shape, seed)
+    prepared = q.__dict__["_prepared_int"][4]
+    assert prepared.steady
+    x = torch.randn(shape, requires_grad=True)
+    y = q(x)
+    with torch.no_grad():
+        prepared.scale.mul_(2)  # (a view of the quantizer's scale buffer)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_a_one_shot_call_keeps_no_steady_state() -> None:
+    """``fake_quantize_int`` builds a ``PreparedInt`` per call: it never looks for a steady path."""
+    x = torch.randn(8, 16)
+    prepared = PreparedInt.of(
+        torch.tensor(0.1), torch.tensor(0, dtype=torch.int32), -128, 127, RoundType.half_even, None, 2
+    )
+    assert prepared.steady is None
+    assert torch.equal(
+        prepared(x), fake_quantize_int(x, torch.tensor(0.1), torch.tensor(0, dtype=torch.int32), -128, 127)
+    )
