@@ -18,8 +18,15 @@ from typing import Any
 import torch
 
 from quark.torch.quantization.config.type import Dtype, RoundType
-from quark.torch.quantization.formats import fake_quantize, fake_quantize_grad, scale_dtype
-from quark.torch.quantization.formats.grouping import Backend, compilable, compiled_kernels_active, fast_apply
+from quark.torch.quantization.formats import fake_quantize, fake_quantize_grad, kernel_cache, scale_dtype
+from quark.torch.quantization.formats.grouping import (
+    Backend,
+    SteadyKernels,
+    compilable,
+    compiled_kernels_active,
+    fast_apply,
+    steady_key,
+)
 from quark.torch.quantization.observer.observer import MinMaxPlan
 
 __all__ = [
@@ -29,6 +36,7 @@ __all__ = [
     "fused_plan",
     "observe_fake_quantize",
     "scale_may_have_saturated",
+    "steady_fused",
 ]
 
 #: in auto mode the fused pass runs for inputs of at least ``Backend.min_numel // FUSED_FRACTION`` elements (4096 by
@@ -96,17 +104,21 @@ def _observe_fake_quantize_grad(
 
 class _ObserveFakeQuant(torch.autograd.Function):
     """The fused forward; the gradient is ``fake_quantize``'s straight-through one, recomputed from the saved input
-    in a compiled pass of its own."""
+    in a compiled pass of its own. With ``steady`` (``SteadyKernels``), both are its direct kernels, called straight
+    (the caller's steady path, ``steady_fused``)."""
 
     @staticmethod
-    def forward(ctx, x, min_val, max_val, plan):  # type: ignore[override]
+    def forward(ctx, x, min_val, max_val, plan, steady):  # type: ignore[override]
         # a Parameter goes in as it is: dynamo pins its shape, and a kernel built for a weight's static shape is
         # faster than the dynamic one (4096x1024 int8 per channel: 3.0 against 3.4 ms from DRAM)
-        out, scale, zp, finite, new_min, new_max = _observe_fake_quantize(x, min_val, max_val, plan)
+        if steady is not None:
+            out, scale, zp, finite, new_min, new_max = steady.forward((x, min_val, max_val, plan))
+        else:
+            out, scale, zp, finite, new_min, new_max = _observe_fake_quantize(x, min_val, max_val, plan)
         min_val.copy_(new_min)
         max_val.copy_(new_max)
         ctx.mark_non_differentiable(scale, zp, finite)
-        ctx.plan = plan
+        ctx.plan, ctx.steady = plan, steady
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(x, scale, zp)
         return out, scale, zp, finite
@@ -114,19 +126,66 @@ class _ObserveFakeQuant(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_):  # type: ignore[override]
         x, scale, zp = ctx.saved_tensors
-        return _observe_fake_quantize_grad(grad, x, scale, zp, ctx.plan), None, None, None
+        args = (grad, x, scale, zp, ctx.plan)
+        if ctx.steady is not None:
+            return ctx.steady.backward_call(_observe_fake_quantize_grad, args), None, None, None, None
+        return _observe_fake_quantize_grad(*args), None, None, None, None
 
 
 _observe_fake_quant = fast_apply(_ObserveFakeQuant)
 
 
 def observe_fake_quantize(
-    x: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor, plan: FusedPlan
+    x: torch.Tensor,
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    plan: FusedPlan,
+    steady: SteadyKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Observe ``x`` into the running statistics ``min_val`` / ``max_val`` (updated in place; left as they were where
     this batch has NaN or Inf) and fake-quantize it with the qparams that gives: (out, scale, zero point, finite: a
-    bool tensor the caller checks). Differentiable in ``x`` (straight-through)."""
-    return _observe_fake_quant(x, min_val, max_val, plan)
+    bool tensor the caller checks). Differentiable in ``x`` (straight-through). ``steady``: the direct kernels of
+    this call's signature (``steady_fused``), called straight."""
+    return _observe_fake_quant(x, min_val, max_val, plan, steady)
+
+
+#: compiled calls of one signature in which ``steady_fused`` looks for its direct kernel (built after
+#: ``kernel_cache.DIRECT_AFTER_CALLS`` of them; a refused one never comes)
+STEADY_LOOKUPS = 2 * (kernel_cache.DIRECT_AFTER_CALLS or 0) + 16
+
+
+def steady_fused(
+    memo: dict[tuple[Any, ...], Any], x: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor, plan: FusedPlan
+) -> SteadyKernels | None:
+    """The direct kernels serving this fused call, kept in the caller's ``memo`` (a quantizer observes tensors of
+    one signature every step of a QAT warm-up): found once the kernel cache serves the signature directly, looked for
+    in its first ``STEADY_LOOKUPS`` calls. None where the call takes the normal path."""
+    key = steady_key(x)
+    if key is None:
+        return None
+    # the plan by identity (``fused_plan`` keeps one object per plan alive; hashing its fields costs more)
+    key = (
+        *key,
+        id(plan),
+        min_val.shape,
+        min_val.stride(),
+        min_val.dtype,
+        max_val.shape,
+        max_val.stride(),
+        max_val.dtype,
+    )
+    found = memo.get(key)
+    if isinstance(found, SteadyKernels):
+        return found
+    calls = (found or 0) + 1
+    if calls > STEADY_LOOKUPS:
+        return None
+    memo[key] = calls
+    with torch.no_grad():  # as inside the Function's forward, where the kernel cache sees the call
+        direct = _observe_fake_quantize.kernel_cache.direct_for((x, min_val, max_val, plan))  # type: ignore[attr-defined]
+    if direct is not None:
+        memo[key] = SteadyKernels(direct)
+    return None
 
 
 def scale_may_have_saturated(plan: FusedPlan, scale: torch.Tensor, model_dtype: torch.dtype) -> bool:

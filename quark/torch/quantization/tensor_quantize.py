@@ -36,6 +36,7 @@ from quark.torch.quantization.observe_quantize import (
     fused_plan,
     observe_fake_quantize,
     scale_may_have_saturated,
+    steady_fused,
 )
 from quark.torch.quantization.observer.minmax import UniformScalingObserver
 
@@ -115,7 +116,11 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         fused = self._fused_plan(obs)
         if fused is None or obs.min_val.shape != fused.observer.statistics_shape(x.shape):
             return None  # not a planned observer; or the first batch / a new shape: the eager path rebinds
-        out, scale, zp, finite = observe_fake_quantize(x, obs.min_val, obs.max_val, fused)
+        memo = self.__dict__.get("_fused_steady")
+        if memo is None:
+            memo = self.__dict__["_fused_steady"] = {}
+        steady = steady_fused(memo, x, obs.min_val, obs.max_val, fused)  # the direct kernels, once served so
+        out, scale, zp, finite = observe_fake_quantize(x, obs.min_val, obs.max_val, fused, steady)
         obs.fused_observed(x, finite)  # raises on NaN / Inf (statistics and qparams stay), read late on CUDA
         if scale_may_have_saturated(fused, scale, x.dtype):
             scale, zp = obs.calculate_qparams()  # the same qparams, computed eagerly: it warns where they saturated

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from quark.torch.compat import dynamo_recompile_limit
 from quark.torch.quantization.config.type import RoundType
+from quark.torch.quantization.formats import kernel_cache
 from quark.torch.quantization.formats.kernel_cache import KernelCache
 from quark.torch.quantization.formats.kernel_store import store_root
 
@@ -101,6 +102,51 @@ def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count
     if count:
         Backend.seen_numel += x.numel()
     return False
+
+
+def steady_key(x: torch.Tensor) -> tuple[Any, ...] | None:
+    """The part of a kernel call's signature a steady path (a caller that keeps the direct kernels of its calls and
+    calls them itself: ``PreparedInt``, the quantizers' fused observe pass) checks per call: ``x``'s layout and flags
+    and the global state the kernels were built under (``kernel_cache.call_signature`` has the rest, fixed for such a
+    caller). None where no steady path may run: traced (``torch.compile``, TorchScript), the compiled kernels switched
+    off or failed, or direct kernels off."""
+    if (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or Backend.compile is False
+        or Backend.failure
+        or kernel_cache.DIRECT_AFTER_CALLS is None
+    ):
+        return None
+    return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_inference(), kernel_cache.global_state())
+
+
+class SteadyKernels:
+    """The direct kernels a steady path serves one input signature with: the forward's, and the backward's per
+    gradient layout and global state (``backward_key``; filled by the first backward of each)."""
+
+    __slots__ = ("forward", "backward")
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.backward: dict[tuple[Any, ...], Any] = {}
+
+    @staticmethod
+    def backward_key(grad: torch.Tensor) -> tuple[Any, ...]:
+        return (grad.shape, grad.stride(), grad.dtype, kernel_cache.global_state())
+
+    def backward_call(self, kernel: Any, args: tuple[Any, ...]) -> torch.Tensor:
+        """``kernel(*args)`` for a backward (a ``compilable`` kernel), through its direct kernel once that is served
+        and kept here, through ``kernel`` until then."""
+        key = self.backward_key(args[0])
+        direct = self.backward.get(key)
+        if direct is not None:
+            return direct(args)
+        out = kernel(*args)
+        found = kernel.kernel_cache.direct_for(args)
+        if found is not None:
+            self.backward[key] = found
+        return out
 
 
 #: variants one kernel may be compiled for (each format, qscheme layout and round mode is one): dynamo's default of

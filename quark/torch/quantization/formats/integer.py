@@ -27,9 +27,8 @@ import torch
 from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
 from quark.torch.quantization.formats import kernel_cache
-from quark.torch.quantization.formats.direct_kernel import DirectKernel
 from quark.torch.quantization.formats.grouping import (
-    Backend,
+    SteadyKernels,
     cast_saturating,
     channel_view,
     compilable,
@@ -40,12 +39,12 @@ from quark.torch.quantization.formats.grouping import (
     normalize_axis,
     round_to_int,
     saturate_to,
+    steady_key,
     tile_layout,
     tile_view,
     to_blocks,
     to_tiles,
 )
-from quark.torch.quantization.formats.kernel_cache import _global_state
 from quark.torch.quantization.formats.masks import equal, within
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -246,32 +245,6 @@ def _fake_quantize_elementwise(
 STEADY_LOOKUPS = 2 * (kernel_cache.DIRECT_AFTER_CALLS or 0) + 16
 
 
-def _steady_key(x: torch.Tensor) -> tuple[Any, ...] | None:
-    """What the steady path's kernels depend on besides the prepared qparams: ``x``'s layout and flags and the global
-    state the kernels were built under (``kernel_cache._global_state``). None where it may not run: traced
-    (``torch.compile``, TorchScript), or the compiled kernels switched off or failed since."""
-    if (
-        torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or Backend.compile is False
-        or Backend.failure
-        or kernel_cache.DIRECT_AFTER_CALLS is None
-    ):
-        return None
-    return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_inference(), _global_state())
-
-
-class _Steady:
-    """The direct kernels serving one ``PreparedInt`` for inputs of one signature: the forward's, and the
-    straight-through gradient's by the gradient's layout and the global state (filled by its first backward)."""
-
-    __slots__ = ("forward", "backward")
-
-    def __init__(self, forward: DirectKernel) -> None:
-        self.forward = forward
-        self.backward: dict[tuple[Any, ...], DirectKernel] = {}
-
-
 class _SteadyIntFakeQuant(torch.autograd.Function):
     """``_IntFakeQuant``'s compiled path with its direct kernels called straight: the same kernels and bits, without
     the decisions and signature lookups between the quantizer and the generated code. Inside a training step every
@@ -287,17 +260,9 @@ class _SteadyIntFakeQuant(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, scale, zero_point = ctx.saved_tensors
-        p, steady = ctx.prepared, ctx.steady
+        p = ctx.prepared
         args = (grad, x, scale, zero_point, p.qmin, p.qmax, p.round_method)
-        key = (grad.shape, grad.stride(), grad.dtype, _global_state())
-        kernel = steady.backward.get(key)
-        if kernel is not None:
-            return kernel(args), None, None, None, None
-        out = _int_grad(*args)
-        found = _int_grad.kernel_cache.direct_for(args)  # type: ignore[attr-defined]
-        if found is not None:
-            steady.backward[key] = found
-        return out, None, None, None, None
+        return ctx.steady.backward_call(_int_grad, args), None, None, None, None
 
 
 _steady_int_fake_quant = fast_apply(_SteadyIntFakeQuant)
@@ -320,8 +285,8 @@ class PreparedInt:
     round_method: RoundType
     torch_kernel: bool  #: whether torch's fused kernels may serve small inputs eagerly
     #: the steady path of an object its caller keeps (``of(..., keep=True)``; None: off): the direct kernels found per
-    #: input signature (``_steady_key``), and the compiled calls seen per signature while none is found
-    steady: dict[tuple[Any, ...], _Steady] | None = field(default=None, repr=False)
+    #: input signature (``steady_key``), and the compiled calls seen per signature while none is found
+    steady: dict[tuple[Any, ...], SteadyKernels] | None = field(default=None, repr=False)
     calls: dict[tuple[Any, ...], int] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -355,7 +320,7 @@ class PreparedInt:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.steady is None:
             return self._call(x)
-        key = _steady_key(x)
+        key = steady_key(x)
         steady = self.steady.get(key) if key is not None else None
         if steady is not None:  # a signature called often: its direct kernels, called straight
             return cast_saturating(_steady_int_fake_quant(x, self.scale, self.zero_point, self, steady), x.dtype)
@@ -379,7 +344,7 @@ class PreparedInt:
                 (x, self.scale, self.zero_point, self.qmin, self.qmax, self.round_method)
             )
         if found is not None:
-            self.steady[key] = _Steady(found)  # type: ignore[index]
+            self.steady[key] = SteadyKernels(found)  # type: ignore[index]
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         # torch's kernels take float32; ours read any float dtype and compute in float32 (a bfloat16 weight is not

@@ -149,7 +149,7 @@ class _Hashed:
         return repr(self.value)
 
 
-def _global_state() -> tuple[Hashable, ...]:
+def global_state() -> tuple[Hashable, ...]:
     """The global state a graph is built under and its guards would check (grad and inference mode, autocast and
     the dtype it casts to, the default dtype, determinism, torch's thread count, which the CPU kernels are generated
     for)."""
@@ -169,7 +169,7 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
     without the tensors' shapes and strides, the part graphs are reused across); None when some argument cannot be
     keyed (then the call takes the guarded path). Non-tensor arguments count by value: a graph built by
     ``aot_compile`` keeps guards on tensors and global state only, none on a plan object or an enum argument."""
-    parts: list[Hashable] = [_global_state()]
+    parts: list[Hashable] = [global_state()]
     tensors: list[int] = []  # ids of the tensor arguments: one tensor passed twice is traced as one input
     for value in args:
         if type(value) in _PLAIN_TENSORS:

@@ -1,10 +1,12 @@
-"""``PreparedInt``'s steady path: a quantizer with fixed qparams whose kernels are served directly calls them
-straight (``_SteadyIntFakeQuant``), skipping the decisions and signature lookups between it and the generated code.
+"""The steady paths: a quantizer whose kernels are served directly calls them straight, skipping the decisions and
+signature lookups between it and the generated code: with fixed qparams (``PreparedInt``, ``_SteadyIntFakeQuant``)
+and while observing (the fused observe pass, ``observe_quantize.steady_fused``).
 Checked against the eager kernels (a reference the compiled path is itself tested against) for outputs and
 straight-through gradients, and for what must send a call back to the normal path."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +17,7 @@ from quark.torch.quantization.config.config import QuantizationSpec
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType, ScaleType
 from quark.torch.quantization.formats import Backend, fake_quantize_int, kernel_cache, set_compile
 from quark.torch.quantization.formats.direct_kernel import DirectKernel
+from quark.torch.quantization.formats.grouping import SteadyKernels
 from quark.torch.quantization.formats.integer import PreparedInt
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
@@ -168,3 +171,64 @@ def test_a_one_shot_call_keeps_no_steady_state() -> None:
     assert torch.equal(
         prepared(x), fake_quantize_int(x, torch.tensor(0.1), torch.tensor(0, dtype=torch.int32), -128, 127)
     )
+
+
+# ------------------------------------------------------------------------------------- the fused observe pass's
+def _observing(name: str) -> tuple[ScaledFakeQuantize, tuple[int, int]]:
+    spec, shape = SPECS[name]
+    q = ScaledFakeQuantize(spec)
+    with torch.no_grad():
+        q(torch.randn(shape, generator=torch.Generator().manual_seed(1)))  # binds the statistics' shape
+    return q, shape
+
+
+def _observe_step(q: ScaledFakeQuantize, shape: tuple[int, int], seed: int) -> list[torch.Tensor]:
+    y, gx = _step(q, shape, seed)
+    obs = q.observer
+    return [y, gx, obs.min_val.clone(), obs.max_val.clone(), q.scale.clone(), q.zero_point.clone()]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_the_fused_steady_path_gives_the_normal_paths_bits(
+    name: str, direct_soon: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Observers on (QAT's warm-up): outputs, gradients, running statistics and qparams step by step, against the
+    same quantizer with its steady path off (the fused kernels through the kernel cache)."""
+    import quark.torch.quantization.tensor_quantize as tq
+
+    q, shape = _observing(name)
+    ref = copy.deepcopy(q)
+    got = [_observe_step(q, shape, seed) for seed in range(8)]
+    memo = q.__dict__["_fused_steady"]
+    steady = [v for v in memo.values() if isinstance(v, SteadyKernels)]
+    assert steady and steady[0].backward, "the steady path never took over, forward and backward"
+    direct_soon.clear()
+    got.append(_observe_step(q, shape, 8))
+    assert direct_soon == ["direct", "direct"]  # one direct call each way, nothing between
+    monkeypatch.setattr(tq, "steady_fused", lambda *args: None)
+    want = [_observe_step(ref, shape, seed) for seed in range(9)]
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True)), f"step {step}"
+    assert not torch.equal(got[0][3], got[-1][3])  # the running statistics moved
+
+
+def test_a_nan_batch_on_the_fused_steady_path_is_refused(direct_soon: list[str]) -> None:
+    q, shape = _observing("per_tensor_asymmetric")
+    for seed in range(6):
+        _observe_step(q, shape, seed)
+    assert any(isinstance(v, SteadyKernels) for v in q.__dict__["_fused_steady"].values())
+    before = [q.observer.min_val.clone(), q.observer.max_val.clone(), q.scale.clone()]
+    x = torch.randn(shape)
+    x[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        q(x)
+    after = [q.observer.min_val, q.observer.max_val, q.scale]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_copy_leaves_the_steady_kernels_behind(direct_soon: list[str]) -> None:
+    q, shape = _observing("per_channel_weight")
+    for seed in range(6):
+        _observe_step(q, shape, seed)
+    assert q.__dict__.get("_fused_steady")
+    assert "_fused_steady" not in copy.deepcopy(q).__dict__
