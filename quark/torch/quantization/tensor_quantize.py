@@ -30,7 +30,7 @@ from quark.torch.quantization.config.config import QuantizationSpec
 from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format, prepare_int, prepares_int
 from quark.torch.quantization.fake_quant.fixed import BakedFakeQuantize, FrozenScaledFakeQuantize
 from quark.torch.quantization.fake_quant.learnable import LearnableFakeQuantize, LSQFakeQuantize, TQTFakeQuantize
-from quark.torch.quantization.formats import PreparedInt
+from quark.torch.quantization.formats import PreparedGrid, PreparedInt
 from quark.torch.quantization.observe_quantize import (
     fused_pass_active,
     fused_plan,
@@ -165,9 +165,9 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
             return prepared(x)
         return apply_format(x, self.spec, self.scale, self.zero_point)
 
-    def _prepared(self, x: torch.Tensor) -> PreparedInt | None:
-        """``apply_format`` for integers per tensor or per channel with the qparams shaped once (``PreparedInt``, the
-        same bits), kept while the qparams are the same tensors, unmodified in place, and inputs keep their rank: the
+    def _prepared(self, x: torch.Tensor) -> PreparedInt | PreparedGrid | None:
+        """``apply_format`` for integers and minifloats per tensor or per channel with the qparams shaped once
+        (``PreparedInt``, ``PreparedGrid``: the same bits, and their steady paths), kept while the qparams are the same tensors, unmodified in place, and inputs keep their rank: the
         steady state of QAT with observers off makes no bookkeeping per call. None for other formats and layouts.
 
         Kept only where the prepared qparams are views of the buffers (a float32 scale, an int32 or float zero point):
@@ -178,7 +178,7 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         another address)."""
         spec_serves = self.__dict__.get("_prepares_for")  # (spec, prepares_int(spec)): other formats skip the rest
         if spec_serves is None or spec_serves[0] is not self.spec:
-            spec_serves = self.__dict__["_prepares_for"] = (self.spec, prepares_int(self.spec))
+            spec_serves = self.__dict__["_prepares_for"] = (self.spec, prepares_int(self.spec, keep=True))
         if not spec_serves[1]:
             return None
         scale, zp = self._buffers["scale"], self._buffers["zero_point"]

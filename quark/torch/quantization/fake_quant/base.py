@@ -10,7 +10,16 @@ from torch import nn
 from quark.torch.quantization.buffers import ResizableBuffersMixin
 from quark.torch.quantization.config.config import LSQSpec, QuantizationSpec, TQTSpec
 from quark.torch.quantization.config.type import QSchemeType, RoundType
-from quark.torch.quantization.formats import IntFormat, PreparedInt, fake_quantize, format_of, is_scaled
+from quark.torch.quantization.formats import (
+    TORCH_FLOAT8,
+    FloatFormat,
+    IntFormat,
+    PreparedGrid,
+    PreparedInt,
+    fake_quantize,
+    format_of,
+    is_scaled,
+)
 
 __all__ = ["FakeQuantizeBase", "apply_format", "prepare_int", "prepares_int"]
 
@@ -211,22 +220,26 @@ def apply_format(
 
 def prepare_int(
     ndim: int, spec: QuantizationSpec, scale: torch.Tensor, zp: torch.Tensor, keep: bool = False
-) -> PreparedInt | None:
-    """``apply_format`` with these qparams prepared for inputs of rank ``ndim`` (``PreparedInt``: the same bits), for an
-    integer spec per tensor or per channel; None for any other (those take ``apply_format``). ``keep``: the caller
-    keeps it for many calls (``PreparedInt.of``)."""
-    if not prepares_int(spec):
+) -> PreparedInt | PreparedGrid | None:
+    """``apply_format`` with these qparams prepared for inputs of rank ``ndim``, the same bits: ``PreparedInt`` for an
+    integer spec per tensor or per channel, ``PreparedGrid`` for a minifloat one (fp8, fp4, fp6; only where the
+    caller keeps it: the steady path is all it adds); None for any other (those take ``apply_format``). ``keep``:
+    the caller keeps it for many calls (``PreparedInt.of``)."""
+    if not prepares_int(spec, keep):
         return None
     fmt = format_of(spec.dtype)
     axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
+    if isinstance(fmt, FloatFormat):
+        return PreparedGrid.of(scale, fmt, TORCH_FLOAT8.get(spec.dtype), axis, ndim)
     method = spec.round_method or RoundType.half_even
     return PreparedInt.of(scale, zp, fmt.qmin, fmt.qmax, method, axis, ndim, keep=keep)  # type: ignore[union-attr]
 
 
-def prepares_int(spec: QuantizationSpec) -> bool:
-    """Whether ``prepare_int`` serves ``spec``: an integer per tensor, or per channel with its axis (without one,
-    ``apply_format`` raises the error that names it)."""
+def prepares_int(spec: QuantizationSpec, keep: bool = False) -> bool:
+    """Whether ``prepare_int`` serves ``spec``: an integer (with ``keep``, also a minifloat) per tensor, or per channel
+    with its axis (without one, ``apply_format`` raises the error that names it)."""
     qscheme = spec.qscheme or QSchemeType.per_tensor
-    if not isinstance(format_of(spec.dtype), IntFormat):
+    fmt = format_of(spec.dtype)
+    if not (isinstance(fmt, IntFormat) or (keep and isinstance(fmt, FloatFormat))):
         return False
     return qscheme == QSchemeType.per_tensor or (qscheme == QSchemeType.per_channel and spec.ch_axis is not None)

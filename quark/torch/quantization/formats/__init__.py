@@ -46,6 +46,7 @@ from quark.torch.quantization.formats.integer import (
     scale_dtype,
 )
 from quark.torch.quantization.formats.minifloat import (
+    PreparedGrid,
     cast_forward,
     decode,
     encode,
@@ -94,6 +95,7 @@ __all__ = [
     "bits_per_element",
     # integers
     "fake_quantize_int",
+    "PreparedGrid",
     "PreparedInt",
     "quantize_int",
     "dequantize_int",

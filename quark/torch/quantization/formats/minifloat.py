@@ -8,11 +8,15 @@ or inf, we saturate). The scaled variants divide by a scale first (per tensor, c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from quark.torch.quantization.config.type import QSchemeType
+from quark.torch.quantization.formats import kernel_cache
 from quark.torch.quantization.formats.grouping import (
+    SteadyKernels,
     cast_saturating,
     channel_view,
     compilable,
@@ -21,6 +25,7 @@ from quark.torch.quantization.formats.grouping import (
     from_blocks,
     from_tiles,
     saturate_to,
+    steady_key,
     tile_view,
     to_blocks,
     to_tiles,
@@ -157,6 +162,75 @@ def _scaled_round(
 
 
 _grid_ste = fast_apply(_GridSTE)
+
+
+class _SteadyGridSTE(torch.autograd.Function):
+    """``_GridSTE`` with its direct kernels called straight (``PreparedGrid``'s steady path): the same kernels and
+    bits, without the decisions and signature lookups between the quantizer and the generated code."""
+
+    @staticmethod
+    def forward(ctx, x, scale, prepared, steady):  # type: ignore[override]
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x, scale)
+            ctx.max_normal, ctx.steady = prepared.fmt.max_normal, steady
+        return steady.forward((x, scale, prepared.fmt))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, scale = ctx.saved_tensors
+        return ctx.steady.backward_call(_saturation_grad, (grad, x, scale, ctx.max_normal)), None, None, None
+
+
+_steady_grid_ste = fast_apply(_SteadyGridSTE)
+
+#: compiled calls of one input signature in which ``PreparedGrid`` looks for its direct kernel (built after
+#: ``kernel_cache.DIRECT_AFTER_CALLS`` of them; a refused one never comes)
+STEADY_LOOKUPS = 2 * (kernel_cache.DIRECT_AFTER_CALLS or 0) + 16
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedGrid:
+    """``fake_quantize_minifloat`` per tensor or per channel with its scale shaped once, for inputs of one rank, kept
+    by a quantizer whose qparams stay as they are (QAT with observers off): once its kernels are served directly it
+    calls them straight (the steady path, as ``PreparedInt``). The same bits as ``fake_quantize_minifloat``."""
+
+    scale: torch.Tensor  #: float32, 0-dim per tensor or ``channel_view`` per channel
+    fmt: FloatFormat
+    torch_dtype: torch.dtype | None  #: torch's float8 type of the format, for the eager cast
+    steady: dict[tuple[Any, ...], SteadyKernels] = field(default_factory=dict, repr=False)
+    calls: dict[tuple[Any, ...], int] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(
+        cls, scale: torch.Tensor, fmt: FloatFormat, torch_dtype: torch.dtype | None, axis: int | None, ndim: int
+    ) -> PreparedGrid:
+        """Prepared for inputs of rank ``ndim``; ``axis`` None is per tensor."""
+        scale = scale.float()
+        return cls(scale.reshape(()) if axis is None else channel_view(scale, ndim, axis), fmt, torch_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        key = steady_key(x)
+        steady = self.steady.get(key) if key is not None else None
+        if steady is not None:
+            return cast_saturating(_steady_grid_ste(x, self.scale, self, steady), x.dtype)
+        # ``fake_quantize_minifloat``'s per-tensor / per-channel path with the scale shaped already
+        xf = x if compiled_kernels_active(x, GRID_MIN_NUMEL) or torch.compiler.is_compiling() else x.float()
+        out = cast_saturating(_scaled_round(xf, self.scale, self.fmt, self.torch_dtype), x.dtype)
+        if key is not None and compiled_kernels_active(x, GRID_MIN_NUMEL, count=False):
+            self._look_for_steady(key, x)
+        return out
+
+    def _look_for_steady(self, key: tuple[Any, ...], x: torch.Tensor) -> None:
+        """Take the forward's direct kernel for ``key`` once the kernel cache serves it, looking in the first
+        ``STEADY_LOOKUPS`` compiled calls only. Not where the scale requires grad (a learned one)."""
+        calls = self.calls.get(key, 0) + 1
+        self.calls[key] = calls
+        if calls > STEADY_LOOKUPS or self.scale.requires_grad:
+            return
+        with torch.no_grad():  # as inside the Function's forward, where the kernel cache sees the call
+            found = grid_forward.kernel_cache.direct_for((x, self.scale, self.fmt))  # type: ignore[attr-defined]
+        if found is not None:
+            self.steady[key] = SteadyKernels(found)
 
 
 class _CastSTE(torch.autograd.Function):

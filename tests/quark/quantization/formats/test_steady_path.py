@@ -47,6 +47,25 @@ SPECS = {
         ),
         (32, 256),
     ),
+    "fp8_per_tensor": (
+        QuantizationSpec(
+            dtype=Dtype.fp8_e4m3,
+            qscheme=QSchemeType.per_tensor,
+            observer_cls="PerTensorMinMaxObserver",
+            is_dynamic=False,
+        ),
+        (32, 256),
+    ),
+    "fp8_per_channel_weight": (
+        QuantizationSpec(
+            dtype=Dtype.fp8_e4m3,
+            qscheme=QSchemeType.per_channel,
+            ch_axis=0,
+            observer_cls="PerChannelMinMaxObserver",
+            is_dynamic=False,
+        ),
+        (64, 128),
+    ),
 }
 
 
