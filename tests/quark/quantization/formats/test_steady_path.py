@@ -251,3 +251,27 @@ def test_a_copy_leaves_the_steady_kernels_behind(direct_soon: list[str]) -> None
         _observe_step(q, shape, seed)
     assert q.__dict__.get("_fused_steady")
     assert "_fused_steady" not in copy.deepcopy(q).__dict__
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_the_steady_paths_read_no_tensor_on_the_host(
+    name: str, direct_soon: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a steady call checks is metadata (layouts, flags, global state): no tensor value is read on the host, with
+    fixed qparams or observing (the engine's CUDA logic run on the CPU, ``tests/host_syncs.py``)."""
+    from tests.host_syncs import HostSyncs, as_if_on_cuda
+
+    with as_if_on_cuda(monkeypatch):
+        fixed, shape = _quantizer(name)
+        observing, _ = _observing(name)
+        for seed in range(6):
+            _step(fixed, shape, seed)
+            _observe_step(observing, shape, seed)
+        assert fixed.__dict__["_prepared_int"][4].steady
+        assert any(isinstance(v, SteadyKernels) for v in observing.__dict__["_fused_steady"].values())
+        direct_soon.clear()
+        with HostSyncs() as probe:
+            _step(fixed, shape, 7)
+            _observe_step(observing, shape, 7)
+    assert direct_soon == ["direct"] * 4
+    assert not probe.found, dict(probe.found)
