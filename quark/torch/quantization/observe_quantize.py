@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from quark.torch.quantization.config.type import Dtype, RoundType
-from quark.torch.quantization.formats import fake_quantize, fake_quantize_grad, kernel_cache, scale_dtype
+from quark.torch.quantization.formats import fake_quantize, fake_quantize_grad, scale_dtype
 from quark.torch.quantization.formats.grouping import (
     Backend,
     SteadyKernels,
@@ -26,6 +26,7 @@ from quark.torch.quantization.formats.grouping import (
     compiled_kernels_active,
     fast_apply,
     steady_key,
+    steady_lookup_due,
 )
 from quark.torch.quantization.observer.observer import MinMaxPlan
 
@@ -149,17 +150,17 @@ def observe_fake_quantize(
     return _observe_fake_quant(x, min_val, max_val, plan, steady)
 
 
-#: compiled calls of one signature in which ``steady_fused`` looks for its direct kernel (built after
-#: ``kernel_cache.DIRECT_AFTER_CALLS`` of them; a refused one never comes)
-STEADY_LOOKUPS = 2 * (kernel_cache.DIRECT_AFTER_CALLS or 0) + 16
-
-
 def steady_fused(
-    memo: dict[tuple[Any, ...], Any], x: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor, plan: FusedPlan
+    kernels: dict[tuple[Any, ...], SteadyKernels],
+    calls: dict[tuple[Any, ...], int],
+    x: torch.Tensor,
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    plan: FusedPlan,
 ) -> SteadyKernels | None:
-    """The direct kernels serving this fused call, kept in the caller's ``memo`` (a quantizer observes tensors of
-    one signature every step of a QAT warm-up): found once the kernel cache serves the signature directly, looked for
-    in its first ``STEADY_LOOKUPS`` calls. None where the call takes the normal path."""
+    """The direct kernels serving this fused call, kept in the caller's ``kernels`` (a quantizer observes tensors of
+    one signature every step of a QAT warm-up): found once the kernel cache serves the signature directly (looked
+    for as ``steady_lookup_due`` says, counting in ``calls``). None where the call takes the normal path."""
     key = steady_key(x)
     if key is None:
         return None
@@ -174,17 +175,13 @@ def steady_fused(
         max_val.stride(),
         max_val.dtype,
     )
-    found = memo.get(key)
-    if isinstance(found, SteadyKernels):
+    found = kernels.get(key)
+    if found is not None or not steady_lookup_due(calls, key):
         return found
-    calls = (found or 0) + 1
-    if calls > STEADY_LOOKUPS:
-        return None
-    memo[key] = calls
     with torch.no_grad():  # as inside the Function's forward, where the kernel cache sees the call
         direct = _observe_fake_quantize.kernel_cache.direct_for((x, min_val, max_val, plan))  # type: ignore[attr-defined]
     if direct is not None:
-        memo[key] = SteadyKernels(direct)
+        kernels[key] = SteadyKernels(direct)
     return None
 
 

@@ -116,10 +116,10 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         fused = self._fused_plan(obs)
         if fused is None or obs.min_val.shape != fused.observer.statistics_shape(x.shape):
             return None  # not a planned observer; or the first batch / a new shape: the eager path rebinds
-        memo = self.__dict__.get("_fused_steady")
-        if memo is None:
-            memo = self.__dict__["_fused_steady"] = {}
-        steady = steady_fused(memo, x, obs.min_val, obs.max_val, fused)  # the direct kernels, once served so
+        kernels, calls = self.__dict__.get("_fused_steady"), self.__dict__.get("_fused_calls")
+        if kernels is None or calls is None:
+            kernels, calls = self.__dict__["_fused_steady"], self.__dict__["_fused_calls"] = {}, {}
+        steady = steady_fused(kernels, calls, x, obs.min_val, obs.max_val, fused)  # direct kernels, once served so
         out, scale, zp, finite = observe_fake_quantize(x, obs.min_val, obs.max_val, fused, steady)
         obs.fused_observed(x, finite)  # raises on NaN / Inf (statistics and qparams stay), read late on CUDA
         if scale_may_have_saturated(fused, scale, x.dtype):

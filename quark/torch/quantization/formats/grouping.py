@@ -121,6 +121,25 @@ def steady_key(x: torch.Tensor) -> tuple[Any, ...] | None:
     return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_inference(), kernel_cache.global_state())
 
 
+#: compiled calls of one signature in which a steady path looks for its direct kernel (built after
+#: ``kernel_cache.DIRECT_AFTER_CALLS`` of them; a refused one never comes), and the signatures one caller counts
+STEADY_LOOKUPS = 2 * (kernel_cache.DIRECT_AFTER_CALLS or 0) + 16
+MAX_STEADY_SIGNATURES = 256
+
+
+def steady_lookup_due(calls: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -> bool:
+    """Count a compiled call of signature ``key`` in a steady path's ``calls`` and say whether to look for its direct
+    kernel now: in its first ``STEADY_LOOKUPS`` calls (a lookup computes the full signature), for at most
+    ``MAX_STEADY_SIGNATURES`` signatures per caller (inputs of ever new shapes, e.g. every sequence length, stop
+    being counted)."""
+    seen = calls.get(key)
+    if seen is None and len(calls) >= MAX_STEADY_SIGNATURES:
+        return False
+    seen = (seen or 0) + 1
+    calls[key] = seen
+    return seen <= STEADY_LOOKUPS
+
+
 class SteadyKernels:
     """The direct kernels a steady path serves one input signature with: the forward's, and the backward's per
     gradient layout and global state (``backward_key``; filled by the first backward of each)."""

@@ -26,7 +26,6 @@ import torch
 
 from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.type import QSchemeType, RoundType, ScaleType
-from quark.torch.quantization.formats import kernel_cache
 from quark.torch.quantization.formats.grouping import (
     SteadyKernels,
     cast_saturating,
@@ -40,6 +39,7 @@ from quark.torch.quantization.formats.grouping import (
     round_to_int,
     saturate_to,
     steady_key,
+    steady_lookup_due,
     tile_layout,
     tile_view,
     to_blocks,
@@ -240,11 +240,6 @@ def _fake_quantize_elementwise(
     return _int_fake_quant(x, scale, zp, qmin, qmax, method)
 
 
-#: ``PreparedInt``'s normal calls on one input signature that look for its direct kernels before giving up (the
-#: kernels are built after ``kernel_cache.DIRECT_AFTER_CALLS`` compiled calls; a refused one never comes)
-STEADY_LOOKUPS = 2 * (kernel_cache.DIRECT_AFTER_CALLS or 0) + 16
-
-
 class _SteadyIntFakeQuant(torch.autograd.Function):
     """``_IntFakeQuant``'s compiled path with its direct kernels called straight: the same kernels and bits, without
     the decisions and signature lookups between the quantizer and the generated code. Inside a training step every
@@ -331,13 +326,10 @@ class PreparedInt:
 
     def _look_for_steady(self, key: tuple[Any, ...], x: torch.Tensor) -> None:
         """Take the forward's direct kernel for ``key`` once the kernel cache has built it (it builds one after
-        ``kernel_cache.DIRECT_AFTER_CALLS`` compiled calls of a signature), looking in the first ``STEADY_LOOKUPS``
-        compiled calls only (a lookup computes the full signature; a refused kernel never comes). Not where the
-        qparams require grad (the steady Function gives them none, as ``_IntFakeQuant`` does, but its output would
-        not require grad)."""
-        calls = self.calls.get(key, 0) + 1
-        self.calls[key] = calls
-        if calls > STEADY_LOOKUPS or self.scale.requires_grad or self.zero_point.requires_grad:
+        ``kernel_cache.DIRECT_AFTER_CALLS`` compiled calls of a signature; ``steady_lookup_due`` bounds the looking).
+        Not where the qparams require grad (the steady Function gives them none, as ``_IntFakeQuant`` does, but its
+        output would not require grad)."""
+        if self.scale.requires_grad or self.zero_point.requires_grad or not steady_lookup_due(self.calls, key):
             return
         with torch.no_grad():  # as inside the Function's forward, where the kernel cache saw the call
             found = int_forward.kernel_cache.direct_for(  # type: ignore[attr-defined]

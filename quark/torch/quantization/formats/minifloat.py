@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from quark.torch.quantization.config.type import QSchemeType
-from quark.torch.quantization.formats import kernel_cache
 from quark.torch.quantization.formats.grouping import (
     SteadyKernels,
     cast_saturating,
@@ -26,6 +25,7 @@ from quark.torch.quantization.formats.grouping import (
     from_tiles,
     saturate_to,
     steady_key,
+    steady_lookup_due,
     tile_view,
     to_blocks,
     to_tiles,
@@ -183,10 +183,6 @@ class _SteadyGridSTE(torch.autograd.Function):
 
 _steady_grid_ste = fast_apply(_SteadyGridSTE)
 
-#: compiled calls of one input signature in which ``PreparedGrid`` looks for its direct kernel (built after
-#: ``kernel_cache.DIRECT_AFTER_CALLS`` of them; a refused one never comes)
-STEADY_LOOKUPS = 2 * (kernel_cache.DIRECT_AFTER_CALLS or 0) + 16
-
 
 @dataclass(frozen=True, eq=False)
 class PreparedGrid:
@@ -221,11 +217,9 @@ class PreparedGrid:
         return out
 
     def _look_for_steady(self, key: tuple[Any, ...], x: torch.Tensor) -> None:
-        """Take the forward's direct kernel for ``key`` once the kernel cache serves it, looking in the first
-        ``STEADY_LOOKUPS`` compiled calls only. Not where the scale requires grad (a learned one)."""
-        calls = self.calls.get(key, 0) + 1
-        self.calls[key] = calls
-        if calls > STEADY_LOOKUPS or self.scale.requires_grad:
+        """Take the forward's direct kernel for ``key`` once the kernel cache serves it (``steady_lookup_due`` bounds
+        the looking). Not where the scale requires grad (a learned one)."""
+        if self.scale.requires_grad or not steady_lookup_due(self.calls, key):
             return
         with torch.no_grad():  # as inside the Function's forward, where the kernel cache sees the call
             found = grid_forward.kernel_cache.direct_for((x, self.scale, self.fmt))  # type: ignore[attr-defined]

@@ -218,13 +218,12 @@ def test_the_fused_steady_path_gives_the_normal_paths_bits(
     q, shape = _observing(name)
     ref = copy.deepcopy(q)
     got = [_observe_step(q, shape, seed) for seed in range(8)]
-    memo = q.__dict__["_fused_steady"]
-    steady = [v for v in memo.values() if isinstance(v, SteadyKernels)]
+    steady = list(q.__dict__["_fused_steady"].values())
     assert steady and steady[0].backward, "the steady path never took over, forward and backward"
     direct_soon.clear()
     got.append(_observe_step(q, shape, 8))
     assert direct_soon == ["direct", "direct"]  # one direct call each way, nothing between
-    monkeypatch.setattr(tq, "steady_fused", lambda *args: None)
+    monkeypatch.setattr(tq, "steady_fused", lambda *args: None)  # the normal path
     want = [_observe_step(ref, shape, seed) for seed in range(9)]
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True)), f"step {step}"
@@ -275,3 +274,19 @@ def test_the_steady_paths_read_no_tensor_on_the_host(
             _observe_step(observing, shape, 7)
     assert direct_soon == ["direct"] * 4
     assert not probe.found, dict(probe.found)
+
+
+def test_steady_lookups_are_bounded_per_signature_and_in_signatures() -> None:
+    """A signature is looked up in its first ``STEADY_LOOKUPS`` calls only; a caller counts at most
+    ``MAX_STEADY_SIGNATURES`` signatures (inputs of ever new shapes stop being counted), and goes on counting those."""
+    from quark.torch.quantization.formats.grouping import MAX_STEADY_SIGNATURES, STEADY_LOOKUPS, steady_lookup_due
+
+    calls: dict[tuple[Any, ...], Any] = {}
+    assert [steady_lookup_due(calls, ("a",)) for _ in range(STEADY_LOOKUPS + 2)] == [True] * STEADY_LOOKUPS + [
+        False
+    ] * 2
+    for i in range(MAX_STEADY_SIGNATURES - 1):
+        assert steady_lookup_due(calls, (i,))
+    assert len(calls) == MAX_STEADY_SIGNATURES
+    assert not steady_lookup_due(calls, ("new",)) and ("new",) not in calls
+    assert steady_lookup_due(calls, (0,))  # a counted one goes on
