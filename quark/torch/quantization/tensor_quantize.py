@@ -30,7 +30,7 @@ from quark.torch.quantization.config.config import QuantizationSpec
 from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format, prepare_int, prepares_int
 from quark.torch.quantization.fake_quant.fixed import BakedFakeQuantize, FrozenScaledFakeQuantize
 from quark.torch.quantization.fake_quant.learnable import LearnableFakeQuantize, LSQFakeQuantize, TQTFakeQuantize
-from quark.torch.quantization.formats import PreparedGrid, PreparedInt
+from quark.torch.quantization.formats import PreparedBlock, PreparedGrid, PreparedInt, prepare_block
 from quark.torch.quantization.observe_quantize import (
     fused_pass_active,
     fused_plan,
@@ -248,4 +248,17 @@ class NonScaledFakeQuantize(FakeQuantizeBase, kind="non_scaled"):
             self.observer(x)
         if not self.flag("fake_quant_enabled"):
             return x
+        prepared = self._prepared_block()
+        if prepared is not None:
+            return prepared(x)
         return apply_format(x, self.spec, None, None)
+
+    def _prepared_block(self) -> PreparedBlock | None:
+        """``apply_format`` of a block format resolved once per spec (``PreparedBlock``: the same bits, and its steady
+        path once its kernel is served directly); None for casts. Built again for another spec object."""
+        cached = self.__dict__.get("_block_prepared")
+        if cached is None or cached[0] is not self.spec:
+            s = self.spec
+            block = prepare_block(s.dtype, s.group_size, s.ch_axis, s.mx_element_dtype, s.mx_scale_mode)
+            cached = self.__dict__["_block_prepared"] = (self.spec, block)
+        return cached[1]

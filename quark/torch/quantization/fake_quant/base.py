@@ -84,7 +84,13 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
     #: (``ScaledFakeQuantize._prepared``): they vouch for these very tensors' contents by their version counters, which
     #: a copy does not carry (a deepcopied or unpickled buffer starts again at version 1), so copies and pickles leave
     #: them behind
-    _MEMOS: ClassVar[tuple[str, ...]] = ("_flags_known", "_prepared_int", "_fused_steady", "_fused_calls")
+    _MEMOS: ClassVar[tuple[str, ...]] = (
+        "_flags_known",
+        "_prepared_int",
+        "_fused_steady",
+        "_fused_calls",
+        "_block_prepared",
+    )
     #: ``flag`` reads CPU flags directly (False: through the memo, as on CUDA; the tests of the CUDA path set it)
     _read_cpu_flags: ClassVar[bool] = True
 

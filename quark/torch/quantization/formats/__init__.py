@@ -13,8 +13,10 @@ import torch
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
 from quark.torch.quantization.formats.block import (
     MX_SCALE_MODES,
+    PreparedBlock,
     bfp_codes,
     block_absmax,
+    block_kernel,
     fake_quantize_bfp16,
     fake_quantize_mx,
     fake_quantize_mx6,
@@ -74,6 +76,7 @@ __all__ = [
     # dispatch and backend
     "fake_quantize",
     "fake_quantize_grad",
+    "prepare_block",
     "Backend",
     "set_compile",
     "aminmax_along",
@@ -96,6 +99,7 @@ __all__ = [
     # integers
     "fake_quantize_int",
     "PreparedGrid",
+    "PreparedBlock",
     "PreparedInt",
     "quantize_int",
     "dequantize_int",
@@ -230,6 +234,26 @@ def fake_quantize(
     if dtype == Dtype.mx9:
         return fake_quantize_mx9(x, block, axis)
     return fake_quantize_bfp16(x, block, axis)
+
+
+def prepare_block(
+    dtype: Dtype,
+    group_size: int | None = None,
+    axis: int | None = None,
+    mx_element_dtype: Dtype | None = None,
+    mx_scale_mode: str | None = None,
+) -> PreparedBlock | None:
+    """``fake_quantize`` of a block format (mx, mx6, mx9, bfp16; same arguments and defaults) resolved once, for a
+    caller that keeps it (``PreparedBlock``: the same bits, and its steady path); None for any other format."""
+    fmt = format_of(dtype)
+    if isinstance(fmt, IntFormat | FloatFormat | CastFormat):
+        return None
+    if fmt.kind == "mx" and mx_element_dtype is None:
+        raise ValueError(f"dtype=mx needs mx_element_dtype, one of {[d.name for d in MX_ELEMENT_DTYPES]}")
+    block = group_size or fmt.default_block
+    return PreparedBlock(
+        *block_kernel(dtype, block, -1 if axis is None else axis, mx_element_dtype, mx_scale_mode or "floor")
+    )
 
 
 def fake_quantize_grad(

@@ -6,17 +6,25 @@ Every function blocks ``x`` along ``axis`` (a ragged last block is zero-padded, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.type import Dtype
 from quark.torch.quantization.formats.bits import frexp32, ldexp32, pow2
 from quark.torch.quantization.formats.grouping import (
+    SteadyKernels,
     cast_saturating,
     compilable,
+    compiled_kernels_active,
     fast_apply,
     from_blocks,
     static_int,
+    steady_key,
+    steady_lookup_due,
     to_blocks,
 )
 from quark.torch.quantization.formats.minifloat import round_to_grid
@@ -263,26 +271,85 @@ class _BlockSTE(torch.autograd.Function):
 _block_ste = fast_apply(_BlockSTE)
 
 
+def block_kernel(
+    dtype: Dtype, block_size: int, axis: int, element: Dtype | None, mode: str
+) -> tuple[Any, tuple[Any, ...]]:
+    """The compiled kernel and its arguments after the input that fake-quantize a block format (``dtype``: mx with
+    its ``element`` and scale ``mode``, mx6, mx9 or bfp16), checked: what ``fake_quantize`` and ``PreparedBlock``
+    call through ``_BlockSTE``."""
+    if dtype == Dtype.mx:
+        return _fake_mx, (Dtype(element), block_size, axis, mode)  # type: ignore[arg-type]
+    if dtype in (Dtype.mx6, Dtype.mx9):
+        _check_even(block_size)
+        return _fake_microexponent, (4 if dtype == Dtype.mx6 else 7, block_size, axis)
+    if dtype == Dtype.bfp16:
+        return _fake_bfp, (block_size, axis)
+    raise ValueError(f"dtype={dtype.name} is not a block format (mx, mx6, mx9, bfp16)")
+
+
+class _SteadyBlockSTE(torch.autograd.Function):
+    """``_BlockSTE`` with its direct kernel called straight (``PreparedBlock``'s steady path): the same kernel and bits,
+    without the format dispatch, decisions and signature lookup between the quantizer and the generated code."""
+
+    @staticmethod
+    def forward(ctx, x, prepared, steady):  # type: ignore[override]
+        return cast_saturating(steady.forward((x.float(), *prepared.args)), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None, None
+
+
+_steady_block_ste = fast_apply(_SteadyBlockSTE)
+
+
+@dataclass(eq=False)
+class PreparedBlock:
+    """A block format's kernel and arguments resolved once (``block_kernel``), kept by a quantizer that calls it every
+    step: once the kernel is served directly for an input signature it is called straight (the steady path, as
+    ``PreparedInt``). The same bits as ``fake_quantize``."""
+
+    kernel: Callable[..., torch.Tensor]
+    args: tuple[Any, ...]
+    steady: dict[tuple[Any, ...], SteadyKernels] = field(default_factory=dict, repr=False)
+    calls: dict[tuple[Any, ...], int] = field(default_factory=dict, repr=False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        key = steady_key(x)
+        steady = self.steady.get(key) if key is not None else None
+        if steady is not None:
+            return _steady_block_ste(x, self, steady)
+        out = _block_ste(x, self.kernel, self.args)
+        if (
+            key is not None
+            and compiled_kernels_active(x, BLOCK_MIN_NUMEL, count=False)
+            and steady_lookup_due(self.calls, key)
+        ):
+            with torch.no_grad():  # as inside the Function's forward, where the kernel cache sees the call
+                found = self.kernel.kernel_cache.direct_for((x.float(), *self.args))  # type: ignore[attr-defined]
+            if found is not None:
+                self.steady[key] = SteadyKernels(found)
+        return out
+
+
 def fake_quantize_mx(
     x: torch.Tensor, element: Dtype | str, block_size: int = 32, axis: int = -1, mode: str = "floor"
 ) -> torch.Tensor:
     """OCP MX: blocks of ``block_size`` along ``axis`` share ``2^(floor(log2 amax) - emax_elem)`` (``mode``: the
     scale rule of ``mx_shared_exponent``); elements RNE."""
-    return _block_ste(x, _fake_mx, (Dtype(element), block_size, axis, mode))
+    return _block_ste(x, *block_kernel(Dtype.mx, block_size, axis, Dtype(element), mode))
 
 
 def fake_quantize_mx6(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:
     """MX6: 8-bit shared exponent per 16, 1-bit micro-exponent per pair, sign + 4-bit mantissas."""
-    _check_even(block_size)
-    return _block_ste(x, _fake_microexponent, (4, block_size, axis))
+    return _block_ste(x, *block_kernel(Dtype.mx6, block_size, axis, None, "floor"))
 
 
 def fake_quantize_mx9(x: torch.Tensor, block_size: int = 16, axis: int = -1) -> torch.Tensor:
     """MX9: as MX6 with sign + 7-bit mantissas."""
-    _check_even(block_size)
-    return _block_ste(x, _fake_microexponent, (7, block_size, axis))
+    return _block_ste(x, *block_kernel(Dtype.mx9, block_size, axis, None, "floor"))
 
 
 def fake_quantize_bfp16(x: torch.Tensor, block_size: int = 8, axis: int = -1) -> torch.Tensor:
     """BFP16: blocks of ``block_size`` share an 8-bit exponent; 8-bit two's complement elements."""
-    return _block_ste(x, _fake_bfp, (block_size, axis))
+    return _block_ste(x, *block_kernel(Dtype.bfp16, block_size, axis, None, "floor"))

@@ -290,3 +290,45 @@ def test_steady_lookups_are_bounded_per_signature_and_in_signatures() -> None:
     assert len(calls) == MAX_STEADY_SIGNATURES
     assert not steady_lookup_due(calls, ("new",)) and ("new",) not in calls
     assert steady_lookup_due(calls, (0,))  # a counted one goes on
+
+
+# ----------------------------------------------------------------------------------------------- block formats
+BLOCK_SPECS = {
+    "mxfp4": {"dtype": "mx", "mx_element_dtype": "fp4", "qscheme": "per_group", "ch_axis": -1, "group_size": 32},
+    "mxfp8": {"dtype": "mx", "mx_element_dtype": "fp8_e4m3", "qscheme": "per_group", "ch_axis": -1, "group_size": 32},
+    "mx6": {"dtype": "mx6", "qscheme": "per_group", "ch_axis": -1, "group_size": 16},
+    "bfp16": {"dtype": "bfp16", "qscheme": "per_group", "ch_axis": -1, "group_size": 8},
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCK_SPECS))
+def test_the_block_steady_path_gives_the_eager_bits(name: str, direct_soon: list[str]) -> None:
+    """MX / MX6 / BFP16 (``PreparedBlock``): outputs and (straight-through) gradients against eager, the steady path
+    taken, one direct kernel call a step."""
+    from quark.torch.quantization.config.config import QuantizationConfig
+    from quark.torch.quantization.tensor_quantize import NonScaledFakeQuantize
+
+    spec = QuantizationConfig.from_dict({"weight": BLOCK_SPECS[name]}).weight
+    q = NonScaledFakeQuantize(spec)
+    q.disable_observer()
+    shape = (64, 128)
+
+    def step(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(shape, generator=g) * 3).requires_grad_(True)
+        y = q(x)
+        y.backward(torch.randn(shape, generator=g))
+        return y.detach(), x.grad  # type: ignore[return-value]
+
+    set_compile(False)
+    eager = [step(seed) for seed in range(8)]
+    set_compile(True)
+    got = [step(seed) for seed in range(8)]
+    assert q.__dict__["_block_prepared"][1].steady, "the steady path never took over"
+    for (y, gx), (ye, gxe) in zip(got, eager, strict=True):
+        assert torch.equal(y, ye) and torch.equal(gx, gxe)
+    assert not torch.equal(eager[0][0], eager[1][0])
+    direct_soon.clear()
+    step(9)
+    assert direct_soon == ["direct"]
+    assert "_block_prepared" not in copy.deepcopy(q).__dict__
