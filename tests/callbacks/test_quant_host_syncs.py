@@ -75,27 +75,32 @@ class TwoLayerBoring(BoringModel):
         self.layer = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
 
 
+def _watched(batch_idx: int, batches: set[int] | None) -> bool:
+    """Whether the probe watches batch ``batch_idx``: those in ``batches``, by default every one from ``STEADY_FROM``."""
+    return batch_idx >= STEADY_FROM if batches is None else batch_idx in batches
+
+
 class Open(Callback):
     """Opens the probe before every other callback's ``on_train_batch_start`` (listed first: Lightning calls the
-    callbacks in list order), from batch ``STEADY_FROM`` on."""
+    callbacks in list order) of the watched batches (``_watched``)."""
 
-    def __init__(self, probe: HostSyncs) -> None:
-        self.probe = probe
+    def __init__(self, probe: HostSyncs, batches: set[int] | None = None) -> None:
+        self.probe, self.batches = probe, batches
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if batch_idx >= STEADY_FROM:
+        if _watched(batch_idx, self.batches):
             self.probe.__enter__()
 
 
 class Close(Callback):
     """Closes it after every other callback's ``on_train_batch_end`` (listed last)."""
 
-    def __init__(self, probe: HostSyncs) -> None:
-        self.probe = probe
+    def __init__(self, probe: HostSyncs, batches: set[int] | None = None) -> None:
+        self.probe, self.batches = probe, batches
         self.watched = 0
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if args[-1] >= STEADY_FROM:
+        if _watched(args[-1], self.batches):
             self.probe.__exit__(None, None, None)
             self.watched += 1
 
@@ -190,29 +195,6 @@ def test_a_warm_up_qat_step_reads_no_tensor_on_the_host(name: str, tmp_path: Any
     assert not torch.equal(seen[0][1], seen[-1][1])
 
 
-class Watch(Callback):
-    """Opens the probe before every other callback's batch hooks of the batches in ``batches`` (listed first) and
-    closes it after them (``close``, listed last)."""
-
-    def __init__(self, probe: HostSyncs, batches: set[int]) -> None:
-        self.probe, self.batches, self.watched = probe, batches, 0
-        self.close = _WatchEnd(self)
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if batch_idx in self.batches:
-            self.probe.__enter__()
-
-
-class _WatchEnd(Callback):
-    def __init__(self, watch: Watch) -> None:
-        self.watch = watch
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if args[-1] in self.watch.batches:
-            self.watch.probe.__exit__(None, None, None)
-            self.watch.watched += 1
-
-
 def _preset_specs() -> list[Any]:
     """Every spec preset of ``conf/quant/spec`` that a weight can take (per-token dynamic is for activations)."""
     import yaml
@@ -228,12 +210,12 @@ def test_no_preset_spec_reads_the_host_in_a_qat_step(spec: dict[str, Any], tmp_p
     and the steady steps (3-5: observers fixed at batch 2) read no tensor on the host."""
     config = Config.from_dict({"global_quant_config": {"weight": spec, "input_tensors": spec}})
     seed(0)
-    probe = HostSyncs()
-    watch = Watch(probe, {1, 3, 4, 5})
+    probe, batches = HostSyncs(), {1, 3, 4, 5}
+    close = Close(probe, batches)
     with as_if_on_cuda(monkeypatch):
-        callbacks = [watch, QuantCallback(config, mode="qat", observer_steps=2), watch.close]
+        callbacks = [Open(probe, batches), QuantCallback(config, mode="qat", observer_steps=2), close]
         make_trainer(tmp_path, callbacks, limit_train_batches=6).fit(TwoLayerBoring())
-    assert watch.watched == 4
+    assert close.watched == 4
     assert not probe.found, f"host reads in QAT steps: {dict(probe.found)}"
 
 

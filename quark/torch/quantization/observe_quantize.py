@@ -25,8 +25,8 @@ from quark.torch.quantization.formats.grouping import (
     compilable,
     compiled_kernels_active,
     fast_apply,
+    look_for_steady,
     steady_key,
-    steady_lookup_due,
 )
 from quark.torch.quantization.observer.observer import MinMaxPlan
 
@@ -160,7 +160,7 @@ def steady_fused(
 ) -> SteadyKernels | None:
     """The direct kernels serving this fused call, kept in the caller's ``kernels`` (a quantizer observes tensors of
     one signature every step of a QAT warm-up): found once the kernel cache serves the signature directly (looked
-    for as ``steady_lookup_due`` says, counting in ``calls``). None where the call takes the normal path."""
+    for as ``look_for_steady`` says, counting in ``calls``). None where the call takes the normal path."""
     key = steady_key(x)
     if key is None:
         return None
@@ -176,13 +176,9 @@ def steady_fused(
         max_val.dtype,
     )
     found = kernels.get(key)
-    if found is not None or not steady_lookup_due(calls, key):
-        return found
-    with torch.no_grad():  # as inside the Function's forward, where the kernel cache sees the call
-        direct = _observe_fake_quantize.kernel_cache.direct_for((x, min_val, max_val, plan))  # type: ignore[attr-defined]
-    if direct is not None:
-        kernels[key] = SteadyKernels(direct)
-    return None
+    if found is None:  # (one found now serves from the next call)
+        look_for_steady(kernels, calls, key, _observe_fake_quantize, (x, min_val, max_val, plan))
+    return found
 
 
 def scale_may_have_saturated(plan: FusedPlan, scale: torch.Tensor, model_dtype: torch.dtype) -> bool:

@@ -27,7 +27,7 @@ from torch import nn
 
 from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.config import QuantizationSpec
-from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format, prepare_int, prepares_int
+from quark.torch.quantization.fake_quant.base import FakeQuantizeBase, apply_format, prepare_fixed, prepares_fixed
 from quark.torch.quantization.fake_quant.fixed import BakedFakeQuantize, FrozenScaledFakeQuantize
 from quark.torch.quantization.fake_quant.learnable import LearnableFakeQuantize, LSQFakeQuantize, TQTFakeQuantize
 from quark.torch.quantization.formats import PreparedBlock, PreparedGrid, PreparedInt, prepare_block
@@ -176,9 +176,9 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         that others view), and the storages' addresses are part of the key (``.data = t`` or a swap keeps the
         tensor object and its version but not its storage; the views keep the old storage alive, so a new one has
         another address)."""
-        spec_serves = self.__dict__.get("_prepares_for")  # (spec, prepares_int(spec)): other formats skip the rest
+        spec_serves = self.__dict__.get("_prepares_for")  # (spec, prepares_fixed(spec)): other formats skip the rest
         if spec_serves is None or spec_serves[0] is not self.spec:
-            spec_serves = self.__dict__["_prepares_for"] = (self.spec, prepares_int(self.spec, keep=True))
+            spec_serves = self.__dict__["_prepares_for"] = (self.spec, prepares_fixed(self.spec, keep=True))
         if not spec_serves[1]:
             return None
         scale, zp = self._buffers["scale"], self._buffers["zero_point"]
@@ -189,13 +189,13 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
             or scale.dtype != torch.float32  # type: ignore[union-attr]  # prepared as a copy: not kept
             or not (zp.dtype == torch.int32 or zp.is_floating_point())  # type: ignore[union-attr]
         ):
-            return prepare_int(x.ndim, self.spec, scale, zp)  # type: ignore[arg-type]
+            return prepare_fixed(x.ndim, self.spec, scale, zp)  # type: ignore[arg-type]
         key = (scale._version, zp._version, scale.data_ptr(), zp.data_ptr(), x.ndim)  # type: ignore[union-attr]
         cached = self.__dict__.get("_prepared_int")
         if cached is not None and cached[0] is self.spec and cached[1] is scale and cached[2] is zp:
             if cached[3] == key:
                 return cached[4]
-        prepared = prepare_int(x.ndim, self.spec, scale.detach(), zp.detach(), keep=True)  # type: ignore[union-attr]
+        prepared = prepare_fixed(x.ndim, self.spec, scale.detach(), zp.detach(), keep=True)  # type: ignore[union-attr]
         self.__dict__["_prepared_int"] = (self.spec, scale, zp, key, prepared)
         return prepared
 

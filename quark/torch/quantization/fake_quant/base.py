@@ -21,7 +21,7 @@ from quark.torch.quantization.formats import (
     is_scaled,
 )
 
-__all__ = ["FakeQuantizeBase", "apply_format", "prepare_int", "prepares_int"]
+__all__ = ["FakeQuantizeBase", "apply_format", "prepare_fixed", "prepares_fixed"]
 
 
 def _spec_kind(spec: QuantizationSpec) -> str:
@@ -80,10 +80,11 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
             )
         return cls(spec, device)
 
-    #: per-object memos of the flags this module wrote or read (``set_flag`` / ``flag``) and of what it prepared
-    #: (``ScaledFakeQuantize._prepared``): they vouch for these very tensors' contents by their version counters, which
-    #: a copy does not carry (a deepcopied or unpickled buffer starts again at version 1), so copies and pickles leave
-    #: them behind
+    #: per-object memos of the flags this module wrote or read (``set_flag`` / ``flag``), of what it prepared
+    #: (``ScaledFakeQuantize._prepared``, ``NonScaledFakeQuantize._prepared_block``) and of the direct kernels its steady
+    #: paths keep: they vouch for these very tensors' contents by their version counters, which a copy does not carry
+    #: (a deepcopied or unpickled buffer starts again at version 1), and compiled kernels belong to this process, so
+    #: copies and pickles leave them behind
     _MEMOS: ClassVar[tuple[str, ...]] = (
         "_flags_known",
         "_prepared_int",
@@ -224,14 +225,14 @@ def apply_format(
     )
 
 
-def prepare_int(
+def prepare_fixed(
     ndim: int, spec: QuantizationSpec, scale: torch.Tensor, zp: torch.Tensor, keep: bool = False
 ) -> PreparedInt | PreparedGrid | None:
     """``apply_format`` with these qparams prepared for inputs of rank ``ndim``, the same bits: ``PreparedInt`` for an
     integer spec per tensor or per channel, ``PreparedGrid`` for a minifloat one (fp8, fp4, fp6; only where the
     caller keeps it: the steady path is all it adds); None for any other (those take ``apply_format``). ``keep``:
     the caller keeps it for many calls (``PreparedInt.of``)."""
-    if not prepares_int(spec, keep):
+    if not prepares_fixed(spec, keep):
         return None
     fmt = format_of(spec.dtype)
     axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
@@ -241,8 +242,8 @@ def prepare_int(
     return PreparedInt.of(scale, zp, fmt.qmin, fmt.qmax, method, axis, ndim, keep=keep)  # type: ignore[union-attr]
 
 
-def prepares_int(spec: QuantizationSpec, keep: bool = False) -> bool:
-    """Whether ``prepare_int`` serves ``spec``: an integer (with ``keep``, also a minifloat) per tensor, or per channel
+def prepares_fixed(spec: QuantizationSpec, keep: bool = False) -> bool:
+    """Whether ``prepare_fixed`` serves ``spec``: an integer (with ``keep``, also a minifloat) per tensor, or per channel
     with its axis (without one, ``apply_format`` raises the error that names it)."""
     qscheme = spec.qscheme or QSchemeType.per_tensor
     fmt = format_of(spec.dtype)

@@ -22,9 +22,9 @@ from quark.torch.quantization.formats.grouping import (
     compiled_kernels_active,
     fast_apply,
     from_blocks,
+    look_for_steady,
     static_int,
     steady_key,
-    steady_lookup_due,
     to_blocks,
 )
 from quark.torch.quantization.formats.minifloat import round_to_grid
@@ -320,15 +320,8 @@ class PreparedBlock:
         if steady is not None:
             return _steady_block_ste(x, self, steady)
         out = _block_ste(x, self.kernel, self.args)
-        if (
-            key is not None
-            and compiled_kernels_active(x, BLOCK_MIN_NUMEL, count=False)
-            and steady_lookup_due(self.calls, key)
-        ):
-            with torch.no_grad():  # as inside the Function's forward, where the kernel cache sees the call
-                found = self.kernel.kernel_cache.direct_for((x.float(), *self.args))  # type: ignore[attr-defined]
-            if found is not None:
-                self.steady[key] = SteadyKernels(found)
+        if key is not None and compiled_kernels_active(x, BLOCK_MIN_NUMEL, count=False):
+            look_for_steady(self.steady, self.calls, key, self.kernel, (x.float(), *self.args))
         return out
 
 

@@ -140,6 +140,25 @@ def steady_lookup_due(calls: dict[tuple[Any, ...], Any], key: tuple[Any, ...]) -
     return seen <= STEADY_LOOKUPS
 
 
+def look_for_steady(
+    steady: dict[tuple[Any, ...], SteadyKernels],
+    calls: dict[tuple[Any, ...], int],
+    key: tuple[Any, ...],
+    kernel: Any,
+    args: tuple[Any, ...],
+) -> None:
+    """After a call of ``kernel`` (a ``compilable`` kernel) on ``args`` whose steady signature is ``key``: keep its
+    direct kernel in ``steady`` once the kernel cache serves the signature directly, looking as ``steady_lookup_due``
+    says (counting in ``calls``). The lookup runs without grad, as inside the autograd Function's forward where the
+    kernel cache saw the call."""
+    if not steady_lookup_due(calls, key):
+        return
+    with torch.no_grad():
+        found = kernel.kernel_cache.direct_for(args)
+    if found is not None:
+        steady[key] = SteadyKernels(found)
+
+
 class SteadyKernels:
     """The direct kernels a steady path serves one input signature with: the forward's, and the backward's per
     gradient layout and global state (``backward_key``; filled by the first backward of each)."""

@@ -35,11 +35,11 @@ from quark.torch.quantization.formats.grouping import (
     fast_apply,
     from_blocks,
     from_tiles,
+    look_for_steady,
     normalize_axis,
     round_to_int,
     saturate_to,
     steady_key,
-    steady_lookup_due,
     tile_layout,
     tile_view,
     to_blocks,
@@ -326,17 +326,13 @@ class PreparedInt:
 
     def _look_for_steady(self, key: tuple[Any, ...], x: torch.Tensor) -> None:
         """Take the forward's direct kernel for ``key`` once the kernel cache has built it (it builds one after
-        ``kernel_cache.DIRECT_AFTER_CALLS`` compiled calls of a signature; ``steady_lookup_due`` bounds the looking).
+        ``kernel_cache.DIRECT_AFTER_CALLS`` compiled calls of a signature; ``look_for_steady``).
         Not where the qparams require grad (the steady Function gives them none, as ``_IntFakeQuant`` does, but its
         output would not require grad)."""
-        if self.scale.requires_grad or self.zero_point.requires_grad or not steady_lookup_due(self.calls, key):
+        if self.scale.requires_grad or self.zero_point.requires_grad:
             return
-        with torch.no_grad():  # as inside the Function's forward, where the kernel cache saw the call
-            found = int_forward.kernel_cache.direct_for(  # type: ignore[attr-defined]
-                (x, self.scale, self.zero_point, self.qmin, self.qmax, self.round_method)
-            )
-        if found is not None:
-            self.steady[key] = SteadyKernels(found)  # type: ignore[index]
+        args = (x, self.scale, self.zero_point, self.qmin, self.qmax, self.round_method)
+        look_for_steady(self.steady, self.calls, key, int_forward, args)  # type: ignore[arg-type]
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         # torch's kernels take float32; ours read any float dtype and compute in float32 (a bfloat16 weight is not

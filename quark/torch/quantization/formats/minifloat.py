@@ -23,9 +23,9 @@ from quark.torch.quantization.formats.grouping import (
     fast_apply,
     from_blocks,
     from_tiles,
+    look_for_steady,
     saturate_to,
     steady_key,
-    steady_lookup_due,
     tile_view,
     to_blocks,
     to_tiles,
@@ -217,14 +217,10 @@ class PreparedGrid:
         return out
 
     def _look_for_steady(self, key: tuple[Any, ...], x: torch.Tensor) -> None:
-        """Take the forward's direct kernel for ``key`` once the kernel cache serves it (``steady_lookup_due`` bounds
-        the looking). Not where the scale requires grad (a learned one)."""
-        if self.scale.requires_grad or not steady_lookup_due(self.calls, key):
-            return
-        with torch.no_grad():  # as inside the Function's forward, where the kernel cache sees the call
-            found = grid_forward.kernel_cache.direct_for((x, self.scale, self.fmt))  # type: ignore[attr-defined]
-        if found is not None:
-            self.steady[key] = SteadyKernels(found)
+        """Take the forward's direct kernel for ``key`` once the kernel cache serves it (``look_for_steady``). Not
+        where the scale requires grad (a learned one)."""
+        if not self.scale.requires_grad:
+            look_for_steady(self.steady, self.calls, key, grid_forward, (x, self.scale, self.fmt))
 
 
 class _CastSTE(torch.autograd.Function):

@@ -49,6 +49,20 @@ def compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernels the kernel cache serves (compiled calls), in order."""
+    names: list[str] = []
+    original = KernelCache.__call__
+
+    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
+        names.append(getattr(self.fn, "__name__", "?"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelCache, "__call__", spy)
+    return names
+
+
 def _doubler() -> Callable[[torch.Tensor], torch.Tensor]:
     @compilable
     def double(t: torch.Tensor) -> torch.Tensor:
@@ -136,20 +150,9 @@ def test_quark_compile_1_and_0_ignore_the_warm_up(policy: None, compiles: list[s
     assert Backend.seen_numel == 0
 
 
-def test_calls_after_the_warm_up_give_the_eager_bits(
-    policy: None, compiler: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_calls_after_the_warm_up_give_the_eager_bits(policy: None, compiler: None, served: list[str]) -> None:
     """The real int8 per-channel kernel (forward and straight-through backward) with torch.compile: the eager calls of
     the warm-up and the compiled calls after it give the same bits, and the compiled kernels did run."""
-    served: list[str] = []
-    original = KernelCache.__call__
-
-    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
-        served.append(getattr(self.fn, "__name__", "?"))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(KernelCache, "__call__", spy)
-
     rows, cols = 256, 256  # 65536 elements: min_numel
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, cols, generator=g) * 3
@@ -174,20 +177,12 @@ def test_calls_after_the_warm_up_give_the_eager_bits(
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_small_quantizer_tensors_compile_from_4096_elements_once_warm(
-    policy: None, compiler: None, monkeypatch: pytest.MonkeyPatch, kind: str
+    policy: None, compiler: None, served: list[str], kind: str
 ) -> None:
     """A QAT layer's small tensors (a 32x512 activation, below ``Backend.min_numel``) take the compiled integer /
     fp8 kernels, forward and straight-through backward, once the run is warm: inside a training step their eager
     chains run with cold caches (docs/performance.md, seventh round). Below 4096 elements they stay eager; the bits
     are the eager path's."""
-    served: list[str] = []
-    original = KernelCache.__call__
-
-    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
-        served.append(getattr(self.fn, "__name__", "?"))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(KernelCache, "__call__", spy)
 
     def run(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(0)

@@ -21,51 +21,23 @@ from quark.torch.quantization.formats.grouping import SteadyKernels
 from quark.torch.quantization.formats.integer import PreparedInt
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
+
+def _spec(dtype: Dtype, per_channel: bool, **more: Any) -> QuantizationSpec:
+    """A static min-max spec per tensor or per channel (axis 0)."""
+    layout: dict[str, Any] = (
+        {"qscheme": QSchemeType.per_channel, "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver"}
+        if per_channel
+        else {"qscheme": QSchemeType.per_tensor, "observer_cls": "PerTensorMinMaxObserver"}
+    )
+    return QuantizationSpec(dtype=dtype, is_dynamic=False, **layout, **more)
+
+
+_INT = {"round_method": RoundType.half_even, "scale_type": ScaleType.float}
 SPECS = {
-    "per_channel_weight": (
-        QuantizationSpec(
-            dtype=Dtype.int8,
-            qscheme=QSchemeType.per_channel,
-            ch_axis=0,
-            observer_cls="PerChannelMinMaxObserver",
-            symmetric=True,
-            round_method=RoundType.half_even,
-            is_dynamic=False,
-            scale_type=ScaleType.float,
-        ),
-        (64, 128),
-    ),
-    "per_tensor_asymmetric": (
-        QuantizationSpec(
-            dtype=Dtype.uint8,
-            qscheme=QSchemeType.per_tensor,
-            observer_cls="PerTensorMinMaxObserver",
-            symmetric=False,
-            round_method=RoundType.half_even,
-            is_dynamic=False,
-            scale_type=ScaleType.float,
-        ),
-        (32, 256),
-    ),
-    "fp8_per_tensor": (
-        QuantizationSpec(
-            dtype=Dtype.fp8_e4m3,
-            qscheme=QSchemeType.per_tensor,
-            observer_cls="PerTensorMinMaxObserver",
-            is_dynamic=False,
-        ),
-        (32, 256),
-    ),
-    "fp8_per_channel_weight": (
-        QuantizationSpec(
-            dtype=Dtype.fp8_e4m3,
-            qscheme=QSchemeType.per_channel,
-            ch_axis=0,
-            observer_cls="PerChannelMinMaxObserver",
-            is_dynamic=False,
-        ),
-        (64, 128),
-    ),
+    "per_channel_weight": (_spec(Dtype.int8, True, symmetric=True, **_INT), (64, 128)),
+    "per_tensor_asymmetric": (_spec(Dtype.uint8, False, symmetric=False, **_INT), (32, 256)),
+    "fp8_per_tensor": (_spec(Dtype.fp8_e4m3, False), (32, 256)),
+    "fp8_per_channel_weight": (_spec(Dtype.fp8_e4m3, True), (64, 128)),
 }
 
 
