@@ -18,6 +18,16 @@ least favourable to QAT a fit gives.
     python bench/qat_lightning.py --widths 1024 --rounds 3 --steps 60   # quicker
     python bench/qat_lightning.py --widths 512,1024,4096 --rounds 5 --graphs   # + int8 without direct kernels
     python bench/qat_lightning.py --widths 1024,4096 --accelerator gpu   # on a GPU: each step's span synchronised
+    python bench/qat_lightning.py --widths 512,1024 --no-peers   # ours only
+
+Peers in the same rounds (``--no-peers`` leaves them out), the same MLP, fit, optimizer and timing:
+
+- ``torch fused``: QAT written by hand with PyTorch's own fused fake-quant kernels at fixed qparams
+  (``torch.fake_quantize_per_channel_affine`` on each weight, ``torch.fake_quantize_per_tensor_affine`` on each
+  Linear's input, int8, qparams from one float batch): no observer, no Python between the module and the kernel. Its
+  steps all do what ours do with the observers off, so compare its ratio with the "off" columns.
+- ``torch.ao``: ``torch.ao.quantization.prepare_qat`` (x86 qconfig, QuantStub / DeQuantStub), observers on for the
+  first half of the batches and off (``disable_observer``) for the second, as ours.
 """
 
 from __future__ import annotations
@@ -32,14 +42,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.ao.quantization as tq
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.device import copy_bandwidth, describe, sync  # noqa: E402
-from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8  # noqa: E402
+from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8, _AOWrapper  # noqa: E402
 from callbacks import QuantCallback  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
 from quark.torch.quantization.formats import kernel_cache  # noqa: E402
@@ -48,14 +60,76 @@ from quark.torch.quantization.formats.kernel_cache import DIRECT_AFTER_CALLS  # 
 CONTENDERS = {"fp32": None, "int8 W8A8": W8A8, "fp8 W8A8": FP8_W8A8, "MXFP4/MXFP8": MX_W4A8}
 #: ``--graphs``: int8 with every kernel through its aot_compile graph (no direct kernels), in the same rounds
 GRAPHS = "int8 W8A8, graphs"
+#: the peers (module docstring): PyTorch's fused kernels at fixed qparams, and torch.ao's QAT
+TORCH_FUSED, TORCH_AO = "torch fused", "torch.ao"
+PEERS = (TORCH_FUSED, TORCH_AO)
+
+
+class TorchFusedLinear(nn.Module):
+    """``nn.Linear`` with int8 fake quantization through PyTorch's fused kernels at fixed qparams: symmetric per
+    output channel for the weight, per tensor for the input (scale = max |value| / 127.5, as our min-max observers
+    give), both from ``calibration`` (this layer's input on a float batch)."""
+
+    def __init__(self, linear: nn.Linear, calibration: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        w = linear.weight.detach()
+        self.register_buffer("w_scale", (w.abs().amax(dim=1) / 127.5).clamp(min=1e-8))
+        self.register_buffer("w_zero_point", torch.zeros(w.shape[0], dtype=torch.int32))
+        self.register_buffer("x_scale", (calibration.abs().amax() / 127.5).clamp(min=1e-8).reshape(()))
+        self.register_buffer("x_zero_point", torch.zeros((), dtype=torch.int32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = torch.fake_quantize_per_tensor_affine(x, self.x_scale, self.x_zero_point, -128, 127)
+        wq = torch.fake_quantize_per_channel_affine(self.weight, self.w_scale, self.w_zero_point, 0, -128, 127)
+        return F.linear(xq, wq, self.bias)
+
+
+def torch_fused(model: MLP, batch: torch.Tensor) -> MLP:
+    """``model`` with every Linear a ``TorchFusedLinear`` calibrated on ``batch``."""
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [
+        getattr(model, name).register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(name, args[0]))
+        for name in ("fc1", "fc2", "head")
+    ]
+    with torch.no_grad():
+        model(batch)
+    for hook in hooks:
+        hook.remove()
+    for name, x in inputs.items():
+        setattr(model, name, TorchFusedLinear(getattr(model, name), x))
+    return model
+
+
+def torch_ao(model: MLP) -> nn.Module:
+    """``model`` prepared for torch.ao's eager QAT (x86 qconfig), observers on."""
+    wrapped = _AOWrapper(model).train()
+    wrapped.qconfig = tq.get_default_qat_qconfig("x86")
+    return tq.prepare_qat(wrapped, inplace=True)
+
+
+class _AOObserversOff(Callback):
+    """torch.ao's observers off from batch ``at`` on (``disable_observer``), as ``observer_steps`` does for ours."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at:
+            pl_module.apply(tq.disable_observer)
 
 
 class MLPModule(LightningModule):
-    """The bench's MLP, trained with Adam on cross-entropy."""
+    """The bench's MLP (or a peer's form of it: ``TORCH_FUSED``, ``TORCH_AO``), trained with Adam on cross-entropy."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, peer: str | None = None) -> None:
         super().__init__()
-        self.model = MLP(width)
+        model = MLP(width)
+        if peer == TORCH_FUSED:
+            model = torch_fused(model, torch.rand(32, 1024))
+        elif peer == TORCH_AO:
+            model = torch_ao(model)
+        self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -100,15 +174,17 @@ class _StepStart(Callback):
 ACCELERATOR = {"name": "cpu"}
 
 
-def fit(width: int, config: dict[str, Any] | None, steps: int, seed: int = 0) -> list[float]:
-    """Per-batch seconds of one fit of ``steps`` batches (FP32 when ``config`` is None)."""
+def fit(width: int, config: dict[str, Any] | None, steps: int, seed: int = 0, peer: str | None = None) -> list[float]:
+    """Per-batch seconds of one fit of ``steps`` batches (FP32 when ``config`` and ``peer`` are None)."""
     torch.manual_seed(seed)
-    module = MLPModule(width)
+    module = MLPModule(width, peer)
     data = TensorDataset(torch.rand(steps * 32, 1024), torch.randint(0, 10, (steps * 32,)))
     timer = StepTimer()
     callbacks: list[Callback] = [timer.start, timer]  # the QuantCallback's batch hooks in between
     if config is not None:
         callbacks.insert(1, QuantCallback(config, mode="qat", observer_steps=steps // 2, save_quantized=False))
+    if peer == TORCH_AO:
+        callbacks.insert(1, _AOObserversOff(steps // 2))
     trainer = Trainer(
         max_steps=steps,
         accelerator=ACCELERATOR["name"],
@@ -132,6 +208,8 @@ def _halves(times: list[float], skip: int) -> tuple[float, float]:
 
 def _fit_as(name: str, config: dict[str, Any] | None, width: int, steps: int) -> list[float]:
     """``fit`` for contender ``name``: the ``GRAPHS`` contender's kernels take their graphs, not direct kernels."""
+    if name in PEERS:
+        return fit(width, None, steps, peer=name)
     if name != GRAPHS:
         return fit(width, config, steps)
     before = kernel_cache.DIRECT_AFTER_CALLS
@@ -142,8 +220,12 @@ def _fit_as(name: str, config: dict[str, Any] | None, width: int, steps: int) ->
         kernel_cache.DIRECT_AFTER_CALLS = before
 
 
-def sweep(widths: list[int], rounds: int, steps: int, skip: int, warmup_steps: int, graphs: bool = False) -> None:
-    contenders = {**CONTENDERS, GRAPHS: W8A8} if graphs else CONTENDERS
+def sweep(
+    widths: list[int], rounds: int, steps: int, skip: int, warmup_steps: int, graphs: bool = False, peers: bool = True
+) -> None:
+    contenders: dict[str, dict[str, Any] | None] = {**CONTENDERS, GRAPHS: W8A8} if graphs else dict(CONTENDERS)
+    if peers:
+        contenders.update(dict.fromkeys(PEERS))
     rows = []
     for width in widths:
         for config in CONTENDERS.values():
@@ -194,6 +276,9 @@ def main() -> None:
         action="store_true",
         help=f"also {GRAPHS!r}: int8 with direct kernels off in the same rounds (what they save)",
     )
+    parser.add_argument(
+        "--no-peers", action="store_true", help=f"leave out the peers {', '.join(PEERS)} (see the module docstring)"
+    )
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="Lightning's accelerator")
     args = parser.parse_args()
     if args.accelerator == "gpu" and not torch.cuda.is_available():
@@ -205,7 +290,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("quark").setLevel(logging.WARNING)
-    sweep([int(w) for w in args.widths.split(",")], args.rounds, args.steps, args.skip, args.warmup_steps, args.graphs)
+    widths = [int(w) for w in args.widths.split(",")]
+    sweep(widths, args.rounds, args.steps, args.skip, args.warmup_steps, args.graphs, not args.no_peers)
 
 
 if __name__ == "__main__":
