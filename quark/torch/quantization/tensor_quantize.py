@@ -38,6 +38,7 @@ from quark.torch.quantization.observe_quantize import (
     scale_may_have_saturated,
     steady_fused,
 )
+from quark.torch.quantization.observer.block import PerBlockMXObserver
 from quark.torch.quantization.observer.minmax import UniformScalingObserver
 
 __all__ = [
@@ -245,6 +246,9 @@ class NonScaledFakeQuantize(FakeQuantizeBase, kind="non_scaled"):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.flag("observer_enabled"):
+            out = self._observe_and_quantize(x)
+            if out is not None:
+                return out
             self.observer(x)
         if not self.flag("fake_quant_enabled"):
             return x
@@ -252,6 +256,20 @@ class NonScaledFakeQuantize(FakeQuantizeBase, kind="non_scaled"):
         if prepared is not None:
             return prepared(x)
         return apply_format(x, self.spec, None, None)
+
+    def _observe_and_quantize(self, x: torch.Tensor) -> torch.Tensor | None:
+        """MX with its observer and fake quant on: the block maxima the observer records come from the fake-quant
+        kernel's own read of ``x`` (``PreparedBlock.observe``; the same maxima and bits as observing, then
+        quantizing). None where that does not apply (the caller observes, then quantizes)."""
+        obs = self.observer
+        if type(obs) is not PerBlockMXObserver or not x.numel() or not self.flag("fake_quant_enabled"):
+            return None
+        prepared = self._prepared_block()
+        if prepared is None or prepared.observed_kernel is None or prepared.args[1:3] != (obs.block_size, obs.axis):
+            return None  # (a layout the observer writes another way: the two-pass path gives its maxima as it does)
+        out, amax = prepared.observe(x)
+        obs.fold_block_amax(amax)
+        return out
 
     def _prepared_block(self) -> PreparedBlock | None:
         """``apply_format`` of a block format resolved once per spec (``PreparedBlock``: the same bits, and its steady

@@ -23,6 +23,7 @@ from quark.torch.quantization.formats.block import (
     fake_quantize_mx9,
     microexponent_codes,
     mx_shared_exponent,
+    observed_block_kernel,
     quantize_mx,
 )
 from quark.torch.quantization.formats.grouping import (
@@ -252,7 +253,8 @@ def prepare_block(
         raise ValueError(f"dtype=mx needs mx_element_dtype, one of {[d.name for d in MX_ELEMENT_DTYPES]}")
     block = group_size or fmt.default_block
     return PreparedBlock(
-        *block_kernel(dtype, block, -1 if axis is None else axis, mx_element_dtype, mx_scale_mode or "floor")
+        *block_kernel(dtype, block, -1 if axis is None else axis, mx_element_dtype, mx_scale_mode or "floor"),
+        observed_kernel=observed_block_kernel(dtype),
     )
 
 

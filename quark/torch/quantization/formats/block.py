@@ -61,7 +61,11 @@ def mx_shared_exponent(xb: torch.Tensor, element: Dtype, mode: str = "floor") ->
 
     xb [..., n_blocks, block] -> [..., n_blocks, 1] (int32). An all-zero block gets a finite exponent (its elements are 0 anyway).
     """
-    amax = xb.abs().amax(dim=-1, keepdim=True)
+    return mx_exponent_of(xb.abs().amax(dim=-1, keepdim=True), element, mode)
+
+
+def mx_exponent_of(amax: torch.Tensor, element: Dtype, mode: str = "floor") -> torch.Tensor:
+    """``mx_shared_exponent`` from the blocks' ``amax = max|V|`` ([..., n_blocks, 1], float32)."""
     mantissa, exponent = frexp32(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1) (0 for 0)
     exp = exponent - 1  # floor(log2 amax); frexp(0) gives -1 - emax: clamped like any tiny block
     if mode == "ceil":
@@ -110,12 +114,29 @@ BLOCK_MIN_NUMEL = 1 << 12
 ABSMAX_MIN_NUMEL = 1 << 18
 
 
+def _mx_blocks(xb: torch.Tensor, amax: torch.Tensor, element: Dtype, mode: str) -> torch.Tensor:
+    """Fake-quantized MX blocks ``xb`` [..., n_blocks, block] whose maxima are ``amax`` [..., n_blocks, 1]."""
+    exp = mx_exponent_of(amax, element, mode)
+    return _mx_elements(xb * _e8m0_value(-exp), element) * _e8m0_value(exp)
+
+
 @compilable(min_numel=BLOCK_MIN_NUMEL)
 def _fake_mx(x: torch.Tensor, element: Dtype, block_size: int, axis: int, mode: str = "floor") -> torch.Tensor:
     xb, layout = to_blocks(x.float(), axis, static_int(block_size))
-    exp = mx_shared_exponent(xb, element, mode)
-    out = _mx_elements(xb * _e8m0_value(-exp), element) * _e8m0_value(exp)
+    out = _mx_blocks(xb, xb.abs().amax(dim=-1, keepdim=True), element, mode)
     return from_blocks(out, layout, x.shape)
+
+
+@compilable(min_numel=BLOCK_MIN_NUMEL)
+def _fake_mx_observed(
+    x: torch.Tensor, element: Dtype, block_size: int, axis: int, mode: str = "floor"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_fake_mx`` of ``x`` and its block maxima (``block_absmax``, what the MX observer records) from the one read
+    of ``x`` the format makes anyway: while the observers are on (QAT's warm-up) a separate pass for the maxima cost
+    0.15x an FP32 step of the width-512 and 1024 MLPs (docs/performance.md, eighth round)."""
+    xb, layout = to_blocks(x.float(), axis, static_int(block_size))
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    return from_blocks(_mx_blocks(xb, amax, element, mode), layout, x.shape), amax.squeeze(-1)
 
 
 def _microexponent_pairs(xb: torch.Tensor, mantissa_bits: int, sub_block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,6 +308,12 @@ def block_kernel(
     raise ValueError(f"dtype={dtype.name} is not a block format (mx, mx6, mx9, bfp16)")
 
 
+def observed_block_kernel(dtype: Dtype) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The kernel that fake-quantizes block format ``dtype`` and also returns its block maxima, taking
+    ``block_kernel``'s arguments: MX's (``_fake_mx_observed``); None for the others (their observers record more)."""
+    return _fake_mx_observed if dtype == Dtype.mx else None
+
+
 class _SteadyBlockSTE(torch.autograd.Function):
     """``_BlockSTE`` with its direct kernel called straight (``PreparedBlock``'s steady path): the same kernel and bits,
     without the format dispatch, decisions and signature lookup between the quantizer and the generated code."""
@@ -303,6 +330,25 @@ class _SteadyBlockSTE(torch.autograd.Function):
 _steady_block_ste = fast_apply(_SteadyBlockSTE)
 
 
+class _ObservedBlockSTE(torch.autograd.Function):
+    """``_BlockSTE`` through a kernel that also returns the block maxima (``_fake_mx_observed``; not differentiable),
+    called straight where ``steady`` holds its direct kernel."""
+
+    @staticmethod
+    def forward(ctx, x, kernel, args, steady):  # type: ignore[override]
+        xf = x.float()  # (float32 into the kernel, as ``_BlockSTE``)
+        out, amax = steady.forward((xf, *args)) if steady is not None else kernel(xf, *args)
+        ctx.mark_non_differentiable(amax)
+        return cast_saturating(out, x.dtype), amax
+
+    @staticmethod
+    def backward(ctx, grad, _amax_grad):  # type: ignore[override]
+        return grad, None, None, None
+
+
+_observed_block_ste = fast_apply(_ObservedBlockSTE)
+
+
 @dataclass(eq=False)
 class PreparedBlock:
     """A block format's kernel and arguments resolved once (``block_kernel``), kept by a quantizer that calls it every
@@ -313,6 +359,10 @@ class PreparedBlock:
     args: tuple[Any, ...]
     steady: dict[tuple[Any, ...], SteadyKernels] = field(default_factory=dict, repr=False)
     calls: dict[tuple[Any, ...], int] = field(default_factory=dict, repr=False)
+    #: the kernel that also returns the block maxima (``observe``; MX only, None for the others), and its steady path
+    observed_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    observed_steady: dict[tuple[Any, ...], SteadyKernels] = field(default_factory=dict, repr=False)
+    observed_calls: dict[tuple[Any, ...], int] = field(default_factory=dict, repr=False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         key = steady_key(x)
@@ -323,6 +373,19 @@ class PreparedBlock:
         if key is not None and compiled_kernels_active(x, BLOCK_MIN_NUMEL, count=False):
             look_for_steady(self.steady, self.calls, key, self.kernel, (x.float(), *self.args))
         return out
+
+    def observe(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fake-quantized ``x``, its block maxima as ``block_absmax`` gives them) from one pass: a caller that records
+        the maxima (the MX observer) and quantizes the same tensor. Only where ``observed_kernel`` is set (MX)."""
+        kernel = self.observed_kernel
+        if kernel is None:
+            raise ValueError("PreparedBlock.observe: this block format has no kernel that returns its block maxima")
+        key = steady_key(x)
+        steady = self.observed_steady.get(key) if key is not None else None
+        out, amax = _observed_block_ste(x, kernel, self.args, steady)
+        if steady is None and key is not None and compiled_kernels_active(x, BLOCK_MIN_NUMEL, count=False):
+            look_for_steady(self.observed_steady, self.observed_calls, key, kernel, (x.float(), *self.args))
+        return out, amax
 
 
 def fake_quantize_mx(

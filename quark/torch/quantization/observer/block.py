@@ -42,9 +42,13 @@ class PerBlockMXObserver(ObserverBase):
         return x_orig
 
     def _fold_amax(self, x: torch.Tensor) -> torch.Tensor:
-        """Fold the block maxima of ``x`` into the running ones (a batch with NaN or Inf refused: at once, or on CUDA
-        late with the running maxima kept, ``refuse_non_finite``); the batch's own maxima."""
-        batch = block_absmax(x.detach(), self.block_size, self.axis)
+        """Fold the block maxima of ``x`` into the running ones; the batch's own maxima."""
+        return self.fold_block_amax(block_absmax(x.detach(), self.block_size, self.axis))
+
+    def fold_block_amax(self, batch: torch.Tensor) -> torch.Tensor:
+        """Fold a batch's block maxima (``block_absmax`` of it, here or from the quantizer's kernel, which reads the
+        batch anyway) into the running ones, a batch with NaN or Inf refused: at once, or on CUDA late with the running
+        maxima kept (``refuse_non_finite``). Returns ``batch``."""
         (amax,) = self.refuse_non_finite((0.0,), batch)
         if not self.is_dynamic and self.amax.shape == amax.shape:
             amax = torch.maximum(self.amax, amax)

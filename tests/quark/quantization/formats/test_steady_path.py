@@ -304,3 +304,102 @@ def test_the_block_steady_path_gives_the_eager_bits(name: str, direct_soon: list
     step(9)
     assert direct_soon == ["direct"]
     assert "_block_prepared" not in copy.deepcopy(q).__dict__
+
+
+# -------------------------------------------------------------------------- MX observing: one pass for the maxima
+def _mx_observing(name: str, dtype: torch.dtype = torch.float32) -> Any:
+    from quark.torch.quantization.config.config import QuantizationConfig
+    from quark.torch.quantization.tensor_quantize import NonScaledFakeQuantize
+
+    spec = QuantizationConfig.from_dict({"weight": {**BLOCK_SPECS[name], "is_dynamic": False}}).weight
+    return NonScaledFakeQuantize(spec).to(dtype)
+
+
+def _two_pass(q: Any) -> Any:
+    """A copy of ``q`` that observes, then quantizes (the path before the one-pass maxima)."""
+    ref = copy.deepcopy(q)
+    ref._observe_and_quantize = lambda x: None
+    return ref
+
+
+def _mx_step(q: Any, shape: tuple[int, int], seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 2 ** (seed % 5 - 2)).to(dtype).requires_grad_(True)
+    y = q(x)
+    y.backward(torch.randn(shape, generator=g).to(dtype))
+    return [y.detach(), x.grad, q.observer.amax.clone()]  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    ("name", "shape", "dtype"),
+    [
+        ("mxfp4", (64, 128), torch.float32),
+        ("mxfp8", (64, 128), torch.float32),
+        ("mxfp4", (48, 100), torch.float32),  # a ragged last block (no direct kernel: the guarded graph serves it)
+        ("mxfp8", (64, 64), torch.bfloat16),  # (no direct kernel either)
+    ],
+)
+def test_mx_observing_takes_the_maxima_from_the_quantizing_pass(
+    name: str,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    compiled: bool,
+    direct_soon: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MX with its observer on (QAT's warm-up): the block maxima come from the fake-quant kernel's own read of the
+    input (``PreparedBlock.observe``). Outputs, straight-through gradients and the running maxima step by step are
+    those of observing, then quantizing; compiled, its steady path takes over (one direct call a step)."""
+    from quark.torch.quantization.formats import block
+
+    set_compile(compiled)
+    q = _mx_observing(name, dtype)
+    ref = _two_pass(q)
+    got = [_mx_step(q, shape, seed, dtype) for seed in range(8)]
+    want = [_mx_step(ref, shape, seed, dtype) for seed in range(8)]
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True)), f"step {step}"
+    assert not torch.equal(got[0][2], got[-1][2])  # the running maxima moved
+    if compiled and dtype == torch.float32 and shape[1] % 32 == 0:
+        assert q.__dict__["_block_prepared"][1].observed_steady, "the steady path never took over"
+        direct_soon.clear()
+        _mx_step(q, shape, 9, dtype)
+        assert direct_soon == ["direct"]
+    import quark.torch.quantization.observer.block as observer_block
+
+    seen: list[int] = []
+    real = block.block_absmax
+    monkeypatch.setattr(observer_block, "block_absmax", lambda *args: seen.append(1) or real(*args))
+    _mx_step(q, shape, 10, dtype)
+    assert not seen, "the observer read the input again"
+    _mx_step(ref, shape, 10, dtype)
+    assert seen, "(the spy sees the two-pass path's read)"
+
+
+def test_a_nan_batch_observed_in_the_mx_pass_is_refused_and_leaves_the_maxima() -> None:
+    q = _mx_observing("mxfp4")
+    q(torch.randn(16, 64))
+    before = q.observer.amax.clone()
+    x = torch.randn(16, 64)
+    x[3, 5] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        q(x)
+    assert torch.equal(q.observer.amax, before)
+
+
+def test_block_formats_whose_observers_record_more_observe_then_quantize(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BFP16 (its observer also records block steps) and MX6 (no kernel that returns its maxima) take the two-pass
+    path; with fake quant off an MX observer only observes (the input comes back as it was)."""
+    from quark.torch.quantization.formats.block import PreparedBlock
+
+    calls: list[str] = []
+    monkeypatch.setattr(PreparedBlock, "observe", lambda self, x: calls.append("observe"))
+    for name in ("bfp16", "mx6"):
+        q = _mx_observing(name)
+        q(torch.randn(16, 64))
+    assert calls == []
+    q = _mx_observing("mxfp4")
+    q.disable_fake_quant()
+    x = torch.randn(16, 64)
+    assert q(x) is x and calls == [] and q.observer.amax.abs().sum() > 0
