@@ -260,9 +260,15 @@ class NonScaledFakeQuantize(FakeQuantizeBase, kind="non_scaled"):
     def _observe_and_quantize(self, x: torch.Tensor) -> torch.Tensor | None:
         """MX with its observer and fake quant on: the block maxima the observer records come from the fake-quant
         kernel's own read of ``x`` (``PreparedBlock.observe``; the same maxima and bits as observing, then
-        quantizing). None where that does not apply (the caller observes, then quantizes)."""
+        quantizing). None where that does not apply (the caller observes, then quantizes), and inside a caller's
+        ``torch.compile`` (the two passes are traced into its graph, which fuses them)."""
         obs = self.observer
-        if type(obs) is not PerBlockMXObserver or not x.numel() or not self.flag("fake_quant_enabled"):
+        if (
+            type(obs) is not PerBlockMXObserver
+            or torch.compiler.is_compiling()
+            or not x.numel()
+            or not self.flag("fake_quant_enabled")
+        ):
             return None
         prepared = self._prepared_block()
         if prepared is None or prepared.observed_kernel is None or prepared.args[1:3] != (obs.block_size, obs.axis):

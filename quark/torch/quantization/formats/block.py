@@ -133,7 +133,7 @@ def _fake_mx_observed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_fake_mx`` of ``x`` and its block maxima (``block_absmax``, what the MX observer records) from the one read
     of ``x`` the format makes anyway: while the observers are on (QAT's warm-up) a separate pass for the maxima cost
-    0.15x an FP32 step of the width-512 and 1024 MLPs (docs/performance.md, eighth round)."""
+    0.15-0.18x an FP32 step of the width-512 and 1024 MLPs (docs/performance.md, eighth round)."""
     xb, layout = to_blocks(x.float(), axis, static_int(block_size))
     amax = xb.abs().amax(dim=-1, keepdim=True)
     return from_blocks(_mx_blocks(xb, amax, element, mode), layout, x.shape), amax.squeeze(-1)

@@ -403,3 +403,13 @@ def test_block_formats_whose_observers_record_more_observe_then_quantize(monkeyp
     q.disable_fake_quant()
     x = torch.randn(16, 64)
     assert q(x) is x and calls == [] and q.observer.amax.abs().sum() > 0
+
+
+def test_mx_observing_inside_a_users_torch_compile_gives_the_eager_maxima_and_bits() -> None:
+    q = _mx_observing("mxfp4")
+    ref = _two_pass(q)
+    compiled = torch.compile(q)
+    for seed in range(3):
+        x = torch.randn(64, 128, generator=torch.Generator().manual_seed(seed)) * (seed + 1)
+        assert torch.equal(compiled(x), ref(x))
+        assert torch.equal(q.observer.amax, ref.observer.amax)
