@@ -114,17 +114,21 @@ BLOCK_MIN_NUMEL = 1 << 12
 ABSMAX_MIN_NUMEL = 1 << 18
 
 
-def _mx_blocks(xb: torch.Tensor, amax: torch.Tensor, element: Dtype, mode: str) -> torch.Tensor:
-    """Fake-quantized MX blocks ``xb`` [..., n_blocks, block] whose maxima are ``amax`` [..., n_blocks, 1]."""
+def _mx_with_maxima(
+    x: torch.Tensor, element: Dtype, block_size: int, axis: int, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake-quantized MX ``x`` and its block maxima ([..., n_blocks], float32: ``block_absmax``), the maxima computed
+    once for the shared exponents and returned (the body of both MX kernels)."""
+    xb, layout = to_blocks(x.float(), axis, static_int(block_size))
+    amax = xb.abs().amax(dim=-1, keepdim=True)
     exp = mx_exponent_of(amax, element, mode)
-    return _mx_elements(xb * _e8m0_value(-exp), element) * _e8m0_value(exp)
+    out = _mx_elements(xb * _e8m0_value(-exp), element) * _e8m0_value(exp)
+    return from_blocks(out, layout, x.shape), amax.squeeze(-1)
 
 
 @compilable(min_numel=BLOCK_MIN_NUMEL)
 def _fake_mx(x: torch.Tensor, element: Dtype, block_size: int, axis: int, mode: str = "floor") -> torch.Tensor:
-    xb, layout = to_blocks(x.float(), axis, static_int(block_size))
-    out = _mx_blocks(xb, xb.abs().amax(dim=-1, keepdim=True), element, mode)
-    return from_blocks(out, layout, x.shape)
+    return _mx_with_maxima(x, element, block_size, axis, mode)[0]
 
 
 @compilable(min_numel=BLOCK_MIN_NUMEL)
@@ -134,9 +138,7 @@ def _fake_mx_observed(
     """``_fake_mx`` of ``x`` and its block maxima (``block_absmax``, what the MX observer records) from the one read
     of ``x`` the format makes anyway: while the observers are on (QAT's warm-up) a separate pass for the maxima cost
     0.15-0.18x an FP32 step of the width-512 and 1024 MLPs (docs/performance.md, eighth round)."""
-    xb, layout = to_blocks(x.float(), axis, static_int(block_size))
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    return from_blocks(_mx_blocks(xb, amax, element, mode), layout, x.shape), amax.squeeze(-1)
+    return _mx_with_maxima(x, element, block_size, axis, mode)
 
 
 def _microexponent_pairs(xb: torch.Tensor, mantissa_bits: int, sub_block: int) -> tuple[torch.Tensor, torch.Tensor]:
