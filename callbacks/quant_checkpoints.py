@@ -252,9 +252,8 @@ class FloatCheckpointStart:
             observer = getattr(q, "observer", None)
             if observer is not None:
                 observer.reset_state()
-            initialized = getattr(q, "initialized", None)
-            if is_learnable(q) and isinstance(initialized, torch.Tensor):
-                initialized.zero_()  # thresholds initialise again from the first batch
+            if is_learnable(q) and isinstance(getattr(q, "initialized", None), torch.Tensor):
+                q.set_flag("initialized", 0)  # thresholds initialise again from the first batch
         if self.mode == "ptq":
             self._set_all(pl_module, observe=False, fake_quant=False)
         else:

@@ -202,6 +202,6 @@ def write_initial_values(model: nn.Module, group: Any = None) -> int:
             continue
         full = (value / count).to(p.dtype)
         p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
-        q.initialized.fill_(1)
+        q.set_flag("initialized", 1)
         written += 1
     return written

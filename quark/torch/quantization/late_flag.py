@@ -6,6 +6,9 @@ idles until the host queues more. ``LateFlag`` reads such a result late instead:
 host memory without blocking, records an event, and reads it on a later call, once the event has completed. The
 check is almost always False; when it is True the error comes one or a few steps after the step that caused it, not
 silently never. On the CPU there is no queue to wait for, so the flag is read at once.
+
+Inside a ``torch.compile``d forward a read would be a graph break (the model split at every quantizer): there the
+flags are folded into one tensor in the graph and read at the next eager call or ``wait``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ MAX_PENDING = 8
 
 
 def defers(device: torch.device) -> bool:
-    """Whether flags on ``device`` are read late (CUDA: a read would be a host sync), or at once (the CPU)."""
-    return device.type == "cuda"
+    """Whether flags on ``device`` are read late (CUDA: a read would be a host sync; inside ``torch.compile``: a graph
+    break), or at once (the CPU, eagerly)."""
+    return device.type == "cuda" or torch.compiler.is_compiling()
 
 
 class LateFlag:
@@ -33,10 +37,22 @@ class LateFlag:
 
     def __init__(self) -> None:
         self._pending: deque[tuple[torch.Tensor, Any]] = deque()
+        #: the flags of compiled forwards, or-ed in their graphs (None: none since the last read)
+        self._traced: torch.Tensor | None = None
 
     def raised(self, flag: torch.Tensor) -> bool:
         """Queue ``flag`` (a tensor holding one bool) and say whether any flag read so far was True: on the CPU that is
-        ``flag`` itself; on CUDA those queued earlier whose copy has completed (``flag`` too, if the device is idle)."""
+        ``flag`` itself; on CUDA those queued earlier whose copy has completed (``flag`` too, if the device is idle).
+        Inside ``torch.compile``: False, ``flag`` folded into the traced flags, which the next eager call reads."""
+        flag = flag.reshape(())
+        if torch.compiler.is_compiling():
+            traced = self.__dict__.get("_traced")
+            self._traced = flag if traced is None else traced | flag
+            return False
+        traced = self.__dict__.get("_traced")
+        if traced is not None:
+            self._traced = None
+            flag = flag | traced.to(flag.device)
         if not defers(flag.device):
             return bool(flag)
         host = self._host_copy(flag)
@@ -46,9 +62,18 @@ class LateFlag:
     def failed(self, ok: torch.Tensor) -> bool:
         """``raised`` of a check that passes where ``ok`` (a tensor holding one bool) is True: on the CPU ``not
         bool(ok)`` (no op for the negation), on CUDA the negation queued."""
-        if not defers(ok.device):
+        if not defers(ok.device) and self.__dict__.get("_traced") is None:
             return not bool(ok)
         return self.raised(~ok)
+
+    def read_traced(self) -> bool:
+        """Whether a compiled forward's flag was True since the last read (read now, then cleared): eager callers that
+        check a batch themselves ask this first."""
+        traced = self.__dict__.get("_traced")
+        if traced is None:
+            return False
+        self._traced = None
+        return bool(traced)
 
     def _drain(self) -> bool:
         """Read the completed copies, oldest first (waiting for the oldest while more than ``MAX_PENDING`` wait)."""
@@ -65,7 +90,7 @@ class LateFlag:
     def wait(self) -> bool:
         """Read every flag still queued, waiting for the device (where an exact answer is needed now: an export, the
         end of a fit). Whether any was True."""
-        seen = False
+        seen = self.read_traced()
         while self._pending:
             host, event = self._pending.popleft()
             event.synchronize()

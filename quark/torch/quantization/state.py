@@ -83,14 +83,15 @@ def paused_quantizers(
       ones too, ``observers`` aside), so no qparams are computed from old statistics.
     """
     quantizers = [m for m in module.modules() if isinstance(m, FakeQuantizeBase)]
-    saved = [(q.observer_enabled.clone(), q.fake_quant_enabled.clone()) for q in quantizers]
+    saved = [(q.observer_enabled.clone(), q.fake_quant_enabled.clone(), q.flag_values()) for q in quantizers]
     try:
         _switch(quantizers, observers, fake_quant)
         yield quantizers
     finally:
-        for q, (observe, quantize) in zip(quantizers, saved, strict=True):
+        for q, (observe, quantize, values) in zip(quantizers, saved, strict=True):
             q.observer_enabled.copy_(observe)
             q.fake_quant_enabled.copy_(quantize)
+            q.restore_flag_values(values)
 
 
 def _switch(
@@ -99,8 +100,8 @@ def _switch(
     """Apply ``paused_quantizers``' switches (see there)."""
     if fake_quant is True:
         for q in quantizers:
-            q.observer_enabled.fill_(0)
-            q.fake_quant_enabled.fill_(0)
+            q.set_flag("observer_enabled", 0)
+            q.set_flag("fake_quant_enabled", 0)
         return
     if observers:
         for q in quantizers:
@@ -109,4 +110,4 @@ def _switch(
     if callable(fake_quant):
         for q in quantizers:
             if fake_quant(q):
-                q.fake_quant_enabled.fill_(0)
+                q.set_flag("fake_quant_enabled", 0)

@@ -68,7 +68,7 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         self.register_buffer(
             "zero_point", torch.zeros((), dtype=torch.int32, device=device), persistent=not self.is_dynamic
         )
-        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
+        self.register_flag("initialized", 0, device)
 
     def _refresh_qparams(self) -> None:
         """Recompute scale and zero point from the observer's statistics (once per need, not per batch)."""
@@ -104,7 +104,7 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         """Back to no qparams (the state before any data), statistics kept: the next batch it observes gives them."""
         self.scale = torch.ones((), device=self.scale.device)
         self.zero_point = torch.zeros((), dtype=torch.int32, device=self.zero_point.device)
-        self.initialized.fill_(0)
+        self.set_flag("initialized", 0)
         self._stale = False
 
     def _observe_and_quantize(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -222,9 +222,9 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
             )
         self.scale = scale.detach().to(self.scale.device, torch.float32).clone()
         self.zero_point = zero_point.detach().to(self.zero_point.device).clone()
-        self.initialized.fill_(1)
+        self.set_flag("initialized", 1)
         self._stale = False
-        self.observer_enabled.fill_(0)
+        self.set_flag("observer_enabled", 0)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         self._sync()

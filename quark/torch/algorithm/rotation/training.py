@@ -105,7 +105,7 @@ def _restart(quantizers: list[FakeQuantizeBase]) -> None:
             observer.reset_state()
         if hasattr(q, "forget_qparams"):
             q.forget_qparams()
-        q.observer_enabled.fill_(1)
+        q.set_flag("observer_enabled", 1)
 
 
 @contextlib.contextmanager
@@ -122,7 +122,7 @@ def _training_state(model: nn.Module, learned: LearnedRotations) -> Iterator[lis
             for _, r in learned.named_parameters():
                 r.requires_grad_(True)
             for q in quantizers:
-                q.fake_quant_enabled.fill_(1)
+                q.set_flag("fake_quant_enabled", 1)
                 stack.callback(q.register_forward_hook(add_scale_gradient).remove)
             yield quantizers
         finally:

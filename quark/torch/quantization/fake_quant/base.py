@@ -65,8 +65,50 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.register_buffer("observer_enabled", torch.tensor(1, dtype=torch.uint8, device=device))
-        self.register_buffer("fake_quant_enabled", torch.tensor(1, dtype=torch.uint8, device=device))
+        self.register_flag("observer_enabled", 1, device)
+        self.register_flag("fake_quant_enabled", 1, device)
+
+    #: the flag buffers a quantizer may have (``register_flag``)
+    FLAGS: ClassVar[tuple[str, ...]] = ("observer_enabled", "fake_quant_enabled", "initialized")
+
+    def register_flag(self, name: str, value: int, device: torch.device | None = None) -> None:
+        """Register the 0-dim uint8 flag buffer ``name`` holding ``value``, and its value on the host (``flag``)."""
+        self.register_buffer(name, torch.tensor(value, dtype=torch.uint8, device=device))
+        self._note_flag(name, value)
+
+    def _note_flag(self, name: str, value: int) -> None:
+        """Record ``value`` as flag ``name``'s value on the host: what a ``torch.compile``d forward reads (``flag``)."""
+        values = self.__dict__.get("_flag_values")
+        if values is None:
+            values = self.__dict__["_flag_values"] = {}
+        if values.get(name) != value:
+            values[name] = value
+
+    def flag_values(self) -> dict[str, int]:
+        """A copy of the host-side flag values (``flag``), to be given back with ``restore_flag_values``."""
+        return dict(self.__dict__.get("_flag_values", {}))
+
+    def restore_flag_values(self, values: dict[str, int]) -> None:
+        """Take back host-side flag values from ``flag_values``, after the flag buffers themselves were written back."""
+        self.__dict__["_flag_values"] = dict(values)
+
+    def copy_flag(self, name: str, source: FakeQuantizeBase) -> None:
+        """Flag ``name`` set as ``source``'s (the buffer copied on its device, no host read; the host-side value too)."""
+        self._buffers[name].copy_(source._buffers[name])  # type: ignore[union-attr]
+        value = source.__dict__.get("_flag_values", {}).get(name)
+        if value is None:
+            self.__dict__.get("_flag_values", {}).pop(name, None)
+        else:
+            self._note_flag(name, value)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        """Load, then read the loaded flags' values to the host (``flag``; a load is rare, a device read here is not
+        per step)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        for name in self.FLAGS:
+            buf = self._buffers.get(name)
+            if buf is not None and prefix + name in state_dict:
+                self._note_flag(name, int(bool(buf)))
 
     @staticmethod
     def get_fake_quantize(spec: QuantizationSpec, device: torch.device | None = None) -> FakeQuantizeBase:
@@ -124,16 +166,29 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         a host sync, waiting for the GPU to finish all it was given, and every forward asks its switches. Writes that
         bypass the version counter are not seen (see ``set_flag``), DDP's buffer broadcast among them: set switches
         alike on every rank, or keep quantizer buffers out of the broadcast. On the CPU the tensor is read each time:
-        there is nothing to wait for, and the read costs less than the memo (0.16 against 0.5 us)."""
+        there is nothing to wait for, and the read costs less than the memo (0.16 against 0.5 us).
+
+        Inside a ``torch.compile``d forward the flag is the value last written through this module (``set_flag`` and
+        the ``enable_*`` methods, ``load_state_dict``) or read by an eager forward: a Python value, which dynamo
+        specializes the graph on and guards, so the compiled model has no graph break per quantizer and recompiles
+        when a switch changes. A write straight into the buffer is seen from the next eager forward on."""
         buf = self._buffers[name]
+        if torch.compiler.is_compiling():
+            known = self.__dict__.get("_flag_values", {}).get(name)
+            return bool(buf) if known is None else bool(known)  # (unknown: read, a graph break)
         if buf.is_cpu and self._read_cpu_flags:  # type: ignore[union-attr]
-            return bool(buf)
-        if torch.compiler.is_compiling() or buf.is_inference():  # type: ignore[union-attr]  # (no version counter)
-            return bool(buf)
+            value = int(bool(buf))
+            self._note_flag(name, value)
+            return bool(value)
+        if buf.is_inference():  # type: ignore[union-attr]  # (no version counter)
+            value = int(bool(buf))
+            self._note_flag(name, value)
+            return bool(value)
         value = self._known_flag(name, buf)  # type: ignore[arg-type]
         if value is None:
             value = int(bool(buf))
             self._remember_flag(name, buf, value)  # type: ignore[arg-type]
+            self._note_flag(name, value)
         return bool(value)
 
     def set_flag(self, name: str, value: int) -> None:
@@ -147,7 +202,9 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         if torch.compiler.is_compiling() or buf.is_inference():  # type: ignore[union-attr]  # (no version counter)
             buf.fill_(value)  # type: ignore[union-attr]
             self.__dict__.get("_flags_known", {}).pop(name, None)
+            self._note_flag(name, value)
             return
+        self._note_flag(name, value)
         if self._known_flag(name, buf) == value:  # type: ignore[arg-type]
             return
         buf.fill_(value)  # type: ignore[union-attr]

@@ -23,7 +23,7 @@ class FrozenScaledFakeQuantize(FakeQuantizeBase):
         self, spec: QuantizationSpec, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None
     ) -> None:
         super().__init__(spec, None if scale is None else scale.device)
-        self.observer_enabled.fill_(0)
+        self.set_flag("observer_enabled", 0)
         self.register_buffer("scale", torch.ones(()) if scale is None else scale)
         self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32) if zero_point is None else zero_point)
 
@@ -56,7 +56,7 @@ class BakedFakeQuantize(FakeQuantizeBase):
         device: torch.device | None = None,
     ) -> None:
         super().__init__(spec, device if scale is None else scale.device)
-        self.observer_enabled.fill_(0)
+        self.set_flag("observer_enabled", 0)
         if scale is not None:
             self.register_buffer("scale", scale)
             self.register_buffer(
@@ -71,7 +71,7 @@ class BakedFakeQuantize(FakeQuantizeBase):
             return frozen
         scale, zp = frozen.calculate_qparams() if isinstance(frozen, FrozenScaledFakeQuantize) else (None, None)
         baked = cls(frozen.spec, scale, zp, frozen.fake_quant_enabled.device)
-        baked.fake_quant_enabled.copy_(frozen.fake_quant_enabled)
+        baked.copy_flag("fake_quant_enabled", frozen)
         return baked
 
     @property

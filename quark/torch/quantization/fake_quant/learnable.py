@@ -57,7 +57,7 @@ class LearnableFakeQuantize(FakeQuantizeBase):
         self.axis = spec.ch_axis if spec.qscheme == QSchemeType.per_channel else None
         self.channels: int | None = None  # per channel: the count, once known before the first batch
         self.register_parameter(self._learned_name, nn.Parameter(torch.full((1,), self._fill, device=device)))
-        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8, device=device))
+        self.register_flag("initialized", 0, device)
 
     @property
     def _learned_param(self) -> nn.Parameter:

@@ -70,7 +70,7 @@ class SharedFakeQuantize(FakeQuantizeBase):
 
     def __init__(self, source: FakeQuantizeBase) -> None:
         super().__init__(source.spec, source.observer_enabled.device)
-        self.observer_enabled.fill_(0)
+        self.set_flag("observer_enabled", 0)
         object.__setattr__(self, "_source", source)
 
     @property

@@ -228,6 +228,9 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
         ``identities`` (one per value: +inf for a running minimum, 0 for a maximum of magnitudes), so the running
         statistics stay as they were."""
         if not late_flag.defers(values[0].device):
+            late = self.__dict__.get("_late_nonfinite")
+            if late is not None and late.read_traced():  # a batch a compiled forward saw, eagerly now
+                raise_non_finite(self.who)
             check_finite(self.who, *values)
             return values
         finite = torch.stack([torch.isfinite(v).all() for v in values]).all()

@@ -63,8 +63,11 @@ class UniformScalingObserver(ObserverBase):
         min_val, max_val = self.refuse_non_finite((float("inf"), float("-inf")), min_val, max_val)
         self.model_dtype = x.dtype
         # first statistics of this shape (e.g. per channel, or per token: the shape follows the batch), or buffers
-        # made under inference_mode (a validation loop) now updated outside it (in-place is not allowed): rebind
-        stale = self.min_val.is_inference() and not torch.is_inference_mode_enabled()
+        # made under inference_mode (a validation loop) now updated outside it (in-place is not allowed): rebind.
+        # (dynamo cannot trace ``is_inference``: inside torch.compile, in place)
+        stale = (
+            not torch.compiler.is_compiling() and self.min_val.is_inference() and not torch.is_inference_mode_enabled()
+        )
         if self.min_val.shape != min_val.shape or stale:
             self.min_val, self.max_val = min_val.clone(), max_val.clone()
         elif self.is_dynamic:
