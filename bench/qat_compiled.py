@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
+from quark.torch.compat import dynamo_recompile_limit  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase  # noqa: E402
 
@@ -85,6 +86,9 @@ def main() -> None:
         parser.error(f"--formats: {unknown} unknown; allowed: {sorted(FORMATS)}")
     warnings.filterwarnings("ignore")
     keep_freed_memory()
+    # every contender is a model of its own with the same forward: dynamo keeps one entry per model, and past its
+    # per-frame limit (8) a model would run eagerly, uncompiled
+    dynamo_recompile_limit(64)
     torch.manual_seed(0)
     batch = (torch.randn(32, 1024), torch.randint(0, 10, (32,)))
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; MLP 1024 -> width -> 1024 -> 10, batch 32")
