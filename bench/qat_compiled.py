@@ -8,6 +8,7 @@ width 512, QAT under ``torch.compile`` took 1.86x (observers off) and 2.58x (on)
 
     python bench/qat_compiled.py                      # widths 512, 1024; int8, fp8 and MX
     python bench/qat_compiled.py --widths 512 --formats int8 --rounds 5
+    python bench/qat_compiled.py --widths 512,1024 --formats tqt   # TQT (learned thresholds)
 
 Each contender is built, warmed up (``--warmup`` steps, its compile included) and then timed ``--steps`` steps per
 round, contenders interleaved (order reversed every other round); x FP32 is the median over rounds of per-round
@@ -31,13 +32,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8  # noqa: E402
+from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W4A8_TQT, W8A8  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.compat import dynamo_recompile_limit  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase  # noqa: E402
 
-FORMATS = {"int8": W8A8, "fp8": FP8_W8A8, "mx": MX_W4A8}
+#: TQT: int4 weights / int8 inputs with learned power-of-two thresholds (``--formats tqt``: not in the default set)
+FORMATS = {"int8": W8A8, "fp8": FP8_W8A8, "mx": MX_W4A8, "tqt": W4A8_TQT}
 
 
 def _contender(

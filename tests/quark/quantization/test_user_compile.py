@@ -19,6 +19,21 @@ from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 from quark_lightning.tasks.recipes import FP8_PER_TENSOR, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT, MXFP4
 
 MXFP8 = {**MXFP4, "mx_element_dtype": "fp8_e4m3"}
+TQT = {"symmetric": True, "is_dynamic": False, "round_method": "half_even", "scale_type": "pof2"}
+TQT_WEIGHT = {
+    **TQT,
+    "dtype": "int8",
+    "qscheme": "per_tensor",
+    "observer_cls": "PerTensorMinMaxObserver",
+    "qat_spec": {"method": "tqt"},
+}
+LSQ_WEIGHT = {**INT8_PER_CHANNEL_WEIGHT, "scale_type": "float", "qat_spec": {"method": "lsq"}}
+LSQ_ACT = {**INT8_PER_TENSOR_ACT, "scale_type": "float", "qat_spec": {"method": "lsq"}}
+#: learned thresholds / step sizes: their compiled backward sums the scale's gradient in inductor's or dynamo's order
+LEARNED = {
+    "tqt": {"weight": TQT_WEIGHT, "input_tensors": TQT_WEIGHT},
+    "lsq": {"weight": LSQ_WEIGHT, "input_tensors": LSQ_ACT},
+}
 CONFIGS = {
     "int8": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT},
     "fp8": {"weight": FP8_PER_TENSOR, "input_tensors": FP8_PER_TENSOR},
@@ -50,14 +65,14 @@ def _statistics(model: nn.Module) -> list[torch.Tensor]:
 
 def _prepared(name: str) -> nn.Module:
     torch.manual_seed(0)
-    config = Config.from_dict({"global_quant_config": CONFIGS[name]})
+    config = Config.from_dict({"global_quant_config": {**CONFIGS, **LEARNED}[name]})
     return ModelQuantizer(config).prepare(MLP().train())
 
 
-def _fit(model: Any, steps: int, seed: int) -> list[torch.Tensor]:
+def _fit(model: Any, steps: int, seed: int, lr: float = 1e-2) -> list[torch.Tensor]:
     """``steps`` Adam steps on fixed random batches; the losses."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=1e-2)
+    opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
@@ -174,3 +189,36 @@ def test_fixed_and_float_switches_made_by_the_engine_reach_the_compiled_model() 
         assert torch.equal(compiled(x), MLP.forward(model, x))
     _observers(model, False)
     assert torch.equal(compiled(x), quantized)  # the switches written back, the host values with them
+
+
+@pytest.mark.parametrize("name", sorted(LEARNED))
+def test_learned_quantizers_compile_into_one_graph_once_initialised(name: str) -> None:
+    eager = _prepared(name)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="eager")
+    _fit(compiled, 1, 9, 1e-4)  # the first batch initialises the learned values eagerly (one break in that graph)
+    _fit(eager, 1, 9, 1e-4)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    for phase, observe in enumerate((True, False)):
+        _observers(eager, observe)
+        _observers(model, observe)
+        torch.testing.assert_close(
+            torch.stack(_fit(compiled, 3, phase, 1e-4)), torch.stack(_fit(eager, 3, phase, 1e-4))
+        )
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks  # the later graphs have none
+    for a, b in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    for q in _quantizers(model):
+        q.read_late_checks()  # nothing invalid was learned
+
+
+def test_an_invalid_learned_threshold_in_a_compiled_forward_is_raised_after_the_graph() -> None:
+    model = _prepared("lsq")
+    model(torch.randn(4, 64))  # initialised eagerly: the compiled forward is one graph from here on
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    compiled(torch.randn(4, 64))
+    with torch.no_grad():
+        model.fc1._weight_quantizer.scale[0] = -1.0  # no positive step size
+    compiled(torch.randn(4, 64))  # no host read in the graph
+    with pytest.raises(ValueError, match=r"fc1.*step size"):
+        model.fc1._weight_quantizer.read_late_checks()

@@ -130,16 +130,7 @@ class LearnableFakeQuantize(FakeQuantizeBase):
         if not flag("initialized"):
             if not flag("observer_enabled") and not flag("fake_quant_enabled"):
                 return x  # nothing to apply, nothing to initialise from (evaluation before the first training batch)
-            if not flag("observer_enabled"):
-                raise RuntimeError(
-                    f"{self.where}: {type(self).__name__} is not initialised yet: run a batch with the observer on first"
-                )
-            if not bool(torch.isfinite(x.detach()).all()):
-                raise ValueError(
-                    f"{self.where}: {type(self).__name__} would initialise its {self._what} from a tensor containing "
-                    "NaN or Inf. Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
-                )
-            self._initialize(x)
+            self._initialize_checked(x)
         if not flag("fake_quant_enabled"):
             return x
         if self.training:
@@ -148,10 +139,25 @@ class LearnableFakeQuantize(FakeQuantizeBase):
             self.check_learned()
         return self._learned(x)
 
-    @torch.compiler.disable  # a pinned copy and an event: run as they are, outside a caller's compiled graph
+    @torch.compiler.disable  # once, from the first batch: its checks read the batch (inside torch.compile, a graph
+    # break in the first step's graph only; the graph recompiles without it once the flag is set)
+    def _initialize_checked(self, x: torch.Tensor) -> None:
+        """Initialise the learned value from ``x`` (the observer must be on, ``x`` finite)."""
+        if not self.flag("observer_enabled"):
+            raise RuntimeError(
+                f"{self.where}: {type(self).__name__} is not initialised yet: run a batch with the observer on first"
+            )
+        if not bool(torch.isfinite(x.detach()).all()):
+            raise ValueError(
+                f"{self.where}: {type(self).__name__} would initialise its {self._what} from a tensor containing "
+                "NaN or Inf. Check the inputs and activations of this layer (e.g. torch.isfinite(x).all())."
+            )
+        self._initialize(x)
+
     def _check_late(self) -> None:
         """The training forward's check of the learned values: on CUDA read late, without a host sync (``LateFlag``);
-        on the CPU at once, as ``check_learned``."""
+        inside a ``torch.compile``d forward folded into the graph and read after it; on the CPU at once, as
+        ``check_learned``."""
         late = self.__dict__.get("_late_check")
         if late is None:
             late = self.__dict__["_late_check"] = LateFlag()

@@ -36,7 +36,8 @@ class TQTFunction(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         x, s = ctx.saved_tensors
         qmin, qmax, round_method, axis = ctx.meta
-        if axis is None and round_method == RoundType.half_even:
+        # (inside torch.compile the terms below: torch's fused op has no fake-tensor kernel to be traced through)
+        if axis is None and round_method == RoundType.half_even and not torch.compiler.is_compiling():
             zero = torch.zeros_like(s)
             grad_x, grad_s, _ = fake_quantize_learnable_backward(
                 grad.contiguous(), x.contiguous(), s, zero, qmin, qmax, 1.0
