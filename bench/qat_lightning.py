@@ -19,6 +19,7 @@ least favourable to QAT a fit gives.
     python bench/qat_lightning.py --widths 512,1024,4096 --rounds 5 --graphs   # + int8 without direct kernels
     python bench/qat_lightning.py --widths 1024,4096 --accelerator gpu   # on a GPU: each step's span synchronised
     python bench/qat_lightning.py --widths 512,1024 --no-peers   # ours only
+    python bench/qat_lightning.py --widths 512,1024 --no-peers --compile   # trainer.fit(torch.compile(module))
 
 Peers in the same rounds (``--no-peers`` leaves them out), the same MLP, fit, optimizer and timing:
 
@@ -170,8 +171,9 @@ class _StepStart(Callback):
         self.timer._start = time.perf_counter()
 
 
-#: ``--accelerator``: where the fits run (Lightning's name: cpu, gpu)
+#: ``--accelerator``: where the fits run (Lightning's name: cpu, gpu); ``--compile``: every module under torch.compile
 ACCELERATOR = {"name": "cpu"}
+COMPILE = {"on": False}
 
 
 def fit(width: int, config: dict[str, Any] | None, steps: int, seed: int = 0, peer: str | None = None) -> list[float]:
@@ -196,6 +198,10 @@ def fit(width: int, config: dict[str, Any] | None, steps: int, seed: int = 0, pe
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )
+    if COMPILE["on"]:  # the user's own torch.compile of the module, FP32 and QAT alike, each fit compiled afresh
+        torch._dynamo.reset()
+        trainer.fit(torch.compile(module), DataLoader(data, batch_size=32, shuffle=True))
+        return timer.times
     trainer.fit(module, DataLoader(data, batch_size=32, shuffle=True))
     return timer.times
 
@@ -251,7 +257,8 @@ def sweep(
         f"{torch.get_num_threads()} CPU threads"
     )
     device = torch.device("cuda" if ACCELERATOR["name"] == "gpu" else "cpu")
-    print(f"# on {describe(device)}; copy bandwidth {copy_bandwidth(device):.0f} GB/s")
+    compiled = "; every module under torch.compile" if COMPILE["on"] else ""
+    print(f"# on {describe(device)}; copy bandwidth {copy_bandwidth(device):.0f} GB/s{compiled}")
     print("| width | FP32 ms | " + " | ".join(f"{n} on | {n} off | **{n} half**" for n in names) + " |")
     print("|---|---|" + "---|---|---|" * len(names))
     for row in rows:
@@ -280,10 +287,17 @@ def main() -> None:
         "--no-peers", action="store_true", help=f"leave out the peers {', '.join(PEERS)} (see the module docstring)"
     )
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="Lightning's accelerator")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="fit torch.compile(module) for every contender, FP32 included (the compile and the observer switch's "
+        "recompile fall in the left-out first batches of each half)",
+    )
     args = parser.parse_args()
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         parser.error(f"--accelerator gpu: torch {torch.__version__} sees no CUDA device here")
     ACCELERATOR["name"] = args.accelerator
+    COMPILE["on"] = args.compile
     if args.steps < 2 * args.skip + 4:
         parser.error(f"--steps {args.steps} leaves too few batches after --skip {args.skip} in each half")
     keep_freed_memory()  # as train.py does
