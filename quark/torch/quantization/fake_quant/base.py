@@ -89,8 +89,13 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         return dict(self.__dict__.get("_flag_values", {}))
 
     def restore_flag_values(self, values: dict[str, int]) -> None:
-        """Take back host-side flag values from ``flag_values``, after the flag buffers themselves were written back."""
-        self.__dict__["_flag_values"] = dict(values)
+        """Take back host-side flag values from ``flag_values``, after the flag buffers themselves were written back
+        (in place: a compiled graph guards these very values)."""
+        known = self.__dict__.get("_flag_values", {})
+        for name in [n for n in known if n not in values]:  # unknown before: unknown again (read when next asked)
+            del known[name]
+        for name, value in values.items():
+            self._note_flag(name, value)
 
     def copy_flag(self, name: str, source: FakeQuantizeBase) -> None:
         """Flag ``name`` set as ``source``'s (the buffer copied on its device, no host read; the host-side value too)."""
