@@ -91,7 +91,7 @@ def paused_quantizers(
         for q, (observe, quantize, values) in zip(quantizers, saved, strict=True):
             q.observer_enabled.copy_(observe)
             q.fake_quant_enabled.copy_(quantize)
-            q.restore_flag_values(values)
+            q.restore_flag_values(values, ("observer_enabled", "fake_quant_enabled"))
 
 
 def _switch(

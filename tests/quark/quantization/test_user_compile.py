@@ -222,3 +222,39 @@ def test_an_invalid_learned_threshold_in_a_compiled_forward_is_raised_after_the_
     compiled(torch.randn(4, 64))  # no host read in the graph
     with pytest.raises(ValueError, match=r"fc1.*step size"):
         model.fc1._weight_quantizer.read_late_checks()
+
+
+def test_a_pause_keeps_the_qparams_it_fixed_for_the_compiled_model() -> None:
+    """``paused_quantizers`` (a report, a validation pass) fixes the qparams of a calibration run with fake quant off
+    (``initialized`` set inside it) and writes back only the two switches: the compiled model sees the qparams."""
+    model = _prepared("int8").eval()
+    for q in _quantizers(model):
+        q.enable_fake_quant(False)
+    with torch.no_grad():
+        model(torch.randn(16, 64))  # calibration, in float
+    with paused_quantizers(model):
+        pass
+    for q in _quantizers(model):
+        q.enable_observer(False)
+        q.enable_fake_quant(True)
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 64)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), eager(x))
+
+
+def test_statistics_made_under_inference_mode_train_on_compiled() -> None:
+    """A validation pass under ``inference_mode`` first makes the running statistics inference tensors: the compiled
+    training forward folds into them out of place, as the eager one rebinds them."""
+    first = torch.randn(4, 64)
+    eager, model = _prepared("int8"), _prepared("int8")  # the same weights (not a deepcopy: it would copy out)
+    with torch.inference_mode():
+        eager(first)
+        model(first)
+    assert model.fc1._weight_quantizer.observer.min_val.is_inference()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x = torch.randn(4, 64)
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+    for a, b in zip(_statistics(model), _statistics(eager), strict=True):
+        assert torch.equal(a, b)

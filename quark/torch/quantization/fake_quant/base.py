@@ -88,14 +88,15 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         """A copy of the host-side flag values (``flag``), to be given back with ``restore_flag_values``."""
         return dict(self.__dict__.get("_flag_values", {}))
 
-    def restore_flag_values(self, values: dict[str, int]) -> None:
-        """Take back host-side flag values from ``flag_values``, after the flag buffers themselves were written back
-        (in place: a compiled graph guards these very values)."""
+    def restore_flag_values(self, values: dict[str, int], names: tuple[str, ...]) -> None:
+        """Take back the host-side values of flags ``names`` from ``flag_values``, after those flag buffers themselves
+        were written back (the other flags keep their current values; in place: a compiled graph guards them)."""
         known = self.__dict__.get("_flag_values", {})
-        for name in [n for n in known if n not in values]:  # unknown before: unknown again (read when next asked)
-            del known[name]
-        for name, value in values.items():
-            self._note_flag(name, value)
+        for name in names:
+            if name in values:
+                self._note_flag(name, values[name])
+            else:  # unknown before: unknown again (read when next asked)
+                known.pop(name, None)
 
     def copy_flag(self, name: str, source: FakeQuantizeBase) -> None:
         """Flag ``name`` set as ``source``'s (the buffer copied on its device, no host read; the host-side value too)."""
@@ -193,7 +194,7 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         if value is None:
             value = int(bool(buf))
             self._remember_flag(name, buf, value)  # type: ignore[arg-type]
-            self._note_flag(name, value)
+        self._note_flag(name, value)
         return bool(value)
 
     def set_flag(self, name: str, value: int) -> None:

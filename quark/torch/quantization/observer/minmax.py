@@ -62,12 +62,14 @@ class UniformScalingObserver(ObserverBase):
         min_val, max_val = min_val.float(), max_val.float()  # float64 past float32's range becomes inf: refused
         min_val, max_val = self.refuse_non_finite((float("inf"), float("-inf")), min_val, max_val)
         self.model_dtype = x.dtype
+        if torch.compiler.is_compiling():  # dynamo cannot trace ``is_inference`` (below): always rebind, out of place
+            same = self.min_val.shape == min_val.shape and not self.is_dynamic
+            self.min_val = torch.minimum(self.min_val, min_val) if same else min_val.clone()
+            self.max_val = torch.maximum(self.max_val, max_val) if same else max_val.clone()
+            return
         # first statistics of this shape (e.g. per channel, or per token: the shape follows the batch), or buffers
-        # made under inference_mode (a validation loop) now updated outside it (in-place is not allowed): rebind.
-        # (dynamo cannot trace ``is_inference``: inside torch.compile, in place)
-        stale = (
-            not torch.compiler.is_compiling() and self.min_val.is_inference() and not torch.is_inference_mode_enabled()
-        )
+        # made under inference_mode (a validation loop) now updated outside it (in-place is not allowed): rebind
+        stale = self.min_val.is_inference() and not torch.is_inference_mode_enabled()
         if self.min_val.shape != min_val.shape or stale:
             self.min_val, self.max_val = min_val.clone(), max_val.clone()
         elif self.is_dynamic:
