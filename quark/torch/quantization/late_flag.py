@@ -44,12 +44,10 @@ class LateFlag:
         """Queue ``flag`` (a tensor holding one bool) and say whether any flag read so far was True: on the CPU that is
         ``flag`` itself; on CUDA those queued earlier whose copy has completed (``flag`` too, if the device is idle).
         Inside ``torch.compile``: False, ``flag`` folded into the traced flags, which the next eager call reads."""
-        flag = flag.reshape(())
+        flag, traced = flag.reshape(()), self._traced
         if torch.compiler.is_compiling():
-            traced = self.__dict__.get("_traced")
             self._traced = flag if traced is None else traced | flag
             return False
-        traced = self.__dict__.get("_traced")
         if traced is not None:
             self._traced = None
             flag = flag | traced.to(flag.device)
@@ -62,18 +60,15 @@ class LateFlag:
     def failed(self, ok: torch.Tensor) -> bool:
         """``raised`` of a check that passes where ``ok`` (a tensor holding one bool) is True: on the CPU ``not
         bool(ok)`` (no op for the negation), on CUDA the negation queued."""
-        if not defers(ok.device) and self.__dict__.get("_traced") is None:
+        if not defers(ok.device) and self._traced is None:
             return not bool(ok)
         return self.raised(~ok)
 
     def read_traced(self) -> bool:
         """Whether a compiled forward's flag was True since the last read (read now, then cleared): eager callers that
         check a batch themselves ask this first."""
-        traced = self.__dict__.get("_traced")
-        if traced is None:
-            return False
-        self._traced = None
-        return bool(traced)
+        traced, self._traced = self._traced, None
+        return traced is not None and bool(traced)
 
     def _drain(self) -> bool:
         """Read the completed copies, oldest first (waiting for the oldest while more than ``MAX_PENDING`` wait)."""

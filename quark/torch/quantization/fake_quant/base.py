@@ -182,18 +182,14 @@ class FakeQuantizeBase(ResizableBuffersMixin, nn.Module):
         if torch.compiler.is_compiling():
             known = self.__dict__.get("_flag_values", {}).get(name)
             return bool(buf) if known is None else bool(known)  # (unknown: read, a graph break)
-        if buf.is_cpu and self._read_cpu_flags:  # type: ignore[union-attr]
+        # read directly on the CPU, and where there is no version counter (an inference tensor); else through the memo
+        if (buf.is_cpu and self._read_cpu_flags) or buf.is_inference():  # type: ignore[union-attr]
             value = int(bool(buf))
-            self._note_flag(name, value)
-            return bool(value)
-        if buf.is_inference():  # type: ignore[union-attr]  # (no version counter)
-            value = int(bool(buf))
-            self._note_flag(name, value)
-            return bool(value)
-        value = self._known_flag(name, buf)  # type: ignore[arg-type]
-        if value is None:
-            value = int(bool(buf))
-            self._remember_flag(name, buf, value)  # type: ignore[arg-type]
+        else:
+            value = self._known_flag(name, buf)  # type: ignore[arg-type]
+            if value is None:
+                value = int(bool(buf))
+                self._remember_flag(name, buf, value)  # type: ignore[arg-type]
         self._note_flag(name, value)
         return bool(value)
 
