@@ -9,6 +9,7 @@ width 512, QAT under ``torch.compile`` took 1.86x (observers off) and 2.58x (on)
     python bench/qat_compiled.py                      # widths 512, 1024; int8, fp8 and MX
     python bench/qat_compiled.py --widths 512 --formats int8 --rounds 5
     python bench/qat_compiled.py --widths 512,1024 --formats tqt   # TQT (learned thresholds)
+    python bench/qat_compiled.py --widths 1024 --bounds   # + the floor and torch clamp (qat_overhead.BOUND_LAYERS)
 
 Each contender is built, warmed up (``--warmup`` steps, its compile included) and then timed ``--steps`` steps per
 round, contenders interleaved (order reversed every other round); x FP32 is the median over rounds of per-round
@@ -32,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W4A8_TQT, W8A8  # noqa: E402
+from bench.qat_overhead import BOUND_LAYERS, FP8_W8A8, MLP, MX_W4A8, W4A8_TQT, W8A8, bounded  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.compat import dynamo_recompile_limit  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
@@ -43,13 +44,20 @@ FORMATS = {"int8": W8A8, "fp8": FP8_W8A8, "mx": MX_W4A8, "tqt": W4A8_TQT}
 
 
 def _contender(
-    base: nn.Module, config: dict | None, observe: bool, compiled: bool, batch: tuple[torch.Tensor, torch.Tensor]
+    base: nn.Module,
+    config: dict | str | None,
+    observe: bool,
+    compiled: bool,
+    batch: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[Callable[[], None], int]:
-    """A training step of a copy of ``base`` (quantized with ``config`` unless None, observers ``observe``), under
-    ``torch.compile`` if ``compiled``; and the graph breaks its compile counted."""
+    """A training step of a copy of ``base`` (quantized with ``config`` unless None, observers ``observe``; a
+    ``BOUND_LAYERS`` name: float with that bound's layers), under ``torch.compile`` if ``compiled``; and the graph
+    breaks its compile counted."""
     x, y = batch
     model = copy.deepcopy(base).train()
-    if config is not None:
+    if isinstance(config, str):
+        model = bounded(model, config)
+    elif config is not None:
         model = ModelQuantizer(config).prepare(model)
         with torch.no_grad():
             model(x)  # calibrated: every quantizer has qparams
@@ -81,6 +89,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per contender per round")
     parser.add_argument("--warmup", type=int, default=200, help="untimed steps per contender first")
+    parser.add_argument(
+        "--bounds", action="store_true", help=f"also the bounds {', '.join(BOUND_LAYERS)} (qat_overhead.BOUND_LAYERS)"
+    )
     args = parser.parse_args()
     formats = args.formats.split(",")
     unknown = sorted(set(formats) - set(FORMATS))
@@ -98,7 +109,10 @@ def main() -> None:
         base = MLP(width)
         steps: dict[str, Callable[[], None]] = {}
         breaks: dict[str, int] = {}
-        names = [("fp32", None, False)] + [(f"{f} {o}", FORMATS[f], o == "on") for f in formats for o in ("on", "off")]
+        names: list[tuple[str, dict | str | None, bool]] = [("fp32", None, False)]
+        names += [(f"{f} {o}", FORMATS[f], o == "on") for f in formats for o in ("on", "off")]
+        if args.bounds:
+            names += [(bound, bound, False) for bound in BOUND_LAYERS]
         for compiled in (False, True):
             for name, config, observe in names:
                 key = f"{name}{' compiled' if compiled else ''}"

@@ -18,8 +18,19 @@ least favourable to QAT a fit gives.
     python bench/qat_lightning.py --widths 1024 --rounds 3 --steps 60   # quicker
     python bench/qat_lightning.py --widths 512,1024,4096 --rounds 5 --graphs   # + int8 without direct kernels
     python bench/qat_lightning.py --widths 1024,4096 --accelerator gpu   # on a GPU: each step's span synchronised
-    python bench/qat_lightning.py --widths 512,1024 --no-peers   # ours only
+    python bench/qat_lightning.py --widths 512,1024 --no-peers   # ours and the bounds
     python bench/qat_lightning.py --widths 512,1024 --no-peers --compile   # trainer.fit(torch.compile(module))
+
+Bounds in the same rounds (``--no-bounds`` leaves them out), the same MLP, fit, optimizer and timing, every Linear
+wrapped as ``qat_overhead.BOUND_LAYERS`` says (all in C++, no Python per layer, no rounding):
+
+- ``floor``: the memory traffic fake quantization cannot go under and nothing else: each weight times a per-row
+  vector of ones (forward: read W, write a W-sized tensor; backward: read the gradient, write one), each input
+  times a scalar one. A straight-through quantizer also reads W in its backward (the clipping mask), so none
+  reaches this bound.
+- ``torch clamp``: the cheapest straight-through quantizer PyTorch's own ops give: each weight and input through
+  ``clamp`` to the float32 range (``ClampBackward`` masks the gradient by the input): a real fake quantizer's
+  memory traffic, less its arithmetic.
 
 Peers in the same rounds (``--no-peers`` leaves them out), the same MLP, fit, optimizer and timing:
 
@@ -52,7 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.device import copy_bandwidth, describe, sync  # noqa: E402
-from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8, _AOWrapper  # noqa: E402
+from bench.qat_overhead import BOUND_LAYERS, FP8_W8A8, MLP, MX_W4A8, W8A8, _AOWrapper, bounded  # noqa: E402
 from callbacks import QuantCallback  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
 from quark.torch.quantization.formats import kernel_cache  # noqa: E402
@@ -64,6 +75,8 @@ GRAPHS = "int8 W8A8, graphs"
 #: the peers (module docstring): PyTorch's fused kernels at fixed qparams, and torch.ao's QAT
 TORCH_FUSED, TORCH_AO = "torch fused", "torch.ao"
 PEERS = (TORCH_FUSED, TORCH_AO)
+#: the bounds in the same fits (module docstring, ``qat_overhead.BOUND_LAYERS``): ``--no-bounds`` leaves them out
+BOUNDS = tuple(BOUND_LAYERS)
 
 
 class TorchFusedLinear(nn.Module):
@@ -128,6 +141,8 @@ class MLPModule(LightningModule):
         model = MLP(width)
         if peer == TORCH_FUSED:
             model = torch_fused(model, torch.rand(32, 1024))
+        elif peer in BOUNDS:
+            model = bounded(model, peer)
         elif peer == TORCH_AO:
             model = torch_ao(model)
         self.model = model
@@ -214,7 +229,7 @@ def _halves(times: list[float], skip: int) -> tuple[float, float]:
 
 def _fit_as(name: str, config: dict[str, Any] | None, width: int, steps: int) -> list[float]:
     """``fit`` for contender ``name``: the ``GRAPHS`` contender's kernels take their graphs, not direct kernels."""
-    if name in PEERS:
+    if name in (*PEERS, *BOUNDS):
         return fit(width, None, steps, peer=name)
     if name != GRAPHS:
         return fit(width, config, steps)
@@ -227,9 +242,18 @@ def _fit_as(name: str, config: dict[str, Any] | None, width: int, steps: int) ->
 
 
 def sweep(
-    widths: list[int], rounds: int, steps: int, skip: int, warmup_steps: int, graphs: bool = False, peers: bool = True
+    widths: list[int],
+    rounds: int,
+    steps: int,
+    skip: int,
+    warmup_steps: int,
+    graphs: bool = False,
+    peers: bool = True,
+    bounds: bool = True,
 ) -> None:
     contenders: dict[str, dict[str, Any] | None] = {**CONTENDERS, GRAPHS: W8A8} if graphs else dict(CONTENDERS)
+    if bounds:
+        contenders.update(dict.fromkeys(BOUNDS))
     if peers:
         contenders.update(dict.fromkeys(PEERS))
     rows = []
@@ -248,8 +272,16 @@ def sweep(
             off = [b / ((f + g) / 2) for (_, b), (f, g) in zip(per_round[name], fp32, strict=True)]
             row[f"{name} on"], row[f"{name} off"] = statistics.median(on), statistics.median(off)
             row[f"{name} half"] = statistics.median((a + b) / 2 for a, b in zip(on, off, strict=True))
+        if bounds:  # each contender over the floor fitted in the same round, and the floor's own spread over FP32
+            bound = [(a + b) / 2 for a, b in per_round["floor"]]
+            halves = [(f + g) / 2 for f, g in fp32]
+            spread = [b / h for b, h in zip(bound, halves, strict=True)]
+            row["floor range"] = (min(spread), max(spread))
+            for name in [n for n in contenders if n not in ("fp32", "floor")]:
+                mean = [(a + b) / 2 for a, b in per_round[name]]
+                row[f"{name} x floor"] = statistics.median(m / b for m, b in zip(mean, bound, strict=True))
         rows.append(row)
-        print("# " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        print("# " + ", ".join(f"{k} {_cell(v)}" for k, v in row.items()))
     names = list(contenders)[1:]
     print(
         f"\n# QAT step / FP32 step under Trainer.fit, MLP 1024 -> width -> 1024 -> 10, batch 32, Adam; {rounds} rounds "
@@ -264,6 +296,24 @@ def sweep(
     for row in rows:
         cells = " | ".join(f"{row[f'{n} on']:.2f} | {row[f'{n} off']:.2f} | **{row[f'{n} half']:.2f}**" for n in names)
         print(f"| {row['width']} | {row['fp32 ms']:.1f} | {cells} |")
+    if bounds:
+        over = [n for n in contenders if n not in ("fp32", "floor")]
+        print("\n# step time (both halves) over the floor's in the same round; the floor's own ratio to FP32 per round")
+        print("| width | floor x FP32, lowest-highest round | " + " | ".join(f"{n} x floor" for n in over) + " |")
+        print("|---|---|" + "---|" * len(over))
+        for row in rows:
+            low, high = row["floor range"]
+            cells = " | ".join(f"{row[f'{n} x floor']:.2f}" for n in over)
+            print(f"| {row['width']} | {low:.2f}-{high:.2f} | {cells} |")
+
+
+def _cell(value: Any) -> str:
+    """A row value for the progress line: floats to two places, a (low, high) pair as a range."""
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, tuple):
+        return f"{value[0]:.2f}-{value[1]:.2f}"
+    return str(value)
 
 
 def main() -> None:
@@ -286,6 +336,7 @@ def main() -> None:
     parser.add_argument(
         "--no-peers", action="store_true", help=f"leave out the peers {', '.join(PEERS)} (see the module docstring)"
     )
+    parser.add_argument("--no-bounds", action="store_true", help=f"leave out the bounds {', '.join(BOUNDS)}")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="Lightning's accelerator")
     parser.add_argument(
         "--compile",
@@ -305,7 +356,16 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("quark").setLevel(logging.WARNING)
     widths = [int(w) for w in args.widths.split(",")]
-    sweep(widths, args.rounds, args.steps, args.skip, args.warmup_steps, args.graphs, not args.no_peers)
+    sweep(
+        widths,
+        args.rounds,
+        args.steps,
+        args.skip,
+        args.warmup_steps,
+        args.graphs,
+        not args.no_peers,
+        not args.no_bounds,
+    )
 
 
 if __name__ == "__main__":

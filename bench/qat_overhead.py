@@ -140,6 +140,52 @@ class MLP(nn.Module):
         return self.head(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
 
 
+class FloorLinear(nn.Module):
+    """``nn.Linear`` with the memory traffic fake quantization cannot go under and nothing else: its weight times a
+    per-row vector of ones (forward: read W, write a W-sized tensor; backward: read the gradient, write one) and its
+    input times a scalar one, the same values as float, all torch's C++ ``mul`` and ``MulBackward``. A
+    straight-through quantizer also reads W in its backward (the clipping mask), so none reaches this bound."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.register_buffer("w_ones", torch.ones(linear.weight.shape[0], 1, device=linear.weight.device))
+        self.register_buffer("x_one", torch.ones((), device=linear.weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x * self.x_one, self.weight * self.w_ones, self.bias)
+
+
+class ClampLinear(nn.Module):
+    """``nn.Linear`` with its weight and input through torch's ``clamp`` to the float32 range (the same values): the
+    cheapest straight-through quantizer PyTorch's own C++ ops give (``ClampBackward`` masks the gradient by the
+    input, as a fake quantizer's clipping mask), with a real one's memory traffic and no rounding."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.limit = torch.finfo(torch.float32).max
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.clamp(-self.limit, self.limit), self.weight.clamp(-self.limit, self.limit), self.bias)
+
+
+#: the bounds fitted beside the quantized models (``bounded``): the floor no fake quantizer reaches, and PyTorch's own
+#: C++ straight-through ops at a fake quantizer's memory traffic
+BOUND_LAYERS: dict[str, type[nn.Module]] = {"floor": FloorLinear, "torch clamp": ClampLinear}
+
+
+def bounded(model: nn.Module, bound: str) -> nn.Module:
+    """``model`` (in place) with every ``nn.Linear`` wrapped as ``BOUND_LAYERS[bound]``."""
+    wrap = BOUND_LAYERS[bound]
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, wrap(child))
+        else:
+            bounded(child, bound)
+    return model
+
+
 class LlamaBlock(nn.Module):
     """One LLaMA-style decoder block, written as users write it: RMSNorm -> causal self-attention (q/k/v/o
     projections, scaled_dot_product_attention) -> residual -> RMSNorm -> SwiGLU MLP (gate/up/down) -> residual, then

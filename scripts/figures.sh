@@ -40,8 +40,8 @@ FIGURES=(
   "full|performance (QAT step, MLP / LLaMA block / CNN)|15 min|for m in mlp llama cnn; do $PY bench/qat_overhead.py --model \$m; done"
   "full|performance (qat_overhead_width.png)|10 min|$PY bench/qat_overhead.py --widths 256,512,1024,2048,4096 --rounds 11 --plot docs/qat_overhead_width.png"
   "full|performance (attention and LSTM)|2 min|$PY bench/attention_rnn.py"
-  "full|performance (QAT under Trainer.fit, with peers)|25 min|$PY bench/qat_lightning.py --widths 256,512,1024,2048,4096 --rounds 5"
-  "full|performance (QAT under the user's torch.compile)|12 min|$PY bench/qat_compiled.py"
+  "full|performance (QAT under Trainer.fit, with the bounds and peers)|35 min|$PY bench/qat_lightning.py --widths 256,512,1024,2048,4096 --rounds 5"
+  "full|performance (QAT under the user's torch.compile, with the bounds)|16 min|$PY bench/qat_compiled.py --bounds"
 )
 # Not regenerated here: the GPTQ/AWQ speed tables against amd-quark (bench/gptq_speed.py, bench/awq_speed.py need
 # amd-quark 0.13 in its own venv, see their docstrings) and the CUDA checks (an H100).
