@@ -63,7 +63,16 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.device import copy_bandwidth, describe, sync  # noqa: E402
-from bench.qat_overhead import BOUND_LAYERS, FP8_W8A8, MLP, MX_W4A8, W8A8, _AOWrapper, bounded  # noqa: E402
+from bench.qat_overhead import (  # noqa: E402
+    BOUND_LAYERS,
+    FLOOR_BOUND,
+    FP8_W8A8,
+    MLP,
+    MX_W4A8,
+    W8A8,
+    _AOWrapper,
+    bounded,
+)
 from callbacks import QuantCallback  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
 from quark.torch.quantization.formats import kernel_cache  # noqa: E402
@@ -256,6 +265,8 @@ def sweep(
         contenders.update(dict.fromkeys(BOUNDS))
     if peers:
         contenders.update(dict.fromkeys(PEERS))
+    #: the contenders timed over the floor (``bounds``): every one but FP32 and the floor itself
+    over = [n for n in contenders if n not in ("fp32", FLOOR_BOUND)]
     rows = []
     for width in widths:
         for config in CONTENDERS.values():
@@ -273,11 +284,11 @@ def sweep(
             row[f"{name} on"], row[f"{name} off"] = statistics.median(on), statistics.median(off)
             row[f"{name} half"] = statistics.median((a + b) / 2 for a, b in zip(on, off, strict=True))
         if bounds:  # each contender over the floor fitted in the same round, and the floor's own spread over FP32
-            bound = [(a + b) / 2 for a, b in per_round["floor"]]
+            bound = [(a + b) / 2 for a, b in per_round[FLOOR_BOUND]]
             halves = [(f + g) / 2 for f, g in fp32]
             spread = [b / h for b, h in zip(bound, halves, strict=True)]
             row["floor range"] = (min(spread), max(spread))
-            for name in [n for n in contenders if n not in ("fp32", "floor")]:
+            for name in over:
                 mean = [(a + b) / 2 for a, b in per_round[name]]
                 row[f"{name} x floor"] = statistics.median(m / b for m, b in zip(mean, bound, strict=True))
         rows.append(row)
@@ -297,7 +308,6 @@ def sweep(
         cells = " | ".join(f"{row[f'{n} on']:.2f} | {row[f'{n} off']:.2f} | **{row[f'{n} half']:.2f}**" for n in names)
         print(f"| {row['width']} | {row['fp32 ms']:.1f} | {cells} |")
     if bounds:
-        over = [n for n in contenders if n not in ("fp32", "floor")]
         print("\n# step time (both halves) over the floor's in the same round; the floor's own ratio to FP32 per round")
         print("| width | floor x FP32, lowest-highest round | " + " | ".join(f"{n} x floor" for n in over) + " |")
         print("|---|---|" + "---|" * len(over))

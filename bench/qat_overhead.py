@@ -172,7 +172,8 @@ class ClampLinear(nn.Module):
 
 #: the bounds fitted beside the quantized models (``bounded``): the floor no fake quantizer reaches, and PyTorch's own
 #: C++ straight-through ops at a fake quantizer's memory traffic
-BOUND_LAYERS: dict[str, type[nn.Module]] = {"floor": FloorLinear, "torch clamp": ClampLinear}
+FLOOR_BOUND = "floor"
+BOUND_LAYERS: dict[str, type[nn.Module]] = {FLOOR_BOUND: FloorLinear, "torch clamp": ClampLinear}
 
 
 def bounded(model: nn.Module, bound: str) -> nn.Module:
