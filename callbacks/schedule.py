@@ -6,7 +6,7 @@ import itertools
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -23,6 +23,7 @@ from quark.torch.algorithm.sensitivity import average_bits, mixed_precision_conf
 from quark.torch.quantization.api import format_plans, run_batch
 from quark.torch.quantization.distributed import flags_across_ranks, sync_observers, sync_quantizers
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
+from quark.torch.quantization.observer import ObserverResets
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -48,14 +49,23 @@ def module_tree_generation() -> int:
     return _tree_changes
 
 
-def _walk_quantizers(pl_module: nn.Module) -> tuple[list[FakeQuantizeBase], list[tuple[FakeQuantizeBase, bool]]]:
-    """What the QAT schedule sets per batch: (the TQT / LSQ quantizers of ``pl_module``, the other static ones with
-    whether each takes a weight or bias)."""
+class _Walk(NamedTuple):
+    """What the QAT schedule sets per batch, from one walk over the module (``_walk_quantizers``)."""
+
+    #: the TQT / LSQ quantizers
+    learnables: list[FakeQuantizeBase]
+    #: the other static quantizers, with whether each takes a weight or bias
+    observed: list[tuple[FakeQuantizeBase, bool]]
+    #: the weight and bias quantizers' observers, reset before each warm-up batch (their range is the current one)
+    weight_resets: ObserverResets
+
+
+def _walk_quantizers(pl_module: nn.Module) -> _Walk:
+    """``_Walk`` of ``pl_module``."""
     static = [(role, q) for role, q in iter_quantizers(pl_module) if not q.is_dynamic]
-    return (
-        [q for _, q in static if is_learnable(q)],
-        [(q, role in ("weight", "bias")) for role, q in static if not is_learnable(q)],
-    )
+    observed = [(q, role in ("weight", "bias")) for role, q in static if not is_learnable(q)]
+    observers = [o for q, weight in observed if weight and (o := getattr(q, "observer", None)) is not None]
+    return _Walk([q for _, q in static if is_learnable(q)], observed, ObserverResets(observers))
 
 
 class QuantSchedule:
@@ -90,13 +100,12 @@ class QuantSchedule:
             return  # after the warm-up only TQT / LSQ quantizers change per batch, and this module's last scan found none
         if observing:
             self._pending = []  # a new warm-up (a later fit) observes everything again
-        learnables, observed = self._quantizers_now(trainer, pl_module)
+        learnables, observed, weight_resets = self._quantizers_now(trainer, pl_module)
         for q in learnables:
             q.enable_observer(not is_ready(q))  # TQT / LSQ: initialise on the first batch, then learn
         if observing:
-            for q, weight in observed:
-                if weight and (observer := getattr(q, "observer", None)) is not None:
-                    observer.reset_state()  # weights move every step: their range is the current one
+            weight_resets()  # weights move every step: their range is the current one
+            for q, _ in observed:
                 q.enable_observer(True)
         learnable = bool(learnables)
         if self._observing and not observing:
@@ -105,9 +114,7 @@ class QuantSchedule:
         self._learnable_seen = (weakref.ref(pl_module), learnable)  # a walk over every module per batch is not free
         self._observing = observing
 
-    def _quantizers_now(
-        self, trainer: Trainer, pl_module: LightningModule
-    ) -> tuple[list[FakeQuantizeBase], list[tuple[FakeQuantizeBase, bool]]]:
+    def _quantizers_now(self, trainer: Trainer, pl_module: LightningModule) -> _Walk:
         """The quantizers the per-batch schedule sets (``_walk_quantizers``), from a walk kept while the module tree
         is unchanged (``module_tree_generation``), within one epoch of one fit: inside ``Trainer.fit`` a walk per
         batch and its checks cost more than the settings (width-512 MLP, 6 quantizers: 176 -> 97 us a warm-up

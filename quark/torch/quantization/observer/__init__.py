@@ -5,6 +5,7 @@ from quark.torch.quantization.observer.observer import (
     OBSERVER_MAP,
     LSQObserver,
     ObserverBase,
+    ObserverResets,
     PerBlock2DMinMaxObserver,
     PerBlockBFPObserver,
     PerBlockMXObserver,
@@ -21,6 +22,7 @@ from quark.torch.quantization.observer.observer import (
     PlaceholderObserver,
     TQTObserver,
     UniformScalingObserver,
+    reset_observers,
 )
 from quark.torch.quantization.observer.registry import observer_class, observer_names, register_observer
 
@@ -30,6 +32,8 @@ __all__ = [
     "observer_class",
     "observer_names",
     "register_observer",
+    "reset_observers",
+    "ObserverResets",
     "ObserverBase",
     "PlaceholderObserver",
     "UniformScalingObserver",

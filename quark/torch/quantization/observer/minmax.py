@@ -181,22 +181,38 @@ class UniformScalingObserver(ObserverBase):
             self.max_val = torch.full(shape, float("-inf"), device=self.max_val.device)
 
     def reset_min_max_vals(self) -> None:
-        """Resets the min/max values (+inf / -inf: no statistics). Statistics that have a shape keep it, filled in
-        place: QAT's warm-up resets a weight's observer before every batch (``QuantCallback``), and the quantizer's
-        fused observe pass serves only statistics of the input's shape (per channel at width 1024 under
-        ``Trainer.fit``: 1.43x FP32 with a scalar placeholder, which takes the step-by-step path). Buffers made under
-        ``inference_mode`` cannot be written outside it: those are replaced."""
-        mn, mx = self.min_val, self.max_val
-        if mn.ndim and mn.shape == mx.shape and not (mn.is_inference() or mx.is_inference()):
+        """Resets the min/max values (+inf / -inf: no statistics), filled in place where ``reset_fills`` says so, so
+        the statistics keep their shape and their tensors: QAT's warm-up resets a weight's observer before every
+        batch (``QuantCallback``), and the quantizer's fused observe pass serves only statistics of the input's shape
+        (per channel at width 1024 under ``Trainer.fit``: 1.43x FP32 with a scalar placeholder, which takes the
+        step-by-step path). Buffers made under ``inference_mode`` cannot be written outside it: those are replaced."""
+        if self._fills() is not None:
             with torch.no_grad():
-                mn.fill_(float("inf"))
-                mx.fill_(float("-inf"))
+                self.min_val.fill_(float("inf"))
+                self.max_val.fill_(float("-inf"))
             return
-        self.min_val = torch.tensor(float("inf"), device=mn.device)
-        self.max_val = torch.tensor(float("-inf"), device=mx.device)
+        self.min_val = torch.tensor(float("inf"), device=self.min_val.device)
+        self.max_val = torch.tensor(float("-inf"), device=self.max_val.device)
 
     def reset_state(self) -> None:
         self.reset_min_max_vals()
+
+    def reset_fills(self) -> tuple[tuple[str, float], ...] | None:
+        """The two in-place fills of ``reset_min_max_vals``; None where the buffers are replaced instead, or where a
+        subclass resets more than the statistics."""
+        cls = type(self)
+        if cls.reset_state is not UniformScalingObserver.reset_state or (
+            cls.reset_min_max_vals is not UniformScalingObserver.reset_min_max_vals
+        ):
+            return None
+        return self._fills()
+
+    def _fills(self) -> tuple[tuple[str, float], ...] | None:
+        """The statistics' fills, where they can be written in place (the same shape, not inference tensors)."""
+        mn, mx = self.min_val, self.max_val
+        if mn.shape != mx.shape or mn.is_inference() or mx.is_inference():
+            return None
+        return (("min_val", float("inf")), ("max_val", float("-inf")))
 
     def extra_repr(self) -> str:
         return f"dtype={self.dtype.name}, symmetric={self.symmetric}, dynamic={self.is_dynamic}"

@@ -24,7 +24,9 @@ from quark.torch.quantization.observer.base import (
     PlaceholderObserver,
     channel_minmax,
     group_minmax,
+    ObserverResets,
     minmax_qparams,
+    reset_observers,
 )
 from quark.torch.quantization.observer.minmax import (
     PerBlock2DMinMaxObserver,
@@ -77,6 +79,9 @@ __all__ = [
     "channel_minmax",
     "group_minmax",
     "MinMaxPlan",
+    # many observers reset at once (QAT's per-batch weight reset)
+    "reset_observers",
+    "ObserverResets",
 ]
 
 register_observer(ObserverBase)  # the base too, as amd-quark's ``observer_cls`` type
