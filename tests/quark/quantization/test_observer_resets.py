@@ -16,18 +16,32 @@ from quark.torch.quantization.observer import (
     ObserverResets,
     PerChannelMinMaxObserver,
     PerChannelPowOf2MinMaxObserver,
+    PerTensorHistogramObserver,
+    PerTensorHistogramObserverPro,
     PerTensorMinMaxObserver,
+    PerTensorMSEObserver,
+    PerTensorPercentileObserver,
     reset_observers,
 )
 
 
 def _observers() -> list:
-    """A per-tensor int8, a per-channel int8, a per-tensor fp8 and a power-of-two per-channel observer."""
+    """A per-tensor int8, a per-channel int8, a per-tensor fp8 and a power-of-two per-channel observer, then the
+    histogram family (their resets do more than fills)."""
     per_tensor = int_spec()
     per_channel = int_spec(qscheme=QSchemeType.per_channel, observer_cls=PerChannelMinMaxObserver, ch_axis=0)
     fp8 = QuantizationSpec(dtype=Dtype.fp8_e4m3, qscheme=QSchemeType.per_tensor, observer_cls=PerTensorMinMaxObserver)
     pow2 = int_spec(qscheme=QSchemeType.per_channel, observer_cls=PerChannelPowOf2MinMaxObserver, ch_axis=0)
-    return [spec.observer_cls(spec) for spec in (per_tensor, per_channel, fp8, pow2)]
+    histograms = [
+        int_spec(observer_cls=cls)
+        for cls in (
+            PerTensorHistogramObserver,
+            PerTensorHistogramObserverPro,
+            PerTensorPercentileObserver,
+            PerTensorMSEObserver,
+        )
+    ]
+    return [spec.observer_cls(spec) for spec in (per_tensor, per_channel, fp8, pow2, *histograms)]
 
 
 def _batches(seed: int, n: int = 3) -> list[torch.Tensor]:
@@ -40,7 +54,7 @@ def test_reset_together_gives_each_observers_own_reset() -> None:
     the running statistics of the batches before are gone (a larger earlier batch would widen the range)."""
     together, alone = _observers(), _observers()
     resets = ObserverResets(together)
-    for x in reversed(_batches(0)):  # largest first: a reset that left the running range would keep it
+    for x in reversed(_batches(0)):  # largest first: a reset that left the running range (or histogram) would keep it
         resets()
         for obs in alone:
             obs.reset_state()
@@ -67,6 +81,16 @@ def test_min_max_statistics_are_filled_in_their_own_tensors() -> None:
         assert not obs.has_statistics
         assert bool((mn == math.inf).all()) and bool((mx == -math.inf).all())
     assert observers[0].min_val.shape == () and observers[1].min_val.shape == (6,)
+
+
+def test_statistics_that_require_grad_are_reset_too() -> None:
+    """A statistic loaded as a tensor that requires grad (``load_state_dict(assign=True)``) is filled as
+    ``reset_state()`` fills it, not refused as an in-place write to a leaf."""
+    obs = _observers()[0]
+    obs(_batches(5)[0])
+    obs.min_val.requires_grad_(True)
+    reset_observers([obs])
+    assert not obs.has_statistics
 
 
 def test_an_observer_whose_reset_does_more_is_reset_by_its_own_method() -> None:
@@ -96,4 +120,31 @@ def test_rebound_buffers_are_gathered_again() -> None:
     obs(x)
     fresh = PerChannelMinMaxObserver(obs.qspec)
     fresh(x)
+    assert torch.equal(obs.calculate_qparams()[0], fresh.calculate_qparams()[0])
+
+
+def test_a_buffer_given_other_storage_in_place_is_gathered_again() -> None:
+    """``.data =`` (and ``swap_tensors``) keep the tensor object but not its storage or shape: the next call fills
+    the buffer as it is now, not through sources of its old shape."""
+    obs = _observers()[1]
+    obs(_batches(6)[0])  # [6] statistics
+    resets = ObserverResets([obs])
+    resets()
+    with torch.no_grad():
+        obs.min_val.data = torch.zeros(4)
+        obs.max_val.data = torch.ones(4)
+    resets()
+    assert obs.min_val.shape == (4,) and not obs.has_statistics and bool((obs.max_val == -math.inf).all())
+
+
+def test_the_torch_histogram_wrapper_forgets_its_histogram() -> None:
+    """``PerTensorHistogramObserverPro``'s qparams come from torch's HistogramObserver inside it: a reset that left
+    that histogram kept every earlier batch's range (a QAT weight observer then never followed its weight)."""
+    spec = int_spec(observer_cls=PerTensorHistogramObserverPro)
+    obs, fresh = spec.observer_cls(spec), spec.observer_cls(spec)
+    wide, narrow = _batches(7, 2)[1] * 10, _batches(8, 1)[0]
+    obs(wide)
+    obs.reset_state()
+    obs(narrow)
+    fresh(narrow)
     assert torch.equal(obs.calculate_qparams()[0], fresh.calculate_qparams()[0])

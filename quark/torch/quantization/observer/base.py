@@ -4,7 +4,6 @@ Conventions: see ``observer.py``."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -282,8 +281,8 @@ class ObserverBase(ResizableBuffersMixin, nn.Module):
 
 def reset_observers(observers: Iterable[ObserverBase]) -> None:
     """``reset_state()`` of every observer. Resets that are only in-place fills (``reset_fills``) are written
-    together, one ``torch._foreach_copy_`` per device (on CUDA one launch instead of two per observer).
-    ``ObserverResets`` does the same for a list of observers reset again and again."""
+    together, one ``torch._foreach_copy_`` per device and dtype. ``ObserverResets`` does the same for a list of
+    observers reset again and again."""
     ObserverResets(observers)()
 
 
@@ -291,28 +290,33 @@ class ObserverResets:
     """``reset_observers`` of a fixed list of observers, called again and again: QAT's warm-up resets each weight's
     observer before every batch, and gathering the buffers costs more than writing them (width-512 MLP under
     ``Trainer.fit``, 3 weight observers: 70-80 us a batch one observer at a time, see docs/performance.md). The
-    buffers and values are gathered once, and again only where an observer has rebound a buffer since (its first
-    statistics of a new shape, a state_dict loaded)."""
+    buffers are gathered once, each with a source of its own shape holding its reset value (so on CUDA the copy
+    takes torch's one-launch path, which needs equal shapes), and gathered again where a buffer is no longer the
+    one gathered: rebound (its first statistics of a new shape, a state_dict loaded), or given other storage or
+    shape in place (``swap_tensors``, ``.data =``)."""
 
     __slots__ = ("_observers", "_held", "_groups", "_others")
 
     def __init__(self, observers: Iterable[ObserverBase]) -> None:
         self._observers = tuple(observers)
-        self._held: list[tuple[dict[str, Any], str, torch.Tensor]] | None = None
+        self._held: list[tuple[dict[str, Any], str, torch.Tensor, int, torch.Size]] | None = None
         self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._others: list[ObserverBase] = []
 
     def __call__(self) -> None:
         """Reset every observer (``reset_state()``)."""
-        if self._held is None or not all(d.get(name) is t for d, name, t in self._held):
+        if self._held is None or not all(
+            d.get(name) is t and t.data_ptr() == ptr and t.shape == shape for d, name, t, ptr, shape in self._held
+        ):
             self._gather()
         for observer in self._others:
             observer.reset_state()
-        for dsts, srcs in self._groups:
-            torch._foreach_copy_(dsts, srcs)  # (each source a 0-dim tensor, broadcast as ``copy_`` does)
+        with torch.no_grad():  # (a statistic loaded with requires_grad is still filled, as reset_state does)
+            for dsts, srcs in self._groups:
+                torch._foreach_copy_(dsts, srcs)
 
     def _gather(self) -> None:
-        groups: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._held, self._others = [], []
         for observer in self._observers:
             fills = observer.reset_fills()
@@ -321,17 +325,11 @@ class ObserverResets:
                 continue
             for name, value in fills:
                 buf = observer._buffers[name]
-                self._held.append((observer._buffers, name, buf))
-                dsts, srcs = groups.setdefault(buf.device, ([], []))
+                self._held.append((observer._buffers, name, buf, buf.data_ptr(), buf.shape))
+                dsts, srcs = groups.setdefault((buf.device, buf.dtype), ([], []))
                 dsts.append(buf)
-                srcs.append(_fill_value(value, buf.device))
+                srcs.append(torch.full_like(buf, value, requires_grad=False))
         self._groups = list(groups.values())
-
-
-@functools.cache
-def _fill_value(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-dim float32 tensor holding ``value`` on ``device``, made once (on CUDA a fresh one is a host copy)."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 class PlaceholderObserver(ObserverBase):

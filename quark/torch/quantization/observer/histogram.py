@@ -361,12 +361,22 @@ class PerTensorHistogramObserverPro(UniformScalingObserver, method="histogrampro
         if x_orig.numel():
             mn, mx = torch.aminmax(x_orig.detach())
             self._update(mn, mx, x_orig)
-            if self.is_dynamic:  # torch's HistogramObserver has no reset_min_max_vals (it raises NotImplementedError)
-                self.histogram.histogram.zero_()
-                self.histogram.min_val.fill_(float("inf"))
-                self.histogram.max_val.fill_(float("-inf"))
+            if self.is_dynamic:
+                self._reset_histogram()
             self.histogram(x_orig.detach().float())
         return x_orig
+
+    def reset_state(self) -> None:
+        """Forget the statistics and the wrapped observer's histogram (its qparams come from the histogram)."""
+        super().reset_state()
+        self._reset_histogram()
+
+    def _reset_histogram(self) -> None:
+        # torch's HistogramObserver has no reset_min_max_vals (it raises NotImplementedError)
+        with torch.no_grad():
+            self.histogram.histogram.zero_()
+            self.histogram.min_val.fill_(float("inf"))
+            self.histogram.max_val.fill_(float("-inf"))
 
     def calculate_qparams(
         self, min_val: torch.Tensor | None = None, max_val: torch.Tensor | None = None
