@@ -328,7 +328,7 @@ class ObserverResets:
                 self._held.append((observer._buffers, name, buf, buf.data_ptr(), buf.shape))
                 dsts, srcs = groups.setdefault((buf.device, buf.dtype), ([], []))
                 dsts.append(buf)
-                srcs.append(torch.full_like(buf, value, requires_grad=False))
+                srcs.append(torch.full_like(buf, value))
         self._groups = list(groups.values())
 
 

@@ -186,10 +186,11 @@ class UniformScalingObserver(ObserverBase):
         batch (``QuantCallback``), and the quantizer's fused observe pass serves only statistics of the input's shape
         (per channel at width 1024 under ``Trainer.fit``: 1.43x FP32 with a scalar placeholder, which takes the
         step-by-step path). Buffers made under ``inference_mode`` cannot be written outside it: those are replaced."""
-        if self._fills() is not None:
+        fills = self._fills()
+        if fills is not None:
             with torch.no_grad():
-                self.min_val.fill_(float("inf"))
-                self.max_val.fill_(float("-inf"))
+                for name, value in fills:
+                    self._buffers[name].fill_(value)  # type: ignore[union-attr]
             return
         self.min_val = torch.tensor(float("inf"), device=self.min_val.device)
         self.max_val = torch.tensor(float("-inf"), device=self.max_val.device)
