@@ -137,8 +137,9 @@ def test_the_fused_pass_served_directly_gives_the_same_bits(
     xs = _batches()
     fused = _run(SPECS[name], xs, True, monkeypatch)
     assert fused_calls and cache.directs > before and Backend.failure is None, name
-    assert grad_cache.directs > grad_before, name
     plain = _run(SPECS[name], xs, False, monkeypatch)
+    if any(bool((g == 0).any()) for g in plain["grad"]):  # a batch clipped: its backward ran its compiled pass
+        assert grad_cache.directs > grad_before, name
     for key in fused:
         for step, (a, b) in enumerate(zip(fused[key], plain[key], strict=True)):
             assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {key} differs at batch {step}"

@@ -45,6 +45,7 @@ from quark.torch.quantization.formats.integer import (
     fake_quantize_int,
     fake_quantize_int_grad,
     int_forward,
+    int_gradient_passes,
     quantize_int,
     scale_dtype,
 )
@@ -56,6 +57,7 @@ from quark.torch.quantization.formats.minifloat import (
     fake_quantize_minifloat,
     fake_quantize_minifloat_grad,
     grid_forward,
+    minifloat_gradient_passes,
     round_to_grid,
 )
 from quark.torch.quantization.formats.table import (
@@ -77,6 +79,7 @@ __all__ = [
     # dispatch and backend
     "fake_quantize",
     "fake_quantize_grad",
+    "gradient_passes",
     "prepare_block",
     "Backend",
     "set_compile",
@@ -256,6 +259,25 @@ def prepare_block(
         *block_kernel(dtype, block, -1 if axis is None else axis, mx_element_dtype, mx_scale_mode or "floor"),
         observed_kernel=observed_block_kernel(dtype),
     )
+
+
+def gradient_passes(
+    values: torch.Tensor,
+    dtype: Dtype,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    round_method: RoundType | None = RoundType.half_even,
+) -> torch.Tensor:
+    """Whether ``fake_quantize_grad`` passes the gradient unchanged at every one of ``values`` (a 0-dim bool tensor),
+    each value elementwise to its ``scale`` / ``zero_point`` (an observer's statistics and their qparams), in that
+    function's own arithmetic: a range's two ends passing means every value between them does. False for formats
+    without a scale."""
+    fmt = format_of(dtype)
+    if isinstance(fmt, IntFormat):
+        return int_gradient_passes(values, scale, zero_point, fmt.qmin, fmt.qmax, round_method or RoundType.half_even)
+    if isinstance(fmt, FloatFormat):
+        return minifloat_gradient_passes(values, scale, fmt.max_normal)
+    return torch.zeros((), dtype=torch.bool, device=values.device)
 
 
 def fake_quantize_grad(

@@ -423,6 +423,23 @@ def fake_quantize_int_grad(
     return back(_int_grad(gv, xv, s, z, qmin, qmax, round_method))
 
 
+def int_gradient_passes(
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    qmin: int,
+    qmax: int,
+    round_method: RoundType = RoundType.half_even,
+) -> torch.Tensor:
+    """Whether the straight-through gradient passes at every one of ``values`` (a 0-dim bool tensor): ``values`` hold
+    elementwise to ``scale`` / ``zero_point`` (an observer's statistics and their qparams), and the codes are
+    ``_int_grad``'s, the same arithmetic. The codes never decrease as a value grows, so where a range's two ends pass,
+    every value between them does."""
+    zp = zero_point if zero_point.is_floating_point() else zero_point.to(torch.int32)
+    q = _int_codes(values.float(), scale.float(), zp, round_method)
+    return ((q >= qmin) & (q <= qmax)).all()
+
+
 def quantize_int(
     x: torch.Tensor,
     scale: torch.Tensor,

@@ -73,6 +73,13 @@ def _saturation_grad(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, m
     return grad * at_most((x.float() / scale).abs(), max_normal, grad.dtype)
 
 
+def minifloat_gradient_passes(values: torch.Tensor, scale: torch.Tensor, max_normal: float) -> torch.Tensor:
+    """Whether the straight-through gradient passes at every one of ``values`` (a 0-dim bool tensor), ``values``
+    elementwise to ``scale``: ``_saturation_grad``'s test, which grows with ``|value|``, so a range's two ends passing
+    means every value between them does."""
+    return ((values.float() / scale.float()).abs() <= max_normal).all()
+
+
 class _GridSTE(torch.autograd.Function):
     """Straight-through rounding to a grid: gradient 1 inside [-limit, limit] (after scaling), 0 where saturated."""
 
