@@ -24,10 +24,10 @@ least favourable to QAT a fit gives.
 Bounds in the same rounds (``--no-bounds`` leaves them out), the same MLP, fit, optimizer and timing, every Linear
 wrapped as ``qat_overhead.BOUND_LAYERS`` says (all in C++, no Python per layer, no rounding):
 
-- ``floor``: the memory traffic fake quantization cannot go under and nothing else: each weight times a per-row
-  vector of ones (forward: read W, write a W-sized tensor; backward: read the gradient, write one), each input
-  times a scalar one. A straight-through quantizer also reads W in its backward (the clipping mask), so none
-  reaches this bound.
+- ``floor``: the memory traffic of a fake quantizer's forward and backward passes and nothing else: each weight
+  times a per-row vector of ones (forward: read W, write a W-sized tensor; backward: read the gradient, write one),
+  each input times a scalar one. A straight-through quantizer also reads W in its backward (the clipping mask); only
+  where nothing clips does ours skip that backward (an observing step, ``observe_quantize``), going under it.
 - ``torch clamp``: the cheapest straight-through quantizer PyTorch's own ops give: each weight and input through
   ``clamp`` to the float32 range (``ClampBackward`` masks the gradient by the input): a real fake quantizer's
   memory traffic, less its arithmetic.

@@ -141,10 +141,11 @@ class MLP(nn.Module):
 
 
 class FloorLinear(nn.Module):
-    """``nn.Linear`` with the memory traffic fake quantization cannot go under and nothing else: its weight times a
-    per-row vector of ones (forward: read W, write a W-sized tensor; backward: read the gradient, write one) and its
-    input times a scalar one, the same values as float, all torch's C++ ``mul`` and ``MulBackward``. A
-    straight-through quantizer also reads W in its backward (the clipping mask), so none reaches this bound."""
+    """``nn.Linear`` with the memory traffic of a fake quantizer's forward and backward passes and nothing else: its
+    weight times a per-row vector of ones (forward: read W, write a W-sized tensor; backward: read the gradient, write
+    one) and its input times a scalar one, the same values as float, all torch's C++ ``mul`` and ``MulBackward``. A
+    straight-through quantizer also reads W in its backward (the clipping mask), unless it skips the backward where
+    nothing clips (ours, observing)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

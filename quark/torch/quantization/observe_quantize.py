@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from quark.torch.quantization import late_flag
 from quark.torch.quantization.config.type import Dtype, RoundType
 from quark.torch.quantization.formats import fake_quantize, fake_quantize_grad, gradient_passes, scale_dtype
 from quark.torch.quantization.formats.grouping import (
@@ -130,7 +131,7 @@ class _ObserveFakeQuant(torch.autograd.Function):
         ctx.mark_non_differentiable(scale, zp, finite)
         ctx.plan, ctx.steady = plan, steady
         # (on CUDA the read would wait for the device: there the mask is recomputed, which costs little bandwidth)
-        ctx.unchanged = ctx.needs_input_grad[0] and x.device.type == "cpu" and bool(passes)
+        ctx.unchanged = ctx.needs_input_grad[0] and not late_flag.defers(x.device) and bool(passes)
         if ctx.needs_input_grad[0] and not ctx.unchanged:
             ctx.save_for_backward(x, scale, zp)
         return out, scale, zp, finite
