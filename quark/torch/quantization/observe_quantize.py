@@ -130,8 +130,15 @@ class _ObserveFakeQuant(torch.autograd.Function):
         max_val.copy_(new_max)
         ctx.mark_non_differentiable(scale, zp, finite)
         ctx.plan, ctx.steady = plan, steady
-        # (on CUDA the read would wait for the device: there the mask is recomputed, which costs little bandwidth)
-        ctx.unchanged = ctx.needs_input_grad[0] and not late_flag.defers(x.device) and bool(passes)
+        # on CPU only (on an accelerator the read would wait for the device: there the mask is recomputed, which costs
+        # little bandwidth); not for float64, whose masked gradient goes through float32 and so is not ``grad`` itself
+        ctx.unchanged = (
+            ctx.needs_input_grad[0]
+            and x.device.type == "cpu"
+            and not late_flag.defers(x.device)
+            and x.dtype != torch.float64
+            and bool(passes)
+        )
         if ctx.needs_input_grad[0] and not ctx.unchanged:
             ctx.save_for_backward(x, scale, zp)
         return out, scale, zp, finite
