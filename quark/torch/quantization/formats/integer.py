@@ -437,7 +437,7 @@ def int_gradient_passes(
     every value between them does."""
     zp = zero_point if zero_point.is_floating_point() else zero_point.to(torch.int32)
     q = _int_codes(values.float(), scale.float(), zp, round_method)
-    return ((q >= qmin) & (q <= qmax)).all()
+    return within(q, qmin, qmax, torch.float32).all()  # ``_int_grad``'s own mask
 
 
 def quantize_int(

@@ -77,7 +77,7 @@ def minifloat_gradient_passes(values: torch.Tensor, scale: torch.Tensor, max_nor
     """Whether the straight-through gradient passes at every one of ``values`` (a 0-dim bool tensor), ``values``
     elementwise to ``scale``: ``_saturation_grad``'s test, which grows with ``|value|``, so a range's two ends passing
     means every value between them does."""
-    return ((values.float() / scale.float()).abs() <= max_normal).all()
+    return at_most((values.float() / scale.float()).abs(), max_normal, torch.float32).all()  # its own mask
 
 
 class _GridSTE(torch.autograd.Function):
