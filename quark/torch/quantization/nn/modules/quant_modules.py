@@ -21,6 +21,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from quark.torch.compat import forward_pre_hooks, module_twin
 from quark.torch.quantization.config.config import QuantizationConfig, QuantizationSpec
 from quark.torch.quantization.hf import transpose_weight_spec
+from quark.torch.quantization.integer_linear import integer_linear
 from quark.torch.quantization.nn.modules.slots import (
     DEFAULT_SLOTS,
     QuantSlot,
@@ -287,7 +288,7 @@ class QuantLinear(QuantMixin, nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
-        out = F.linear(x, weight, bias)
+        out = integer_linear(x, weight, bias, self._input_quantizer, self._weight_quantizer)  # F.linear's result
         return out if self.output_applied_elsewhere else self._quantize(self._output_quantizer, out)
 
 
@@ -310,7 +311,8 @@ class QuantHFConv1DMixin(QuantMixin):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = self._quantize(self._input_quantizer, input)
         weight, bias = self.quantized_weight_and_bias()
-        return self._quantize(self._output_quantizer, F.linear(x, weight.t(), bias))
+        out = integer_linear(x, weight.t(), bias, self._input_quantizer, self._weight_quantizer, channel_axis=1)
+        return self._quantize(self._output_quantizer, out)
 
 
 def twin_of_foreign_class(float_class: type[nn.Module], base: type[QuantMixin]) -> type[QuantMixin]:

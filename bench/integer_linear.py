@@ -1,0 +1,159 @@
+"""The integer GEMM of fake-quantized Linears (``quark.torch.quantization.integer_linear``), paired against the float
+GEMM of the same fake-quantized tensors in the same process and rounds.
+
+    python bench/integer_linear.py --widths 512,1024,4096
+
+Two tables:
+
+1. **One Linear's forward product** (the kernels ``QuantLinear`` runs after its quantizers): ``F.linear`` of the
+    fake-quantized input and weight against the integer path (the codes read back, ``torch._int_mm``, the scaling),
+    at the shapes a batch of ``--rows`` rows meets; the ratio is where ``INTEGER_GEMM_MIN_WEIGHT_NUMEL`` comes from.
+2. **QAT steps, int8 W8A8**, the MLP of ``qat_overhead.py`` (1024 -> width -> 1024 -> 10, batch 32, Adam) in a bare
+    loop: observers on at every step (the warm-up half) and off (the steady half), the integer GEMM on and off
+    (``set_integer_gemm``), each over FP32 in the same round, and on / off paired. Contenders alternate every round
+    (order reversed every other round) after ``--warmup`` steps each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.qat_overhead import MLP, W8A8  # noqa: E402
+from quark.torch import ModelQuantizer  # noqa: E402
+from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
+from quark.torch.quantization import integer_linear  # noqa: E402
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase  # noqa: E402
+
+#: (in_features, out_features) of the product table: below, at and above the threshold, transformer widths
+SHAPES = ((256, 256), (256, 1024), (512, 512), (1024, 512), (1024, 1024), (1024, 4096), (4096, 1024))
+
+
+def _median_us(fn: Callable[[], object], calls: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def product_table(rows: int, calls: int) -> None:
+    """The forward product alone, float against integer, on an int8 W8A8 layer of each shape."""
+    print(f"\n## One Linear's forward product, {rows} rows (median of {calls} calls, us)\n")
+    print("| in x out | weight elements | F.linear | integer GEMM | integer / float |")
+    print("|---|---|---|---|---|")
+    for k, n in SHAPES:
+        torch.manual_seed(0)
+        layer = ModelQuantizer(W8A8).prepare(torch.nn.Sequential(torch.nn.Linear(k, n)))[0]
+        x = torch.randn(rows, k)
+        with torch.no_grad():
+            layer(x)
+            xq, (wq, b) = layer._input_quantizer(x), layer.quantized_weight_and_bias()
+            scales = integer_linear.integer_scales(xq, wq, b, layer._input_quantizer, layer._weight_quantizer)
+            if scales is None:  # below the threshold: time the integer path anyway, with the layer's scales
+                sx = layer._input_quantizer.scale.reshape(())
+                scales = (sx, layer._weight_quantizer.scale.reshape(-1, 1))
+            fl = _median_us(lambda: F.linear(xq, wq, b), calls, 200)  # noqa: B023
+            it = _median_us(lambda: integer_linear._integer_linear(xq, wq, b, *scales), calls, 200)  # noqa: B023
+        print(f"| {k} x {n} | {k * n} | {fl:.0f} | {it:.0f} | {it / fl:.2f} |", flush=True)
+
+
+def _contender(base: torch.nn.Module, config: dict | None, batch: tuple, observe: bool) -> Callable[[], None]:
+    x, y = batch
+    model = copy.deepcopy(base).train()
+    if config is not None:
+        model = ModelQuantizer(config).prepare(model)
+        with torch.no_grad():
+            model(x)
+        for q in model.modules():
+            if isinstance(q, FakeQuantizeBase):
+                q.enable_observer(observe)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of contender ``a``'s step over ``b``'s in the same round."""
+    return statistics.median(p / q for p, q in zip(times[a], times[b], strict=True))
+
+
+def _time_steps(step: Callable[[], None], integer: bool, steps: int) -> float:
+    integer_linear.set_integer_gemm(integer)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_table(widths: list[int], rounds: int, steps: int, warmup: int) -> None:
+    print(f"\n## int8 W8A8 QAT steps, bare loop ({rounds} rounds of {steps} steps; x FP32 in the same round)\n")
+    print(
+        "| width | FP32 ms | observers on: float / integer x FP32 | integer / float | observers off: float / "
+        "integer x FP32 | integer / float |"
+    )
+    print("|---|---|---|---|---|---|")
+    for width in widths:
+        torch.manual_seed(0)
+        batch = (torch.randn(32, 1024), torch.randint(0, 10, (32,)))
+        base = MLP(width)
+        contenders = {"fp32": (None, False, False)}
+        for observe in (True, False):
+            for integer in (False, True):
+                contenders[f"{observe} {integer}"] = (W8A8, observe, integer)
+        steps_of = {name: _contender(base, cfg, batch, obs) for name, (cfg, obs, _) in contenders.items()}
+        for name, (_, _, integer) in contenders.items():
+            _time_steps(steps_of[name], integer, warmup)
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        order = list(contenders)
+        for r in range(rounds):
+            for name in order if r % 2 == 0 else order[::-1]:
+                times[name].append(_time_steps(steps_of[name], contenders[name][2], steps))
+        integer_linear.set_integer_gemm(True)
+
+        cells = [f"{statistics.median(times['fp32']) * 1e3:.2f}"]
+        for observe in (True, False):
+            f, i = f"{observe} False", f"{observe} True"
+            cells += [f"{_ratio(times, f, 'fp32'):.3f} / {_ratio(times, i, 'fp32'):.3f}", f"{_ratio(times, i, f):.3f}"]
+        print(f"| {width} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--widths", default="512,1024,4096")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=100, help="timed calls per product")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per contender per round")
+    parser.add_argument("--warmup", type=int, default=250, help="untimed steps per contender first")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    keep_freed_memory()
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
+    product_table(args.rows, args.calls)
+    step_table([int(w) for w in args.widths.split(",")], args.rounds, args.steps, args.warmup)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""A fake-quantized Linear's product on its integer codes: ``torch._int_mm`` of the input's and the weight's int8 codes,
+scaled once, in place of the float GEMM of their dequantized values.
+
+Where both operands are fake-quantized to integers of at most 8 bits with zero points of 0 (symmetric int8 / int4
+weights per tensor or per output channel, symmetric int8 activations per tensor), ``F.linear(fq(x), fq(W), b)`` is
+``sx * sw * (qx @ qW^T) + b`` with integer codes ``qx``, ``qW``. The integer product is exact (int32 accumulation),
+so the result is that of the deployed int8 kernel: it differs from the float GEMM's only in the float GEMM's own
+rounding (a few units in the last place). On CPU, with VNNI, the int8 GEMM takes a fraction of the float one's time
+(torch 2.13, 2 cores, 32 x 1024 x 4096: 0.46 against 2.8 ms), which is most of a QAT step's forward at transformer
+widths. The backward is the float Linear's, on the same fake-quantized tensors ``F.linear`` would keep.
+
+The codes are read back from the fake-quantized tensors: a value ``(q - 0) * s`` computed in float32, times ``1 / s``,
+lies within 2^-15 of the integer ``q`` for ``|q| <= 128`` and any normal scale, so rounding it gives ``q`` exactly
+(the scale is checked to be normal and not so large that the row sums below could overflow). One compiled pass per
+operand writes the codes and a NaN carrier (``0 * the row's sum``): a NaN that ``F.linear`` would spread to an output row
+or column spreads to the same one here, where an int8 code could not hold it.
+
+Used by ``QuantLinear.forward`` and transformers' ``Conv1D`` twin (GPT-2) on CPU float32 tensors, outside traces (``torch.compile``, TorchScript, ONNX export,
+FX), autocast and functorch transforms, where the weight has at least ``INTEGER_GEMM_MIN_WEIGHT_NUMEL`` elements (below
+it the float GEMM is as fast: the measured crossover). ``QUARK_INTEGER_GEMM=0`` (or ``set_integer_gemm(False)``)
+keeps the float GEMM everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import forward_ad
+
+from quark.torch.quantization.config.type import QSchemeType
+from quark.torch.quantization.fake_quant.fixed import FrozenScaledFakeQuantize
+from quark.torch.quantization.formats.grouping import compilable, fast_apply
+from quark.torch.quantization.formats.integer import INT_MIN_NUMEL
+from quark.torch.quantization.formats.table import IntFormat, format_of
+from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
+
+__all__ = ["INTEGER_GEMM_MIN_WEIGHT_NUMEL", "integer_gemm_enabled", "integer_linear", "set_integer_gemm"]
+
+#: the smallest weight (elements) whose Linear takes the integer GEMM. Measured on 2 cores (torch 2.13, a batch of 32
+#: rows, the whole forward of the product: codes, ``_int_mm``, scaling) against ``F.linear``: 256 x 256 2.7x as long
+#: (the fixed cost of the extra kernels), 1024 x 256 0.96x, 512 x 512 1.00x, 512 x 1024 0.75x, 1024 x 1024 0.49x,
+#: 4096 x 1024 0.39x
+INTEGER_GEMM_MIN_WEIGHT_NUMEL = 1 << 19
+#: int32 accumulation of products of codes in [-128, 127] is exact for fewer terms than this (2^31 / 2^14)
+_MAX_IN_FEATURES = 1 << 17
+#: scales this quantizer's codes are read back exactly with: normal float32, and small enough that a row's sum of
+#: ``in_features`` values of at most ``128 * scale`` stays finite (the NaN carrier must not turn into inf * 0)
+_SCALE_MIN, _SCALE_MAX = 2.0**-126, 2.0**100
+#: quantizers whose output is ``(q - zp) * scale`` with the scale they hold after the call (not a baked weight's
+#: pass-through: its tensor is only assumed to lie on the grid, and training could move it off)
+_SERVING_TYPES = (ScaledFakeQuantize, FrozenScaledFakeQuantize)
+
+
+def _enabled_from_env() -> bool:
+    """``QUARK_INTEGER_GEMM``: unset or ``1``, on; ``0``, off. Anything else is refused, naming the variable."""
+    setting = os.environ.get("QUARK_INTEGER_GEMM", "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"QUARK_INTEGER_GEMM={setting!r}: allowed 0 (the float GEMM everywhere) or 1 (the default)")
+    return setting != "0"
+
+
+_state = {"enabled": _enabled_from_env()}
+
+
+def set_integer_gemm(enabled: bool) -> None:
+    """Switch the integer GEMM of fake-quantized Linears on (the default) or off (the float GEMM everywhere: bit for
+    bit ``F.linear`` of the fake-quantized tensors)."""
+    _state["enabled"] = bool(enabled)
+
+
+def integer_gemm_enabled() -> bool:
+    """Whether fake-quantized Linears may take the integer GEMM (``set_integer_gemm``, ``QUARK_INTEGER_GEMM``)."""
+    return _state["enabled"]
+
+
+@compilable(min_numel=INT_MIN_NUMEL)
+def _codes_and_nan(values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes of fake-quantized ``values`` [rows, cols] with ``scale`` broadcastable to them, and per row 0
+    (NaN where the row holds a NaN): one pass when compiled."""
+    codes = torch.round(values * torch.reciprocal(scale)).to(torch.int8)
+    return codes, values.sum(-1, keepdim=True) * 0.0
+
+
+def _spec_serves(quantizer: Any, channel_axis: int | None) -> bool:
+    """Whether ``quantizer``'s spec gives codes an int8 holds, in a layout the product can scale afterwards: an
+    integer of at most 8 bits, per tensor or, for a weight, per output channel (``channel_axis`` of the stored 2-D
+    weight: 0 for ``nn.Linear``'s [out, in], 1 for transformers' ``Conv1D`` [in, out]). Kept per spec object."""
+    spec = quantizer.spec
+    cached = quantizer.__dict__.get("_integer_gemm_spec")
+    if cached is not None and cached[0] is spec and cached[1] == channel_axis:
+        return cached[2]
+    fmt = format_of(spec.dtype)
+    layout = spec.qscheme == QSchemeType.per_tensor or (
+        channel_axis is not None
+        and spec.qscheme == QSchemeType.per_channel
+        and spec.ch_axis in (channel_axis, channel_axis - 2)
+    )
+    serves = isinstance(fmt, IntFormat) and fmt.qmin >= -128 and fmt.qmax <= 127 and layout
+    quantizer.__dict__["_integer_gemm_spec"] = (spec, channel_axis, serves)
+    return serves
+
+
+def _exact_range(scale: torch.Tensor, zp: torch.Tensor) -> bool:
+    """Zero points all 0 and scales in [``_SCALE_MIN``, ``_SCALE_MAX``] (NaN fails): host reads of one-element
+    tensors, ``aminmax`` and ``count_nonzero`` otherwise (a few us on CPU: this runs once per step while observing)."""
+    if (zp.item() if zp.numel() == 1 else zp.count_nonzero().item()) != 0:
+        return False
+    if scale.numel() == 1:
+        lo = hi = scale.item()
+    else:
+        lo, hi = (v.item() for v in torch.aminmax(scale))
+    return _SCALE_MIN <= lo and hi <= _SCALE_MAX
+
+
+def _qparams_serve(quantizer: Any, channels: int | None) -> torch.Tensor | None:
+    """``quantizer``'s scale, shaped [channels, 1] for a per-channel weight, where its qparams let the codes be read
+    back exactly (zero points all 0, float32 scales in the exact range, one per tensor or per ``channels``); else
+    None. The check reads the qparams once per version of them (observing, once per step; fixed, once)."""
+    scale, zp = quantizer._buffers.get("scale"), quantizer._buffers.get("zero_point")
+    if scale is None or zp is None:
+        return None
+    key = (scale._version, zp._version, scale.data_ptr(), zp.data_ptr())
+    cached = quantizer.__dict__.get("_integer_gemm_qparams")
+    if cached is not None and cached[0] is scale and cached[1] is zp and cached[2] == key:
+        return cached[3]
+    serves = (
+        scale.dtype == torch.float32
+        and scale.device.type == "cpu"
+        and zp.numel() in (1, scale.numel())
+        and (scale.numel() == 1 or (channels is not None and scale.numel() == channels))
+        and _exact_range(scale, zp)
+    )
+    shaped = (scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)).detach() if serves else None
+    quantizer.__dict__["_integer_gemm_qparams"] = (scale, zp, key, shaped)
+    return shaped
+
+
+def _quantizer_serves(quantizer: Any, channel_axis: int | None) -> bool:
+    """A quantizer of ``_SERVING_TYPES`` with a spec that serves and fake quantization on."""
+    return (
+        type(quantizer) in _SERVING_TYPES
+        and _spec_serves(quantizer, channel_axis)
+        and bool(quantizer.flag("fake_quant_enabled"))
+    )
+
+
+def _plain_cpu_float(t: torch.Tensor | None) -> bool:
+    return t is None or (
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
+    )
+
+
+def integer_scales(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_quantizer: Any,
+    weight_quantizer: Any,
+    channel_axis: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The input's and the weight's scales where ``F.linear(x, weight, bias)`` of these quantizers' outputs may take
+    the integer GEMM now (see the module's docstring); None where it takes the float one. ``weight`` is [out, in] as
+    ``F.linear`` takes it; ``channel_axis`` is the output channels' axis in the layout its quantizer saw."""
+    if (
+        not _state["enabled"]
+        or input_quantizer is None
+        or weight_quantizer is None
+        or torch.compiler.is_compiling()  # traces first: their sizes and values are not to be read
+        or torch.jit.is_tracing()
+        or torch.jit.is_scripting()
+        or not (_plain_cpu_float(x) and _plain_cpu_float(weight) and _plain_cpu_float(bias))
+        or weight.dim() != 2
+        or weight.numel() < INTEGER_GEMM_MIN_WEIGHT_NUMEL
+        or weight.shape[1] >= _MAX_IN_FEATURES
+        or not x.numel()
+        or torch.is_autocast_enabled("cpu")
+        or forward_ad._current_level >= 0
+        or torch._C._are_functorch_transforms_active()
+        or not _quantizer_serves(input_quantizer, None)
+        or not _quantizer_serves(weight_quantizer, channel_axis)
+    ):
+        return None
+    sx = _qparams_serve(input_quantizer, None)
+    sw = _qparams_serve(weight_quantizer, weight.shape[0])
+    if sx is None or sw is None:
+        return None
+    return sx, sw
+
+
+class _IntegerLinear(torch.autograd.Function):
+    """``F.linear`` of fake-quantized ``x`` and ``weight`` with the forward's product on their int8 codes; the
+    backward is the float Linear's (the same tensors kept, the same products)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sx, sw):  # type: ignore[override]
+        rows = x.reshape(-1, x.shape[-1])
+        qx, x_nan = _codes_and_nan(rows, sx)
+        qw, w_nan = _codes_and_nan(weight, sw)
+        acc = torch._int_mm(qx, qw.t())
+        carry = x_nan + w_nan.reshape(1, -1)  # 0, or NaN in a row / column a NaN operand reaches
+        if bias is not None:
+            carry = carry + bias
+        out = torch.addcmul(carry, acc.to(torch.float32), sx * sw.reshape(1, -1))
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        ctx.has_bias = bias is not None
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = rows.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+_integer_linear = fast_apply(_IntegerLinear)
+
+
+def integer_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_quantizer: Any,
+    weight_quantizer: Any,
+    channel_axis: int = 0,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of ``input_quantizer``'s and ``weight_quantizer``'s outputs (called right after
+    them: their held scales are the ones they used), on the integer codes where that applies (``integer_scales``)."""
+    scales = integer_scales(x, weight, bias, input_quantizer, weight_quantizer, channel_axis)
+    if scales is None:
+        return F.linear(x, weight, bias)
+    return _integer_linear(x, weight, bias, *scales)

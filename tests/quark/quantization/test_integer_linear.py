@@ -1,0 +1,298 @@
+"""A fake-quantized Linear's forward on integer codes (``quark.torch.quantization.integer_linear``): where the input and
+weight quantizers give symmetric integers of at most 8 bits, ``QuantLinear`` computes ``sx * sw * (qx @ qW^T) + b``
+with ``torch._int_mm``. Checked against an exact reference (int64 products, float64 scaling), against ``F.linear`` of
+the same fake-quantized tensors (forward, gradients, a few training steps), on NaN inputs and weights, and on every
+case that must keep the float GEMM (bit for bit ``F.linear``)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quark.torch import ModelQuantizer
+from quark.torch.quantization import integer_linear as il
+from quark.torch.quantization.nn.modules.quant_modules import QuantLinear
+from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+from quark_lightning.tasks.recipes import INT4_G32_WEIGHT, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
+
+W8A8 = {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}
+IN, OUT = 1024, 512  # a weight of INTEGER_GEMM_MIN_WEIGHT_NUMEL elements: the smallest that takes the integer GEMM
+
+
+class _Spy:
+    """Counts ``torch._int_mm`` calls (the integer GEMM taken) and forwards them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.real = torch._int_mm
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.real(a, b)
+
+
+@pytest.fixture
+def int_mm(monkeypatch: pytest.MonkeyPatch) -> _Spy:
+    spy = _Spy()
+    monkeypatch.setattr(torch, "_int_mm", spy)
+    il.set_integer_gemm(True)
+    return spy
+
+
+def _model(config: dict, seed: int = 0, features: tuple[int, int] = (IN, OUT)) -> nn.Module:
+    """A two-Linear model quantized with ``config``, calibrated on one batch (on the float GEMM: no ``_int_mm`` call
+    counted), observers then off."""
+    enabled = il.integer_gemm_enabled()
+    il.set_integer_gemm(False)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(*features), nn.GELU(), nn.Linear(features[1], 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ModelQuantizer(config).prepare(model)
+    with torch.no_grad():
+        model(torch.randn(32, features[0]))
+    for q in model.modules():
+        if isinstance(q, FakeQuantizeBase):
+            q.enable_observer(False)
+    il.set_integer_gemm(enabled)
+    return model
+
+
+def _float_gemm(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """What ``QuantLinear`` computed before: ``F.linear`` of the fake-quantized input and weight."""
+    weight, bias = layer.quantized_weight_and_bias()
+    return F.linear(x if layer._input_quantizer is None else layer._input_quantizer(x), weight, bias)
+
+
+def test_codes_read_back_exactly_for_every_code_and_scale() -> None:
+    """The design's premise: ``round(fl(q * s) * fl(1 / s)) == q`` for every code in [-128, 128] and scales over the
+    whole accepted range (2^-126 .. 2^100), the range ends included: float32 arithmetic, as the kernels do it."""
+    gen = torch.Generator().manual_seed(0)
+    exps = torch.empty(20000).uniform_(-126, 100, generator=gen)
+    scales = torch.cat(
+        [torch.exp2(exps) * torch.empty(20000).uniform_(1, 2, generator=gen), torch.tensor([2.0**-126, 2.0**100])]
+    )
+    scales = scales.clamp(2.0**-126, 2.0**100).float()
+    codes = torch.arange(-128, 129, dtype=torch.float32)
+    values = codes[None, :] * scales[:, None]  # (q - 0) * s, rounded to float32 as a fake quantizer writes it
+    back = torch.round(values * torch.reciprocal(scales)[:, None])
+    assert torch.equal(back, codes.expand_as(back))
+
+
+def test_forward_is_the_exact_integer_product(int_mm: _Spy) -> None:
+    """The output is the exact ``sx * sw * sum(qx * qW) + b`` (int64 products, float64 scaling) to float32 rounding:
+    within 3 ulp of the product's and the bias's magnitudes, where the float GEMM of the dequantized values is further off."""
+    model = _model(W8A8)
+    layer = model[0]
+    x = torch.randn(64, IN) * 3
+    out = layer(x)
+    assert int_mm.calls == 1
+    sx = layer._input_quantizer.scale.double()
+    sw = layer._weight_quantizer.scale.double().reshape(1, -1)
+    qx = torch.round(layer._input_quantizer(x).double() / sx).long()
+    qw = torch.round(layer._weight_quantizer(layer.weight).double() / sw.reshape(-1, 1)).long()
+    assert int(qx.abs().max()) <= 128 and int(qw.abs().max()) <= 128
+    product = (qx @ qw.t()).double() * sx * sw
+    exact = product + layer.bias.double()
+    tolerance = 3 * torch.finfo(torch.float32).eps * (product.abs() + layer.bias.double().abs())
+    assert bool(((out.double() - exact).abs() <= tolerance).all())
+    float_error = (_float_gemm(layer, x).double() - exact).abs()
+    assert float((out.double() - exact).abs().max()) <= float(float_error.max())  # no worse than the float GEMM
+
+
+@pytest.mark.parametrize("shape", [(32, IN), (4, 7, IN), (1, IN)])
+def test_forward_and_gradients_match_the_float_gemm(int_mm: _Spy, shape: tuple[int, ...]) -> None:
+    """Forward and every gradient (input, weight, bias) agree with ``F.linear`` of the same fake-quantized tensors to
+    float32 rounding, for 2-D, 3-D and single-row inputs; gradients of a second order too (create_graph)."""
+    model = _model(W8A8)
+    layer = model[0]
+    x = torch.randn(*shape, requires_grad=True)
+    out = layer(x)
+    assert int_mm.calls == 1 and out.shape == (*shape[:-1], OUT)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, layer.weight, layer.bias), g, create_graph=True)
+    il.set_integer_gemm(False)
+    ref = _float_gemm(layer, x)
+    ref_grads = torch.autograd.grad(ref, (x, layer.weight, layer.bias), g, create_graph=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    second = torch.autograd.grad(grads[0].square().sum(), layer.weight)[0]
+    ref_second = torch.autograd.grad(ref_grads[0].square().sum(), layer.weight)[0]
+    torch.testing.assert_close(second, ref_second, rtol=1e-4, atol=1e-5)
+
+
+def test_training_steps_follow_the_float_gemm(int_mm: _Spy) -> None:
+    """QAT with observers on then off, Adam, ten steps each way: the integer GEMM's losses follow the float GEMM's."""
+    losses = {}
+    for integer in (True, False):
+        il.set_integer_gemm(integer)
+        model = _model(W8A8, seed=1)
+        for q in model.modules():
+            if isinstance(q, FakeQuantizeBase):
+                q.enable_observer(True)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(2)
+        losses[integer] = []
+        for step in range(10):
+            if step == 5:
+                for q in model.modules():
+                    if isinstance(q, FakeQuantizeBase):
+                        q.enable_observer(False)
+            x, y = torch.randn(32, IN, generator=gen), torch.randint(0, 16, (32,), generator=gen)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[integer].append(float(loss))
+    assert int_mm.calls >= 10
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+    assert losses[True][-1] < losses[True][0]  # it trains
+
+
+def test_int4_weights_with_int8_inputs(int_mm: _Spy) -> None:
+    """int4 per-channel weights: their codes sit in int8 too, and the product is the float GEMM's."""
+    config = {
+        "global_quant_config": {
+            "weight": {**INT8_PER_CHANNEL_WEIGHT, "dtype": "int4"},
+            "input_tensors": INT8_PER_TENSOR_ACT,
+        }
+    }
+    model = _model(config)
+    x = torch.randn(16, IN)
+    out = model[0](x)
+    assert int_mm.calls == 1
+    il.set_integer_gemm(False)
+    torch.testing.assert_close(out, _float_gemm(model[0], x), rtol=1e-5, atol=1e-5)
+
+
+def test_nan_reaches_the_outputs_the_float_gemm_reaches(int_mm: _Spy) -> None:
+    """A NaN in the fake-quantized input makes its output row NaN, one in the fake-quantized weight its output column,
+    as in ``F.linear``: an int8 code cannot hold a NaN, so the kernel carries it beside the codes."""
+    layer = _model(W8A8)[0]
+    iq, wq = layer._input_quantizer, layer._weight_quantizer
+    with torch.no_grad():
+        x = iq(torch.randn(8, IN))
+        w = wq(layer.weight).clone()
+        x[3, 100] = float("nan")
+        w[5, 7] = float("nan")
+        out = il.integer_linear(x, w, layer.bias, iq, wq)
+    assert int_mm.calls == 1
+    assert torch.equal(out.isnan(), F.linear(x, w, layer.bias).isnan())
+    assert bool(out[3].isnan().all()) and bool(out[:, 5].isnan().all()) and int(out.isnan().sum()) == OUT + 8 - 1
+
+
+def _assert_float_gemm(model: nn.Module, x: torch.Tensor, spy: _Spy) -> None:
+    """The first layer kept the float GEMM: no ``_int_mm``, and bit for bit ``F.linear`` of the quantized tensors."""
+    with torch.no_grad():
+        out = model[0](x)
+        assert spy.calls == 0
+        assert torch.equal(out, _float_gemm(model[0], x))
+
+
+@pytest.mark.parametrize(
+    "weight,inputs",
+    [
+        (
+            {
+                **INT8_PER_CHANNEL_WEIGHT,
+                "dtype": "fp8_e4m3",
+                "qscheme": "per_tensor",
+                "observer_cls": "PerTensorMinMaxObserver",
+            },
+            INT8_PER_TENSOR_ACT,
+        ),
+        (INT4_G32_WEIGHT, INT8_PER_TENSOR_ACT),
+        (INT8_PER_CHANNEL_WEIGHT, {**INT8_PER_TENSOR_ACT, "dtype": "uint8", "symmetric": False}),
+        (INT8_PER_CHANNEL_WEIGHT, None),
+    ],
+    ids=["fp8 weight", "int4 per-group weight", "asymmetric uint8 input", "weight only"],
+)
+def test_formats_the_integer_gemm_cannot_serve_keep_the_float_one(
+    int_mm: _Spy, weight: dict, inputs: dict | None
+) -> None:
+    config = {"global_quant_config": {"weight": weight, **({"input_tensors": inputs} if inputs else {})}}
+    _assert_float_gemm(_model(config), torch.randn(8, IN), int_mm)
+
+
+def test_small_weights_switch_off_and_fake_quant_off_keep_the_float_gemm(int_mm: _Spy) -> None:
+    x = torch.randn(8, IN)
+    _assert_float_gemm(_model(W8A8, features=(IN, OUT // 2)), x, int_mm)  # below INTEGER_GEMM_MIN_WEIGHT_NUMEL
+    model = _model(W8A8)
+    il.set_integer_gemm(False)
+    _assert_float_gemm(model, x, int_mm)
+    il.set_integer_gemm(True)
+    model[0]._input_quantizer.enable_fake_quant(False)
+    _assert_float_gemm(model, x, int_mm)
+
+
+def test_qparams_outside_the_exact_range_keep_the_float_gemm(int_mm: _Spy) -> None:
+    """A subnormal scale (set by hand) would not give its codes back: the float GEMM runs. A nonzero zero point too."""
+    model = _model(W8A8)
+    x = torch.randn(8, IN)
+    q = model[0]._input_quantizer
+    q.set_qparams(torch.tensor(1e-39), torch.tensor(0, dtype=torch.int32))
+    _assert_float_gemm(model, x * 1e-37, int_mm)
+    q.set_qparams(torch.tensor(0.05), torch.tensor(3, dtype=torch.int32))
+    _assert_float_gemm(model, x, int_mm)
+    q.set_qparams(torch.tensor(0.05), torch.tensor(0, dtype=torch.int32))
+    with torch.no_grad():
+        model[0](x)
+    assert int_mm.calls == 1  # the same quantizer with servable qparams takes it
+
+
+def test_traces_and_autocast_keep_the_float_gemm(int_mm: _Spy) -> None:
+    """TorchScript tracing (ONNX export's) records ``F.linear``, and autocast runs it in its dtype: no ``_int_mm``."""
+    model = _model(W8A8)
+    x = torch.randn(4, IN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(model[0], x, check_trace=False)
+    assert "_int_mm" not in str(traced.graph)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model[0](x).dtype == torch.bfloat16
+    assert int_mm.calls == 0
+
+
+def test_quantized_model_copies_keep_working(int_mm: _Spy) -> None:
+    """The per-quantizer memo of the checks is not shared wrongly by a deep copy: both take the integer GEMM and agree."""
+    model = _model(W8A8)
+    x = torch.randn(8, IN)
+    with torch.no_grad():
+        a = model[0](x)
+        b = copy.deepcopy(model)[0](x)
+    assert int_mm.calls == 2 and torch.equal(a, b)
+    assert math.isfinite(float(a.sum()))
+
+
+def test_gpt2_conv1d_layers_take_the_integer_gemm(int_mm: _Spy) -> None:
+    """transformers' ``Conv1D`` (GPT-2's MLP, weight stored [in, out], per-channel along its axis 1) takes the integer
+    GEMM too: each large enough projection once per forward, and the logits follow the float GEMM's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=384, n_layer=1, n_head=6)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    qconfig = {**W8A8, "exclude": ["lm_head"]}
+    ids = torch.randint(0, 64, (2, 16))
+    enabled = il.integer_gemm_enabled()
+    il.set_integer_gemm(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ModelQuantizer(qconfig).quantize_model(model, [{"input_ids": ids}])
+    il.set_integer_gemm(enabled)
+    with torch.no_grad():
+        logits = model(ids).logits
+        big = [
+            m
+            for m in model.modules()
+            if type(m).__name__ == "QuantConv1D" and m.weight.numel() >= il.INTEGER_GEMM_MIN_WEIGHT_NUMEL
+        ]
+        assert len(big) == 2 and int_mm.calls == 2  # c_fc [384, 1536] and the MLP's c_proj [1536, 384]
+        il.set_integer_gemm(False)
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-4, atol=1e-4)
