@@ -42,6 +42,8 @@ FIGURES=(
   "full|performance (attention and LSTM)|2 min|$PY bench/attention_rnn.py"
   "full|performance (QAT under Trainer.fit, with the bounds and peers)|35 min|$PY bench/qat_lightning.py --widths 256,512,1024,2048,4096 --rounds 5"
   "full|performance (QAT under the user's torch.compile, with the bounds)|16 min|$PY bench/qat_compiled.py --bounds"
+  "full|performance (the observing pass's skipped backward, paired)|6 min|$PY bench/observing_backward.py --widths 512,1024,4096"
+  "full|performance (the integer GEMM of int8 Linears, paired)|6 min|$PY bench/integer_linear.py --widths 512,1024,2048,4096"
 )
 # Not regenerated here: the GPTQ/AWQ speed tables against amd-quark (bench/gptq_speed.py, bench/awq_speed.py need
 # amd-quark 0.13 in its own venv, see their docstrings) and the CUDA checks (an H100).
