@@ -10,15 +10,17 @@ rounding (a few units in the last place). On CPU, with VNNI, the int8 GEMM takes
 widths. The backward is the float Linear's, on the same fake-quantized tensors ``F.linear`` would keep.
 
 The codes are read back from the fake-quantized tensors: a value ``(q - 0) * s`` computed in float32, times ``1 / s``,
-lies within 2^-15 of the integer ``q`` for ``|q| <= 128`` and any normal scale, so rounding it gives ``q`` exactly
-(the scale is checked to be normal and not so large that the row sums below could overflow). One compiled pass per
-operand writes the codes and a NaN carrier (``0 * the row's sum``): a NaN that ``F.linear`` would spread to an output row
-or column spreads to the same one here, where an int8 code could not hold it.
+lies within 2^-15 of the integer ``q`` for ``|q| <= 128`` and any normal scale, so rounding it gives ``q`` exactly.
+The qparams are read on every call: zero points 0, scales in [2^-63, 2^63] (so ``sx * sw`` is a normal float32 too).
+One compiled pass per operand writes the codes and a NaN carrier (``0 * the row's sum``): a NaN that ``F.linear``
+would spread to an output row or column spreads to the same one here, where an int8 code could not hold it.
 
-Used by ``QuantLinear.forward`` and transformers' ``Conv1D`` twin (GPT-2) on CPU float32 tensors, outside traces (``torch.compile``, TorchScript, ONNX export,
-FX), autocast and functorch transforms, where the weight has at least ``INTEGER_GEMM_MIN_WEIGHT_NUMEL`` elements (below
-it the float GEMM is as fast: the measured crossover). ``QUARK_INTEGER_GEMM=0`` (or ``set_integer_gemm(False)``)
-keeps the float GEMM everywhere.
+Used by ``QuantLinear.forward`` and transformers' ``Conv1D`` twin (GPT-2) on CPU float32 tensors, where the weight
+has at least ``INTEGER_GEMM_MIN_WEIGHT_NUMEL`` elements (below it the float GEMM is as fast: the measured crossover).
+Not under traces or dispatch modes (``torch.compile``, ``torch.export``, TorchScript and so ONNX export, FX,
+``make_fx``, ``FlopCounterMode``), autocast, functorch transforms, or a forward hook on either quantizer (or a global
+one), which may replace the quantizer's output with values off its grid. ``QUARK_INTEGER_GEMM=0`` (or
+``set_integer_gemm(False)``) keeps the float GEMM everywhere.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from quark.torch.quantization.config.type import QSchemeType
 from quark.torch.quantization.fake_quant.fixed import FrozenScaledFakeQuantize
@@ -37,18 +40,27 @@ from quark.torch.quantization.formats.integer import INT_MIN_NUMEL
 from quark.torch.quantization.formats.table import IntFormat, format_of
 from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
-__all__ = ["INTEGER_GEMM_MIN_WEIGHT_NUMEL", "integer_gemm_enabled", "integer_linear", "set_integer_gemm"]
+__all__ = [
+    "INTEGER_GEMM_MIN_WEIGHT_NUMEL",
+    "integer_gemm_enabled",
+    "integer_linear",
+    "integer_scales",
+    "set_integer_gemm",
+]
 
-#: the smallest weight (elements) whose Linear takes the integer GEMM. Measured on 2 cores (torch 2.13, a batch of 32
-#: rows, the whole forward of the product: codes, ``_int_mm``, scaling) against ``F.linear``: 256 x 256 2.7x as long
-#: (the fixed cost of the extra kernels), 1024 x 256 0.96x, 512 x 512 1.00x, 512 x 1024 0.75x, 1024 x 1024 0.49x,
-#: 4096 x 1024 0.39x
-INTEGER_GEMM_MIN_WEIGHT_NUMEL = 1 << 19
+#: the smallest weight (elements) whose Linear takes the integer GEMM. Measured on 2 cores (torch 2.13, 32 rows;
+#: ``bench/integer_linear.py``): the product alone (codes, ``_int_mm``, scaling) over ``F.linear``, in x out, 256 x 256
+#: 3.29, 256 x 1024 1.00, 512 x 512 1.08, 1024 x 512 0.61, 1024 x 1024 0.49, 1024 x 4096 0.41; but inside a QAT
+#: step (cold caches, the qparams check) the 1024 x 512 layers of the width-512 MLP gave 0.90-1.02 in six paired runs
+#: (about even), those of width 1024 (1024 x 1024) 0.86-0.94
+INTEGER_GEMM_MIN_WEIGHT_NUMEL = 1 << 20
 #: int32 accumulation of products of codes in [-128, 127] is exact for fewer terms than this (2^31 / 2^14)
 _MAX_IN_FEATURES = 1 << 17
 #: scales this quantizer's codes are read back exactly with: normal float32, and small enough that a row's sum of
-#: ``in_features`` values of at most ``128 * scale`` stays finite (the NaN carrier must not turn into inf * 0)
-_SCALE_MIN, _SCALE_MAX = 2.0**-126, 2.0**100
+#: ``in_features`` values of at most ``128 * scale`` stays finite (the NaN carrier must not turn into inf * 0); the
+#: bounds are the square roots of float32's normal range, so the product ``sx * sw`` the accumulator is scaled by is a
+#: normal finite float32 too (an infinite one would turn an accumulator of 0 into NaN, a subnormal one lose bits)
+_SCALE_MIN, _SCALE_MAX = 2.0**-63, 2.0**63
 #: quantizers whose output is ``(q - zp) * scale`` with the scale they hold after the call (not a baked weight's
 #: pass-through: its tensor is only assumed to lie on the grid, and training could move it off)
 _SERVING_TYPES = (ScaledFakeQuantize, FrozenScaledFakeQuantize)
@@ -115,33 +127,30 @@ def _exact_range(scale: torch.Tensor, zp: torch.Tensor) -> bool:
     return _SCALE_MIN <= lo and hi <= _SCALE_MAX
 
 
-def _qparams_serve(quantizer: Any, channels: int | None) -> torch.Tensor | None:
+def _servable_scale(quantizer: Any, channels: int | None) -> torch.Tensor | None:
     """``quantizer``'s scale, shaped [channels, 1] for a per-channel weight, where its qparams let the codes be read
     back exactly (zero points all 0, float32 scales in the exact range, one per tensor or per ``channels``); else
-    None. The check reads the qparams once per version of them (observing, once per step; fixed, once)."""
+    None. Read on every call, not memoized: a write through ``.data`` changes the values without a version bump, and
+    tensors made under ``inference_mode`` have no version at all (the reads cost a few us on CPU)."""
     scale, zp = quantizer._buffers.get("scale"), quantizer._buffers.get("zero_point")
-    if scale is None or zp is None:
+    if (
+        scale is None
+        or zp is None
+        or scale.dtype != torch.float32
+        or scale.device.type != "cpu"
+        or zp.numel() not in (1, scale.numel())
+        or not (scale.numel() == 1 or (channels is not None and scale.numel() == channels))
+        or not _exact_range(scale, zp)
+    ):
         return None
-    key = (scale._version, zp._version, scale.data_ptr(), zp.data_ptr())
-    cached = quantizer.__dict__.get("_integer_gemm_qparams")
-    if cached is not None and cached[0] is scale and cached[1] is zp and cached[2] == key:
-        return cached[3]
-    serves = (
-        scale.dtype == torch.float32
-        and scale.device.type == "cpu"
-        and zp.numel() in (1, scale.numel())
-        and (scale.numel() == 1 or (channels is not None and scale.numel() == channels))
-        and _exact_range(scale, zp)
-    )
-    shaped = (scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)).detach() if serves else None
-    quantizer.__dict__["_integer_gemm_qparams"] = (scale, zp, key, shaped)
-    return shaped
+    return (scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)).detach()
 
 
 def _quantizer_serves(quantizer: Any, channel_axis: int | None) -> bool:
     """A quantizer of ``_SERVING_TYPES`` with a spec that serves and fake quantization on."""
     return (
         type(quantizer) in _SERVING_TYPES
+        and not quantizer._forward_hooks  # a hook may replace the output (rotation training's add_scale_gradient)
         and _spec_serves(quantizer, channel_axis)
         and bool(quantizer.flag("fake_quant_enabled"))
     )
@@ -171,6 +180,8 @@ def integer_scales(
         or torch.compiler.is_compiling()  # traces first: their sizes and values are not to be read
         or torch.jit.is_tracing()
         or torch.jit.is_scripting()
+        or is_in_torch_dispatch_mode()  # make_fx, FlopCounterMode, ...: values not to be read, ops to be seen
+        or torch.nn.modules.module._global_forward_hooks  # may replace a quantizer's output
         or not (_plain_cpu_float(x) and _plain_cpu_float(weight) and _plain_cpu_float(bias))
         or weight.dim() != 2
         or weight.numel() < INTEGER_GEMM_MIN_WEIGHT_NUMEL
@@ -183,8 +194,8 @@ def integer_scales(
         or not _quantizer_serves(weight_quantizer, channel_axis)
     ):
         return None
-    sx = _qparams_serve(input_quantizer, None)
-    sw = _qparams_serve(weight_quantizer, weight.shape[0])
+    sx = _servable_scale(input_quantizer, None)
+    sw = _servable_scale(weight_quantizer, weight.shape[0])
     if sx is None or sw is None:
         return None
     return sx, sw
@@ -199,14 +210,17 @@ class _IntegerLinear(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         qx, x_nan = _codes_and_nan(rows, sx)
         qw, w_nan = _codes_and_nan(weight, sw)
-        acc = torch._int_mm(qx, qw.t())
-        carry = x_nan + w_nan.reshape(1, -1)  # 0, or NaN in a row / column a NaN operand reaches
+        shape = (*x.shape[:-1], weight.shape[0])
+        acc = torch._int_mm(qx, qw.t()).to(torch.float32).reshape(shape)
+        # 0, or NaN in a row / column a NaN operand reaches
+        carry = x_nan.reshape(*x.shape[:-1], 1) + w_nan.reshape(weight.shape[0])
         if bias is not None:
             carry = carry + bias
-        out = torch.addcmul(carry, acc.to(torch.float32), sx * sw.reshape(1, -1))
+        # built in its final shape: a view of a tensor made here could not be modified in place (ReLU(inplace=True))
+        out = torch.addcmul(carry, acc, sx * sw.reshape(-1))
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
         ctx.has_bias = bias is not None
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
