@@ -20,7 +20,9 @@ has at least ``INTEGER_GEMM_MIN_WEIGHT_NUMEL`` elements (below it the float GEMM
 Not under traces or dispatch modes (``torch.compile``, ``torch.export``, TorchScript and so ONNX export, FX,
 ``make_fx``, ``FlopCounterMode``), autocast, functorch transforms, or a forward hook on either quantizer (or a global
 one), which may replace the quantizer's output with values off its grid. ``QUARK_INTEGER_GEMM=0`` (or
-``set_integer_gemm(False)``) keeps the float GEMM everywhere.
+``set_integer_gemm(False)``) keeps the float GEMM everywhere. By default it is on where the CPU reports an int8
+dot product (AVX-512 VNNI, AVX-VNNI, AMX: ``cpu_has_int8_dot``), which the threshold was measured with; elsewhere
+``QUARK_INTEGER_GEMM=1`` turns it on.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from quark.torch.quantization.tensor_quantize import ScaledFakeQuantize
 
 __all__ = [
     "INTEGER_GEMM_MIN_WEIGHT_NUMEL",
+    "cpu_has_int8_dot",
     "integer_gemm_enabled",
     "integer_linear",
     "integer_scales",
@@ -66,21 +69,43 @@ _SCALE_MIN, _SCALE_MAX = 2.0**-63, 2.0**63
 _SERVING_TYPES = (ScaledFakeQuantize, FrozenScaledFakeQuantize)
 
 
+#: CPU flags (Linux ``/proc/cpuinfo``) of an int8 dot-product instruction, which makes ``torch._int_mm`` fast (the
+#: threshold above was measured with AVX-512 VNNI); without one the int8 GEMM may not beat the float one
+_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def cpu_has_int8_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU reports an int8 dot-product instruction (VNNI, AMX); False where that cannot be read (not
+    Linux)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return not _INT8_DOT_FLAGS.isdisjoint(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    return False
+
+
 def _enabled_from_env() -> bool:
-    """``QUARK_INTEGER_GEMM``: unset or ``1``, on; ``0``, off. Anything else is refused, naming the variable."""
+    """``QUARK_INTEGER_GEMM``: unset, on where the CPU has an int8 dot product (``cpu_has_int8_dot``); ``1``, on;
+    ``0``, off. Anything else is refused, naming the variable."""
     setting = os.environ.get("QUARK_INTEGER_GEMM", "").strip()
     if setting not in ("", "0", "1"):
-        raise ValueError(f"QUARK_INTEGER_GEMM={setting!r}: allowed 0 (the float GEMM everywhere) or 1 (the default)")
-    return setting != "0"
+        raise ValueError(
+            f"QUARK_INTEGER_GEMM={setting!r}: allowed 0 (the float GEMM everywhere), 1 (the integer GEMM on any CPU) "
+            "or unset (on where the CPU has VNNI or AMX)"
+        )
+    return cpu_has_int8_dot() if setting == "" else setting == "1"
 
 
 _state = {"enabled": _enabled_from_env()}
 
 
-def set_integer_gemm(enabled: bool) -> None:
-    """Switch the integer GEMM of fake-quantized Linears on (the default) or off (the float GEMM everywhere: bit for
-    bit ``F.linear`` of the fake-quantized tensors)."""
-    _state["enabled"] = bool(enabled)
+def set_integer_gemm(enabled: bool | None) -> None:
+    """Switch the integer GEMM of fake-quantized Linears on, off (the float GEMM everywhere: bit for bit ``F.linear``
+    of the fake-quantized tensors) or, with None, back to the default (on where the CPU has an int8 dot product)."""
+    _state["enabled"] = cpu_has_int8_dot() if enabled is None else bool(enabled)
 
 
 def integer_gemm_enabled() -> bool:

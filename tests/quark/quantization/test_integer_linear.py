@@ -10,6 +10,7 @@ import copy
 import math
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -390,3 +391,27 @@ def test_qparams_written_through_data_are_seen(int_mm: _Spy) -> None:
     int_mm.calls = 0
     layer._input_quantizer.zero_point.data.fill_(5)
     _assert_float_gemm(nn.Sequential(layer), x, int_mm)
+
+
+def test_default_follows_the_cpus_int8_dot_product(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default only where ``/proc/cpuinfo`` reports VNNI or AMX (the threshold was measured with VNNI);
+    ``QUARK_INTEGER_GEMM`` overrides it either way, and a bad value is refused naming the variable."""
+    vnni, avx2 = tmp_path / "vnni", tmp_path / "avx2"
+    vnni.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n")
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    assert il.cpu_has_int8_dot(str(vnni)) and not il.cpu_has_int8_dot(str(avx2))
+    assert not il.cpu_has_int8_dot(str(tmp_path / "missing"))
+    monkeypatch.setattr(il, "cpu_has_int8_dot", lambda: False)
+    for setting, expected in (("", False), ("1", True), ("0", False)):
+        monkeypatch.setenv("QUARK_INTEGER_GEMM", setting)
+        assert il._enabled_from_env() is expected
+    monkeypatch.setattr(il, "cpu_has_int8_dot", lambda: True)
+    monkeypatch.setenv("QUARK_INTEGER_GEMM", "")
+    assert il._enabled_from_env() is True
+    monkeypatch.setenv("QUARK_INTEGER_GEMM", "yes")
+    with pytest.raises(ValueError, match="QUARK_INTEGER_GEMM='yes'"):
+        il._enabled_from_env()
+    enabled = il.integer_gemm_enabled()
+    il.set_integer_gemm(None)
+    assert il.integer_gemm_enabled() is True  # the default, with the CPU patched to have VNNI
+    il.set_integer_gemm(enabled)
