@@ -17,7 +17,6 @@ Two tables:
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -30,11 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.qat_overhead import MLP, W8A8  # noqa: E402
+from bench.qat_overhead import MLP, W8A8, alternate, median_step_time, paired_ratio, qat_step  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
 from quark.torch.quantization import integer_linear  # noqa: E402
-from quark.torch.quantization.tensor_quantize import FakeQuantizeBase  # noqa: E402
 
 #: (in_features, out_features) of the product table: below, at and above the threshold, transformer widths
 SHAPES = ((256, 256), (256, 1024), (512, 512), (1024, 512), (1024, 1024), (1024, 4096), (4096, 1024))
@@ -72,39 +70,14 @@ def product_table(rows: int, calls: int) -> None:
         print(f"| {k} x {n} | {k * n} | {fl:.0f} | {it:.0f} | {it / fl:.2f} |", flush=True)
 
 
-def _contender(base: torch.nn.Module, config: dict | None, batch: tuple, observe: bool) -> Callable[[], None]:
-    x, y = batch
-    model = copy.deepcopy(base).train()
-    if config is not None:
-        model = ModelQuantizer(config).prepare(model)
-        with torch.no_grad():
-            model(x)
-        for q in model.modules():
-            if isinstance(q, FakeQuantizeBase):
-                q.enable_observer(observe)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+def _timed(step: Callable[[], None], integer: bool) -> Callable[[int], float]:
+    """Times ``n`` steps of ``step`` with the integer GEMM switched on or off."""
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    def run(n: int) -> float:
+        integer_linear.set_integer_gemm(integer)
+        return median_step_time(step, n)
 
-    return step
-
-
-def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
-    """The median over rounds of contender ``a``'s step over ``b``'s in the same round."""
-    return statistics.median(p / q for p, q in zip(times[a], times[b], strict=True))
-
-
-def _time_steps(step: Callable[[], None], integer: bool, steps: int) -> float:
-    integer_linear.set_integer_gemm(integer)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return run
 
 
 def step_table(widths: list[int], rounds: int, steps: int, warmup: int) -> None:
@@ -122,20 +95,17 @@ def step_table(widths: list[int], rounds: int, steps: int, warmup: int) -> None:
         for observe in (True, False):
             for integer in (False, True):
                 contenders[f"{observe} {integer}"] = (W8A8, observe, integer)
-        steps_of = {name: _contender(base, cfg, batch, obs) for name, (cfg, obs, _) in contenders.items()}
-        for name, (_, _, integer) in contenders.items():
-            _time_steps(steps_of[name], integer, warmup)
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        order = list(contenders)
-        for r in range(rounds):
-            for name in order if r % 2 == 0 else order[::-1]:
-                times[name].append(_time_steps(steps_of[name], contenders[name][2], steps))
-        integer_linear.set_integer_gemm(True)
+        runs = {name: _timed(qat_step(base, cfg, batch, obs), it) for name, (cfg, obs, it) in contenders.items()}
+        times = alternate(runs, rounds, steps, warmup)
+        integer_linear.set_integer_gemm(None)
 
         cells = [f"{statistics.median(times['fp32']) * 1e3:.2f}"]
         for observe in (True, False):
             f, i = f"{observe} False", f"{observe} True"
-            cells += [f"{_ratio(times, f, 'fp32'):.3f} / {_ratio(times, i, 'fp32'):.3f}", f"{_ratio(times, i, f):.3f}"]
+            cells += [
+                f"{paired_ratio(times, f, 'fp32'):.3f} / {paired_ratio(times, i, 'fp32'):.3f}",
+                f"{paired_ratio(times, i, f):.3f}",
+            ]
         print(f"| {width} | " + " | ".join(cells) + " |", flush=True)
 
 

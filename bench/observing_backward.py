@@ -15,24 +15,19 @@ passes, and "always" ignores that).
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quark.torch.quantization.observe_quantize as observe_quantize  # noqa: E402
-from bench.qat_overhead import FP8_W8A8, MLP, W8A8  # noqa: E402
-from quark.torch import ModelQuantizer  # noqa: E402
+from bench.qat_overhead import FP8_W8A8, MLP, W8A8, alternate, median_step_time, paired_ratio, qat_step  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
-from quark.torch.quantization.tensor_quantize import FakeQuantizeBase  # noqa: E402
 
 SKIPPING = observe_quantize._ObserveFakeQuant.forward
 
@@ -49,40 +44,14 @@ def _always_backward(ctx, x, min_val, max_val, plan, steady):  # type: ignore[no
 MODES = {"skip": staticmethod(SKIPPING), "always": staticmethod(_always_backward)}
 
 
-def _contender(base: torch.nn.Module, config: dict | None, batch: tuple[torch.Tensor, torch.Tensor]) -> Callable:
-    """A training step of a copy of ``base``, quantized with ``config`` (None: FP32) and observing every step."""
-    x, y = batch
-    model = copy.deepcopy(base).train()
-    if config is not None:
-        model = ModelQuantizer(config).prepare(model)
-        with torch.no_grad():
-            model(x)
-        for q in model.modules():
-            if isinstance(q, FakeQuantizeBase):
-                q.enable_observer(True)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+def _timed(step: Callable[[], None], mode: str) -> Callable[[int], float]:
+    """Times ``n`` steps of ``step`` with the Function's forward of ``mode`` in place."""
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    def run(n: int) -> float:
+        observe_quantize._ObserveFakeQuant.forward = MODES[mode]
+        return median_step_time(step, n)
 
-    return step
-
-
-def _time(step: Callable, mode: str, steps: int) -> float:
-    observe_quantize._ObserveFakeQuant.forward = MODES[mode]
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
-    """The median over rounds of contender ``a``'s step over ``b``'s in the same round."""
-    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+    return run
 
 
 def main() -> None:
@@ -111,21 +80,15 @@ def main() -> None:
             "fp8 always": ("always", FP8_W8A8),
             "fp8 skip": ("skip", FP8_W8A8),
         }
-        steps = {name: _contender(base, config, batch) for name, (_, config) in contenders.items()}
-        for name, (mode, _) in contenders.items():
-            _time(steps[name], mode, args.warmup)
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        order = list(contenders)
-        for r in range(args.rounds):
-            for name in order if r % 2 == 0 else order[::-1]:
-                times[name].append(_time(steps[name], contenders[name][0], args.steps))
+        runs = {name: _timed(qat_step(base, cfg, batch, True), mode) for name, (mode, cfg) in contenders.items()}
+        times = alternate(runs, args.rounds, args.steps, args.warmup)
         observe_quantize._ObserveFakeQuant.forward = MODES["skip"]
 
         cells = [f"{statistics.median(times['fp32']) * 1e3:.2f}"]
         for f in ("int8", "fp8"):
             cells += [
-                f"{_ratio(times, f + ' always', 'fp32'):.3f} / {_ratio(times, f + ' skip', 'fp32'):.3f}",
-                f"{_ratio(times, f + ' skip', f + ' always'):.3f}",
+                f"{paired_ratio(times, f + ' always', 'fp32'):.3f} / {paired_ratio(times, f + ' skip', 'fp32'):.3f}",
+                f"{paired_ratio(times, f + ' skip', f + ' always'):.3f}",
             ]
         print(f"| {width} | " + " | ".join(cells) + " |", flush=True)
 

@@ -253,6 +253,56 @@ def _set_observers(model: nn.Module, enabled: bool) -> None:
             m.enable_observer(enabled)
 
 
+def qat_step(
+    base: nn.Module, config: dict | None, batch: tuple[torch.Tensor, torch.Tensor], observe: bool
+) -> Callable[[], None]:
+    """A bare training step (Adam, cross-entropy) of a copy of ``base``, quantized with ``config`` (None: FP32),
+    calibrated on ``batch``, its observers then on (every step observes) or off (fixed qparams)."""
+    x, y = batch
+    model = copy.deepcopy(base).train()
+    if config is not None:
+        model = ModelQuantizer(config).prepare(model)
+        with torch.no_grad():
+            model(x)
+        _set_observers(model, observe)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def median_step_time(step: Callable[[], None], steps: int) -> float:
+    """The median of ``steps`` timed calls of ``step``, in seconds."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def alternate(runs: dict[str, Callable[[int], float]], rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Each contender's median step time per round: ``runs[name](n)`` times ``n`` steps of it (in its own mode); all
+    warm up first, then every round runs every contender, the order reversed every other round."""
+    for run_steps in runs.values():
+        run_steps(warmup)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            times[name].append(runs[name](steps))
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of contender ``a``'s step over ``b``'s in the same round."""
+    return statistics.median(p / q for p, q in zip(times[a], times[b], strict=True))
+
+
 def _quantized_model(name: str, base: nn.Module) -> nn.Module:
     model = copy.deepcopy(base).train()
     if name in CONFIGS:

@@ -142,7 +142,7 @@ def _spec_serves(quantizer: Any, channel_axis: int | None) -> bool:
 
 def _exact_range(scale: torch.Tensor, zp: torch.Tensor) -> bool:
     """Zero points all 0 and scales in [``_SCALE_MIN``, ``_SCALE_MAX``] (NaN fails): host reads of one-element
-    tensors, ``aminmax`` and ``count_nonzero`` otherwise (a few us on CPU: this runs once per step while observing)."""
+    tensors, ``aminmax`` and ``count_nonzero`` otherwise (a few us on CPU; it runs on every call)."""
     if (zp.item() if zp.numel() == 1 else zp.count_nonzero().item()) != 0:
         return False
     if scale.numel() == 1:
