@@ -24,6 +24,31 @@ from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 from quark_lightning.tasks.recipes import INT4_G32_WEIGHT, INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
 
 W8A8 = {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}
+UINT8_ASYM = {**INT8_PER_TENSOR_ACT, "dtype": "uint8", "symmetric": False}
+INT8_ASYM = {**INT8_PER_TENSOR_ACT, "symmetric": False}
+_POF2 = {"observer_cls": "PerTensorMinMaxObserver", "symmetric": True, "scale_type": "pof2", "is_dynamic": False}
+_TQT = {**_POF2, "round_method": "half_even", "qat_spec": {"method": "tqt", "threshold_init_meth": "_3SD"}}
+#: the learned quantizers: the w4a8_tqt preset (int4 weights, int8 inputs, power-of-two thresholds) and LSQ
+LEARNED = {
+    "tqt": {
+        "weight": {**_TQT, "dtype": "int4", "qscheme": "per_tensor"},
+        "input_tensors": {**_TQT, "dtype": "int8", "qscheme": "per_tensor"},
+    },
+    "tqt per channel": {
+        "weight": {
+            **_TQT,
+            "dtype": "int8",
+            "qscheme": "per_channel",
+            "ch_axis": 0,
+            "observer_cls": "PerChannelMinMaxObserver",
+        },
+        "input_tensors": {**_TQT, "dtype": "int8", "qscheme": "per_tensor"},
+    },
+    "lsq": {
+        "weight": {**INT8_PER_CHANNEL_WEIGHT, "qat_spec": {"method": "lsq"}},
+        "input_tensors": {**INT8_PER_TENSOR_ACT, "qat_spec": {"method": "lsq"}},
+    },
+}
 IN, OUT = 1024, 1024  # a weight of INTEGER_GEMM_MIN_WEIGHT_NUMEL elements: the smallest that takes the integer GEMM
 
 
@@ -76,39 +101,132 @@ def _float_gemm(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_codes_read_back_exactly_for_every_code_and_scale() -> None:
-    """The design's premise: ``round(fl(q * s) * fl(1 / s)) == q`` for every code in [-128, 128] and scales over the
-    range wider than the accepted one (2^-126 .. 2^100 against 2^-63 .. 2^63), its ends included: float32 arithmetic, as the kernels do it."""
+    """The design's premise: ``round(fl(q * s) * fl(1 / s)) == q`` for every code ``q - zp`` in [-256, 256] (int8's and
+    uint8's around any zero point in range) and scales over the range wider than the accepted one (2^-126 .. 2^100
+    against 2^-63 .. 2^63), its ends included: float32 arithmetic, as the kernels do it."""
     gen = torch.Generator().manual_seed(0)
     exps = torch.empty(20000).uniform_(-126, 100, generator=gen)
     scales = torch.cat(
         [torch.exp2(exps) * torch.empty(20000).uniform_(1, 2, generator=gen), torch.tensor([2.0**-126, 2.0**100])]
     )
     scales = scales.clamp(2.0**-126, 2.0**100).float()
-    codes = torch.arange(-128, 129, dtype=torch.float32)
+    codes = torch.arange(-256, 257, dtype=torch.float32)
     values = codes[None, :] * scales[:, None]  # (q - 0) * s, rounded to float32 as a fake quantizer writes it
     back = torch.round(values * torch.reciprocal(scales)[:, None])
     assert torch.equal(back, codes.expand_as(back))
 
 
+def _assert_exact_product(layer: QuantLinear, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` is the exact ``sx * sw * sum((qx - zx) * qW) + b`` (codes read back in float64, int64 products, float64
+    scaling) to float32 rounding: within 3 ulp of the product's and the bias's magnitudes, and no further from it
+    than the float GEMM of the dequantized values."""
+    iq, wq = layer._input_quantizer, layer._weight_quantizer
+    with torch.no_grad():
+        sx = iq.scale.detach().double().reshape(())
+        sw = wq.scale.detach().double().reshape(1, -1)
+        vx = iq(x).double() / sx  # q - zp, up to float32's rounding of the fake-quantized value
+        vw = wq(layer.weight).double() / sw.reshape(-1, 1)
+        nx, nw = vx.round(), vw.round()
+        assert float((vx - nx).abs().max()) < 1e-3 and float((vw - nw).abs().max()) < 1e-3  # on the grid
+        assert int(nx.abs().max()) <= 255 and int(nw.abs().max()) <= 128
+        product = (nx.long() @ nw.long().t()).double() * sx * sw
+        exact = product + layer.bias.double()
+        tolerance = 3 * torch.finfo(torch.float32).eps * (product.abs() + layer.bias.double().abs())
+        assert bool(((out.detach().double() - exact).abs() <= tolerance).all())
+        float_error = (_float_gemm(layer, x).double() - exact).abs()
+        assert float((out.detach().double() - exact).abs().max()) <= float(float_error.max())
+
+
 def test_forward_is_the_exact_integer_product(int_mm: _Spy) -> None:
-    """The output is the exact ``sx * sw * sum(qx * qW) + b`` (int64 products, float64 scaling) to float32 rounding:
-    within 3 ulp of the product's and the bias's magnitudes, where the float GEMM of the dequantized values is further off."""
+    """The output is the exact integer product, scaled (``_assert_exact_product``)."""
     model = _model(W8A8)
     layer = model[0]
     x = torch.randn(64, IN) * 3
     out = layer(x)
     assert int_mm.calls == 1
-    sx = layer._input_quantizer.scale.double()
-    sw = layer._weight_quantizer.scale.double().reshape(1, -1)
-    qx = torch.round(layer._input_quantizer(x).double() / sx).long()
-    qw = torch.round(layer._weight_quantizer(layer.weight).double() / sw.reshape(-1, 1)).long()
-    assert int(qx.abs().max()) <= 128 and int(qw.abs().max()) <= 128
-    product = (qx @ qw.t()).double() * sx * sw
-    exact = product + layer.bias.double()
-    tolerance = 3 * torch.finfo(torch.float32).eps * (product.abs() + layer.bias.double().abs())
-    assert bool(((out.double() - exact).abs() <= tolerance).all())
-    float_error = (_float_gemm(layer, x).double() - exact).abs()
-    assert float((out.double() - exact).abs().max()) <= float(float_error.max())  # no worse than the float GEMM
+    _assert_exact_product(layer, x, out)
+
+
+@pytest.mark.parametrize(
+    "inputs,zero_points",
+    [(UINT8_ASYM, (None, 0, 255, 37)), (INT8_ASYM, (None, -128, 127, 37))],
+    ids=["uint8", "int8 asymmetric"],
+)
+def test_asymmetric_inputs_take_the_integer_gemm_exactly(
+    int_mm: _Spy, inputs: dict, zero_points: tuple[int | None, ...]
+) -> None:
+    """Inputs around a nonzero zero point, unsigned or signed (calibrated, then set at the ends of the format's range:
+    the largest shifts either way, and between): codes ``q - zp`` read as ``q - offset`` in int8, the product
+    corrected by ``shift * sum(qW)``. The output is the exact product, and gradients are the float GEMM's."""
+    layer = _model({"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": inputs}})[0]
+    iq = layer._input_quantizer
+    for calls, zp in enumerate(zero_points, start=1):
+        if zp is not None:
+            iq.set_qparams(torch.tensor(0.04), torch.tensor(zp, dtype=torch.int32))
+        x = (torch.randn(24, IN) * 4).requires_grad_()  # past both ends of the range: every code, clamped ones too
+        out = layer(x)
+        assert int_mm.calls == calls
+        _assert_exact_product(layer, x, out)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (x, layer.weight, layer.bias), g)
+        il.set_integer_gemm(False)
+        ref_grads = torch.autograd.grad(_float_gemm(layer, x), (x, layer.weight, layer.bias), g)
+        il.set_integer_gemm(True)
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert int(iq.zero_point) == zero_points[-1]
+
+
+def test_shifted_inputs_keep_the_float_gemm_past_the_exact_bound(int_mm: _Spy) -> None:
+    """With shifted codes (uint8 inputs) the int32 sum is exact for fewer than 2^16 input features: a 65536-wide
+    layer keeps the float GEMM there, and takes the integer one with symmetric int8 inputs (bound 2^17)."""
+    wide = (1 << 16, 16)
+    x = torch.randn(4, wide[0])
+    uint8 = {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": UINT8_ASYM}}
+    _assert_float_gemm(_model(uint8, features=wide), x, int_mm)
+    with torch.no_grad():
+        _model(W8A8, features=wide)[0](x)
+    assert int_mm.calls == 1
+
+
+@pytest.mark.parametrize("method", list(LEARNED))
+def test_learned_quantizers_take_the_integer_gemm(int_mm: _Spy, method: str) -> None:
+    """TQT (power-of-two scales from the learned thresholds; the w4a8_tqt preset's int4 weights, and int8 per
+    channel) and LSQ: the exact product forward, every gradient (input, weight, bias and the learned thresholds /
+    scales, which come through the quantizers' own backward) the float GEMM's, and ten QAT steps following it."""
+    config = {"global_quant_config": LEARNED[method]}
+    layer = _model(config)[0]
+    iq, wq = layer._input_quantizer, layer._weight_quantizer
+    assert type(iq).__name__ == type(wq).__name__ == ("LSQFakeQuantize" if method == "lsq" else "TQTFakeQuantize")
+    learned = [iq.learned_parameter, wq.learned_parameter]
+    x = torch.randn(32, IN, requires_grad=True)
+    out = layer(x)
+    assert int_mm.calls == 1
+    _assert_exact_product(layer, x, out)
+    g = torch.randn_like(out)
+    wrt = (x, layer.weight, layer.bias, *learned)
+    grads = torch.autograd.grad(out, wrt, g)
+    il.set_integer_gemm(False)
+    ref_grads = torch.autograd.grad(_float_gemm(layer, x), wrt, g)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    losses = {}
+    for integer in (True, False):
+        il.set_integer_gemm(integer)
+        model = _model(config, seed=1)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # LSQ's weight steps are ~1e-3
+        gen = torch.Generator().manual_seed(2)
+        batch, y = torch.randn(32, IN, generator=gen), torch.randint(0, 16, (32,), generator=gen)
+        losses[integer] = []
+        for _ in range(10):
+            loss = F.cross_entropy(model(batch), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[integer].append(loss.item())
+    assert int_mm.calls == 11
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)  # a flipped code at the next quantizer carries on
+    assert losses[True][-1] < losses[True][0]
 
 
 @pytest.mark.parametrize("shape", [(32, IN), (4, 7, IN), (1, IN)])
@@ -214,10 +332,11 @@ def _assert_float_gemm(model: nn.Module, x: torch.Tensor, spy: _Spy) -> None:
             INT8_PER_TENSOR_ACT,
         ),
         (INT4_G32_WEIGHT, INT8_PER_TENSOR_ACT),
-        (INT8_PER_CHANNEL_WEIGHT, {**INT8_PER_TENSOR_ACT, "dtype": "uint8", "symmetric": False}),
+        ({**INT8_PER_CHANNEL_WEIGHT, "dtype": "uint8", "symmetric": False}, INT8_PER_TENSOR_ACT),
+        (INT8_PER_CHANNEL_WEIGHT, {**INT8_PER_TENSOR_ACT, "dtype": "uint16", "symmetric": False}),
         (INT8_PER_CHANNEL_WEIGHT, None),
     ],
-    ids=["fp8 weight", "int4 per-group weight", "asymmetric uint8 input", "weight only"],
+    ids=["fp8 weight", "int4 per-group weight", "asymmetric uint8 weight", "uint16 input", "weight only"],
 )
 def test_formats_the_integer_gemm_cannot_serve_keep_the_float_one(
     int_mm: _Spy, weight: dict, inputs: dict | None
@@ -238,18 +357,26 @@ def test_small_weights_switch_off_and_fake_quant_off_keep_the_float_gemm(int_mm:
 
 
 def test_qparams_outside_the_exact_range_keep_the_float_gemm(int_mm: _Spy) -> None:
-    """A subnormal scale (set by hand) would not give its codes back: the float GEMM runs. A nonzero zero point too."""
+    """A subnormal scale (set by hand) would not give its codes back: the float GEMM runs. So do an input zero point
+    outside int8's range or not integral, and a nonzero weight zero point."""
     model = _model(W8A8)
     x = torch.randn(8, IN)
     q = model[0]._input_quantizer
     q.set_qparams(torch.tensor(1e-39), torch.tensor(0, dtype=torch.int32))
     _assert_float_gemm(model, x * 1e-37, int_mm)
-    q.set_qparams(torch.tensor(0.05), torch.tensor(3, dtype=torch.int32))
+    q.set_qparams(torch.tensor(0.05), torch.tensor(200, dtype=torch.int32))  # codes q - zp down to -328
+    _assert_float_gemm(model, x, int_mm)
+    q.set_qparams(torch.tensor(0.05), torch.tensor(2.5))  # a float zero point: q - zp is not an integer
     _assert_float_gemm(model, x, int_mm)
     q.set_qparams(torch.tensor(0.05), torch.tensor(0, dtype=torch.int32))
+    wq = model[0]._weight_quantizer
+    scale = wq.scale.clone()
+    wq.set_qparams(scale, torch.full((OUT,), 3, dtype=torch.int32))
+    _assert_float_gemm(model, x, int_mm)
+    wq.set_qparams(scale, torch.zeros(OUT, dtype=torch.int32))
     with torch.no_grad():
         model[0](x)
-    assert int_mm.calls == 1  # the same quantizer with servable qparams takes it
+    assert int_mm.calls == 1  # the same quantizers with servable qparams take it
 
 
 def test_traces_and_autocast_keep_the_float_gemm(int_mm: _Spy) -> None:
@@ -381,15 +508,15 @@ def test_make_fx_records_the_float_gemm(int_mm: _Spy) -> None:
 
 
 def test_qparams_written_through_data_are_seen(int_mm: _Spy) -> None:
-    """A zero point written through ``.data`` (no version bump) after an integer-GEMM call: the next call reads it and
-    keeps the float GEMM (codes around a nonzero zero point would not fit int8)."""
+    """A weight zero point written through ``.data`` (no version bump) after an integer-GEMM call: the next call reads
+    it and keeps the float GEMM (weights are served around a zero point of 0 only)."""
     layer = _model(W8A8)[0]
     x = torch.randn(8, IN)
     with torch.no_grad():
         layer(x)
     assert int_mm.calls == 1
     int_mm.calls = 0
-    layer._input_quantizer.zero_point.data.fill_(5)
+    layer._weight_quantizer.zero_point.data.fill_(5)
     _assert_float_gemm(nn.Sequential(layer), x, int_mm)
 
 
