@@ -10,9 +10,9 @@ Two tables:
     fake-quantized input and weight against the integer path (the codes read back, ``torch._int_mm``, the scaling),
     at the shapes a batch of ``--rows`` rows meets; the ratio is where ``INTEGER_GEMM_MIN_WEIGHT_NUMEL`` comes from.
 2. **QAT steps** of each ``--formats`` entry (``FORMATS``: int8 W8A8; uint8 asymmetric inputs with int8 weights;
-    the w4a8_tqt preset's learned thresholds), the MLP of ``qat_overhead.py`` (1024 -> width -> 1024 -> 10, batch 32,
+    the w4a8_tqt preset's learned thresholds; LSQ's learned int8 scales), the MLP of ``qat_overhead.py`` (1024 -> width -> 1024 -> 10, batch 32,
     Adam) in a bare loop: observers on at every step (the warm-up half) and off (the steady half; TQT learns its
-    thresholds either way, so it has only this half), the integer GEMM on and off (``set_integer_gemm``), each over
+    thresholds either way, and LSQ its scales, so they have only this half), the integer GEMM on and off (``set_integer_gemm``), each over
     FP32 in the same round, and on / off paired. Contenders alternate every round (order reversed every other round)
     after ``--warmup`` steps each.
 """
@@ -44,8 +44,15 @@ UINT8_INPUTS = {
         "input_tensors": {**INT8_PER_TENSOR_ACT, "dtype": "uint8", "symmetric": False},
     }
 }
-#: name -> (config, whether its observers matter: TQT's learned thresholds do not follow them)
-FORMATS = {"w8a8": (W8A8, True), "uint8": (UINT8_INPUTS, True), "tqt": (W4A8_TQT, False)}
+_LSQ = {"qat_spec": {"method": "lsq"}}
+LSQ_W8A8 = {
+    "global_quant_config": {
+        "weight": {**INT8_PER_CHANNEL_WEIGHT, **_LSQ},
+        "input_tensors": {**INT8_PER_TENSOR_ACT, **_LSQ},
+    }
+}
+#: name -> (config, whether its observers matter: TQT's and LSQ's learned scales do not follow them)
+FORMATS = {"w8a8": (W8A8, True), "uint8": (UINT8_INPUTS, True), "tqt": (W4A8_TQT, False), "lsq": (LSQ_W8A8, False)}
 
 #: (in_features, out_features) of the product table: below, at and above the threshold, transformer widths
 SHAPES = ((256, 256), (256, 1024), (512, 512), (1024, 512), (1024, 1024), (1024, 4096), (4096, 1024))
@@ -97,7 +104,7 @@ def step_table(fmt: str, widths: list[int], rounds: int, steps: int, warmup: int
     config, observed = FORMATS[fmt]
     halves = (True, False) if observed else (False,)
     print(f"\n## {fmt} QAT steps, bare loop ({rounds} rounds of {steps} steps; x FP32 in the same round)\n")
-    names = {True: "observers on", False: "observers off" if observed else "learned thresholds"}
+    names = {True: "observers on", False: "observers off" if observed else "learned scales"}
     head = " | ".join(f"{names[h]}: float / integer x FP32 | integer / float" for h in halves)
     print(f"| width | FP32 ms | {head} |")
     print("|---|---|" + "---|---|" * len(halves))

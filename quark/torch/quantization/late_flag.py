@@ -64,6 +64,10 @@ class LateFlag:
             return not bool(ok)
         return self.raised(~ok)
 
+    def idle(self) -> bool:
+        """Whether nothing waits to be read: no queued device copy, no compiled forward's flag."""
+        return not self._pending and self._traced is None
+
     def read_traced(self) -> bool:
         """Whether a compiled forward's flag was True since the last read (read now, then cleared): eager callers that
         check a batch themselves ask this first."""

@@ -603,6 +603,46 @@ def test_tqt_threshold_trains_and_freezes() -> None:
     assert frozen.calculate_qparams()[1].item() == 0
 
 
+@pytest.mark.parametrize("dtype", [Dtype.int8, Dtype.int4])
+def test_tqt_host_check_of_one_threshold_is_the_tensor_check(dtype: Dtype) -> None:
+    """A per-tensor threshold is checked on the host in training (``_invalid_value``, Python arithmetic): the same
+    verdict as the tensor check (float32's ``exp2``) at every quarter step across and past float32's range of
+    powers of two, and at the infinities, NaN and huge values."""
+    fq = FakeQuantizeBase.get_fake_quantize(tqt_spec(dtype))
+    values = [*torch.arange(-170.0, 150.0, 0.25).tolist(), math.inf, -math.inf, math.nan, 1e30, -1e30, 3e38]
+    verdicts = set()
+    for v in values:
+        with torch.no_grad():
+            fq.log_threshold.fill_(v)
+        expected = bool(fq._invalid().any())
+        assert fq._invalid_value(fq.log_threshold.item()) is expected, v
+        verdicts.add(expected)
+    assert verdicts == {True, False}
+
+
+def test_lsq_host_check_of_one_scale_is_the_tensor_check() -> None:
+    """A per-tensor LSQ scale is checked on the host in training: the same verdict as the tensor check (finite,
+    positive, a finite float32 reciprocal) at the float32 values around where ``1 / s`` overflows, subnormals, zeros,
+    negatives, the infinities and NaN."""
+    fq = FakeQuantizeBase.get_fake_quantize(int_spec(qat_spec=LSQSpec()))
+    edge = torch.tensor(1 / (2.0**128 - 2.0**103), dtype=torch.float32)
+    around = [edge]
+    for direction in (0.0, 1.0):
+        t = edge
+        for _ in range(4):
+            t = torch.nextafter(t, torch.tensor(direction))
+            around.append(t)
+    values = [float(t) for t in around] + [1e-45, 1e-40, 0.0, -0.0, -1.0, 0.02, 3e38, math.inf, -math.inf, math.nan]
+    verdicts = set()
+    for v in values:
+        with torch.no_grad():
+            fq.scale.fill_(v)
+        expected = bool(fq._invalid().any())
+        assert fq._invalid_value(fq.scale.item()) is expected, v
+        verdicts.add(expected)
+    assert verdicts == {True, False}
+
+
 def test_tqt_needs_observer_for_init() -> None:
     fq = FakeQuantizeBase.get_fake_quantize(tqt_spec())
     fq.disable_observer()

@@ -3,6 +3,7 @@ mode compiles only where it pays and falls back to eager, with a warning that sa
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -341,3 +342,98 @@ def test_half_precision_inputs_are_read_and_written_in_their_dtype(
         assert out.dtype == dtype and torch.equal(out.detach(), expected), mode
         assert xg.grad is not None and xg.grad.dtype == dtype
         assert torch.equal(xg.grad, torch.where(xg.grad == 0, torch.zeros_like(grad), grad))  # grad or 0 per element
+
+
+@pytest.mark.parametrize(
+    "bits,axis,round_method",
+    [
+        (8, None, RoundType.half_even),
+        (4, None, RoundType.round),
+        (4, 0, RoundType.half_even),
+        (8, 1, RoundType.round),
+    ],
+    ids=["int8 per tensor", "int4 half away", "int4 per channel", "int8 per channel of a 4-D tensor"],
+)
+def test_tqt_compiled_equals_eager_and_the_closed_form(
+    bits: int, axis: int | None, round_method: RoundType, compiler: None
+) -> None:
+    """TQT's compiled forward and backward (one pass each) against eager (torch's fused learnable backward per
+    tensor with half-even rounding, else the eager terms): the same forward and input-gradient bits, and the
+    threshold's gradient the paper's, computed in float64, to float32 summation rounding."""
+    from quark.torch.quantization.fake_quant.learnable_grad import TQTFunction
+
+    torch.manual_seed(1)
+    x = torch.randn(ROWS, COLS) * 0.3 if axis != 1 else torch.randn(4, 8, 64, 32) * 0.3
+    x.view(-1)[:4] = torch.tensor([9.0, -9.0, 0.0, 1e-40])  # clipped both ways, a zero, a subnormal
+    channels = 1 if axis is None else x.shape[axis]
+    log_t = torch.linspace(-1.3, 0.4, channels)
+    grad = torch.randn_like(x)
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    outs, before = [], Backend.compile
+    for mode in (False, None):
+        set_compile(mode)
+        try:
+            assert compiled_kernels_active(x) is (mode is None)
+            xg, tg = x.clone().requires_grad_(True), log_t.clone().requires_grad_(True)
+            y = TQTFunction.apply(xg, tg, qmin, qmax, float(bits - 1), round_method, axis)
+            y.backward(grad)
+            outs.append((y.detach(), xg.grad, tg.grad))
+            assert Backend.failure is None, Backend.failure
+        finally:
+            set_compile(before)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    s = torch.exp2(torch.ceil(log_t.double()) - (bits - 1))
+    sv = s if axis is None else s.reshape([-1 if d == axis else 1 for d in range(x.ndim)])
+    v = x.double() / sv
+    r = torch.round(v) if round_method == RoundType.half_even else torch.sign(v) * torch.floor(v.abs() + 0.5)
+    inside = (r >= qmin) & (r <= qmax)
+    assert (~inside).any() and inside.any()
+    assert torch.equal(outs[1][0].double(), r.clamp(qmin, qmax) * sv)
+    assert torch.equal(outs[1][1], torch.where(inside, grad, torch.zeros_like(grad)))
+    local = torch.where(inside, r - v, r.clamp(qmin, qmax))
+    terms = grad.double() * local
+    dims = None if axis is None else [d for d in range(x.ndim) if d != axis]
+    expected = (terms.sum() if dims is None else terms.sum(dim=dims)) * s * math.log(2.0)
+    for got in (outs[0][2], outs[1][2]):
+        torch.testing.assert_close(got.double(), expected.reshape(got.shape), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [None, 0], ids=["per tensor", "per channel"])
+def test_lsq_compiled_equals_eager_and_the_closed_form(axis: int | None, compiler: None) -> None:
+    """LSQ's compiled forward and backward (one pass each, the codes recomputed from the input) against eager (the
+    codes kept): the same forward and input-gradient bits, and the scale's gradient torch's learnable estimator,
+    computed in float64, to float32 summation rounding."""
+    from quark.torch.quantization.fake_quant.learnable_grad import LSQFunction
+
+    torch.manual_seed(2)
+    x = torch.randn(ROWS, COLS)
+    x[0, :3] = torch.tensor([40.0, -40.0, 0.0])  # clipped both ways, a zero
+    channels = 1 if axis is None else ROWS
+    scale = torch.linspace(0.011, 0.03, channels)
+    zp = torch.zeros(channels, dtype=torch.int32)
+    grad = torch.randn_like(x)
+    factor = 1.0 / math.sqrt(x.numel() / channels * 127)
+    outs, before = [], Backend.compile
+    for mode in (False, None):
+        set_compile(mode)
+        try:
+            assert compiled_kernels_active(x) is (mode is None)
+            xg, sg = x.clone().requires_grad_(True), scale.clone().requires_grad_(True)
+            y = LSQFunction.apply(xg, sg, zp, -128, 127, factor, axis, RoundType.half_even)
+            y.backward(grad)
+            outs.append((y.detach(), xg.grad, sg.grad))
+            assert Backend.failure is None, Backend.failure
+        finally:
+            set_compile(before)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    sf = scale if axis is None else scale[:, None]
+    s = sf.double()
+    q = torch.round(x * torch.reciprocal(sf)).double()  # torch's fake-quant arithmetic: x * (1 / s) in float32
+    inside = (q >= -128) & (q <= 127)
+    assert (~inside).any()
+    torch.testing.assert_close(outs[1][0].double(), q.clamp(-128, 127) * s, rtol=2**-24, atol=0)  # one rounding
+    local = torch.where(q < -128, -128.0, torch.where(q > 127, 127.0, q.clamp(-128, 127) - x.double() / s))
+    terms = grad.double() * local * factor
+    expected = terms.sum().reshape(1) if axis is None else terms.sum(dim=1)
+    for got in (outs[0][2], outs[1][2]):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
