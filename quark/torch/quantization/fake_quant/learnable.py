@@ -52,8 +52,9 @@ class LearnableFakeQuantize(FakeQuantizeBase):
     _checked: tuple[int, int] | None = None  # (version, data_ptr) of the learned Parameter last found valid
     _what: str = ""  # the learned quantity in error messages
     initial_value: torch.Tensor | None = None  # what the last initialisation wrote, until ``take_initial_value``
-    #: the late check's pending device copies belong to this object and process: copies and pickles leave them behind
-    _MEMOS = (*FakeQuantizeBase._MEMOS, "_late_check")
+    #: the late check's pending device copies and the direct kernels of the steady path belong to this object and
+    #: process: copies and pickles leave them behind
+    _MEMOS = (*FakeQuantizeBase._MEMOS, "_late_check", "_steady")
 
     def __init__(self, spec: QuantizationSpec, device: torch.device | None = None) -> None:
         super().__init__(spec, device)
@@ -273,8 +274,20 @@ class TQTFakeQuantize(LearnableFakeQuantize, kind="tqt"):
         self.init_threshold(x)
 
     def _learned(self, x: torch.Tensor) -> torch.Tensor:
+        # the steady path's direct kernels per input signature and compiled calls counted (not state, not copied);
+        # none inside a caller's torch.compile, which traces the kernels' eager bodies
+        steady = None if torch.compiler.is_compiling() else self.__dict__.get("_steady")
+        if steady is None and not torch.compiler.is_compiling():
+            steady = self.__dict__["_steady"] = ({}, {})
         out = TQTFunction.apply(
-            x.float(), self.log_threshold, self.qmin, self.qmax, float(self.bits - 1), self.round_method, self.axis
+            x.float(),
+            self.log_threshold,
+            self.qmin,
+            self.qmax,
+            float(self.bits - 1),
+            self.round_method,
+            self.axis,
+            steady,
         )
         return cast_saturating(out, x.dtype)  # an fp16 input at 65504 may round to a grid point past it
 

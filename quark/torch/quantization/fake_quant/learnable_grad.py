@@ -8,7 +8,14 @@ import torch
 
 from quark.torch.compat import fake_quantize_learnable_backward
 from quark.torch.quantization.config.type import RoundType
-from quark.torch.quantization.formats.grouping import channel_view, compilable, compiled_kernels_active, round_to_int
+from quark.torch.quantization.formats.grouping import (
+    channel_view,
+    compilable,
+    compiled_kernels_active,
+    look_for_steady,
+    round_to_int,
+    steady_key,
+)
 from quark.torch.quantization.formats.integer import INT_MIN_NUMEL
 
 __all__ = ["TQTFunction", "LSQFunction"]
@@ -51,7 +58,9 @@ class TQTFunction(torch.autograd.Function):
 
     Only ``x`` and ``s`` are saved. Where the compiled kernels run (``Backend``: tensors of at least
     ``INT_MIN_NUMEL`` elements, after auto mode's warm-up) forward and backward are one compiled pass each
-    (``_tqt_forward``, ``_tqt_grad``). Eagerly, per tensor with half-even rounding the backward is torch's fused
+    (``_tqt_forward``, ``_tqt_grad``); given ``steady`` (the caller's dicts of direct kernels and call counts per input
+    signature, as ``look_for_steady`` keeps them), a signature the kernel cache serves directly has its direct kernels
+    called straight, without the cache's signature lookup. Eagerly, per tensor with half-even rounding the backward is torch's fused
     learnable fake-quant backward (its scale gradient is ``round(x/s) - x/s`` inside and n / p when clipped, exactly
     the paper's term before the factor ``s ln2``; ``x / s`` and ``x * (1/s)`` agree because ``s`` is a power of two);
     the other cases compute the same terms eagerly. Every path gives the same forward and input gradient bits; the
@@ -59,18 +68,35 @@ class TQTFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, log2_t, qmin, qmax, frac_bits, round_method=RoundType.half_even, axis=None):  # type: ignore[override]
+    def forward(ctx, x, log2_t, qmin, qmax, frac_bits, round_method=RoundType.half_even, axis=None, steady=None):  # type: ignore[override]
         s = torch.exp2(torch.ceil(log2_t) - frac_bits)
         sv = s if axis is None else channel_view(s, x.ndim, axis)
         ctx.save_for_backward(x, s)
         ctx.meta = (qmin, qmax, round_method, axis)
-        return _tqt_forward(x, sv, qmin, qmax, round_method)
+        ctx.steady = None
+        args = (x, sv, qmin, qmax, round_method)
+        key = None if steady is None else steady_key(x)
+        if key is None:
+            return _tqt_forward(*args)
+        key = (*key, sv.shape, sv.stride(), sv.dtype)
+        found = steady[0].get(key)
+        if found is not None:  # a signature called often: its direct kernels, called straight
+            ctx.steady = found
+            return found.forward(args)
+        out = _tqt_forward(*args)
+        if compiled_kernels_active(x, INT_MIN_NUMEL, count=False):
+            look_for_steady(steady[0], steady[1], key, _tqt_forward, args)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, s = ctx.saved_tensors
         qmin, qmax, round_method, axis = ctx.meta
-        if (
+        if ctx.steady is not None:
+            sv = s if axis is None else channel_view(s, x.ndim, axis)
+            dims = None if axis is None else tuple(d for d in range(x.ndim) if d != axis % x.ndim)
+            grad_x, grad_s = ctx.steady.backward_call(_tqt_grad, (grad, x, sv, qmin, qmax, round_method, dims))
+        elif (
             axis is None
             and round_method == RoundType.half_even
             and not torch.compiler.is_compiling()  # torch's fused op has no fake-tensor kernel to be traced through
@@ -85,7 +111,7 @@ class TQTFunction(torch.autograd.Function):
             dims = None if axis is None else tuple(d for d in range(x.ndim) if d != axis % x.ndim)
             grad_x, grad_s = _tqt_grad(grad, x, sv, qmin, qmax, round_method, dims)
         grad_t = grad_s.reshape_as(s) * s * math.log(2.0)
-        return grad_x, grad_t, None, None, None, None, None
+        return grad_x, grad_t, None, None, None, None, None, None
 
 
 @compilable(min_numel=INT_MIN_NUMEL)

@@ -426,3 +426,53 @@ def test_mx_observing_inside_a_users_torch_compile_gives_the_eager_maxima_and_bi
         x = torch.randn(64, 128, generator=torch.Generator().manual_seed(seed)) * (seed + 1)
         assert torch.equal(compiled(x), ref(x))
         assert torch.equal(q.observer.amax, ref.observer.amax)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per tensor", "per channel"])
+def test_tqt_steady_path_gives_the_eager_bits_and_learns_the_same(per_channel: bool, direct_soon: list[str]) -> None:
+    """A TQT quantizer (learned power-of-two thresholds) calls its direct kernels straight once served: outputs and
+    input gradients are eager's bits, the thresholds' gradients eager's to float32 summation rounding, and a step
+    runs one direct call each way. A deep copy starts without the original's direct kernels."""
+    from quark.torch.quantization.config.config import TQTSpec
+    from quark.torch.quantization.fake_quant.learnable import TQTFakeQuantize
+
+    layout = (
+        {"qscheme": QSchemeType.per_channel, "ch_axis": 0, "observer_cls": "PerChannelMinMaxObserver"}
+        if per_channel
+        else {"qscheme": QSchemeType.per_tensor, "observer_cls": "PerTensorMinMaxObserver"}
+    )
+    spec = QuantizationSpec(
+        dtype=Dtype.int8,
+        is_dynamic=False,
+        symmetric=True,
+        round_method=RoundType.half_even,
+        scale_type=ScaleType.pof2,
+        qat_spec=TQTSpec(),
+        **layout,
+    )
+    q = TQTFakeQuantize(spec)
+    shape = (64, 128)
+    q(torch.randn(shape, generator=torch.Generator().manual_seed(1)))  # initialises the thresholds
+
+    def step(seed: int) -> tuple[torch.Tensor, ...]:
+        q.log_threshold.grad = None
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(shape, generator=g) * 3).requires_grad_(True)
+        y = q(x)
+        y.backward(torch.randn(shape, generator=g))
+        return y.detach(), x.grad, q.log_threshold.grad.clone()  # type: ignore[union-attr]
+
+    set_compile(False)
+    eager = [step(seed) for seed in range(8)]
+    set_compile(True)
+    got = [step(seed) for seed in range(8)]
+    kernels = q.__dict__["_steady"][0]
+    assert kernels, "the steady path never took over"
+    assert next(iter(kernels.values())).backward, "its backward kernel was never taken"
+    for (y, gx, gt), (ye, gxe, gte) in zip(got, eager, strict=True):
+        assert torch.equal(y, ye) and torch.equal(gx, gxe)
+        torch.testing.assert_close(gt, gte, rtol=1e-5, atol=1e-6)
+    direct_soon.clear()
+    step(9)
+    assert direct_soon == ["direct", "direct"]
+    assert "_steady" not in copy.deepcopy(q).__dict__
