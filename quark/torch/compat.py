@@ -29,6 +29,7 @@ __all__ = [
     "fake_quantize_learnable_backward",
     "forward_pre_hooks",
     "inplace_overload",
+    "make_fx_tracing",
     "module_twin",
     "parameter_registry",
     "rnn_flat_weight_names",
@@ -67,6 +68,15 @@ def _private(owner: Any, name: str, feature: str, what: str | None = None) -> An
         return getattr(owner, name)
     except AttributeError:
         raise _missing(feature, what or name) from None
+
+
+def make_fx_tracing() -> bool:
+    """Whether ``make_fx`` is tracing now (its proxy dispatch mode is on): FX cannot trace a compiled function, so the
+    quantizers' kernels run their eager bodies there. A C lookup, cheap on every kernel call. Checked on torch 2.11,
+    2.13."""
+    get_mode = _private(torch._C, "_get_dispatch_mode", "kernels under make_fx", "torch._C._get_dispatch_mode")
+    keys = _private(torch._C, "_TorchDispatchModeKey", "kernels under make_fx", "torch._C._TorchDispatchModeKey")
+    return get_mode(keys.PROXY) is not None
 
 
 def rnn_kernel(name: str) -> Callable[..., Any]:

@@ -35,6 +35,7 @@ dot product (AVX-512 VNNI, AVX-VNNI, AMX: ``cpu_has_int8_dot``), which the thres
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -230,8 +231,8 @@ def _input_scale_and_shift(quantizer: Any, offset: int) -> tuple[torch.Tensor, i
             return None
         value = zp.item()
         fmt = format_of(quantizer.spec.dtype)
-        if value != round(value) or not fmt.qmin <= value <= fmt.qmax:
-            return None
+        if not (math.isfinite(value) and value == round(value) and fmt.qmin <= value <= fmt.qmax):
+            return None  # (a float zero point: NaN or inf first, which round() refuses)
         point = int(value)
     return scale.reshape(()).detach(), offset - point  # type: ignore[union-attr]
 

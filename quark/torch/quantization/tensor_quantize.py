@@ -190,6 +190,14 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
             or scale.dtype != torch.float32  # type: ignore[union-attr]  # prepared as a copy: not kept
             or not (zp.dtype == torch.int32 or zp.is_floating_point())  # type: ignore[union-attr]
         ):
+            if (
+                not torch.compiler.is_compiling()
+                and (scale.is_inference() or zp.is_inference())  # type: ignore[union-attr]
+                and not torch.is_inference_mode_enabled()
+            ):
+                # qparams made under inference_mode (a calibration there), used where autograd may save them for
+                # the backward (the compiled kernels' straight-through gradient): an inference tensor cannot be saved
+                scale, zp = scale.clone(), zp.clone()  # type: ignore[union-attr]
             return prepare_fixed(x.ndim, self.spec, scale, zp)  # type: ignore[arg-type]
         key = (scale._version, zp._version, scale.data_ptr(), zp.data_ptr(), x.ndim)  # type: ignore[union-attr]
         cached = self.__dict__.get("_prepared_int")

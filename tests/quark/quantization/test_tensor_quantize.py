@@ -620,6 +620,21 @@ def test_tqt_host_check_of_one_threshold_is_the_tensor_check(dtype: Dtype) -> No
     assert verdicts == {True, False}
 
 
+def test_lsq_output_can_be_modified_in_place() -> None:
+    """An in-place op on LSQ's output (``ReLU(inplace=True)`` after it) leaves its backward intact: the output is
+    not what the backward reads. The gradients are those of the out-of-place op."""
+    grads = []
+    for inplace in (True, False):
+        fq = FakeQuantizeBase.get_fake_quantize(int_spec(qat_spec=LSQSpec()))
+        x = randn(64, seed=70).requires_grad_()
+        fq(x.detach())  # initialises the scale
+        y = fq(x)
+        y = torch.relu_(y) if inplace else torch.relu(y)
+        (y * randn(64, seed=71)).sum().backward()
+        grads.append((x.grad, fq.scale.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def test_lsq_host_check_of_one_scale_is_the_tensor_check() -> None:
     """A per-tensor LSQ scale is checked on the host in training: the same verdict as the tensor check (finite,
     positive, a finite float32 reciprocal) at the float32 values around where ``1 / s`` overflows, subnormals, zeros,

@@ -45,7 +45,7 @@ def _tqt_grad(
     v = x / s
     r = round_to_int(v, round_method)
     inside = (r >= qmin) & (r <= qmax)
-    grad_x = torch.where(inside, grad, torch.zeros_like(grad))
+    grad_x = grad * inside  # (-0.0 where a negative gradient is masked, as torch's fused backward gives)
     local = torch.where(inside, r - v, torch.where(r < qmin, torch.full_like(v, qmin), torch.full_like(v, qmax)))
     g = grad * local
     return grad_x, (g.sum() if dims is None else g.sum(dim=dims))
@@ -92,7 +92,10 @@ class TQTFunction(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         x, s = ctx.saved_tensors
         qmin, qmax, round_method, axis = ctx.meta
-        if ctx.steady is not None:
+        # with create_graph the backward is itself differentiated: its terms as eager ops (a compiled kernel's graph
+        # cannot be differentiated twice), which see x and treat the saved scale as a constant, as before
+        higher_order = torch.is_grad_enabled()
+        if ctx.steady is not None and not higher_order:
             sv = s if axis is None else channel_view(s, x.ndim, axis)
             dims = None if axis is None else tuple(d for d in range(x.ndim) if d != axis % x.ndim)
             grad_x, grad_s = ctx.steady.backward_call(_tqt_grad, (grad, x, sv, qmin, qmax, round_method, dims))
@@ -109,7 +112,8 @@ class TQTFunction(torch.autograd.Function):
         else:
             sv = s if axis is None else channel_view(s, x.ndim, axis)
             dims = None if axis is None else tuple(d for d in range(x.ndim) if d != axis % x.ndim)
-            grad_x, grad_s = _tqt_grad(grad, x, sv, qmin, qmax, round_method, dims)
+            kernel = _tqt_grad.__wrapped__ if higher_order else _tqt_grad  # type: ignore[attr-defined]
+            grad_x, grad_s = kernel(grad, x, sv, qmin, qmax, round_method, dims)
         grad_t = grad_s.reshape_as(s) * s * math.log(2.0)
         return grad_x, grad_t, None, None, None, None, None, None
 
@@ -169,23 +173,37 @@ class LSQFunction(torch.autograd.Function):
             return _lsq_forward(x, s, z, qmin, qmax, round_method)
         inv = torch.reciprocal(s)
         xq = round_to_int(x * inv, round_method) + z
-        xfq = (xq.clamp(qmin, qmax) - z) * s
-        ctx.save_for_backward(x, xq, xfq, inv, z)
-        return xfq
+        # (the output is not saved: an in-place op on it, ReLU(inplace=True), must not change what the backward reads)
+        ctx.save_for_backward(x, xq, s, inv, z)
+        return (xq.clamp(qmin, qmax) - z) * s
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         qmin, qmax, grad_factor, axis, round_method = ctx.meta
         dims = None if axis is None else tuple(d for d in range(grad.ndim) if d != axis % grad.ndim)
-        if ctx.fused:
+        if ctx.fused and not torch.is_grad_enabled():
             x, s, z = ctx.saved_tensors
             grad_x, grad_s = _lsq_grad(grad, x, s, z, qmin, qmax, round_method, dims)
-            grad_s = grad_s * grad_factor
+            return grad_x, _lsq_scale_grad(grad_s * grad_factor, axis), None, None, None, None, None, None
+        # eagerly, or with create_graph (a compiled kernel's graph cannot be differentiated twice): the terms as ops,
+        # the codes, the reciprocal and the fake-quantized values constants (computed in the forward, as before)
+        if ctx.fused:
+            x, s, z = ctx.saved_tensors
+            with torch.no_grad():
+                inv = torch.reciprocal(s)
+                xq = round_to_int(x * inv, round_method) + z
         else:
-            x, xq, xfq, inv, z = ctx.saved_tensors
-            below, above = xq < qmin, xq > qmax
-            grad_x = grad * ~(below | above)
-            local = torch.where(below, qmin - z, torch.where(above, qmax - z, (xfq - x) * inv))
-            g = grad * local * grad_factor
-            grad_s = g.sum() if dims is None else g.sum(dim=dims)
-        return grad_x, grad_s.reshape(1) if axis is None else grad_s, None, None, None, None, None, None
+            x, xq, s, inv, z = ctx.saved_tensors
+        with torch.no_grad():
+            xfq = (xq.clamp(qmin, qmax) - z) * s
+        below, above = xq < qmin, xq > qmax
+        grad_x = grad * ~(below | above)
+        local = torch.where(below, qmin - z, torch.where(above, qmax - z, (xfq - x) * inv))
+        g = grad * local * grad_factor
+        grad_s = g.sum() if dims is None else g.sum(dim=dims)
+        return grad_x, _lsq_scale_grad(grad_s, axis), None, None, None, None, None, None
+
+
+def _lsq_scale_grad(grad_s: torch.Tensor, axis: int | None) -> torch.Tensor:
+    """The scale's gradient in the learned Parameter's shape: (1,) per tensor, (channels,) per channel."""
+    return grad_s.reshape(1) if axis is None else grad_s

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from quark.torch.compat import dynamo_recompile_limit
+from quark.torch.compat import dynamo_recompile_limit, make_fx_tracing
 from quark.torch.quantization.config.type import RoundType
 from quark.torch.quantization.formats import kernel_cache
 from quark.torch.quantization.formats.kernel_cache import KernelCache
@@ -92,6 +92,8 @@ def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count
         return False  # inside a caller's torch.compile the eager body is traced into the caller's graph
     if torch.jit.is_tracing():
         return False  # a TorchScript trace (ONNX export) records the eager ops; its sizes are traced values
+    if make_fx_tracing():
+        return False  # make_fx records the eager ops (FX cannot trace a compiled function)
     if Backend.compile is True:
         return True
     threshold = Backend.min_numel if min_numel is None else min_numel
@@ -108,11 +110,12 @@ def steady_key(x: torch.Tensor) -> tuple[Any, ...] | None:
     """The part of a kernel call's signature a steady path (a caller that keeps the direct kernels of its calls and
     calls them itself: ``PreparedInt``, the quantizers' fused observe pass) checks per call: ``x``'s layout and flags
     and the global state the kernels were built under (``kernel_cache.call_signature`` has the rest, fixed for such a
-    caller). None where no steady path may run: traced (``torch.compile``, TorchScript), the compiled kernels switched
-    off or failed, or direct kernels off."""
+    caller). None where no steady path may run: traced (``torch.compile``, TorchScript, ``make_fx``), the compiled
+    kernels switched off or failed, or direct kernels off."""
     if (
         torch.compiler.is_compiling()
         or torch.jit.is_tracing()
+        or make_fx_tracing()
         or Backend.compile is False
         or Backend.failure
         or kernel_cache.DIRECT_AFTER_CALLS is None

@@ -437,3 +437,61 @@ def test_lsq_compiled_equals_eager_and_the_closed_form(axis: int | None, compile
     expected = terms.sum().reshape(1) if axis is None else terms.sum(dim=1)
     for got in (outs[0][2], outs[1][2]):
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["tqt per channel", "lsq"])
+def test_learned_second_order_gradients_are_the_eager_ones(method: str, compiler: None) -> None:
+    """A gradient built with ``create_graph`` through TQT / LSQ while their compiled kernels run, differentiated twice
+    (``retain_graph``): the backward's terms run as eager ops there (a compiled kernel's graph cannot be
+    differentiated twice), so both second-order gradients are eager mode's, in the input and the learned value."""
+    from quark.torch.quantization.fake_quant.learnable_grad import LSQFunction, TQTFunction
+
+    torch.manual_seed(3)
+    x = torch.randn(ROWS, COLS)
+    x[0, :2] = torch.tensor([50.0, -50.0])
+    w, v = torch.randn(ROWS, COLS), torch.randn(ROWS, COLS)
+    if method == "lsq":
+        learned = torch.tensor([0.02])
+        fn = lambda t, p: LSQFunction.apply(  # noqa: E731
+            t, p, torch.zeros(1, dtype=torch.int32), -128, 127, 0.01, None, RoundType.half_even
+        )
+    else:
+        learned = torch.linspace(-1.0, 1.0, ROWS)
+        fn = lambda t, p: TQTFunction.apply(t, p, -128, 127, 7.0, RoundType.half_even, 0)  # noqa: E731
+    results, before = [], Backend.compile
+    for mode in (False, None):
+        set_compile(mode)
+        try:
+            assert compiled_kernels_active(x) is (mode is None)
+            xg, pg = x.clone().requires_grad_(True), learned.clone().requires_grad_(True)
+            first = torch.autograd.grad((fn(xg, pg) * w).sum(), (xg, pg), create_graph=True)
+            h = (first[0] * v).sum() + first[1].sum()
+            once = torch.autograd.grad(h, (xg, pg), retain_graph=True, allow_unused=True)
+            twice = torch.autograd.grad(h, (xg, pg), allow_unused=True)
+            results.append([g for g in (*first, *once, *twice)])
+            assert Backend.failure is None, Backend.failure
+        finally:
+            set_compile(before)
+    for eager, compiled in zip(*results, strict=True):
+        if eager is None:
+            assert compiled is None
+        else:
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert results[0][2] is not None and bool(results[0][2].abs().sum() > 0)  # a nonzero second order in x
+
+
+def test_make_fx_records_the_eager_ops(compiler: None) -> None:
+    """Under ``make_fx`` the kernels run eagerly even where they would be compiled: FX cannot trace a compiled
+    function (it raised under ``QUARK_COMPILE=1`` before), and the graph is to hold the ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fn, x = _cases()["int8 per-tensor"], _input()
+    before = Backend.compile
+    set_compile(True)
+    try:
+        assert compiled_kernels_active(x)
+        graph = make_fx(fn)(x)
+        assert torch.equal(graph(x), fn(x))
+        assert "round" in str(graph.graph)  # the eager body, op by op
+    finally:
+        set_compile(before)
