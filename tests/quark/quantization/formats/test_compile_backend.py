@@ -370,10 +370,10 @@ def test_tqt_compiled_equals_eager_and_the_closed_form(
     grad = torch.randn_like(x)
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     outs, before = [], Backend.compile
-    for mode in (False, None):
+    for mode in (False, True):  # (True: compiled at every size, below LEARNED_MIN_NUMEL too)
         set_compile(mode)
         try:
-            assert compiled_kernels_active(x) is (mode is None)
+            assert compiled_kernels_active(x) is mode
             xg, tg = x.clone().requires_grad_(True), log_t.clone().requires_grad_(True)
             y = TQTFunction.apply(xg, tg, qmin, qmax, float(bits - 1), round_method, axis)
             y.backward(grad)
@@ -414,10 +414,10 @@ def test_lsq_compiled_equals_eager_and_the_closed_form(axis: int | None, compile
     grad = torch.randn_like(x)
     factor = 1.0 / math.sqrt(x.numel() / channels * 127)
     outs, before = [], Backend.compile
-    for mode in (False, None):
+    for mode in (False, True):  # (True: compiled at every size, below LEARNED_MIN_NUMEL too)
         set_compile(mode)
         try:
-            assert compiled_kernels_active(x) is (mode is None)
+            assert compiled_kernels_active(x) is mode
             xg, sg = x.clone().requires_grad_(True), scale.clone().requires_grad_(True)
             y = LSQFunction.apply(xg, sg, zp, -128, 127, factor, axis, RoundType.half_even)
             y.backward(grad)
@@ -459,10 +459,10 @@ def test_learned_second_order_gradients_are_the_eager_ones(method: str, compiler
         learned = torch.linspace(-1.0, 1.0, ROWS)
         fn = lambda t, p: TQTFunction.apply(t, p, -128, 127, 7.0, RoundType.half_even, 0)  # noqa: E731
     results, before = [], Backend.compile
-    for mode in (False, None):
+    for mode in (False, True):  # (True: compiled at every size, below LEARNED_MIN_NUMEL too)
         set_compile(mode)
         try:
-            assert compiled_kernels_active(x) is (mode is None)
+            assert compiled_kernels_active(x) is mode
             xg, pg = x.clone().requires_grad_(True), learned.clone().requires_grad_(True)
             first = torch.autograd.grad((fn(xg, pg) * w).sum(), (xg, pg), create_graph=True)
             h = (first[0] * v).sum() + first[1].sum()
