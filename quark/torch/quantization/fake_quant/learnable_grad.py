@@ -56,6 +56,11 @@ def _tqt_grad(
     return grad_x, (g.sum() if dims is None else g.sum(dim=dims))
 
 
+def _reduce_dims(ndim: int, axis: int | None) -> tuple[int, ...] | None:
+    """The dimensions a learned value's gradient is summed over: all (None) per tensor, all but ``axis`` per channel."""
+    return None if axis is None else tuple(d for d in range(ndim) if d != axis % ndim)
+
+
 class TQTFunction(torch.autograd.Function):
     """TQT forward ``clamp(round(x / s), n, p) * s`` with ``s = 2^ceil(log2 t) / 2^(b-1)``; the paper's gradients:
     x: 1 inside [n, p], else 0; log2 t: ``s ln2 (round(x/s) - x/s)`` inside, ``s ln2 n`` / ``s ln2 p`` when clipped,
@@ -100,9 +105,9 @@ class TQTFunction(torch.autograd.Function):
         # with create_graph the backward is itself differentiated: its terms as eager ops (a compiled kernel's graph
         # cannot be differentiated twice), which see x and treat the saved scale as a constant, as before
         higher_order = torch.is_grad_enabled()
+        sv = s if axis is None else channel_view(s, x.ndim, axis)
+        dims = _reduce_dims(x.ndim, axis)
         if ctx.steady is not None and not higher_order:
-            sv = s if axis is None else channel_view(s, x.ndim, axis)
-            dims = None if axis is None else tuple(d for d in range(x.ndim) if d != axis % x.ndim)
             grad_x, grad_s = ctx.steady.backward_call(_tqt_grad, (grad, x, sv, qmin, qmax, round_method, dims))
         elif (
             axis is None
@@ -115,8 +120,6 @@ class TQTFunction(torch.autograd.Function):
                 grad.contiguous(), x.contiguous(), s, zero, qmin, qmax, 1.0
             )
         else:
-            sv = s if axis is None else channel_view(s, x.ndim, axis)
-            dims = None if axis is None else tuple(d for d in range(x.ndim) if d != axis % x.ndim)
             kernel = _tqt_grad.__wrapped__ if higher_order else _tqt_grad  # type: ignore[attr-defined]
             grad_x, grad_s = kernel(grad, x, sv, qmin, qmax, round_method, dims)
         grad_t = grad_s.reshape_as(s) * s * math.log(2.0)
@@ -185,7 +188,7 @@ class LSQFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         qmin, qmax, grad_factor, axis, round_method = ctx.meta
-        dims = None if axis is None else tuple(d for d in range(grad.ndim) if d != axis % grad.ndim)
+        dims = _reduce_dims(grad.ndim, axis)
         if ctx.fused and not torch.is_grad_enabled():
             x, s, z = ctx.saved_tensors
             grad_x, grad_s = _lsq_grad(grad, x, s, z, qmin, qmax, round_method, dims)
