@@ -47,6 +47,7 @@ from quark.torch.extensions.brevitas import to_quark_config
 from quark.torch.quantization.api import format_plans
 from quark.torch.quantization.config.config import Config
 from quark.torch.quantization.distributed import sync_learnable
+from quark.torch.quantization.formats import plan_run_end, plan_step_end, plan_step_start
 from quark.torch.quantization.nn.modules import QuantMixin, iter_quantizers
 from quark.torch.quantization.state import ensure_quant_state, quant_state
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
@@ -256,6 +257,7 @@ class QuantCallback(
         self._quantizer_walk: tuple[Any, Any, int, Any] | None = None
         self._pending: list[FakeQuantizeBase] = []  # QAT: quantizers still observing after the warm-up (unreached)
         self._batches_seen = 0  # QAT: training batches run so far (observer_steps counts these)
+        self._fit_steps: float = math.inf  # QAT: the optimizer steps of the running fit (the compile plan's length)
         self._counting_for: weakref.ReferenceType[Trainer] | None = None  # the trainer whose batches those are
         self._calibrated_for: weakref.ReferenceType[nn.Module] | None = None  # PTQ: the module calibrate() last ran on
         self._datamodule_fit_ready = False  # the datamodule has run setup("fit") in this trainer run
@@ -327,14 +329,30 @@ class QuantCallback(
         if self.mode == "qat":
             self._update_observers(trainer, pl_module)
             self._start_distill(trainer, pl_module)
+            self._fit_steps = trainer.estimated_stepping_batches  # optimizer steps of the whole fit (inf: unbounded)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._quantizer_walk = None  # the schedule's walk holds the quantizers: not past the training it served
         read_late_checks(pl_module)  # the last steps' TQT / LSQ checks (read late on CUDA)
+        if self.mode == "qat":
+            plan_run_end()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self.mode == "qat":
+            plan_run_end()  # a fit that raised tells the compile policy nothing more
+
+    def _batches_left(self, trainer: Trainer) -> int | None:
+        """Training batches this fit still runs (None: not bounded), for auto compile mode's run plan: a fit too
+        short for a compile to pay back runs its format kernels eagerly (``formats.plan_step_end``)."""
+        total = self._fit_steps
+        if not math.isfinite(total):
+            return None
+        return max(int(total) - trainer.global_step, 0) * max(int(trainer.accumulate_grad_batches), 1)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode != "qat":
             return
+        plan_step_start()
         self._update_observers(trainer, pl_module, batch)
         self._note_sharded_init(trainer, pl_module)
         if self._lr_splits:
@@ -346,6 +364,7 @@ class QuantCallback(
     ) -> None:
         if self.mode != "qat":
             return
+        plan_step_end(self._batches_left(trainer))
         self._batches_seen += 1
         if self._pending:
             self._fix_pending()

@@ -17,11 +17,12 @@ from quark.torch.quantization.formats.grouping import (
     steady_key,
 )
 
-#: the smallest tensor whose TQT / LSQ kernels run compiled in auto mode (smaller ones run eagerly and count nothing
-#: toward the warm-up). At 2^20 elements the compiled backward saves 7.5 ms a call against torch's fused learnable
-#: one; on the digits CNN's tensors (below 2^19) compiling never paid: ``python train.py quant=w4a8_tqt`` took 41.9 s
-#: cold and 15.9 s warm with its TQT kernels compiled past the warm-up, 12.1 s eagerly
-LEARNED_MIN_NUMEL = 1 << 20
+#: the smallest tensor whose TQT / LSQ kernels run compiled in auto mode, ``Backend.min_numel``'s size. Forward and
+#: backward through autograd, per tensor, 2 cores: at 2^15 elements 247 / 308 us eagerly (TQT / LSQ) against 148 / 135
+#: compiled, at 2^19 2.0 / 4.9 ms against 0.43 / 0.46 (docs/performance.md, fifteenth round); at
+#: 2^13 even. A short run (the digits CNN's ``w4a8_tqt``) keeps them eager through the run plan
+#: (``grouping.plan_step_end``), not through this threshold
+LEARNED_MIN_NUMEL = 1 << 15
 
 __all__ = ["TQTFunction", "LSQFunction"]
 

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from quark.torch.quantization.config.type import Dtype, QSchemeType
-from quark.torch.quantization.formats import Backend, fake_quantize, fake_quantize_int, set_compile
+from quark.torch.quantization.formats import (
+    Backend,
+    fake_quantize,
+    fake_quantize_int,
+    plan_run_end,
+    plan_step_end,
+    plan_step_start,
+    set_compile,
+)
 from quark.torch.quantization.formats.grouping import compilable, compile_warm, compiled_kernels_active
 from quark.torch.quantization.formats.integer import INT_MIN_NUMEL
 from quark.torch.quantization.formats.kernel_cache import KernelCache
@@ -24,13 +32,16 @@ LOGGER = "quark.torch.quantization.formats.grouping"
 @pytest.fixture
 def policy() -> Iterator[None]:
     """Auto mode with a fresh warm-up count and log flag; everything restored afterwards."""
-    saved = (Backend.compile, Backend.warmup_numel, Backend.seen_numel, Backend.compile_logged, Backend.failure)
+    fields = ("compile", "warmup_numel", "seen_numel", "compile_logged", "failure", "payback_numel")
+    saved = {name: getattr(Backend, name) for name in (*fields, "remaining_numel", "step_mark")}
     set_compile(None)
     Backend.seen_numel, Backend.compile_logged = 0, False
+    Backend.remaining_numel = Backend.step_mark = None
     try:
         yield
     finally:
-        Backend.compile, Backend.warmup_numel, Backend.seen_numel, Backend.compile_logged, Backend.failure = saved
+        for name, value in saved.items():
+            setattr(Backend, name, value)
 
 
 @pytest.fixture
@@ -207,3 +218,81 @@ def test_small_quantizer_tensors_compile_from_4096_elements_once_warm(
     served.clear()
     run((32, 127))  # 4064 elements: eager
     assert served == []
+
+
+def _planned_step(kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int, left: int) -> None:
+    """One step of a run whose front end tells its length: ``calls`` kernel calls on ``x``, ``left`` steps to go."""
+    plan_step_start()
+    for _ in range(calls):
+        kernel(x)
+    plan_step_end(left)
+
+
+def test_a_run_too_short_to_pay_back_stays_eager(policy: None, compiles: list[str]) -> None:
+    """The warm-up is over after the first step, but the run has 4 steps of 2n elements left, fewer than the payback:
+    every call runs eagerly, and the run's count is dropped at its end (a test pass after it starts afresh)."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.payback_numel = n, 9 * n
+    double, x = _doubler(), torch.ones(n)
+    for left in (4, 3, 2, 1, 0):
+        _planned_step(double, x, 2, left)
+        assert not compile_warm() and Backend.remaining_numel == 2 * n * left
+    assert compiles == []
+    plan_run_end()
+    assert Backend.seen_numel == 0 and Backend.remaining_numel is None and not compile_warm()
+
+
+def test_a_long_enough_run_compiles_and_stays_compiled(policy: None, compiles: list[str]) -> None:
+    """The first step runs eagerly (its count not measured yet); from its end the run has 5 steps of 2n elements to
+    go, at least the payback: the kernels compile, and stay compiled to the end, past the point where less is left,
+    and after the run."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.payback_numel = n, 10 * n
+    double, x = _doubler(), torch.ones(n)
+    _planned_step(double, x, 2, 5)
+    assert compiles == [] and compile_warm() and Backend.remaining_numel is None  # the plan is dropped: warm
+    for left in (4, 3, 2, 1, 0):
+        _planned_step(double, x, 2, left)
+        assert compile_warm()
+    assert compiles == ["compiled"] * 10
+    plan_run_end()
+    assert compile_warm()
+    double(x)
+    assert len(compiles) == 11
+
+
+def test_the_warm_up_ends_inside_a_long_enough_step(policy: None, compiles: list[str]) -> None:
+    """With enough measured to go, the warm-up ends where its count is reached, in the middle of a step."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.payback_numel = 3 * n, n
+    double, x = _doubler(), torch.ones(n)
+    _planned_step(double, x, 2, 100)  # 2n counted, 200n to go: not warm yet (the count is short)
+    assert compiles == [] and not compile_warm() and Backend.remaining_numel == 200 * n
+    _planned_step(double, x, 3, 99)  # the first call ends the warm-up: the next two compile
+    assert compiles == ["compiled", "compiled"] and Backend.remaining_numel is None
+
+
+def test_a_run_of_unknown_length_compiles_after_the_warm_up(policy: None, compiles: list[str]) -> None:
+    """``plan_step_end(None)`` (an unbounded fit): the plan is dropped and the warm-up alone decides, as for a loop
+    that tells nothing."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.payback_numel = n, 1 << 60
+    double, x = _doubler(), torch.ones(n)
+    _planned_step(double, x, 1, None)  # type: ignore[arg-type]
+    assert Backend.remaining_numel is None and compile_warm()
+    double(x)
+    assert compiles == ["compiled"]
+
+
+def test_a_plan_changes_nothing_once_compiling(policy: None, compiles: list[str]) -> None:
+    """Warm before the told run starts (an earlier loop that told nothing ended the warm-up): its steps stay
+    compiled however short it is."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.payback_numel = n, 1 << 60
+    double, x = _doubler(), torch.ones(n)
+    double(x)
+    assert compile_warm() and compiles == []
+    _planned_step(double, x, 2, 1)
+    assert compiles == ["compiled"] * 2 and Backend.remaining_numel is None
+    plan_run_end()
+    assert compile_warm()

@@ -1,0 +1,128 @@
+"""``QuantCallback`` tells auto compile mode how long its QAT fit is (``formats.plan_step_start`` / ``plan_step_end``
+/ ``plan_run_end``): a fit with too few elements left to pay a compile back runs its format kernels eagerly, a long
+enough one compiles them after its first step, and a fit that ends or raises leaves no plan behind."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks import QuantCallback
+from quark.torch.quantization.formats import Backend, set_compile
+from quark.torch.quantization.formats.grouping import compile_warm
+from quark.torch.quantization.formats.kernel_cache import KernelCache
+from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
+from tests.callbacks.cb_helpers import CrashAt
+
+W8A8 = {"global_quant_config": {"weight": INT8_PER_CHANNEL_WEIGHT, "input_tensors": INT8_PER_TENSOR_ACT}}
+WIDTH, BATCH = 256, 128  # inputs of 2^15 and weights of 2^16 elements: past every kernel's auto-mode threshold
+
+
+class Wide(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class WarmAtBatchEnd(Callback):
+    """Records, after every training batch, whether auto mode's warm-up is over."""
+
+    def __init__(self) -> None:
+        self.warm: list[bool] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self.warm.append(compile_warm())
+
+
+@pytest.fixture
+def auto_mode() -> Iterator[None]:
+    """Auto mode, every warm-up field restored afterwards; the warm-up's count alone is over at the first call."""
+    names = ("compile", "warmup_numel", "seen_numel", "compile_logged", "failure", "payback_numel")
+    saved = {name: getattr(Backend, name) for name in (*names, "remaining_numel", "step_mark")}
+    set_compile(None)
+    Backend.warmup_numel, Backend.seen_numel = 1, 0
+    Backend.remaining_numel = Backend.step_mark = None
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(Backend, name, value)
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The kernels the kernel cache serves (compiled calls), by name; ``torch.compile`` replaced by the eager body,
+    so nothing is really compiled."""
+    names: list[str] = []
+    original = KernelCache.__call__
+
+    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
+        names.append(getattr(self.fn, "__name__", "?"))
+        return original(self, *args, **kwargs)
+
+    def eager_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+        return fn
+
+    monkeypatch.setattr(KernelCache, "__call__", spy)
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    return names
+
+
+def _fit(steps: int, *extra: Callback) -> WarmAtBatchEnd:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(BATCH * steps, WIDTH), torch.randint(0, 4, (BATCH * steps,)))
+    probe = WarmAtBatchEnd()
+    trainer = Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[QuantCallback(W8A8, mode="qat", observer_steps=2, save_quantized=False), probe, *extra],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Wide(), DataLoader(data, batch_size=BATCH))
+    return probe
+
+
+def test_a_qat_fit_too_short_to_pay_back_runs_eagerly(auto_mode: None, served: list[str]) -> None:
+    Backend.payback_numel = 1 << 50
+    probe = _fit(4)
+    assert probe.warm == [False] * 4 and served == []
+    assert Backend.remaining_numel is None and Backend.seen_numel == 0  # the fit's count is dropped at its end
+
+
+def test_a_long_enough_qat_fit_compiles_after_its_first_step(auto_mode: None, served: list[str]) -> None:
+    Backend.payback_numel = 1
+    probe = _fit(4)
+    assert probe.warm == [True] * 4  # measured at the end of the first step: enough to go
+    assert served and "int_forward" in served
+    assert Backend.remaining_numel is None and compile_warm()
+
+
+def test_a_fit_that_raises_leaves_no_plan(auto_mode: None, served: list[str]) -> None:
+    Backend.payback_numel = 1 << 50
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _fit(4, CrashAt(2))
+    assert served == [] and Backend.remaining_numel is None and Backend.step_mark is None
+    assert Backend.seen_numel == 0
