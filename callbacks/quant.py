@@ -341,13 +341,18 @@ class QuantCallback(
         if self.mode == "qat":
             plan_run_end()  # a fit that raised tells the compile policy nothing more
 
-    def _batches_left(self, trainer: Trainer) -> int | None:
-        """Training batches this fit still runs (None: not bounded), for auto compile mode's run plan: a fit too
-        short for a compile to pay back runs its format kernels eagerly (``formats.plan_step_end``)."""
+    def _batches_left(self, trainer: Trainer, batch_idx: int) -> int | None:
+        """Training batches this fit still runs after batch ``batch_idx`` (None: not known), for auto compile mode's
+        run plan: a fit too short for a compile to pay back runs its format kernels eagerly
+        (``formats.plan_step_end``)."""
         total = self._fit_steps
-        if not math.isfinite(total):
+        if not math.isfinite(total) or total < 0:  # unbounded, or max_steps=-1 over a loader of unknown length
             return None
-        return max(int(total) - trainer.global_step, 0) * max(int(trainer.accumulate_grad_batches), 1)
+        if not trainer.lightning_module.automatic_optimization and len(trainer.optimizers) > 1:
+            return None  # each optimizer's step counts in global_step: not a count of batches
+        accumulate = max(int(trainer.accumulate_grad_batches), 1)
+        in_window = (batch_idx + 1) % accumulate  # batches of an accumulation window whose optimizer step is to come
+        return max((int(total) - trainer.global_step) * accumulate - in_window, 0)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode != "qat":
@@ -364,7 +369,7 @@ class QuantCallback(
     ) -> None:
         if self.mode != "qat":
             return
-        plan_step_end(self._batches_left(trainer))
+        plan_step_end(self._batches_left(trainer, batch_idx))
         self._batches_seen += 1
         if self._pending:
             self._fix_pending()

@@ -42,14 +42,55 @@ class Wide(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-2)
 
 
+class TwoOptimizers(Wide):
+    """Manual optimization with one optimizer per Linear: each step of each counts in ``global_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        opts = self.optimizers()
+        for opt in opts:  # type: ignore[union-attr]
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:  # type: ignore[union-attr]
+            opt.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:  # type: ignore[override]
+        return [torch.optim.SGD(self.net[0].parameters(), lr=1e-2), torch.optim.SGD(self.net[2].parameters(), lr=1e-2)]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Batches of a stream: no length, so Lightning cannot tell how many steps an epoch has."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(self.batches):
+            yield torch.randn(BATCH, WIDTH), torch.randint(0, 4, (BATCH,))
+
+
 class WarmAtBatchEnd(Callback):
-    """Records, after every training batch, whether auto mode's warm-up is over."""
+    """Records, after every training batch, whether auto mode's warm-up is over, what the batch counted and what the
+    run plan expects to come (placed after ``QuantCallback``: its hooks have run)."""
 
     def __init__(self) -> None:
         self.warm: list[bool] = []
+        self.counted: list[int] = []
+        self.remaining: list[int | None] = []
+        self._start = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._start = Backend.seen_numel
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self.warm.append(compile_warm())
+        self.counted.append(Backend.seen_numel - self._start)
+        self.remaining.append(Backend.remaining_numel)
 
 
 @pytest.fixture
@@ -86,12 +127,15 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
-def _fit(steps: int, *extra: Callback) -> WarmAtBatchEnd:
+def _fit(
+    steps: int, *extra: Callback, module: LightningModule | None = None, data: Any = None, **trainer_args: Any
+) -> WarmAtBatchEnd:
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(BATCH * steps, WIDTH), torch.randint(0, 4, (BATCH * steps,)))
+    if data is None:
+        data = TensorDataset(torch.randn(BATCH * steps, WIDTH), torch.randint(0, 4, (BATCH * steps,)))
     probe = WarmAtBatchEnd()
     trainer = Trainer(
-        max_steps=steps,
+        **{"max_steps": steps, **trainer_args},
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -101,7 +145,8 @@ def _fit(steps: int, *extra: Callback) -> WarmAtBatchEnd:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(Wide(), DataLoader(data, batch_size=BATCH))
+        loader = DataLoader(data, batch_size=None if isinstance(data, Stream) else BATCH)
+        trainer.fit(module or Wide(), loader)
     return probe
 
 
@@ -126,3 +171,29 @@ def test_a_fit_that_raises_leaves_no_plan(auto_mode: None, served: list[str]) ->
         _fit(4, CrashAt(2))
     assert served == [] and Backend.remaining_numel is None and Backend.step_mark is None
     assert Backend.seen_numel == 0
+
+
+@pytest.mark.parametrize(("steps", "accumulate"), [(4, 1), (2, 2)])
+def test_the_plan_counts_the_batches_left(auto_mode: None, served: list[str], steps: int, accumulate: int) -> None:
+    """After each of the fit's 4 batches the plan expects that batch's count times the batches left: 3, 2, 1, 0,
+    with gradient accumulation too (the optimizer steps every second batch)."""
+    Backend.payback_numel = 1 << 50
+    probe = _fit(steps, accumulate_grad_batches=accumulate)
+    assert len(probe.counted) == 4 and all(probe.counted)
+    assert probe.remaining == [c * left for c, left in zip(probe.counted, (3, 2, 1, 0), strict=True)]
+    assert served == []
+
+
+@pytest.mark.parametrize("case", ["stream", "two optimizers"])
+def test_a_fit_of_unknown_length_compiles_after_the_warm_up(auto_mode: None, served: list[str], case: str) -> None:
+    """A loader without a length (``max_steps=-1``: Lightning's estimate is -1) or manual optimization with two
+    optimizers (``global_step`` counts each one's steps, not batches): the batches left are not known, so the plan
+    is dropped after the first step and the warm-up alone decides, as for a loop that tells nothing."""
+    Backend.payback_numel = 1 << 50
+    if case == "stream":
+        probe = _fit(-1, data=Stream(4), max_epochs=1)
+    else:
+        data = TensorDataset(torch.randn(BATCH * 4, WIDTH), torch.randint(0, 4, (BATCH * 4,)))
+        probe = _fit(8, module=TwoOptimizers(), data=data)  # two optimizer steps a batch: 8 steps are 4 batches
+    assert probe.warm == [True] * 4 and probe.remaining == [None] * 4
+    assert served

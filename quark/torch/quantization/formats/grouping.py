@@ -100,8 +100,9 @@ def plan_step_start() -> None:
     """A front end that knows its run's length (``QuantCallback`` in QAT), at the start of each training step: mark
     the count, so that ``plan_step_end`` measures what one step counts. Until the first step is measured the run
     counts as too short to compile in."""
-    if compile_warm() and Backend.remaining_numel is None:
-        return  # compiling already: nothing left to decide
+    if compile_warm():  # compiling already (its count stopped): nothing left to decide
+        Backend.remaining_numel = Backend.step_mark = None
+        return
     Backend.step_mark = Backend.seen_numel
     if Backend.remaining_numel is None:
         Backend.remaining_numel = 0
@@ -113,7 +114,8 @@ def plan_step_end(steps_left: int | None) -> None:
     to pay a compile back (``compile_warm``), the plan is dropped and the kernels stay compiled to the end."""
     if Backend.step_mark is None:
         return
-    if steps_left is None:
+    if steps_left is None or compile_warm():
+        # unknown length; or the warm-up ended inside this step, whose count then stopped short: not a measurement
         Backend.remaining_numel = Backend.step_mark = None
         return
     Backend.remaining_numel = (Backend.seen_numel - Backend.step_mark) * max(int(steps_left), 0)

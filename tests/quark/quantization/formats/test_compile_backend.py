@@ -33,12 +33,12 @@ ROWS, COLS = 256, 256  # 65536 elements: the smallest size auto mode compiles
 def no_warmup() -> Iterator[None]:
     """Auto mode compiles from the first call at or above ``Backend.min_numel`` here (these tests compare compiled and
     eager bits; the warm-up before the first compile is tested in test_compile_policy.py)."""
-    before = Backend.warmup_numel
-    Backend.warmup_numel = 0
+    before = Backend.warmup_numel, Backend.remaining_numel, Backend.step_mark
+    Backend.warmup_numel, Backend.remaining_numel, Backend.step_mark = 0, None, None  # no run plan left over
     try:
         yield
     finally:
-        Backend.warmup_numel = before
+        Backend.warmup_numel, Backend.remaining_numel, Backend.step_mark = before
 
 
 @pytest.fixture

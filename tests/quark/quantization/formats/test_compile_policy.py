@@ -262,14 +262,18 @@ def test_a_long_enough_run_compiles_and_stays_compiled(policy: None, compiles: l
 
 
 def test_the_warm_up_ends_inside_a_long_enough_step(policy: None, compiles: list[str]) -> None:
-    """With enough measured to go, the warm-up ends where its count is reached, in the middle of a step."""
+    """With enough measured to go, the warm-up ends where its count is reached, in the middle of a step, and the
+    kernels stay compiled in the steps after it (that step's count, cut short when the warm-up ended, measures
+    nothing: read as 1n x 98 steps, it would fall under the payback)."""
     n = Backend.min_numel
-    Backend.warmup_numel, Backend.payback_numel = 3 * n, n
+    Backend.warmup_numel, Backend.payback_numel = 3 * n, 150 * n
     double, x = _doubler(), torch.ones(n)
     _planned_step(double, x, 2, 100)  # 2n counted, 200n to go: not warm yet (the count is short)
     assert compiles == [] and not compile_warm() and Backend.remaining_numel == 200 * n
     _planned_step(double, x, 3, 99)  # the first call ends the warm-up: the next two compile
     assert compiles == ["compiled", "compiled"] and Backend.remaining_numel is None
+    _planned_step(double, x, 3, 98)
+    assert compiles == ["compiled"] * 5 and compile_warm()
 
 
 def test_a_run_of_unknown_length_compiles_after_the_warm_up(policy: None, compiles: list[str]) -> None:
