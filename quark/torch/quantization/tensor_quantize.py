@@ -117,6 +117,8 @@ class ScaledFakeQuantize(FakeQuantizeBase, kind="scaled"):
         fused = self._fused_plan(obs)
         if fused is None or obs.min_val.shape != fused.observer.statistics_shape(x.shape):
             return None  # not a planned observer; or the first batch / a new shape: the eager path rebinds
+        if (obs.min_val.is_inference() or obs.max_val.is_inference()) and not torch.is_inference_mode_enabled():
+            return None  # statistics made under inference_mode cannot be updated in place outside it: rebound once
         kernels, calls = self.__dict__.get("_fused_steady"), self.__dict__.get("_fused_calls")
         if kernels is None or calls is None:
             kernels, calls = self.__dict__["_fused_steady"], self.__dict__["_fused_calls"] = {}, {}

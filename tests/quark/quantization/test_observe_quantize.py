@@ -213,6 +213,33 @@ def test_calibration_under_inference_mode_fuses(
     assert torch.equal(fq.scale, plain["scale"][-1]) and torch.equal(fq.observer.min_val, plain["min"][-1])
 
 
+def test_training_after_statistics_made_under_inference_mode(
+    compiled: None, fused_calls: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Statistics made under ``inference_mode`` (a calibration or an evaluation with the observers on) are inference
+    tensors, which the fused pass cannot update in place outside it: the next training call takes the step-by-step
+    path, which rebinds them, and the calls after it fuse again; the bits are the step-by-step path's throughout (this
+    raised ``Inplace update to inference tensor`` once the compiled kernels ran)."""
+    spec = SPECS["int8 per-channel symmetric"]
+    xs = _batches()
+    fq = FakeQuantizeBase.get_fake_quantize(spec)
+    with torch.inference_mode():
+        fq(xs[0])
+    assert fq.observer.min_val.is_inference()
+    got = []
+    for x in xs[1:]:
+        x = x.clone().requires_grad_()
+        y = fq(x)
+        (y.float() * torch.linspace(-2, 2, y.numel()).reshape(y.shape)).sum().backward()  # as _run weighs it
+        got.append((y.detach(), x.grad, fq.observer.min_val.clone(), fq.observer.max_val.clone()))
+    assert not fq.observer.min_val.is_inference()
+    assert fused_calls == [tuple(xs[2].shape)]  # the first training call rebinds, the second fuses
+    plain = _run(spec, xs, False, monkeypatch)
+    for i, (y, g, lo, hi) in enumerate(got, start=1):
+        assert torch.equal(y, plain["out"][i]) and torch.equal(g, plain["grad"][i]), f"batch {i}"
+        assert torch.equal(lo, plain["min"][i]) and torch.equal(hi, plain["max"][i]), f"batch {i}"
+
+
 def test_a_quantizer_cast_to_bfloat16_keeps_float32_statistics_and_fuses_alike(
     compiled: None, fused_calls: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
