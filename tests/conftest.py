@@ -13,8 +13,9 @@ import atexit
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,3 +63,53 @@ def compiled(compiler: None) -> Iterator[None]:
         yield
     finally:
         set_compile(before)
+
+
+@pytest.fixture
+def backend_state() -> Iterator[type]:
+    """The compile policy's process-wide state (``formats.Backend``) restored after the test, every field; no run plan
+    left over from before it. Yields ``Backend``."""
+    from quark.torch.quantization.formats import Backend
+
+    saved = {name: value for name, value in vars(Backend).items() if not name.startswith("_")}
+    Backend.remaining_numel = Backend.step_mark = None
+    try:
+        yield Backend
+    finally:
+        for name, value in saved.items():
+            setattr(Backend, name, value)
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``torch.compile`` replaced by a recorder: each compiled call appends "compiled" and runs the eager body (nothing
+    is really compiled)."""
+    import torch
+
+    calls: list[str] = []
+
+    def recording_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+        def run(*args: Any, **kw: Any) -> Any:
+            calls.append("compiled")
+            return fn(*args, **kw)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    return calls
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernels the kernel cache serves (compiled calls), in order."""
+    from quark.torch.quantization.formats.kernel_cache import KernelCache
+
+    names: list[str] = []
+    original = KernelCache.__call__
+
+    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
+        names.append(getattr(self.fn, "__name__", "?"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelCache, "__call__", spy)
+    return names

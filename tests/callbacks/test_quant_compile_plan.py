@@ -5,7 +5,7 @@ enough one compiles them after its first step, and a fit that ends or raises lea
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from callbacks import QuantCallback
 from quark.torch.quantization.formats import Backend, set_compile
 from quark.torch.quantization.formats.grouping import compile_warm
-from quark.torch.quantization.formats.kernel_cache import KernelCache
 from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
 from tests.callbacks.cb_helpers import CrashAt
 
@@ -94,37 +93,11 @@ class WarmAtBatchEnd(Callback):
 
 
 @pytest.fixture
-def auto_mode() -> Iterator[None]:
-    """Auto mode, every warm-up field restored afterwards; the warm-up's count alone is over at the first call."""
-    names = ("compile", "warmup_numel", "seen_numel", "compile_logged", "failure", "payback_numel")
-    saved = {name: getattr(Backend, name) for name in (*names, "remaining_numel", "step_mark")}
+def auto_mode(backend_state: type, compiles: list[str]) -> None:
+    """Auto mode, every field restored afterwards (``backend_state``), ``torch.compile`` replaced by the eager body
+    (``compiles``: nothing is really compiled); the warm-up's count alone is over at the first call."""
     set_compile(None)
     Backend.warmup_numel, Backend.seen_numel = 1, 0
-    Backend.remaining_numel = Backend.step_mark = None
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(Backend, name, value)
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The kernels the kernel cache serves (compiled calls), by name; ``torch.compile`` replaced by the eager body,
-    so nothing is really compiled."""
-    names: list[str] = []
-    original = KernelCache.__call__
-
-    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
-        names.append(getattr(self.fn, "__name__", "?"))
-        return original(self, *args, **kwargs)
-
-    def eager_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
-        return fn
-
-    monkeypatch.setattr(KernelCache, "__call__", spy)
-    monkeypatch.setattr(torch, "compile", eager_compile)
-    return names
 
 
 def _fit(

@@ -17,24 +17,22 @@ from quark.torch.quantization.formats.grouping import (
     steady_key,
 )
 
-#: the smallest tensor whose TQT / LSQ kernels run compiled in auto mode, ``Backend.min_numel``'s size. Forward and
+#: The TQT / LSQ kernels compile in auto mode from ``Backend.min_numel`` elements, as most kernels do. Forward and
 #: backward through autograd, per tensor, 2 cores: at 2^15 elements 247 / 308 us eagerly (TQT / LSQ) against 148 / 135
-#: compiled, at 2^19 2.0 / 4.9 ms against 0.43 / 0.46 (docs/performance.md, fifteenth round); at
-#: 2^13 even. A short run (the digits CNN's ``w4a8_tqt``) keeps them eager through the run plan
-#: (``grouping.plan_step_end``), not through this threshold
-LEARNED_MIN_NUMEL = 1 << 15
+#: compiled, at 2^19 2.0 / 4.9 ms against 0.43 / 0.46 (docs/performance.md, fifteenth round). A short run (the digits
+#: CNN's ``w4a8_tqt``) stays eager through the run plan (``grouping.plan_step_end``).
 
 __all__ = ["TQTFunction", "LSQFunction"]
 
 
-@compilable(min_numel=LEARNED_MIN_NUMEL)
+@compilable
 def _tqt_forward(x: torch.Tensor, s: torch.Tensor, qmin: int, qmax: int, round_method: RoundType) -> torch.Tensor:
     """``clamp(round(x / s), qmin, qmax) * s`` with ``s`` (powers of two) broadcastable to ``x``: one pass when
     compiled (eagerly four; the division and the product by a power of two are exact either way)."""
     return round_to_int(x / s, round_method).clamp(qmin, qmax) * s
 
 
-@compilable(min_numel=LEARNED_MIN_NUMEL)
+@compilable
 def _tqt_grad(
     grad: torch.Tensor,
     x: torch.Tensor,
@@ -68,7 +66,7 @@ class TQTFunction(torch.autograd.Function):
     summed over the tensor (per tensor) or over everything but ``axis`` (one threshold per channel).
 
     Only ``x`` and ``s`` are saved. Where the compiled kernels run (``Backend``: tensors of at least
-    ``LEARNED_MIN_NUMEL`` elements, after auto mode's warm-up) forward and backward are one compiled pass each
+    ``Backend.min_numel`` elements, after auto mode's warm-up) forward and backward are one compiled pass each
     (``_tqt_forward``, ``_tqt_grad``); given ``steady`` (the caller's dicts of direct kernels and call counts per input
     signature, as ``look_for_steady`` keeps them), a signature the kernel cache serves directly has its direct kernels
     called straight, without the cache's signature lookup. Eagerly, per tensor with half-even rounding the backward is torch's fused
@@ -95,7 +93,7 @@ class TQTFunction(torch.autograd.Function):
             ctx.steady = found
             return found.forward(args)
         out = _tqt_forward(*args)
-        if compiled_kernels_active(x, LEARNED_MIN_NUMEL, count=False):
+        if compiled_kernels_active(x, count=False):
             look_for_steady(steady[0], steady[1], key, _tqt_forward, args)
         return out
 
@@ -114,7 +112,7 @@ class TQTFunction(torch.autograd.Function):
             axis is None
             and round_method == RoundType.half_even
             and not torch.compiler.is_compiling()  # torch's fused op has no fake-tensor kernel to be traced through
-            and not compiled_kernels_active(x, LEARNED_MIN_NUMEL)
+            and not compiled_kernels_active(x)
         ):
             zero = torch.zeros_like(s)
             grad_x, grad_s, _ = fake_quantize_learnable_backward(
@@ -127,7 +125,7 @@ class TQTFunction(torch.autograd.Function):
         return grad_x, grad_t, None, None, None, None, None, None
 
 
-@compilable(min_numel=LEARNED_MIN_NUMEL)
+@compilable
 def _lsq_forward(
     x: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin: int, qmax: int, round_method: RoundType
 ) -> torch.Tensor:
@@ -136,7 +134,7 @@ def _lsq_forward(
     return (xq.clamp(qmin, qmax) - z) * s
 
 
-@compilable(min_numel=LEARNED_MIN_NUMEL)
+@compilable
 def _lsq_grad(
     grad: torch.Tensor,
     x: torch.Tensor,
@@ -164,7 +162,7 @@ def _lsq_grad(
 class LSQFunction(torch.autograd.Function):
     """LSQ with the gradients of torch's ``_fake_quantize_learnable_per_{tensor,channel}_affine``.
 
-    Where the compiled kernels run (``Backend``: tensors of at least ``LEARNED_MIN_NUMEL`` elements, after auto mode's
+    Where the compiled kernels run (``Backend``: tensors of at least ``Backend.min_numel`` elements, after auto mode's
     warm-up) forward and backward are one compiled pass each (``_lsq_forward``, ``_lsq_grad``), and only ``x`` is kept
     for the backward (the codes are recomputed from it); eagerly the codes and the fake-quantized tensor are kept.
     Both give the same forward and input-gradient bits; the scale's gradient is a sum, whose rounding depends on the
@@ -176,7 +174,7 @@ class LSQFunction(torch.autograd.Function):
         s = scale if axis is None else channel_view(scale, x.ndim, axis)
         z = zero_point if axis is None else channel_view(zero_point, x.ndim, axis)
         ctx.meta = (qmin, qmax, grad_factor, axis, round_method)
-        ctx.fused = compiled_kernels_active(x, LEARNED_MIN_NUMEL)
+        ctx.fused = compiled_kernels_active(x)
         if ctx.fused:
             ctx.save_for_backward(x, s, z)
             return _lsq_forward(x, s, z, qmin, qmax, round_method)

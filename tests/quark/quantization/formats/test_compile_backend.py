@@ -30,15 +30,10 @@ ROWS, COLS = 256, 256  # 65536 elements: the smallest size auto mode compiles
 
 
 @pytest.fixture(autouse=True)
-def no_warmup() -> Iterator[None]:
+def no_warmup(backend_state: type) -> None:
     """Auto mode compiles from the first call at or above ``Backend.min_numel`` here (these tests compare compiled and
     eager bits; the warm-up before the first compile is tested in test_compile_policy.py)."""
-    before = Backend.warmup_numel, Backend.remaining_numel, Backend.step_mark
-    Backend.warmup_numel, Backend.remaining_numel, Backend.step_mark = 0, None, None  # no run plan left over
-    try:
-        yield
-    finally:
-        Backend.warmup_numel, Backend.remaining_numel, Backend.step_mark = before
+    Backend.warmup_numel = 0  # (backend_state: everything restored after, no run plan left over)
 
 
 @pytest.fixture
@@ -370,7 +365,7 @@ def test_tqt_compiled_equals_eager_and_the_closed_form(
     grad = torch.randn_like(x)
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     outs, before = [], Backend.compile
-    for mode in (False, True):  # (True: compiled at every size, below LEARNED_MIN_NUMEL too)
+    for mode in (False, True):  # (True: compiled at every size, below Backend.min_numel too)
         set_compile(mode)
         try:
             assert compiled_kernels_active(x) is mode
@@ -414,7 +409,7 @@ def test_lsq_compiled_equals_eager_and_the_closed_form(axis: int | None, compile
     grad = torch.randn_like(x)
     factor = 1.0 / math.sqrt(x.numel() / channels * 127)
     outs, before = [], Backend.compile
-    for mode in (False, True):  # (True: compiled at every size, below LEARNED_MIN_NUMEL too)
+    for mode in (False, True):  # (True: compiled at every size, below Backend.min_numel too)
         set_compile(mode)
         try:
             assert compiled_kernels_active(x) is mode
@@ -459,7 +454,7 @@ def test_learned_second_order_gradients_are_the_eager_ones(method: str, compiler
         learned = torch.linspace(-1.0, 1.0, ROWS)
         fn = lambda t, p: TQTFunction.apply(t, p, -128, 127, 7.0, RoundType.half_even, 0)  # noqa: E731
     results, before = [], Backend.compile
-    for mode in (False, True):  # (True: compiled at every size, below LEARNED_MIN_NUMEL too)
+    for mode in (False, True):  # (True: compiled at every size, below Backend.min_numel too)
         set_compile(mode)
         try:
             assert compiled_kernels_active(x) is mode

@@ -5,8 +5,7 @@ never) untouched by the warm-up."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,55 +22,16 @@ from quark.torch.quantization.formats import (
 )
 from quark.torch.quantization.formats.grouping import compilable, compile_warm, compiled_kernels_active
 from quark.torch.quantization.formats.integer import INT_MIN_NUMEL
-from quark.torch.quantization.formats.kernel_cache import KernelCache
 from quark.torch.quantization.formats.minifloat import GRID_MIN_NUMEL
 
 LOGGER = "quark.torch.quantization.formats.grouping"
 
 
 @pytest.fixture
-def policy() -> Iterator[None]:
-    """Auto mode with a fresh warm-up count and log flag; everything restored afterwards."""
-    fields = ("compile", "warmup_numel", "seen_numel", "compile_logged", "failure", "payback_numel")
-    saved = {name: getattr(Backend, name) for name in (*fields, "remaining_numel", "step_mark")}
+def policy(backend_state: type) -> None:
+    """Auto mode with a fresh warm-up count and log flag; everything restored afterwards (``backend_state``)."""
     set_compile(None)
     Backend.seen_numel, Backend.compile_logged = 0, False
-    Backend.remaining_numel = Backend.step_mark = None
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(Backend, name, value)
-
-
-@pytest.fixture
-def compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """``torch.compile`` replaced by a recorder: each compiled call appends "compiled" and runs the eager body."""
-    calls: list[str] = []
-
-    def recording_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
-        def run(*args: Any, **kw: Any) -> Any:
-            calls.append("compiled")
-            return fn(*args, **kw)
-
-        return run
-
-    monkeypatch.setattr(torch, "compile", recording_compile)
-    return calls
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the kernels the kernel cache serves (compiled calls), in order."""
-    names: list[str] = []
-    original = KernelCache.__call__
-
-    def spy(self: KernelCache, *args: Any, **kwargs: Any) -> Any:
-        names.append(getattr(self.fn, "__name__", "?"))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(KernelCache, "__call__", spy)
-    return names
 
 
 def _doubler() -> Callable[[torch.Tensor], torch.Tensor]:
