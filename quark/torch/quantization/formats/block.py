@@ -110,6 +110,12 @@ def _e8m0_value(exp: torch.Tensor) -> torch.Tensor:
 #: auto mode compiles the block formats from this size: their eager forms take several passes per block (MXFP8 on
 #: 2 idle cores, torch 2.13: 4096 elements 46 us eager against 16 us compiled, 32768: 156 against 22)
 BLOCK_MIN_NUMEL = 1 << 12
+#: how much more the block kernels' elements count toward auto mode's warm-up and run plan than the others'
+#: (``compiled_kernels_active``): MX QAT steps count a third of what int8 and fp8 steps count for the same layers
+#: (the MLP of ``bench/compile_payback.py`` at width 1024: 2.2 against 6.6 and 7.7 million elements a step), while
+#: compiling saves more of their step (MX 6.5 of 14.4 ms, int8 2.2 of 12.5): with this gain a fit's count meets
+#: ``Backend.payback_numel`` near where compiling pays back in every format (docs/performance.md, sixteenth round)
+BLOCK_GAIN = 5
 #: ``block_absmax`` (an eager abs and a reduction) is no slower eagerly below this (65536 elements: 13.7 against 16.2 us)
 ABSMAX_MIN_NUMEL = 1 << 18
 
@@ -126,12 +132,12 @@ def _mx_with_maxima(
     return from_blocks(out, layout, x.shape), amax.squeeze(-1)
 
 
-@compilable(min_numel=BLOCK_MIN_NUMEL)
+@compilable(min_numel=BLOCK_MIN_NUMEL, gain=BLOCK_GAIN)
 def _fake_mx(x: torch.Tensor, element: Dtype, block_size: int, axis: int, mode: str = "floor") -> torch.Tensor:
     return _mx_with_maxima(x, element, block_size, axis, mode)[0]
 
 
-@compilable(min_numel=BLOCK_MIN_NUMEL)
+@compilable(min_numel=BLOCK_MIN_NUMEL, gain=BLOCK_GAIN)
 def _fake_mx_observed(
     x: torch.Tensor, element: Dtype, block_size: int, axis: int, mode: str = "floor"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +197,7 @@ def _scale_up(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return x * f1 * f2
 
 
-@compilable(min_numel=BLOCK_MIN_NUMEL)
+@compilable(min_numel=BLOCK_MIN_NUMEL, gain=BLOCK_GAIN)
 def _fake_microexponent(x: torch.Tensor, mantissa_bits: int, block_size: int, axis: int) -> torch.Tensor:
     """``microexponent_codes`` dequantized, bit-identical to ``ldexp(codes, step_exp)``. Traced by ``torch.compile``
     every full-size pass is float arithmetic in one vectorized loop (``_microexponent_traced``); eagerly, pair maxima
@@ -256,7 +262,7 @@ def _bfp_step_exp(xb: torch.Tensor) -> torch.Tensor:
     return step_exp + overflow.to(torch.int32)
 
 
-@compilable(min_numel=BLOCK_MIN_NUMEL)
+@compilable(min_numel=BLOCK_MIN_NUMEL, gain=BLOCK_GAIN)
 def _fake_bfp(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
     """Codes times steps with float ops per element (the step's exponent per block), one vectorized loop compiled."""
     xb, layout = to_blocks(x.float(), axis, static_int(block_size))

@@ -70,10 +70,12 @@ class Backend:
     #: whether this process has logged its first compile (once, whichever kernel it is)
     compile_logged: bool = False
     #: in auto mode, a run whose front end says how long it is (``plan_step_end``) ends its warm-up only with at least
-    #: this many elements still to count: the digits CNN's ``w4a8_qad`` QAT crossed the warm-up at step 22 of 84 with
-    #: about 44 million to go and took 7.4-8.0 s with its kernels loaded from the disk cache (33.8 s compiling them
-    #: cold) against 5.5-5.7 s eagerly; a compile saves 0.4 to 5 ns per element, so it pays back from about 2^30
-    payback_numel: int = 1 << 30
+    #: this many elements still to count. Whole QAT fits of an MLP (``bench/compile_payback.py``, 2 cores) paid a
+    #: compile back only after thousands of steps: it cost 20-40 s with empty caches and 4-20 s loading from them,
+    #: and saved 2.8 ms of a 12.7 ms int8 step at width 1024 (6.6 million elements counted a step). int8 broke even
+    #: at about 2^33.5-2^34 elements with the kernels cached and 2^36-2^36.5 with empty caches, at widths 1024 and
+    #: 4096; a run at 2^36 takes at most about 1.2x the better choice, cold or warm (docs/performance.md)
+    payback_numel: int = 1 << 36
     #: the elements the front end's current run still expects to count (``plan_step_end``); None: no length told (a
     #: long run, as for a training loop of the user's own)
     remaining_numel: int | None = None
@@ -131,11 +133,12 @@ def plan_run_end() -> None:
     Backend.remaining_numel = Backend.step_mark = None
 
 
-def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count: bool = True) -> bool:
+def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count: bool = True, gain: int = 1) -> bool:
     """Whether a ``compilable`` kernel called on ``x`` now would run compiled (``min_numel``: auto mode's threshold
     for this kernel, by default ``Backend.min_numel``). In auto mode, a call on a tensor at or above the threshold
-    made before the warm-up is over counts its elements toward ``Backend.warmup_numel`` (``count``: a question about
-    a call already made counts nothing) and answers False."""
+    made before the warm-up is over counts its elements toward ``Backend.warmup_numel`` and the run plan, times
+    ``gain`` (the block formats': ``BLOCK_GAIN``, for what compiling saves on them), and answers False (``count``: a question about a call already made counts
+    nothing)."""
     if Backend.compile is False or torch.compiler.is_compiling():
         return False  # inside a caller's torch.compile the eager body is traced into the caller's graph
     if torch.jit.is_tracing():
@@ -150,7 +153,7 @@ def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count
     if compile_warm():
         return True
     if count:
-        Backend.seen_numel += x.numel()
+        Backend.seen_numel += x.numel() * gain
     return False
 
 
@@ -297,19 +300,22 @@ def _log_first_compile(name: str) -> None:
     )
 
 
-def compilable(fn: F_ | None = None, *, min_numel: int | None = None, options: dict[str, Any] | None = None) -> Any:
+def compilable(
+    fn: F_ | None = None, *, min_numel: int | None = None, options: dict[str, Any] | None = None, gain: int = 1
+) -> Any:
     """Run ``fn`` compiled (``torch.compile(dynamic=True)``, built once) or eagerly, as ``Backend`` says for its
-    first argument (``min_numel``: this kernel's own auto-mode threshold; ``options``: inductor's, for this kernel).
+    first argument (``min_numel``: this kernel's own auto-mode threshold; ``options``: inductor's, for this kernel;
+    ``gain``: how much its elements count toward the warm-up, ``compiled_kernels_active``).
     In auto mode a compile failure falls back to eager with a warning that names the reason; an error the eager
     kernel raises as well (bad input) is raised as is. Use as ``@compilable`` or ``@compilable(min_numel=...)``."""
     if fn is None:
-        return functools.partial(compilable, min_numel=min_numel, options=options)
+        return functools.partial(compilable, min_numel=min_numel, options=options, gain=gain)
     compiled: list[Callable[..., Any]] = []
     cache = KernelCache(fn, options, on_compile=lambda: _log_first_compile(fn.__qualname__))
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not compiled_kernels_active(x, min_numel):
+        if not compiled_kernels_active(x, min_numel, gain=gain):
             return fn(x, *args, **kwargs)
         try:
             return cache(x, *args, **kwargs)  # compiled (or loaded from disk) before: no guard evaluation

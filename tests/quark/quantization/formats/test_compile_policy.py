@@ -20,6 +20,7 @@ from quark.torch.quantization.formats import (
     plan_step_start,
     set_compile,
 )
+from quark.torch.quantization.formats.block import BLOCK_GAIN
 from quark.torch.quantization.formats.grouping import compilable, compile_warm, compiled_kernels_active
 from quark.torch.quantization.formats.integer import INT_MIN_NUMEL
 from quark.torch.quantization.formats.minifloat import GRID_MIN_NUMEL
@@ -82,6 +83,37 @@ def test_a_kernels_own_threshold_counts(policy: None, compiles: list[str]) -> No
     assert compiles == []
     triple(torch.ones(4 * Backend.min_numel))
     assert compiles == ["compiled"]
+
+
+def test_a_kernels_gain_weights_its_count(policy: None, compiles: list[str]) -> None:
+    """A kernel made with ``gain=g`` counts g elements per element of its input toward the warm-up and the run plan
+    (the block formats' ``BLOCK_GAIN``: compiling saves more of their step); one with the default counts each once."""
+
+    @compilable(gain=5)
+    def weighted(t: torch.Tensor) -> torch.Tensor:
+        return t * 5
+
+    n = Backend.min_numel
+    Backend.warmup_numel = 1 << 60
+    x = torch.ones(n)
+    _doubler()(x)
+    assert Backend.seen_numel == n
+    weighted(x)
+    assert Backend.seen_numel == 6 * n and compiles == []
+
+
+def test_mx_kernels_count_with_the_block_gain(policy: None, compiles: list[str]) -> None:
+    """An MXFP4 fake quantization (eager, before the warm-up ends) counts its elements times ``BLOCK_GAIN``; an int8
+    one of the same tensor counts them at face value, once per kernel call."""
+    n = Backend.min_numel
+    Backend.warmup_numel = 1 << 60
+    x = torch.randn(n // 32, 32)
+    out = fake_quantize(x, Dtype.mx, None, None, axis=-1, group_size=32, mx_element_dtype=Dtype.fp4)
+    assert Backend.seen_numel == n * BLOCK_GAIN > n and compiles == []
+    Backend.seen_numel = 0
+    fake_quantize_int(x, torch.tensor(0.1), torch.tensor(0, dtype=torch.int32), -128, 127)
+    assert Backend.seen_numel % n == 0 and Backend.seen_numel // n < BLOCK_GAIN
+    assert torch.isfinite(out).all() and out.shape == x.shape
 
 
 def test_first_compile_is_logged_once(policy: None, compiles: list[str], caplog: pytest.LogCaptureFixture) -> None:
