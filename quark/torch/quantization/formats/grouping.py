@@ -73,8 +73,8 @@ class Backend:
     #: this many elements still to count. Whole QAT fits of an MLP (``bench/compile_payback.py``, 2 cores) paid a
     #: compile back only after thousands of steps: it cost 20-40 s with empty caches and 4-20 s loading from them,
     #: and saved 2.8 ms of a 12.7 ms int8 step at width 1024 (6.6 million elements counted a step). int8 broke even
-    #: at about 2^33.5-2^34 elements with the kernels cached and 2^36-2^36.5 with empty caches, at widths 1024 and
-    #: 4096; a run at 2^36 takes at most about 1.2x the better choice, cold or warm (docs/performance.md)
+    #: at about 2^34 elements with the kernels cached and 2^36-2^37 with empty caches, at widths 1024 and 4096; a
+    #: run at 2^36 takes at most about 1.3x the better choice, cold or warm (docs/performance.md, sixteenth round)
     payback_numel: int = 1 << 36
     #: the elements the front end's current run still expects to count (``plan_step_end``); None: no length told (a
     #: long run, as for a training loop of the user's own)

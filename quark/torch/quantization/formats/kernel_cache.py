@@ -194,15 +194,22 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], exact: bool = 
 
 def _as_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments a graph is built from: each tensor that is not a leaf (a saved activation given to a backward
-    kernel) as a leaf view of it with the same grad flag, one view per tensor (a tensor passed twice stays one).
-    dynamo's guard serialization reads ``.grad`` of every example tensor, which for a non-leaf makes torch warn the
-    user about a ``.grad`` nobody asked for; no guard depends on leafness."""
+    kernel) as a leaf view of it with the same grad flag, and each Parameter holding a ``.grad`` (a weight after
+    its first backward) as a Parameter alias of it without one; one alias per tensor (a tensor passed twice stays
+    one). dynamo's guard serialization reads ``.grad`` of every example tensor: for a non-leaf that makes torch warn
+    the user about a ``.grad`` nobody asked for, and a Parameter's gradient is stored as a placeholder that fails to
+    load, so the stored graph of every weight kernel compiled mid-training was skipped, and compiled again, by every
+    later run (an MX QAT fit: 10 s a run). No guard depends on leafness or on ``.grad``."""
     views: dict[int, torch.Tensor] = {}
 
     def leaf(value: Any) -> Any:
         if type(value) is torch.Tensor and not value.is_leaf:
             if id(value) not in views:
                 views[id(value)] = value.detach().requires_grad_(value.requires_grad)
+            return views[id(value)]
+        if isinstance(value, torch.nn.Parameter) and value.grad is not None:
+            if id(value) not in views:
+                views[id(value)] = type(value)(value.detach(), requires_grad=value.requires_grad)
             return views[id(value)]
         return value
 

@@ -388,3 +388,22 @@ def test_a_saved_activation_passed_to_a_kernel_compiles_without_torch_warning_ab
     assert cache.compiles == 1
     assert not [w for w in caught if ".grad attribute" in str(w.message)]
     assert torch.equal(out, _int_fq(x.detach(), torch.tensor(0.1), -128, 127, RoundType.half_even))
+
+
+def test_a_weights_graph_compiled_after_a_backward_is_loaded_by_a_later_cache(tmp_path) -> None:
+    """A weight kernel compiled mid-training gets a Parameter that holds a ``.grad``: its stored graph must load in a
+    later process and serve the weight there without a compile (dynamo's guard serialization stored the gradient as a
+    placeholder that failed to load: every later run skipped the graph and compiled it again, and the store grew)."""
+    w = torch.nn.Parameter(_x(32, 64))
+    w.grad = torch.ones_like(w)
+    s = torch.tensor(0.1)
+    first = KernelCache(_int_fq)
+    with torch.no_grad():
+        expected = first(w, s, -128, 127, RoundType.half_even)
+    assert first.compiles == 1 and first.store.stored == 1 and torch.equal(w.grad, torch.ones_like(w))
+    later = KernelCache(_int_fq)  # a new process would start like this
+    with torch.no_grad():
+        out = later(w, s, -128, 127, RoundType.half_even)
+    assert later.store.loaded == 1 and later.compiles == 0 and later.reuses == 1
+    assert torch.equal(out, expected) and torch.equal(out, _int_fq(w.detach(), s, -128, 127, RoundType.half_even))
+    assert len(list(tmp_path.rglob("*.graph"))) == 1
