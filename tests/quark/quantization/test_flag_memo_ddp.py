@@ -53,6 +53,7 @@ def run(rank, port, out):
     ddp(torch.randn(2, 4))  # the broadcast before this forward writes rank 0's switch into rank 1's buffer
     with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
         f.write(f"{int(bool(q._buffers['fake_quant_enabled']))} {int(q.flag('fake_quant_enabled'))}")
+    del ddp  # its reducer holds the group: freed after the group is destroyed, its destructor can hang
     dist.destroy_process_group()
 
 if __name__ == "__main__":
