@@ -84,8 +84,8 @@ def _spy_compiled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     compiled: list[int] = []
     decide = grouping.compiled_kernels_active
 
-    def spy(x: torch.Tensor, min_numel: int | None = None) -> bool:
-        active = decide(x, min_numel)
+    def spy(x: torch.Tensor, min_numel: int | None = None, count: bool = True, gain: int = 1) -> bool:
+        active = decide(x, min_numel, count, gain)
         if active:
             compiled.append(x.numel())
         return active
