@@ -113,7 +113,7 @@ BLOCK_MIN_NUMEL = 1 << 12
 #: how much more the block kernels' elements count toward auto mode's warm-up and run plan than the others'
 #: (``compiled_kernels_active``): MX QAT steps count a third of what int8 and fp8 steps count for the same layers
 #: (the MLP of ``bench/compile_payback.py`` at width 1024: 2.2 against 6.6 and 7.7 million elements a step), while
-#: compiling saves more of their step (MX 6.5 of 14.4 ms, int8 2.2 of 12.5): with this gain a fit's count meets
+#: compiling saves more of their step (MX 6.5 of 14.4 ms, int8 2.8 of 12.7): with this gain a fit's count meets
 #: ``Backend.payback_numel`` near where compiling pays back in every format (docs/performance.md, sixteenth round)
 BLOCK_GAIN = 5
 #: ``block_absmax`` (an eager abs and a reduction) is no slower eagerly below this (65536 elements: 13.7 against 16.2 us)

@@ -137,8 +137,8 @@ def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count
     """Whether a ``compilable`` kernel called on ``x`` now would run compiled (``min_numel``: auto mode's threshold
     for this kernel, by default ``Backend.min_numel``). In auto mode, a call on a tensor at or above the threshold
     made before the warm-up is over counts its elements toward ``Backend.warmup_numel`` and the run plan, times
-    ``gain`` (the block formats': ``BLOCK_GAIN``, for what compiling saves on them), and answers False (``count``: a question about a call already made counts
-    nothing)."""
+    ``gain`` (the block formats': ``BLOCK_GAIN``, for what compiling saves on them), and answers False (``count``: a
+    question about a call already made counts nothing)."""
     if Backend.compile is False or torch.compiler.is_compiling():
         return False  # inside a caller's torch.compile the eager body is traced into the caller's graph
     if torch.jit.is_tracing():
