@@ -14,8 +14,11 @@ kernel compiles and loads are inside it). Modes, per (width, steps):
   (``Backend.warmup_numel`` elements) is over, however little of the fit is left (the policy before the run plan).
 - ``default``: auto mode as shipped (the run plan: compile only where at least ``Backend.payback_numel`` elements are
   still to come once the warm-up is over).
+- ``untold`` (with ``--untold``): auto mode as shipped for a run that tells nothing of its length (the callback's
+  plan calls made no-ops, as in a training loop of the user's own): compile once ``Backend.payback_numel`` elements
+  have been counted.
 
-``compiled`` and ``default`` run twice on one new cache folder (``TORCHINDUCTOR_CACHE_DIR``, which holds quark's kernel
+``compiled``, ``default`` and ``untold`` run twice on one new cache folder (``TORCHINDUCTOR_CACHE_DIR``, which holds quark's kernel
 store too): the first run is cold, the second warm. The rounds alternate the modes. Printed: the fit's seconds per
 mode (median over rounds), each over eager's in the same round, the elements a QAT step counts toward the warm-up
 (``Backend.seen_numel``) and the elements the fit counts in all, which is what ``Backend.payback_numel`` is compared
@@ -34,10 +37,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("eager", "compiled", "default")
+MODES = ("eager", "compiled", "default", "untold")
 
 
-def child(width: int, steps: int, fmt: str, payback: int | None, eager: bool) -> dict:
+def child(width: int, steps: int, fmt: str, payback: int | None, eager: bool, untold: bool = False) -> dict:
     """One fit in this process: the fit's wall seconds and what the compile policy counted."""
     import logging
     import time
@@ -49,6 +52,7 @@ def child(width: int, steps: int, fmt: str, payback: int | None, eager: bool) ->
     from torch.utils.data import DataLoader, TensorDataset
 
     sys.path.insert(0, str(ROOT))
+    import callbacks.quant
     from bench.qat_overhead import FP8_W8A8, MLP, MX_W4A8, W8A8
     from callbacks import QuantCallback
     from quark.torch.cpu_allocator import keep_freed_memory
@@ -61,6 +65,9 @@ def child(width: int, steps: int, fmt: str, payback: int | None, eager: bool) ->
         Backend.payback_numel = payback
     if eager:
         Backend.warmup_numel = 1 << 62
+    if untold:  # the fit tells the compile policy nothing, as a training loop of the user's own
+        callbacks.quant.plan_step_start = callbacks.quant.plan_run_end = lambda: None
+        callbacks.quant.plan_step_end = lambda steps_left: None
     config = {"int8": W8A8, "fp8": FP8_W8A8, "mx": MX_W4A8}[fmt]
     torch.manual_seed(0)
 
@@ -105,7 +112,7 @@ def run(width: int, steps: int, fmt: str, mode: str, cache: str) -> dict:
     """One fit in a fresh process, in ``mode``, with torch's caches in ``cache``."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
     env.pop("QUARK_COMPILE", None)
-    extra = {"eager": ["--eager"], "compiled": ["--payback", "0"], "default": []}[mode]
+    extra = {"eager": ["--eager"], "compiled": ["--payback", "0"], "default": [], "untold": ["--told-nothing"]}[mode]
     args = ["--child", "--width", str(width), "--steps", str(steps), "--format", fmt, *extra]
     out = subprocess.run(
         [sys.executable, __file__, *args], env=env, capture_output=True, text=True, check=True, cwd=ROOT
@@ -122,18 +129,22 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--payback", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--told-nothing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--untold", action="store_true", help="also time the fit telling the policy nothing")
     args = parser.parse_args()
     widths = [int(w) for w in args.width.split(",")]
     lengths = [int(s) for s in args.steps.split(",")]
     if args.child:
-        print(json.dumps(child(widths[0], lengths[0], args.format, args.payback, args.eager)))
+        print(json.dumps(child(widths[0], lengths[0], args.format, args.payback, args.eager, args.told_nothing)))
         return
     print(f"# {args.format} QAT fits, MLP 1024 -> width -> 1024 -> 10, batch 32, Adam; load {os.getloadavg()[0]:.2f}")
+    modes = ("compiled", "default", "untold") if args.untold else ("compiled", "default")
     print(
-        "| width | steps | elements per step | fit elements | eager s | compiled cold / warm s (x eager) "
-        "| default cold / warm s (x eager) | default compiled |"
+        "| width | steps | elements per step | fit elements | eager s | "
+        + " | ".join(f"{m} cold / warm s (x eager)" for m in modes)
+        + " | default compiled |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|" + "---|" * len(modes) + "---|")
     for width in widths:
         for steps in lengths:
             seconds: dict[str, list[float]] = {}
@@ -145,7 +156,7 @@ def main() -> None:
                     eager = run(width, steps, args.format, "eager", caches["eager"])
                     seconds.setdefault("eager", []).append(eager["seconds"])
                     step_numel = max(step_numel, eager["step_numel"])
-                    for mode in ("compiled", "default") if r % 2 == 0 else ("default", "compiled"):
+                    for mode in modes if r % 2 == 0 else modes[::-1]:
                         for phase in ("cold", "warm"):
                             res = run(width, steps, args.format, mode, caches[mode])
                             seconds.setdefault(f"{mode} {phase}", []).append(res["seconds"])
@@ -162,8 +173,9 @@ def main() -> None:
             total = step_numel * steps
             print(
                 f"| {width} | {steps} | {step_numel / 1e6:.1f}M | {total / 2**30:.2f} x 2^30 "
-                f"| {statistics.median(seconds['eager']):.1f} | {cell('compiled')} | {cell('default')} "
-                f"| {'yes' if default_compiled else 'no'} |",
+                f"| {statistics.median(seconds['eager']):.1f} | "
+                + " | ".join(cell(m) for m in modes)
+                + f" | {'yes' if default_compiled else 'no'} |",
                 flush=True,
             )
     print(f"# load after: {os.getloadavg()[0]:.2f}")

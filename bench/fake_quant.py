@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import as_a_long_run
 from bench.device import CPU, copy_bandwidth, describe, parse_device, sync
 from quark.torch.cpu_allocator import keep_freed_memory
 from quark.torch.quantization.config.type import Dtype, QSchemeType, RoundType
@@ -209,6 +210,7 @@ def main() -> None:
     kept = not args.system_allocator and keep_freed_memory()
     print(f"# CPU allocator: {'freed memory kept (keep_freed_memory)' if kept else 'system default'}")
     set_compile({"auto": None, "compile": True, "eager": False}[args.backend])
+    as_a_long_run()
     print(f"# format kernels: {args.backend}")
     dtype = getattr(torch, args.dtype)
     device = parse_device(args.device)

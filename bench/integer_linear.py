@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import as_a_long_run  # noqa: E402
 from bench.qat_overhead import MLP, W4A8_TQT, W8A8, alternate, median_step_time, paired_ratio, qat_step  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
@@ -147,6 +148,7 @@ def main() -> None:
         parser.error(f"--formats: unknown {unknown}; allowed: {sorted(FORMATS)}")
     warnings.filterwarnings("ignore")
     keep_freed_memory()
+    as_a_long_run()
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
     if not args.no_products:
         product_table(args.rows, args.calls)

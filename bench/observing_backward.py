@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quark.torch.quantization.observe_quantize as observe_quantize  # noqa: E402
+from bench import as_a_long_run  # noqa: E402
 from bench.qat_overhead import FP8_W8A8, MLP, W8A8, alternate, median_step_time, paired_ratio, qat_step  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
 
@@ -63,6 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     keep_freed_memory()
+    as_a_long_run()
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; observers on at every step")
     print(
         "| width | FP32 ms | int8 W8A8 always / skip x FP32 | int8 skip / always | fp8 W8A8 always / skip x FP32 "

@@ -33,6 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import as_a_long_run  # noqa: E402
 from bench.qat_overhead import BOUND_LAYERS, FP8_W8A8, MLP, MX_W4A8, W4A8_TQT, W8A8, bounded  # noqa: E402
 from quark.torch import ModelQuantizer  # noqa: E402
 from quark.torch.compat import dynamo_recompile_limit  # noqa: E402
@@ -99,6 +100,7 @@ def main() -> None:
         parser.error(f"--formats: {unknown} unknown; allowed: {sorted(FORMATS)}")
     warnings.filterwarnings("ignore")
     keep_freed_memory()
+    as_a_long_run()
     # every contender is a model of its own with the same forward: dynamo keeps one entry per model, and past its
     # per-frame limit (8) a model would run eagerly, uncompiled
     dynamo_recompile_limit(64)

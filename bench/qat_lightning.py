@@ -62,6 +62,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import as_a_long_run  # noqa: E402
 from bench.device import copy_bandwidth, describe, sync  # noqa: E402
 from bench.qat_overhead import (  # noqa: E402
     BOUND_LAYERS,
@@ -75,7 +76,7 @@ from bench.qat_overhead import (  # noqa: E402
 )
 from callbacks import QuantCallback  # noqa: E402
 from quark.torch.cpu_allocator import keep_freed_memory  # noqa: E402
-from quark.torch.quantization.formats import Backend, kernel_cache  # noqa: E402
+from quark.torch.quantization.formats import kernel_cache  # noqa: E402
 from quark.torch.quantization.formats.kernel_cache import DIRECT_AFTER_CALLS  # noqa: E402
 
 CONTENDERS = {"fp32": None, "int8 W8A8": W8A8, "fp8 W8A8": FP8_W8A8, "MXFP4/MXFP8": MX_W4A8}
@@ -364,7 +365,7 @@ def main() -> None:
     keep_freed_memory()  # as train.py does
     # the timed fits stand for the steps of a long training run, whose kernels auto mode compiles; short as they are,
     # the run plan would keep each of them eager (too few elements left to pay a compile back)
-    Backend.payback_numel = 0
+    as_a_long_run()
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("quark").setLevel(logging.WARNING)

@@ -80,6 +80,7 @@ from torch.ao import quantization as tq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``bench`` itself, run as a script from anywhere
 
+from bench import as_a_long_run
 from bench.device import copy_bandwidth, describe, parse_device, sync
 from quark.torch import ModelQuantizer
 from quark.torch.cpu_allocator import keep_freed_memory
@@ -748,6 +749,7 @@ def main() -> None:
     parser.add_argument("--memory-child", metavar="CONTENDER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     kept = not args.system_allocator and keep_freed_memory()
+    as_a_long_run()
     parse_device(args.device)  # refused before any work where this machine has no such device
     setup = Setup(args.model, args.batch or DEFAULT_BATCH[args.model], args.optimizer, args.width, args.device)
     if args.check_syncs:

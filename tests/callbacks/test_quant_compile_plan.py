@@ -158,15 +158,27 @@ def test_the_plan_counts_the_batches_left(auto_mode: None, served: list[str], st
 
 
 @pytest.mark.parametrize("case", ["stream", "two optimizers"])
-def test_a_fit_of_unknown_length_compiles_after_the_warm_up(auto_mode: None, served: list[str], case: str) -> None:
+def test_a_fit_of_unknown_length_compiles_once_it_has_counted_the_payback(
+    auto_mode: None, served: list[str], case: str
+) -> None:
     """A loader without a length (``max_steps=-1``: Lightning's estimate is -1) or manual optimization with two
     optimizers (``global_step`` counts each one's steps, not batches): the batches left are not known, so the plan
-    is dropped after the first step and the warm-up alone decides, as for a loop that tells nothing."""
-    Backend.payback_numel = 1 << 50
-    if case == "stream":
-        probe = _fit(-1, data=Stream(4), max_epochs=1)
-    else:
+    is dropped after each step and the run compiles once it has counted ``payback_numel`` (rent or buy), as a loop
+    that tells nothing does: never in a fit that counts less, from the step that reaches it in one that counts more."""
+
+    def fit() -> WarmAtBatchEnd:
+        if case == "stream":
+            return _fit(-1, data=Stream(4), max_epochs=1)
         data = TensorDataset(torch.randn(BATCH * 4, WIDTH), torch.randint(0, 4, (BATCH * 4,)))
-        probe = _fit(8, module=TwoOptimizers(), data=data)  # two optimizer steps a batch: 8 steps are 4 batches
-    assert probe.warm == [True] * 4 and probe.remaining == [None] * 4
+        return _fit(8, module=TwoOptimizers(), data=data)  # two optimizer steps a batch: 8 steps are 4 batches
+
+    Backend.payback_numel = 1 << 50
+    short = fit()
+    assert short.warm == [False] * 4 and short.remaining == [None] * 4 and all(short.counted)
+    assert served == []
+    Backend.seen_numel = 0  # a new process
+    Backend.payback_numel = sum(short.counted[:2]) + 1  # reached by the third batch
+    probe = fit()
+    assert probe.counted[:2] == short.counted[:2]
+    assert probe.warm == [False, False, True, True] and probe.remaining == [None] * 4
     assert served

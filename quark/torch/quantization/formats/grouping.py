@@ -47,8 +47,9 @@ class Backend:
     elementwise passes into one loop (bit-identical results; cached on disk by inductor across processes; the first
     compile of a process is logged once). A compile costs 1 to 8 s on 2 CPU cores with an empty cache, 0.3 s from
     torch's disk cache, and saves 0.4 to 5 ns per element (``bench/compile_thresholds.py``): a run that quantizes a
-    few million elements (``python train.py``'s PTQ: 3.9 million) is faster eager, a training run compiles within
-    its first steps. Smaller tensors always run eagerly: there a compiled call's fixed cost (guards) outweighs the
+    few million elements (``python train.py``'s PTQ: 3.9 million) is faster eager. Past the warm-up a run compiles
+    only where that pays: where its front end told its length, while ``payback_numel`` elements are still to come;
+    where it did not, once it has counted ``payback_numel`` (``compile_warm``). Smaller tensors always run eagerly: there a compiled call's fixed cost (guards) outweighs the
     fusion. If compiling fails (no C++ compiler, an unsupported platform) a warning says why and every kernel runs
     eagerly from then on. True: always compile, from the first call, and raise on failure. False: always eager. Set
     with ``set_compile`` or the environment variable ``QUARK_COMPILE`` (auto, 1, 0).
@@ -65,19 +66,22 @@ class Backend:
     warmup_numel: int = 1 << 24
     #: elements counted toward ``warmup_numel`` so far in this process
     seen_numel: int = 0
+    #: whether auto mode's warm-up has ended in this process (``compile_warm``): the kernels compile from then on, to
+    #: its end, whatever a later run tells
+    warm: bool = False
     #: why auto mode gave up compiling (None while it has not)
     failure: str | None = None
     #: whether this process has logged its first compile (once, whichever kernel it is)
     compile_logged: bool = False
     #: in auto mode, a run whose front end says how long it is (``plan_step_end``) ends its warm-up only with at least
-    #: this many elements still to count. Whole QAT fits of an MLP (``bench/compile_payback.py``, 2 cores) paid a
+    #: this many elements still to count, and one that says nothing once it has counted this many. Whole QAT fits of an MLP (``bench/compile_payback.py``, 2 cores) paid a
     #: compile back only after thousands of steps: it cost 20-40 s with empty caches and 4-20 s loading from them,
     #: and saved 2.8 ms of a 12.7 ms int8 step at width 1024 (6.6 million elements counted a step). int8 broke even
     #: at about 2^34 elements with the kernels cached and 2^36-2^37 with empty caches, at widths 1024 and 4096; a
     #: run at 2^36 takes at most about 1.3x the better choice, cold or warm (docs/performance.md, sixteenth round)
     payback_numel: int = 1 << 36
     #: the elements the front end's current run still expects to count (``plan_step_end``); None: no length told (a
-    #: long run, as for a training loop of the user's own)
+    #: training loop of the user's own, a fit of unknown length)
     remaining_numel: int | None = None
     #: ``seen_numel`` at the start of the told run's current step (``plan_step_start``)
     step_mark: int | None = None
@@ -91,11 +95,22 @@ def set_compile(enabled: bool | None) -> None:
 
 
 def compile_warm() -> bool:
-    """Whether auto mode's warm-up is over: ``Backend.warmup_numel`` elements have been counted, and the run (where
-    its front end told its length) still has at least ``Backend.payback_numel`` elements to go."""
+    """Whether auto mode's warm-up is over: ``Backend.warmup_numel`` elements have been counted, and a run that told
+    its length still has at least ``Backend.payback_numel`` elements to go, or one that did not has counted that many.
+
+    The second rule is the rent-or-buy answer for a run of unknown length: eager until what it would have saved by
+    compiling is what a compile costs (``payback_numel`` is where a compile pays back), then compile. Such a run then
+    takes at most about twice the better choice, whatever its length; compiling after the warm-up alone made a short
+    loop wait up to 9x its eager time (docs/performance.md, seventeenth round)."""
+    if Backend.warm:
+        return True
     if Backend.seen_numel < Backend.warmup_numel:
         return False
-    return Backend.remaining_numel is None or Backend.remaining_numel >= Backend.payback_numel
+    if Backend.remaining_numel is None:
+        Backend.warm = Backend.seen_numel >= Backend.payback_numel
+    else:
+        Backend.warm = Backend.remaining_numel >= Backend.payback_numel
+    return Backend.warm
 
 
 def plan_step_start() -> None:

@@ -33,7 +33,8 @@ ROWS, COLS = 256, 256  # 65536 elements: the smallest size auto mode compiles
 def no_warmup(backend_state: type) -> None:
     """Auto mode compiles from the first call at or above ``Backend.min_numel`` here (these tests compare compiled and
     eager bits; the warm-up before the first compile is tested in test_compile_policy.py)."""
-    Backend.warmup_numel = 0  # (backend_state: everything restored after, no run plan left over)
+    # (an untold run compiles once it has counted ``payback_numel``; backend_state: everything restored after)
+    Backend.warmup_numel = Backend.payback_numel = 0
 
 
 @pytest.fixture

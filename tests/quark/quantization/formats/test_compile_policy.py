@@ -30,9 +30,10 @@ LOGGER = "quark.torch.quantization.formats.grouping"
 
 @pytest.fixture
 def policy(backend_state: type) -> None:
-    """Auto mode with a fresh warm-up count and log flag; everything restored afterwards (``backend_state``)."""
+    """Auto mode with a fresh warm-up count and log flag, and a run of unknown length warm as soon as its warm-up is
+    (``payback_numel`` 0; the tests of the run plan set their own); everything restored afterwards (``backend_state``)."""
     set_compile(None)
-    Backend.seen_numel, Backend.compile_logged = 0, False
+    Backend.seen_numel, Backend.compile_logged, Backend.payback_numel = 0, False, 0
 
 
 def _doubler() -> Callable[[torch.Tensor], torch.Tensor]:
@@ -268,14 +269,35 @@ def test_the_warm_up_ends_inside_a_long_enough_step(policy: None, compiles: list
     assert compiles == ["compiled"] * 5 and compile_warm()
 
 
-def test_a_run_of_unknown_length_compiles_after_the_warm_up(policy: None, compiles: list[str]) -> None:
-    """``plan_step_end(None)`` (an unbounded fit): the plan is dropped and the warm-up alone decides, as for a loop
-    that tells nothing."""
+def test_a_run_of_unknown_length_compiles_once_it_has_counted_the_payback(policy: None, compiles: list[str]) -> None:
+    """``plan_step_end(None)`` (an unbounded fit), as a loop that tells nothing: past the warm-up it stays eager until
+    it has counted ``payback_numel`` elements (what compiling would have saved is then what a compile costs), and
+    compiles from the next step to the end."""
     n = Backend.min_numel
-    Backend.warmup_numel, Backend.payback_numel = n, 1 << 60
+    Backend.warmup_numel, Backend.payback_numel = n, 5 * n
     double, x = _doubler(), torch.ones(n)
-    _planned_step(double, x, 1, None)  # type: ignore[arg-type]
-    assert Backend.remaining_numel is None and compile_warm()
+    for _ in range(2):
+        _planned_step(double, x, 2, None)  # type: ignore[arg-type]
+        assert Backend.remaining_numel is None and not compile_warm()
+    assert compiles == [] and Backend.seen_numel == 4 * n
+    _planned_step(double, x, 2, None)  # type: ignore[arg-type]  # reaches 6n: warm from the next step
+    assert compiles == [] and compile_warm()
+    _planned_step(double, x, 2, None)  # type: ignore[arg-type]
+    for _ in range(3):  # an untold loop after it: compiled too
+        double(x)
+    assert compiles == ["compiled"] * 5 and Backend.seen_numel == 6 * n
+
+
+def test_a_loop_that_tells_nothing_stays_eager_below_the_payback(policy: None, compiles: list[str]) -> None:
+    """A training loop of the user's own that calls no plan function: eager however far past the warm-up, while it
+    has counted fewer than ``payback_numel`` elements (before, it compiled right after the warm-up)."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.payback_numel = n, 1000 * n
+    double, x = _doubler(), torch.ones(n)
+    for _ in range(999):
+        double(x)
+    assert compiles == [] and not compile_warm() and Backend.seen_numel == 999 * n
+    double(x)
     double(x)
     assert compiles == ["compiled"]
 
@@ -284,10 +306,11 @@ def test_a_plan_changes_nothing_once_compiling(policy: None, compiles: list[str]
     """Warm before the told run starts (an earlier loop that told nothing ended the warm-up): its steps stay
     compiled however short it is."""
     n = Backend.min_numel
-    Backend.warmup_numel, Backend.payback_numel = n, 1 << 60
+    Backend.warmup_numel, Backend.payback_numel = n, n
     double, x = _doubler(), torch.ones(n)
     double(x)
     assert compile_warm() and compiles == []
+    Backend.payback_numel = 1 << 60  # the told run below is far too short to pay a compile back
     _planned_step(double, x, 2, 1)
     assert compiles == ["compiled"] * 2 and Backend.remaining_numel is None
     plan_run_end()
