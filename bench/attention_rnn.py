@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from bench import as_a_long_run
 from quark.torch import ModelQuantizer
 from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
 from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
@@ -124,6 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    as_a_long_run()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; d_model {args.d_model}, seq {args.seq}, batch {args.batch}"
     )

@@ -72,7 +72,7 @@ def backend_state() -> Iterator[type]:
     from quark.torch.quantization.formats import Backend
 
     saved = {name: value for name, value in vars(Backend).items() if not name.startswith("_")}
-    Backend.remaining_numel = Backend.step_mark = None
+    Backend.remaining_numel = Backend.step_mark = Backend.run_mark = None
     try:
         yield Backend
     finally:

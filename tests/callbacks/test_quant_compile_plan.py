@@ -97,7 +97,7 @@ def auto_mode(backend_state: type, compiles: list[str]) -> None:
     """Auto mode, every field restored afterwards (``backend_state``), ``torch.compile`` replaced by the eager body
     (``compiles``: nothing is really compiled); the warm-up's count alone is over at the first call."""
     set_compile(None)
-    Backend.warmup_numel, Backend.seen_numel = 1, 0
+    Backend.warmup_numel, Backend.seen_numel, Backend.warm = 1, 0, False
 
 
 def _fit(

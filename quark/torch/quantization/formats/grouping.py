@@ -85,6 +85,8 @@ class Backend:
     remaining_numel: int | None = None
     #: ``seen_numel`` at the start of the told run's current step (``plan_step_start``)
     step_mark: int | None = None
+    #: ``seen_numel`` before the told run's first step: what a run that ends too short to compile gives back
+    run_mark: int | None = None
 
 
 def set_compile(enabled: bool | None) -> None:
@@ -118,9 +120,11 @@ def plan_step_start() -> None:
     the count, so that ``plan_step_end`` measures what one step counts. Until the first step is measured the run
     counts as too short to compile in."""
     if compile_warm():  # compiling already (its count stopped): nothing left to decide
-        Backend.remaining_numel = Backend.step_mark = None
+        Backend.remaining_numel = Backend.step_mark = Backend.run_mark = None
         return
     Backend.step_mark = Backend.seen_numel
+    if Backend.run_mark is None:
+        Backend.run_mark = Backend.seen_numel
     if Backend.remaining_numel is None:
         Backend.remaining_numel = 0
 
@@ -141,11 +145,12 @@ def plan_step_end(steps_left: int | None) -> None:
 
 
 def plan_run_end() -> None:
-    """The told run is over. If its warm-up did not end (too short for a compile to pay back), its count is dropped
-    too: what follows (a test pass, another short fit) starts its warm-up as a new process would."""
+    """The told run is over. If its warm-up did not end (too short for a compile to pay back), its own count is
+    dropped: what follows (a test pass, another short fit) counts on from what was counted before the run (nothing, as
+    in a new process, unless a loop that told nothing counted first: its count toward the payback is kept)."""
     if Backend.remaining_numel is not None and not compile_warm():
-        Backend.seen_numel = 0
-    Backend.remaining_numel = Backend.step_mark = None
+        Backend.seen_numel = Backend.run_mark or 0
+    Backend.remaining_numel = Backend.step_mark = Backend.run_mark = None
 
 
 def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count: bool = True, gain: int = 1) -> bool:

@@ -54,9 +54,9 @@ def _direct_after_from_env(default: int = 200) -> int | None:
 
 
 #: calls of one signature after which it is compiled at its exact shapes and served directly (None: none built or
-#: served; ``QUARK_DIRECT_KERNELS``). A build costs about 0.4 s (0.03-0.12 s from torch's disk cache) and saves 5 us
-#: a call on 2 idle cores, more inside a training step, so a signature seen this often is one of a loop that will run
-#: on long enough to pay the build back
+#: served; ``QUARK_DIRECT_KERNELS``). A build costs 0.1-0.7 s for int8 and 1.5-5.8 s for MX (0.03-0.12 and 0.14-0.35 s
+#: from torch's FX-graph cache) and saves 5 us a call on 2 idle cores, more inside a training step, so a signature
+#: seen this often is one of a loop that will run on long enough to pay the build back
 DIRECT_AFTER_CALLS: int | None = _direct_after_from_env()
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

@@ -33,7 +33,7 @@ def policy(backend_state: type) -> None:
     """Auto mode with a fresh warm-up count and log flag, and a run of unknown length warm as soon as its warm-up is
     (``payback_numel`` 0; the tests of the run plan set their own); everything restored afterwards (``backend_state``)."""
     set_compile(None)
-    Backend.seen_numel, Backend.compile_logged, Backend.payback_numel = 0, False, 0
+    Backend.seen_numel, Backend.compile_logged, Backend.payback_numel, Backend.warm = 0, False, 0, False
 
 
 def _doubler() -> Callable[[torch.Tensor], torch.Tensor]:
@@ -315,3 +315,19 @@ def test_a_plan_changes_nothing_once_compiling(policy: None, compiles: list[str]
     assert compiles == ["compiled"] * 2 and Backend.remaining_numel is None
     plan_run_end()
     assert compile_warm()
+
+
+def test_a_short_told_run_keeps_what_a_loop_that_told_nothing_counted(policy: None, compiles: list[str]) -> None:
+    """A told run too short to compile drops only its own count: what an untold loop counted toward the payback
+    before it is kept, so that loop still compiles where its count reaches the payback."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.payback_numel = n, 10 * n
+    double, x = _doubler(), torch.ones(n)
+    for _ in range(9):
+        double(x)
+    _planned_step(double, x, 3, 0)  # a one-step told run: too short
+    plan_run_end()
+    assert Backend.seen_numel == 9 * n and not compile_warm() and compiles == []
+    double(x)  # the untold loop's tenth call reaches the payback
+    double(x)
+    assert compiles == ["compiled"]
