@@ -18,11 +18,11 @@ kernel compiles and loads are inside it). Modes, per (width, steps):
   plan calls made no-ops, as in a training loop of the user's own): compile once ``Backend.payback_numel`` elements
   have been counted.
 
-``compiled``, ``default`` and ``untold`` run twice on one new cache folder (``TORCHINDUCTOR_CACHE_DIR``, which holds quark's kernel
-store too): the first run is cold, the second warm. The rounds alternate the modes. Printed: the fit's seconds per
-mode (median over rounds), each over eager's in the same round, the elements a QAT step counts toward the warm-up
-(``Backend.seen_numel``) and the elements the fit counts in all, which is what ``Backend.payback_numel`` is compared
-with. Machine: 2 shared CPU cores; ``uptime``'s load is printed beside the figures.
+``compiled``, ``default`` and ``untold`` run twice on one new cache folder (``TORCHINDUCTOR_CACHE_DIR``, which holds
+quark's kernel store too): the first run is cold, the second warm. The rounds alternate the modes. Printed: the fit's
+seconds per mode (median over rounds), each over eager's in the same round, the elements a QAT step counts toward the
+warm-up (``Backend.seen_numel``) and the elements the fit counts in all, which is what ``Backend.payback_numel`` is
+compared with. Machine: 2 shared CPU cores; ``uptime``'s load is printed beside the figures.
 """
 
 from __future__ import annotations

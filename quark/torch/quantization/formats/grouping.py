@@ -42,17 +42,17 @@ class Backend:
     """How the elementwise format kernels run, process-wide (like ``torch.backends`` flags).
 
     ``compile``: None (the default, "auto"): the kernels run eagerly until the run has shown it quantizes more than a
-    short demo does: once ``warmup_numel`` elements have gone through kernel calls on tensors of at least
-    ``min_numel`` elements, each kernel is ``torch.compile``d on its next such call, which fuses its chain of
-    elementwise passes into one loop (bit-identical results; cached on disk by inductor across processes; the first
-    compile of a process is logged once). A compile costs 1 to 8 s on 2 CPU cores with an empty cache, 0.3 s from
-    torch's disk cache, and saves 0.4 to 5 ns per element (``bench/compile_thresholds.py``): a run that quantizes a
-    few million elements (``python train.py``'s PTQ: 3.9 million) is faster eager. Past the warm-up a run compiles
-    only where that pays: where its front end told its length, while ``payback_numel`` elements are still to come;
-    where it did not, once it has counted ``payback_numel`` (``compile_warm``). Smaller tensors always run eagerly: there a compiled call's fixed cost (guards) outweighs the
-    fusion. If compiling fails (no C++ compiler, an unsupported platform) a warning says why and every kernel runs
-    eagerly from then on. True: always compile, from the first call, and raise on failure. False: always eager. Set
-    with ``set_compile`` or the environment variable ``QUARK_COMPILE`` (auto, 1, 0).
+    short demo does: once ``warmup_numel`` elements have gone through kernel calls on tensors of at least ``min_numel``
+    elements, each kernel is ``torch.compile``d on its next such call, which fuses its chain of elementwise passes into
+    one loop (bit-identical results; cached on disk by inductor across processes; the first compile of a process is
+    logged once). A compile costs 1 to 8 s on 2 CPU cores with an empty cache, 0.3 s from torch's disk cache, and saves
+    0.4 to 5 ns per element (``bench/compile_thresholds.py``): a run that quantizes a few million elements
+    (``python train.py``'s PTQ: 3.9 million) is faster eager. Past the warm-up a run compiles only where that pays:
+    where its front end told its length, while ``payback_numel`` elements are still to come; where it did not, once it
+    has counted ``payback_numel`` (``compile_warm``). Smaller tensors always run eagerly: there a compiled call's fixed
+    cost (guards) outweighs the fusion. If compiling fails (no C++ compiler, an unsupported platform) a warning says why
+    and every kernel runs eagerly from then on. True: always compile, from the first call, and raise on failure. False:
+    always eager. Set with ``set_compile`` or the environment variable ``QUARK_COMPILE`` (auto, 1, 0).
     """
 
     compile: bool | None = _compile_from_env()
@@ -74,11 +74,12 @@ class Backend:
     #: whether this process has logged its first compile (once, whichever kernel it is)
     compile_logged: bool = False
     #: in auto mode, a run whose front end says how long it is (``plan_step_end``) ends its warm-up only with at least
-    #: this many elements still to count, and one that says nothing once it has counted this many. Whole QAT fits of an MLP (``bench/compile_payback.py``, 2 cores) paid a
-    #: compile back only after thousands of steps: it cost 20-40 s with empty caches and 4-20 s loading from them,
-    #: and saved 2.8 ms of a 12.7 ms int8 step at width 1024 (6.6 million elements counted a step). int8 broke even
-    #: at about 2^34 elements with the kernels cached and 2^36-2^37 with empty caches, at widths 1024 and 4096; a
-    #: run at 2^36 takes at most about 1.3x the better choice, cold or warm (docs/performance.md, sixteenth round)
+    #: this many elements still to count, and one that says nothing once it has counted this many. Whole QAT fits of an
+    #: MLP (``bench/compile_payback.py``, 2 cores) paid a compile back only after thousands of steps: it cost 20-40 s
+    #: with empty caches (4-20 s loading from them then, 2-3 s since the seventeenth round), and saved 2.8 ms of a
+    #: 12.7 ms int8 step at width 1024 (6.6 million elements counted a step). int8 broke even at about 2^34 elements
+    #: with the kernels cached and 2^36-2^37 with empty caches, at widths 1024 and 4096; a run at 2^36 takes at most
+    #: about 1.3x the better choice, cold or warm (docs/performance.md, sixteenth round)
     payback_numel: int = 1 << 36
     #: the elements the front end's current run still expects to count (``plan_step_end``); None: no length told (a
     #: training loop of the user's own, a fit of unknown length)

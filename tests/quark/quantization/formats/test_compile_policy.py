@@ -31,7 +31,8 @@ LOGGER = "quark.torch.quantization.formats.grouping"
 @pytest.fixture
 def policy(backend_state: type) -> None:
     """Auto mode with a fresh warm-up count and log flag, and a run of unknown length warm as soon as its warm-up is
-    (``payback_numel`` 0; the tests of the run plan set their own); everything restored afterwards (``backend_state``)."""
+    (``payback_numel`` 0; the tests of the run plan set their own); everything restored afterwards
+    (``backend_state``)."""
     set_compile(None)
     Backend.seen_numel, Backend.compile_logged, Backend.payback_numel, Backend.warm = 0, False, 0, False
 
