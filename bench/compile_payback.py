@@ -18,6 +18,12 @@ kernel compiles and loads are inside it). Modes, per (width, steps):
   plan calls made no-ops, as in a training loop of the user's own): compile once ``Backend.payback_numel`` elements
   have been counted.
 
+- ``stored`` (with ``--stored``): the default again, on the cache folder ``compiled`` filled (its kernels stored, as
+  after an earlier long run or one made with ``QUARK_COMPILE=1``): a fit long enough to pay a load back
+  (``Backend.stored_payback_numel``) but not a compile runs the stored kernels (``Backend.loading``). Also with
+  ``--stored``, ``prebuilt``: the default on a new cache folder that a 10-step fit with ``QUARK_COMPILE=1
+  QUARK_DIRECT_KERNELS=2`` filled first (kernels built ahead of a run; that fit's process is timed whole).
+
 ``compiled``, ``default`` and ``untold`` run twice on one new cache folder (``TORCHINDUCTOR_CACHE_DIR``, which holds
 quark's kernel store too): the first run is cold, the second warm. The rounds alternate the modes. Printed: the fit's
 seconds per mode (median over rounds), each over eager's in the same round, the elements a QAT step counts toward the
@@ -34,16 +40,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("eager", "compiled", "default", "untold")
+MODES = ("eager", "compiled", "default", "untold", "stored")
 
 
 def child(width: int, steps: int, fmt: str, payback: int | None, eager: bool, untold: bool = False) -> dict:
     """One fit in this process: the fit's wall seconds and what the compile policy counted."""
     import logging
-    import time
     import warnings
 
     import torch
@@ -105,19 +111,32 @@ def child(width: int, steps: int, fmt: str, payback: int | None, eager: bool, un
     trainer.fit(Module(), DataLoader(data, batch_size=32))
     seconds = time.perf_counter() - start
     per_step = counted[2] - counted[1] if len(counted) > 2 else 0
-    return {"seconds": seconds, "compiled": Backend.compile_logged, "step_numel": per_step}
+    return {"seconds": seconds, "compiled": Backend.compile_logged, "loading": Backend.loading, "step_numel": per_step}
 
 
-def run(width: int, steps: int, fmt: str, mode: str, cache: str) -> dict:
-    """One fit in a fresh process, in ``mode``, with torch's caches in ``cache``."""
+PREBUILD = {"QUARK_COMPILE": "1", "QUARK_DIRECT_KERNELS": "2"}  # every kernel compiled, exact-shape ones too
+PREBUILD_STEPS = 10
+
+
+def run(width: int, steps: int, fmt: str, mode: str, cache: str, env_extra: dict[str, str] | None = None) -> dict:
+    """One fit in a fresh process, in ``mode``, with torch's caches in ``cache`` (``env_extra``: more variables; the
+    process's wall time is returned as ``process_seconds``)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
     env.pop("QUARK_COMPILE", None)
-    extra = {"eager": ["--eager"], "compiled": ["--payback", "0"], "default": [], "untold": ["--told-nothing"]}[mode]
+    env.update(env_extra or {})
+    start = time.perf_counter()
+    extra = {
+        "eager": ["--eager"],
+        "compiled": ["--payback", "0"],
+        "default": [],
+        "stored": [],
+        "untold": ["--told-nothing"],
+    }[mode]
     args = ["--child", "--width", str(width), "--steps", str(steps), "--format", fmt, *extra]
     out = subprocess.run(
         [sys.executable, __file__, *args], env=env, capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return {**json.loads(out.strip().splitlines()[-1]), "process_seconds": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -131,6 +150,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--told-nothing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--untold", action="store_true", help="also time the fit telling the policy nothing")
+    parser.add_argument("--stored", action="store_true", help="also time the default on the compiled mode's caches")
     args = parser.parse_args()
     widths = [int(w) for w in args.width.split(",")]
     lengths = [int(s) for s in args.steps.split(",")]
@@ -142,14 +162,15 @@ def main() -> None:
     print(
         "| width | steps | elements per step | fit elements | eager s | "
         + " | ".join(f"{m} cold / warm s (x eager)" for m in modes)
+        + (" | stored s (x eager) | prebuild s | prebuilt s (x eager) | loaded" if args.stored else "")
         + " | default compiled |"
     )
-    print("|---|---|---|---|---|" + "---|" * len(modes) + "---|")
+    print("|---|---|---|---|---|" + "---|" * len(modes) + ("---|---|---|---|" if args.stored else "") + "---|")
     for width in widths:
         for steps in lengths:
             seconds: dict[str, list[float]] = {}
             ratios: dict[str, list[float]] = {}
-            step_numel, default_compiled = 0, False
+            step_numel, default_compiled, stored_loaded = 0, False, False
             for r in range(args.rounds):
                 with tempfile.TemporaryDirectory(prefix="payback_") as tmp:
                     caches = {m: str(Path(tmp) / m) for m in MODES}
@@ -162,6 +183,16 @@ def main() -> None:
                             seconds.setdefault(f"{mode} {phase}", []).append(res["seconds"])
                             ratios.setdefault(f"{mode} {phase}", []).append(res["seconds"] / eager["seconds"])
                             default_compiled |= mode == "default" and res["compiled"]
+                    if args.stored:  # after ``compiled`` filled its caches; then after a short prebuilding fit
+                        res = run(width, steps, args.format, "stored", caches["compiled"])
+                        seconds.setdefault("stored", []).append(res["seconds"])
+                        ratios.setdefault("stored", []).append(res["seconds"] / eager["seconds"])
+                        pre = run(width, PREBUILD_STEPS, args.format, "default", caches["stored"], PREBUILD)
+                        seconds.setdefault("prebuild", []).append(pre["process_seconds"])
+                        res2 = run(width, steps, args.format, "stored", caches["stored"])
+                        seconds.setdefault("prebuilt", []).append(res2["seconds"])
+                        ratios.setdefault("prebuilt", []).append(res2["seconds"] / eager["seconds"])
+                        stored_loaded |= res["loading"] and res2["loading"]
 
             def cell(mode: str, seconds: dict = seconds, ratios: dict = ratios) -> str:
                 cold, warm = f"{mode} cold", f"{mode} warm"
@@ -175,6 +206,14 @@ def main() -> None:
                 f"| {width} | {steps} | {step_numel / 1e6:.1f}M | {total / 2**30:.2f} x 2^30 "
                 f"| {statistics.median(seconds['eager']):.1f} | "
                 + " | ".join(cell(m) for m in modes)
+                + (
+                    f" | {statistics.median(seconds['stored']):.1f} ({statistics.median(ratios['stored']):.2f}) "
+                    f"| {statistics.median(seconds['prebuild']):.1f} "
+                    f"| {statistics.median(seconds['prebuilt']):.1f} ({statistics.median(ratios['prebuilt']):.2f}) "
+                    f"| {'yes' if stored_loaded else 'no'}"
+                    if args.stored
+                    else ""
+                )
                 + f" | {'yes' if default_compiled else 'no'} |",
                 flush=True,
             )

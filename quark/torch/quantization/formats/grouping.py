@@ -49,7 +49,9 @@ class Backend:
     0.4 to 5 ns per element (``bench/compile_thresholds.py``): a run that quantizes a few million elements
     (``python train.py``'s PTQ: 3.9 million) is faster eager. Past the warm-up a run compiles only where that pays:
     where its front end told its length, while ``payback_numel`` elements are still to come; where it did not, once it
-    has counted ``payback_numel`` (``compile_warm``). Smaller tensors always run eagerly: there a compiled call's fixed
+    has counted ``payback_numel`` (``compile_warm``). A run that reaches only ``stored_payback_numel`` instead loads the
+    kernels an earlier run stored and compiles none (``loading``). Smaller tensors always run eagerly: there a compiled
+    call's fixed
     cost (guards) outweighs the fusion. If compiling fails (no C++ compiler, an unsupported platform) a warning says why
     and every kernel runs eagerly from then on. True: always compile, from the first call, and raise on failure. False:
     always eager. Set with ``set_compile`` or the environment variable ``QUARK_COMPILE`` (auto, 1, 0).
@@ -69,6 +71,10 @@ class Backend:
     #: whether auto mode's warm-up has ended in this process (``compile_warm``): the kernels compile from then on, to
     #: its end, whatever a later run tells
     warm: bool = False
+    #: whether auto mode runs the compiled kernels it finds stored by an earlier run, and the eager ones where none is
+    #: stored, compiling nothing (``compile_warm``: a run long enough to pay a load back, not a compile); latched like
+    #: ``warm``, and counting on toward ``payback_numel``, past which it compiles what is not stored
+    loading: bool = False
     #: why auto mode gave up compiling (None while it has not)
     failure: str | None = None
     #: whether this process has logged its first compile (once, whichever kernel it is)
@@ -81,6 +87,10 @@ class Backend:
     #: with the kernels cached and 2^36-2^37 with empty caches, at widths 1024 and 4096; a run at 2^36 takes at most
     #: about 1.3x the better choice, cold or warm (docs/performance.md, sixteenth round)
     payback_numel: int = 1 << 36
+    #: as ``payback_numel``, for loading the kernels stored by an earlier run (``loading``): 1.7-2.6 s a process, which
+    #: whole fits at width 1024 paid back from about 1,000-1,200 int8 steps and 600 MX steps, about 2^33 counted
+    #: elements (docs/performance.md, seventeenth round)
+    stored_payback_numel: int = 1 << 33
     #: the elements the front end's current run still expects to count (``plan_step_end``); None: no length told (a
     #: training loop of the user's own, a fit of unknown length)
     remaining_numel: int | None = None
@@ -98,29 +108,44 @@ def set_compile(enabled: bool | None) -> None:
 
 
 def compile_warm() -> bool:
-    """Whether auto mode's warm-up is over: ``Backend.warmup_numel`` elements have been counted, and a run that told
-    its length still has at least ``Backend.payback_numel`` elements to go, or one that did not has counted that many.
+    """Whether auto mode runs the compiled kernels: its warm-up is over (``Backend.warmup_numel`` elements counted),
+    and a run that told its length still has at least ``Backend.payback_numel`` elements to go, or one that did not
+    has counted that many (``Backend.warm``: compile what is not stored); or the same holds for
+    ``Backend.stored_payback_numel`` (``Backend.loading``: the kernels stored by an earlier run, no compile).
 
-    The second rule is the rent-or-buy answer for a run of unknown length: eager until what it would have saved by
-    compiling is what a compile costs (``payback_numel`` is where a compile pays back), then compile. Such a run then
-    takes at most about twice the better choice, whatever its length; compiling after the warm-up alone made a short
-    loop wait up to 9x its eager time (docs/performance.md, seventeenth round)."""
+    The rule for a run of unknown length is rent or buy: eager until what it would have saved by compiling is what a
+    compile costs (the payback), then compile. Such a run then takes at most about twice the better choice, whatever
+    its length; compiling after the warm-up alone made a short loop wait up to 9x its eager time
+    (docs/performance.md, seventeenth round)."""
     if Backend.warm:
         return True
     if Backend.seen_numel < Backend.warmup_numel:
-        return False
-    if Backend.remaining_numel is None:
-        Backend.warm = Backend.seen_numel >= Backend.payback_numel
-    else:
-        Backend.warm = Backend.remaining_numel >= Backend.payback_numel
-    return Backend.warm
+        return Backend.loading
+    to_go = Backend.seen_numel if Backend.remaining_numel is None else Backend.remaining_numel
+    if to_go >= Backend.payback_numel:
+        Backend.warm = True
+    elif to_go >= Backend.stored_payback_numel and not Backend.loading:
+        Backend.loading = True
+        _log.info(
+            "quark: running the format kernels an earlier run compiled and stored (%s), and the others eagerly: "
+            "about %s elements quantized in this run, enough for loading them to pay back, not for a compile. "
+            "QUARK_COMPILE=0 runs every kernel eagerly (same results).",
+            _store_folder(),
+            f"{to_go:,}",
+        )
+    return Backend.warm or Backend.loading
+
+
+def may_compile() -> bool:
+    """Whether a kernel that no stored graph serves may be compiled now (not while only ``Backend.loading``)."""
+    return Backend.compile is True or Backend.warm
 
 
 def plan_step_start() -> None:
     """A front end that knows its run's length (``QuantCallback`` in QAT), at the start of each training step: mark
     the count, so that ``plan_step_end`` measures what one step counts. Until the first step is measured the run
     counts as too short to compile in."""
-    if compile_warm():  # compiling already (its count stopped): nothing left to decide
+    if compile_warm() and Backend.warm:  # compiling already (its count stopped): nothing left to decide
         Backend.remaining_numel = Backend.step_mark = Backend.run_mark = None
         return
     Backend.step_mark = Backend.seen_numel
@@ -136,12 +161,13 @@ def plan_step_end(steps_left: int | None) -> None:
     to pay a compile back (``compile_warm``), the plan is dropped and the kernels stay compiled to the end."""
     if Backend.step_mark is None:
         return
-    if steps_left is None or compile_warm():
+    if steps_left is None or (compile_warm() and Backend.warm):
         # unknown length; or the warm-up ended inside this step, whose count then stopped short: not a measurement
+        # (loading stored kernels, the count goes on: the plan still decides whether to compile the others)
         Backend.remaining_numel = Backend.step_mark = None
         return
     Backend.remaining_numel = (Backend.seen_numel - Backend.step_mark) * max(int(steps_left), 0)
-    if compile_warm():
+    if compile_warm() and Backend.warm:
         Backend.remaining_numel = Backend.step_mark = None
 
 
@@ -172,6 +198,8 @@ def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count
     if Backend.failure is not None or x.numel() < threshold:
         return False
     if compile_warm():
+        if count and not Backend.warm:  # loading stored kernels: counting on toward a compile of the others
+            Backend.seen_numel += x.numel() * gain
         return True
     if count:
         Backend.seen_numel += x.numel() * gain
@@ -297,13 +325,18 @@ def _call_compiled(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> A
         dynamo_recompile_limit(before)
 
 
+def _store_folder() -> str:
+    """Where the compiled kernels are kept, for the log lines."""
+    root = store_root()
+    return str(root.parent) if root is not None else "not kept: QUARK_KERNEL_CACHE=0"
+
+
 def _log_first_compile(name: str) -> None:
     """Say once per process that a kernel compiles, why, where torch keeps it and how to turn it off."""
     if Backend.compile_logged:
         return
     Backend.compile_logged = True
-    root = store_root()
-    cache = str(root.parent) if root is not None else "not kept: QUARK_KERNEL_CACHE=0"
+    cache = _store_folder()
     why = (
         "QUARK_COMPILE=1"
         if Backend.compile is True
@@ -332,7 +365,7 @@ def compilable(
     if fn is None:
         return functools.partial(compilable, min_numel=min_numel, options=options, gain=gain)
     compiled: list[Callable[..., Any]] = []
-    cache = KernelCache(fn, options, on_compile=lambda: _log_first_compile(fn.__qualname__))
+    cache = KernelCache(fn, options, on_compile=lambda: _log_first_compile(fn.__qualname__), may_compile=may_compile)
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -342,6 +375,8 @@ def compilable(
             return cache(x, *args, **kwargs)  # compiled (or loaded from disk) before: no guard evaluation
         except LookupError:
             pass  # not keyable, or aot_compile refused it: torch.compile with its guards
+        if not may_compile():  # loading stored kernels only: this one is not among them
+            return fn(x, *args, **kwargs)
         if not compiled:
             _log_first_compile(fn.__qualname__)
             compiled.append(torch.compile(fn, dynamic=True, options=options))

@@ -12,7 +12,9 @@ built for the kernel (a new batch size reuses the dynamic-shape graph when its g
 so every call runs a graph whose guards held for exactly that signature: the same results as ``torch.compile``, and
 bit-identical to the eager kernel as before (the format tests check that).
 
-Graphs are stored on disk (``kernel_store``) and loaded by later processes instead of compiled again. A signature
+Graphs are stored on disk (``kernel_store``) and loaded by later processes instead of compiled again. A cache whose
+``may_compile`` says no (auto mode in a run long enough to pay a load back but not a compile) serves a signature
+from a stored graph where one fits and runs the eager kernel where none does. A signature
 called ``DIRECT_AFTER_CALLS`` times (a quantizer in a training loop) is compiled once more at its exact shapes and
 then called straight into inductor's generated code (``direct_kernel``), without the graph's wrapper layers.
 
@@ -218,22 +220,33 @@ def _as_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any
 
 
 class _Entry:
-    """What serves one signature: its ``aot_compile`` graph (False: refused), the calls it served, and its direct
-    kernel once it has one."""
+    """What serves one signature: its ``aot_compile`` graph (False: refused; None: the eager kernel, as nothing
+    stored serves it and compiling was not allowed), whether that graph came from the store, the calls it served, and
+    its direct kernel once it has one."""
 
-    __slots__ = ("graph", "calls", "direct", "refused")
+    __slots__ = ("graph", "stored", "calls", "direct", "refused")
 
-    def __init__(self, graph: Any) -> None:
+    def __init__(self, graph: Any, stored: bool) -> None:
         self.graph = graph
+        self.stored = stored
         self.calls = 0
         self.direct: DirectKernel | None = None
         self.refused = False  # a direct kernel was tried and cannot serve this signature
 
 
+def _static_shapes(args: tuple[Any, ...]) -> bool:
+    """Whether a kernel's graph is built for its first argument's exact shape: a Parameter (a weight) keeps its shape
+    for good, and a graph for its static shape is faster (4096x1024 int8 per channel from DRAM: 3.0 against 3.4 ms);
+    activations get dynamic shapes (a new batch size reuses the graph)."""
+    return bool(args) and isinstance(args[0], torch.nn.Parameter)
+
+
 class KernelCache:
     """``fn`` compiled per call signature and called without guard evaluation (module docstring).
 
-    ``options`` are inductor's, as for ``torch.compile``. Calling returns the kernel's result, or raises
+    ``options`` are inductor's, as for ``torch.compile``. ``may_compile`` (checked at each new signature; default:
+    always) says whether a signature no stored graph serves may be compiled; where it may not, the eager ``fn`` serves
+    it, and no direct kernel is built for it, until it may. Calling returns the kernel's result, or raises
     ``LookupError`` when this signature cannot be served here (the caller then runs its guarded compiled function).
     """
 
@@ -242,34 +255,47 @@ class KernelCache:
         fn: Callable[..., Any],
         options: dict[str, Any] | None = None,
         on_compile: Callable[[], None] | None = None,
+        may_compile: Callable[[], bool] | None = None,
     ) -> None:
         self.fn = fn
         self.options = options
         self.on_compile = on_compile  # called before each compile (the first-compile log line)
+        self.may_compile = may_compile or (lambda: True)
         self.store = KernelStore(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
         self._by_signature: dict[tuple[Hashable, ...], _Entry] = {}
         #: graphs built per signature without shapes and strides: what a new shape is checked against
         self._by_family: dict[tuple[Hashable, ...], list[Any]] = {}
+        self._from_store: set[int] = set()  # ids of the graphs in ``_by_family`` loaded from the store
         self._lock = threading.Lock()
-        #: graphs built (compiles), signatures that reused a graph after its guards held, and signatures served by a
-        #: direct kernel, for tests and logs
+        #: graphs built (compiles), signatures that reused a graph after its guards held, signatures served by a
+        #: direct kernel, and calls the eager kernel served (nothing stored fit, compiling not allowed), for tests and
+        #: logs
         self.compiles = 0
         self.reuses = 0
         self.directs = 0
+        self.eager_calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_signature(args, kwargs)
         if key is None:
             raise LookupError("unkeyable arguments")
         entry = self._by_signature.get(key)
-        if entry is None:
+        if entry is None or (entry.graph is None and self.may_compile()):
             entry = self._graph_for(key, args, kwargs)
         if entry.direct is not None and DIRECT_AFTER_CALLS is not None:
             return entry.direct(args)
+        if entry.graph is None:  # nothing stored serves it and compiling is not allowed (yet)
+            self.eager_calls += 1
+            return self.fn(*args, **kwargs)
         if entry.graph is False:
             raise LookupError("aot_compile refused this kernel")
         entry.calls += 1
-        if DIRECT_AFTER_CALLS is not None and entry.calls >= DIRECT_AFTER_CALLS and not entry.refused:
+        if (
+            DIRECT_AFTER_CALLS is not None
+            and entry.calls >= DIRECT_AFTER_CALLS
+            and not entry.refused
+            and (entry.stored or self.may_compile())  # a stored graph's direct kernel is in torch's graph cache too
+        ):
             return self._go_direct(entry, args, kwargs)
         return entry.graph.fn(*args, **kwargs)
 
@@ -287,7 +313,7 @@ class KernelCache:
         out = entry.graph.fn(*args, **kwargs)
         with self._lock:
             if entry.direct is None and not entry.refused:  # (another thread may have built or refused it meanwhile)
-                if self.on_compile is not None:
+                if self.on_compile is not None and not entry.stored:  # (a stored graph's: from torch's graph cache)
                     self.on_compile()
                 entry.direct = DirectKernel.build(self.fn, args, kwargs, out, self.options)
                 entry.refused = entry.direct is None
@@ -297,30 +323,34 @@ class KernelCache:
     def _graph_for(self, key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
         """The graph serving a new signature: one built for the same arguments but other shapes whose guards (on the
         tensors' shapes and strides, and the global state) hold for these, else a new one (False where
-        ``aot_compile`` fails: that signature keeps the guarded path)."""
+        ``aot_compile`` fails: that signature keeps the guarded path; None where ``may_compile`` says no: the eager
+        kernel serves it)."""
         family = call_signature(args, kwargs, exact=False)
         with self._lock:
             graphs = self._by_family.get(family)  # type: ignore[arg-type]
             if graphs is None:  # first sight in this process: what earlier runs stored
                 graphs = self._by_family[family] = self.store.load(family)  # type: ignore[index,arg-type]
+                self._from_store.update(id(graph) for graph in graphs)
             for graph in graphs:
                 if graph.guard_check(*args, **kwargs):
                     self.reuses += 1
-                    return self._remember(key, graph)
+                    return self._remember(key, graph, id(graph) in self._from_store)
+            if not self.may_compile():
+                return self._remember(key, None, False)
             if self.on_compile is not None:
                 self.on_compile()
             try:
                 graph = self._compile(args, kwargs)
             except Exception:  # noqa: BLE001 - any refusal (graph break, unsupported op): the guarded path serves it
-                return self._remember(key, False)
+                return self._remember(key, False, False)
             self.compiles += 1
             graphs.append(graph)
             self.store.save(family, graph)  # type: ignore[arg-type]
-            return self._remember(key, graph)
+            return self._remember(key, graph, False)
 
-    def _remember(self, key: tuple[Hashable, ...], graph: Any) -> _Entry:
-        entry = _Entry(graph)
-        if len(self._by_signature) < MAX_SIGNATURES:
+    def _remember(self, key: tuple[Hashable, ...], graph: Any, stored: bool) -> _Entry:
+        entry = _Entry(graph, stored)
+        if key in self._by_signature or len(self._by_signature) < MAX_SIGNATURES:
             self._by_signature[key] = entry
         return entry
 
@@ -329,9 +359,7 @@ class KernelCache:
         equal forever), Python floats as constants (they are part of the signature)."""
         from torch.fx.experimental import _config as fx_config
 
-        # a Parameter (a weight) keeps its shape for good: a graph for its static shape is faster (4096x1024 int8 per
-        # channel from DRAM: 3.0 against 3.4 ms); activations get dynamic shapes (a new batch size reuses the graph)
-        dynamic = not isinstance(args[0], torch.nn.Parameter) if args else True
+        dynamic = not _static_shapes(args)
         with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
             compiled = torch.compile(self.fn, dynamic=dynamic, fullgraph=True, options=self.options)
             graph = compiled.aot_compile(_as_leaves(args, kwargs))

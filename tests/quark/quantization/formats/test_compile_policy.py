@@ -29,12 +29,14 @@ LOGGER = "quark.torch.quantization.formats.grouping"
 
 
 @pytest.fixture
-def policy(backend_state: type) -> None:
-    """Auto mode with a fresh warm-up count and log flag, and a run of unknown length warm as soon as its warm-up is
-    (``payback_numel`` 0; the tests of the run plan set their own); everything restored afterwards
-    (``backend_state``)."""
+def policy(backend_state: type, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto mode with a fresh warm-up count and log flag, an empty kernel store of its own, and a run of unknown
+    length warm as soon as its warm-up is (``payback_numel`` 0; the tests of the run plan set their own); everything
+    restored afterwards (``backend_state``)."""
+    monkeypatch.setenv("QUARK_KERNEL_CACHE", str(tmp_path / "store"))
     set_compile(None)
     Backend.seen_numel, Backend.compile_logged, Backend.payback_numel, Backend.warm = 0, False, 0, False
+    Backend.loading = False
 
 
 def _doubler() -> Callable[[torch.Tensor], torch.Tensor]:
@@ -332,3 +334,91 @@ def test_a_short_told_run_keeps_what_a_loop_that_told_nothing_counted(policy: No
     double(x)  # the untold loop's tenth call reaches the payback
     double(x)
     assert compiles == ["compiled"]
+
+
+# --- runs long enough to load the kernels an earlier run stored, not to compile them ---------------------------------
+
+
+def test_a_run_that_pays_back_a_load_but_not_a_compile_compiles_nothing(policy: None, compiles: list[str]) -> None:
+    """After its first step the told run has 4 steps of 2n to go: the stored payback (8n), not the payback (100n).
+    The compiled paths run (``Backend.loading``), serving what the store holds (nothing here) and running the rest
+    eagerly: nothing is compiled, the results are the eager ones, and the count goes on for the plan."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 8 * n, 100 * n
+    double, x = _doubler(), torch.arange(n, dtype=torch.float32)
+    _planned_step(double, x, 2, 4)
+    assert compile_warm() and Backend.loading and not Backend.warm
+    for left in (3, 2, 1, 0):
+        plan_step_start()
+        assert torch.equal(double(x), x * 2) and torch.equal(double(x), x * 2)
+        plan_step_end(left)
+        assert Backend.remaining_numel == 2 * n * left
+    cache = double.kernel_cache  # type: ignore[attr-defined]
+    assert compiles == [] and cache.compiles == 0 and cache.eager_calls == 8
+    plan_run_end()
+    assert compile_warm() and Backend.loading and not Backend.warm  # latched, as ``warm`` is
+
+
+def test_a_run_below_the_stored_payback_neither_loads_nor_compiles(policy: None, compiles: list[str]) -> None:
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 9 * n, 100 * n
+    double, x = _doubler(), torch.ones(n)
+    for left in (4, 3, 2, 1, 0):
+        _planned_step(double, x, 2, left)
+        assert not compile_warm() and not Backend.loading
+    assert compiles == [] and double.kernel_cache.eager_calls == 0  # type: ignore[attr-defined]
+
+
+def test_loading_counts_on_and_compiles_what_is_not_stored_at_the_payback(policy: None, compiles: list[str]) -> None:
+    """A loop that tells nothing loads once it has counted the stored payback (3n), counts on, and compiles the
+    kernels no stored graph serves once it has counted the payback (6n) (rent or buy at each price)."""
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 3 * n, 6 * n
+    double, x = _doubler(), torch.ones(n)
+    for _ in range(3):
+        double(x)
+    assert compile_warm() and Backend.loading and not Backend.warm
+    for _ in range(3):
+        double(x)
+    assert compiles == [] and Backend.seen_numel == 6 * n and not Backend.warm
+    double(x)
+    assert Backend.warm and compiles == ["compiled"] and Backend.seen_numel == 6 * n  # counting stops once warm
+
+
+def _tripled(t: torch.Tensor) -> torch.Tensor:
+    return t * 3
+
+
+def test_a_run_that_pays_back_a_load_serves_the_kernels_an_earlier_run_stored(policy: None, compiler: None) -> None:
+    """Really compiled: an earlier run (``QUARK_COMPILE=1``) stored the kernel's graph; a later run of the same
+    kernel (nothing in memory) long enough to pay a load back serves its calls from that graph, bit for bit, and
+    runs a signature nothing stored serves (float64) eagerly, compiling nothing."""
+    n = Backend.min_numel
+    x = torch.linspace(-5, 5, n)
+    set_compile(True)
+    earlier = compilable(_tripled)
+    earlier(x)
+    assert earlier.kernel_cache.compiles == 1 and earlier.kernel_cache.store.stored == 1
+    set_compile(None)
+    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 2 * n, 1 << 50
+    later = compilable(_tripled)  # a new process would start like this: the same kernel, nothing in memory
+    cache = later.kernel_cache
+    later(x)
+    later(x)  # the warm-up, eager: 2n counted
+    assert cache.store.loaded == 0
+    out = later(x)
+    assert Backend.loading and not Backend.warm and torch.equal(out, x * 3)
+    assert cache.store.loaded == 1 and cache.reuses == 1 and cache.compiles == 0
+    y = x.double()
+    assert torch.equal(later(y), y * 3) and cache.eager_calls == 1 and cache.compiles == 0
+
+
+def test_loading_is_logged_once(policy: None, compiles: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    n = Backend.min_numel
+    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, n, 100 * n
+    double, x = _doubler(), torch.ones(n)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for _ in range(4):
+            double(x)
+    lines = [r.getMessage() for r in caplog.records if "stored" in r.getMessage()]
+    assert len(lines) == 1 and "QUARK_COMPILE=0" in lines[0] and "enough for loading" in lines[0]

@@ -424,3 +424,25 @@ def test_a_direct_kernel_built_again_is_loaded_from_torchs_graph_cache(direct_af
         assert cache.directs == 1 and all(torch.equal(out, expected) for out in outs)
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0
     assert counters["inductor"]["fxgraph_cache_hit"] >= 1
+
+
+# --- a cache that may not compile (auto mode loading the kernels an earlier run stored) -------------------------------
+
+
+def test_a_cache_that_may_not_compile_serves_stored_graphs_and_runs_the_rest_eagerly(direct_after: int) -> None:
+    """A stored signature is served by its graph (and, called often, directly: its direct kernel is in torch's graph
+    cache from the earlier run); one nothing stored serves runs the eager kernel, without a compile or a direct kernel,
+    until compiling is allowed again."""
+    x, s = _x(16, 64), torch.tensor(0.1)
+    KernelCache(_int_fq)(x, s, -128, 127, RoundType.round)  # an earlier run
+    allowed = [False]
+    later = KernelCache(_int_fq, may_compile=lambda: allowed[0])
+    for method in (RoundType.round, RoundType.floor):
+        outs = _calls(later, direct_after + 2, x, s, -128, 127, method)
+        assert all(torch.equal(out, _int_fq(x, s, -128, 127, method)) for out in outs), method
+    assert later.store.loaded == 1 and later.reuses == 1 and later.compiles == 0
+    assert later.directs == 1 and later.eager_calls == direct_after + 2  # the floor calls, all eager
+    allowed[0] = True
+    out = later(x, s, -128, 127, RoundType.floor)
+    assert later.compiles == 1 and torch.equal(out, _int_fq(x, s, -128, 127, RoundType.floor))
+    assert later.eager_calls == direct_after + 2
