@@ -97,7 +97,13 @@ def auto_mode(backend_state: type, compiles: list[str]) -> None:
     """Auto mode, every field restored afterwards (``backend_state``), ``torch.compile`` replaced by the eager body
     (``compiles``: nothing is really compiled); the warm-up's count alone is over at the first call."""
     set_compile(None)
-    Backend.warmup_numel, Backend.seen_numel, Backend.warm, Backend.loading = 1, 0, False, False
+    Backend.warmup_numel, Backend.seen_numel, Backend.warm, Backend.loading, Backend.unstored = (
+        1,
+        0,
+        False,
+        False,
+        False,
+    )
 
 
 def _fit(
@@ -138,17 +144,17 @@ def test_a_long_enough_qat_fit_compiles_after_its_first_step(auto_mode: None, se
     assert Backend.remaining_numel is None and compile_warm()
 
 
-def test_a_qat_fit_long_enough_to_load_stored_kernels_compiles_none(
+def test_a_qat_fit_long_enough_to_load_finds_nothing_stored_and_runs_eagerly(
     auto_mode: None, served: list[str], compiles: list[str], tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fit whose elements to go pay back loading stored kernels (``stored_payback_numel``) but not a compile runs the
-    compiled paths from its second step, with the kernels the (empty) store does not hold run eagerly: nothing is
-    compiled, and the plan goes on counting, as it would to compile the rest in a fit that turns out long enough."""
+    """A fit whose elements to go pay back loading stored kernels (``stored_payback_numel``) but not a compile tries
+    the stored kernels after its first step; with an empty store its first kernel call finds none, and the fit runs
+    eagerly from there (the compiled paths' kernels run eagerly would be slower): nothing compiled, the plan counting on."""
     monkeypatch.setenv("QUARK_KERNEL_CACHE", str(tmp_path))
     Backend.stored_payback_numel, Backend.payback_numel = 1, 1 << 50
     probe = _fit(4)
-    assert probe.warm == [True] * 4 and Backend.loading and not Backend.warm
-    assert compiles == [] and "int_forward" in served
+    assert probe.warm == [True, False, False, False] and Backend.unstored and not Backend.loading
+    assert compiles == [] and len(served) == 1  # the one call that found nothing stored
     assert all(probe.counted)
     assert probe.remaining[1:] == [c * left for c, left in zip(probe.counted[1:], (2, 1, 0), strict=True)]
 

@@ -71,10 +71,13 @@ class Backend:
     #: whether auto mode's warm-up has ended in this process (``compile_warm``): the kernels compile from then on, to
     #: its end, whatever a later run tells
     warm: bool = False
-    #: whether auto mode runs the compiled kernels it finds stored by an earlier run, and the eager ones where none is
-    #: stored, compiling nothing (``compile_warm``: a run long enough to pay a load back, not a compile); latched like
-    #: ``warm``, and counting on toward ``payback_numel``, past which it compiles what is not stored
+    #: whether auto mode runs the compiled kernels an earlier run stored, compiling nothing (``compile_warm``: a run
+    #: long enough to pay a load back, not a compile); it counts on toward ``payback_numel``, past which it compiles
+    #: what is not stored. The first call of a kernel nothing stored serves ends it (``unstored``)
     loading: bool = False
+    #: whether a kernel nothing stored serves was called while ``loading``: the process then runs the eager paths
+    #: again (the compiled paths' kernels run eagerly are slower: int8 steps 1.16x) until it counts the payback
+    unstored: bool = False
     #: why auto mode gave up compiling (None while it has not)
     failure: str | None = None
     #: whether this process has logged its first compile (once, whichever kernel it is)
@@ -124,7 +127,7 @@ def compile_warm() -> bool:
     to_go = Backend.seen_numel if Backend.remaining_numel is None else Backend.remaining_numel
     if to_go >= Backend.payback_numel:
         Backend.warm = True
-    elif to_go >= Backend.stored_payback_numel and not Backend.loading:
+    elif to_go >= Backend.stored_payback_numel and not (Backend.loading or Backend.unstored):
         Backend.loading = True
         _log.info(
             "quark: running the format kernels an earlier run compiled and stored (%s), and the others eagerly: "
@@ -139,6 +142,18 @@ def compile_warm() -> bool:
 def may_compile() -> bool:
     """Whether a kernel that no stored graph serves may be compiled now (not while only ``Backend.loading``)."""
     return Backend.compile is True or Backend.warm
+
+
+def stop_loading() -> None:
+    """A kernel nothing stored serves was called while ``Backend.loading``: back to the eager paths for good (until
+    the payback), since the compiled paths' kernels run eagerly take longer than the eager paths (int8 QAT steps of a
+    1024-wide MLP: 1.16x; docs/performance.md, eighteenth round). That call itself runs eagerly."""
+    if Backend.loading:
+        Backend.loading, Backend.unstored = False, True
+        _log.info(
+            "quark: a format kernel this run calls is not among the stored ones: running the kernels eagerly, as "
+            "before (same results); a run of the same model and formats under QUARK_COMPILE=1 stores them all."
+        )
 
 
 def plan_step_start() -> None:
@@ -365,7 +380,13 @@ def compilable(
     if fn is None:
         return functools.partial(compilable, min_numel=min_numel, options=options, gain=gain)
     compiled: list[Callable[..., Any]] = []
-    cache = KernelCache(fn, options, on_compile=lambda: _log_first_compile(fn.__qualname__), may_compile=may_compile)
+    cache = KernelCache(
+        fn,
+        options,
+        on_compile=lambda: _log_first_compile(fn.__qualname__),
+        may_compile=may_compile,
+        on_unstored=stop_loading,
+    )
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -376,6 +397,7 @@ def compilable(
         except LookupError:
             pass  # not keyable, or aot_compile refused it: torch.compile with its guards
         if not may_compile():  # loading stored kernels only: this one is not among them
+            stop_loading()
             return fn(x, *args, **kwargs)
         if not compiled:
             _log_first_compile(fn.__qualname__)

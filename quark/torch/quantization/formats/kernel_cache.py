@@ -14,7 +14,7 @@ bit-identical to the eager kernel as before (the format tests check that).
 
 Graphs are stored on disk (``kernel_store``) and loaded by later processes instead of compiled again. A cache whose
 ``may_compile`` says no (auto mode in a run long enough to pay a load back but not a compile) serves a signature
-from a stored graph where one fits and runs the eager kernel where none does. A signature
+from a stored graph where one fits, and runs the eager kernel where none does (telling ``on_unstored``). A signature
 called ``DIRECT_AFTER_CALLS`` times (a quantizer in a training loop) is compiled once more at its exact shapes and
 then called straight into inductor's generated code (``direct_kernel``), without the graph's wrapper layers.
 
@@ -246,7 +246,8 @@ class KernelCache:
 
     ``options`` are inductor's, as for ``torch.compile``. ``may_compile`` (checked at each new signature; default:
     always) says whether a signature no stored graph serves may be compiled; where it may not, the eager ``fn`` serves
-    it, and no direct kernel is built for it, until it may. Calling returns the kernel's result, or raises
+    it (``on_unstored`` is called), and no direct kernel is built for it, until it may. Calling returns the kernel's
+    result, or raises
     ``LookupError`` when this signature cannot be served here (the caller then runs its guarded compiled function).
     """
 
@@ -256,11 +257,13 @@ class KernelCache:
         options: dict[str, Any] | None = None,
         on_compile: Callable[[], None] | None = None,
         may_compile: Callable[[], bool] | None = None,
+        on_unstored: Callable[[], None] | None = None,
     ) -> None:
         self.fn = fn
         self.options = options
         self.on_compile = on_compile  # called before each compile (the first-compile log line)
         self.may_compile = may_compile or (lambda: True)
+        self.on_unstored = on_unstored
         self.store = KernelStore(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
         self._by_signature: dict[tuple[Hashable, ...], _Entry] = {}
         #: graphs built per signature without shapes and strides: what a new shape is checked against
@@ -286,6 +289,8 @@ class KernelCache:
             return entry.direct(args)
         if entry.graph is None:  # nothing stored serves it and compiling is not allowed (yet)
             self.eager_calls += 1
+            if self.on_unstored is not None:
+                self.on_unstored()
             return self.fn(*args, **kwargs)
         if entry.graph is False:
             raise LookupError("aot_compile refused this kernel")

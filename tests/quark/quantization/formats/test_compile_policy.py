@@ -36,7 +36,7 @@ def policy(backend_state: type, tmp_path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("QUARK_KERNEL_CACHE", str(tmp_path / "store"))
     set_compile(None)
     Backend.seen_numel, Backend.compile_logged, Backend.payback_numel, Backend.warm = 0, False, 0, False
-    Backend.loading = False
+    Backend.loading = Backend.unstored = False
 
 
 def _doubler() -> Callable[[torch.Tensor], torch.Tensor]:
@@ -339,10 +339,10 @@ def test_a_short_told_run_keeps_what_a_loop_that_told_nothing_counted(policy: No
 # --- runs long enough to load the kernels an earlier run stored, not to compile them ---------------------------------
 
 
-def test_a_run_that_pays_back_a_load_but_not_a_compile_compiles_nothing(policy: None, compiles: list[str]) -> None:
-    """After its first step the told run has 4 steps of 2n to go: the stored payback (8n), not the payback (100n).
-    The compiled paths run (``Backend.loading``), serving what the store holds (nothing here) and running the rest
-    eagerly: nothing is compiled, the results are the eager ones, and the count goes on for the plan."""
+def test_a_run_that_pays_back_a_load_but_finds_nothing_stored_runs_eagerly(policy: None, compiles: list[str]) -> None:
+    """After its first step the told run has 4 steps of 2n to go: the stored payback (8n), not the payback (100n), so
+    the compiled paths run (``Backend.loading``). Its first kernel call finds nothing stored: it runs eagerly, and so
+    does the rest of the run (``Backend.unstored``): nothing is compiled, the plan goes on."""
     n = Backend.min_numel
     Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 8 * n, 100 * n
     double, x = _doubler(), torch.arange(n, dtype=torch.float32)
@@ -352,11 +352,12 @@ def test_a_run_that_pays_back_a_load_but_not_a_compile_compiles_nothing(policy: 
         plan_step_start()
         assert torch.equal(double(x), x * 2) and torch.equal(double(x), x * 2)
         plan_step_end(left)
-        assert Backend.remaining_numel == 2 * n * left
+        assert Backend.remaining_numel == 2 * n * left and not compile_warm()
     cache = double.kernel_cache  # type: ignore[attr-defined]
-    assert compiles == [] and cache.compiles == 0 and cache.eager_calls == 8
+    assert compiles == [] and cache.compiles == 0 and cache.eager_calls == 1  # the call that found nothing stored
+    assert Backend.unstored and not Backend.loading
     plan_run_end()
-    assert compile_warm() and Backend.loading and not Backend.warm  # latched, as ``warm`` is
+    assert Backend.seen_numel == 0 and not compile_warm()  # a run too short to compile gives its count back
 
 
 def test_a_run_below_the_stored_payback_neither_loads_nor_compiles(policy: None, compiles: list[str]) -> None:
@@ -369,20 +370,20 @@ def test_a_run_below_the_stored_payback_neither_loads_nor_compiles(policy: None,
     assert compiles == [] and double.kernel_cache.eager_calls == 0  # type: ignore[attr-defined]
 
 
-def test_loading_counts_on_and_compiles_what_is_not_stored_at_the_payback(policy: None, compiles: list[str]) -> None:
-    """A loop that tells nothing loads once it has counted the stored payback (3n), counts on, and compiles the
-    kernels no stored graph serves once it has counted the payback (6n) (rent or buy at each price)."""
+def test_a_loop_that_found_nothing_stored_still_compiles_at_the_payback(policy: None, compiles: list[str]) -> None:
+    """A loop that tells nothing tries loading once it has counted the stored payback (3n), finds nothing stored,
+    runs eagerly again, and compiles once it has counted the payback (6n): rent or buy, as without a store."""
     n = Backend.min_numel
     Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 3 * n, 6 * n
     double, x = _doubler(), torch.ones(n)
-    for _ in range(3):
+    for _ in range(4):
         double(x)
-    assert compile_warm() and Backend.loading and not Backend.warm
-    for _ in range(3):
-        double(x)
+    assert Backend.unstored and not compile_warm() and Backend.seen_numel == 4 * n
+    double(x)
+    double(x)
     assert compiles == [] and Backend.seen_numel == 6 * n and not Backend.warm
     double(x)
-    assert Backend.warm and compiles == ["compiled"] and Backend.seen_numel == 6 * n  # counting stops once warm
+    assert Backend.warm and compiles == ["compiled"]
 
 
 def _tripled(t: torch.Tensor) -> torch.Tensor:
@@ -392,7 +393,8 @@ def _tripled(t: torch.Tensor) -> torch.Tensor:
 def test_a_run_that_pays_back_a_load_serves_the_kernels_an_earlier_run_stored(policy: None, compiler: None) -> None:
     """Really compiled: an earlier run (``QUARK_COMPILE=1``) stored the kernel's graph; a later run of the same
     kernel (nothing in memory) long enough to pay a load back serves its calls from that graph, bit for bit, and
-    runs a signature nothing stored serves (float64) eagerly, compiling nothing."""
+    compiles nothing, counting on. A signature nothing stored serves (float64) ends the loading: the calls after it
+    run eagerly, until the run has counted the payback and compiles."""
     n = Backend.min_numel
     x = torch.linspace(-5, 5, n)
     set_compile(True)
@@ -400,25 +402,34 @@ def test_a_run_that_pays_back_a_load_serves_the_kernels_an_earlier_run_stored(po
     earlier(x)
     assert earlier.kernel_cache.compiles == 1 and earlier.kernel_cache.store.stored == 1
     set_compile(None)
-    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 2 * n, 1 << 50
+    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 2 * n, 7 * n
     later = compilable(_tripled)  # a new process would start like this: the same kernel, nothing in memory
     cache = later.kernel_cache
     later(x)
     later(x)  # the warm-up, eager: 2n counted
     assert cache.store.loaded == 0
-    out = later(x)
-    assert Backend.loading and not Backend.warm and torch.equal(out, x * 3)
-    assert cache.store.loaded == 1 and cache.reuses == 1 and cache.compiles == 0
+    for _ in range(2):
+        assert torch.equal(later(x), x * 3)
+    assert Backend.loading and not Backend.warm and Backend.seen_numel == 4 * n
+    assert cache.store.loaded == 1 and cache.reuses == 1 and cache.compiles == 0 and cache.eager_calls == 0
     y = x.double()
     assert torch.equal(later(y), y * 3) and cache.eager_calls == 1 and cache.compiles == 0
+    assert not Backend.loading and Backend.unstored and not compile_warm()
+    later(x)
+    later(x)  # eager: 7n counted
+    assert cache.eager_calls == 1 and Backend.seen_numel == 7 * n
+    assert torch.equal(later(y), y * 3) and Backend.warm and cache.compiles == 1
 
 
-def test_loading_is_logged_once(policy: None, compiles: list[str], caplog: pytest.LogCaptureFixture) -> None:
+def test_loading_and_its_end_are_logged_once(
+    policy: None, compiles: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
     n = Backend.min_numel
     Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, n, 100 * n
     double, x = _doubler(), torch.ones(n)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         for _ in range(4):
             double(x)
-    lines = [r.getMessage() for r in caplog.records if "stored" in r.getMessage()]
-    assert len(lines) == 1 and "QUARK_COMPILE=0" in lines[0] and "enough for loading" in lines[0]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("QUARK_COMPILE" in line for line in lines)
+    assert "enough for loading them to pay back" in lines[0] and "not among the stored ones" in lines[1]

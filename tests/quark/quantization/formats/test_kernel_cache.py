@@ -435,13 +435,14 @@ def test_a_cache_that_may_not_compile_serves_stored_graphs_and_runs_the_rest_eag
     until compiling is allowed again."""
     x, s = _x(16, 64), torch.tensor(0.1)
     KernelCache(_int_fq)(x, s, -128, 127, RoundType.round)  # an earlier run
-    allowed = [False]
-    later = KernelCache(_int_fq, may_compile=lambda: allowed[0])
+    allowed, unstored = [False], []
+    later = KernelCache(_int_fq, may_compile=lambda: allowed[0], on_unstored=lambda: unstored.append(1))
     for method in (RoundType.round, RoundType.floor):
         outs = _calls(later, direct_after + 2, x, s, -128, 127, method)
         assert all(torch.equal(out, _int_fq(x, s, -128, 127, method)) for out in outs), method
     assert later.store.loaded == 1 and later.reuses == 1 and later.compiles == 0
     assert later.directs == 1 and later.eager_calls == direct_after + 2  # the floor calls, all eager
+    assert len(unstored) == direct_after + 2
     allowed[0] = True
     out = later(x, s, -128, 127, RoundType.floor)
     assert later.compiles == 1 and torch.equal(out, _int_fq(x, s, -128, 127, RoundType.floor))
