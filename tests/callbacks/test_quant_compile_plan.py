@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from callbacks import QuantCallback
 from quark.torch.quantization.formats import Backend, set_compile
 from quark.torch.quantization.formats.grouping import compile_warm
+from quark.torch.quantization.formats.kernel_store import store_root
 from quark_lightning.tasks.recipes import INT8_PER_CHANNEL_WEIGHT, INT8_PER_TENSOR_ACT
 from tests.callbacks.cb_helpers import CrashAt
 
@@ -144,19 +145,27 @@ def test_a_long_enough_qat_fit_compiles_after_its_first_step(auto_mode: None, se
     assert Backend.remaining_numel is None and compile_warm()
 
 
+@pytest.mark.parametrize("store", ["empty", "other kernels"])
 def test_a_qat_fit_long_enough_to_load_finds_nothing_stored_and_runs_eagerly(
-    auto_mode: None, served: list[str], compiles: list[str], tmp_path, monkeypatch: pytest.MonkeyPatch
+    auto_mode: None, served: list[str], compiles: list[str], tmp_path, monkeypatch: pytest.MonkeyPatch, store: str
 ) -> None:
-    """A fit whose elements to go pay back loading stored kernels (``stored_payback_numel``) but not a compile tries
-    the stored kernels after its first step; with an empty store its first kernel call finds none, and the fit runs
-    eagerly from there (the compiled paths' kernels run eagerly would be slower): nothing compiled, the plan counting on."""
+    """A fit whose elements to go pay back loading stored kernels (``stored_payback_numel``) but not a compile: with
+    an empty store it never tries; with one that holds other kernels it tries after its first step, its first kernel
+    call finds none, and it runs eagerly from there (the compiled paths' kernels run eagerly would be slower). Nothing
+    is compiled, and the plan goes on measuring its eager steps."""
     monkeypatch.setenv("QUARK_KERNEL_CACHE", str(tmp_path))
+    if store == "other kernels":
+        (store_root() / "another-kernel").mkdir(parents=True)  # type: ignore[operator]
     Backend.stored_payback_numel, Backend.payback_numel = 1, 1 << 50
     probe = _fit(4)
-    assert probe.warm == [True, False, False, False] and Backend.unstored and not Backend.loading
-    assert compiles == [] and len(served) == 1  # the one call that found nothing stored
-    assert all(probe.counted)
-    assert probe.remaining[1:] == [c * left for c, left in zip(probe.counted[1:], (2, 1, 0), strict=True)]
+    assert Backend.unstored and not Backend.loading and not Backend.warm and compiles == []
+    if store == "empty":
+        assert probe.warm == [False] * 4 and served == []
+        assert probe.remaining == [c * left for c, left in zip(probe.counted, (3, 2, 1, 0), strict=True)]
+    else:
+        assert probe.warm == [True, False, False, False] and len(served) == 1  # the call that found nothing stored
+        assert probe.remaining[1] is None  # the step that switched back measured nothing
+        assert probe.remaining[2:] == [c * left for c, left in zip(probe.counted[2:], (1, 0), strict=True)]
 
 
 def test_a_fit_that_raises_leaves_no_plan(auto_mode: None, served: list[str]) -> None:

@@ -72,11 +72,12 @@ class Backend:
     #: its end, whatever a later run tells
     warm: bool = False
     #: whether auto mode runs the compiled kernels an earlier run stored, compiling nothing (``compile_warm``: a run
-    #: long enough to pay a load back, not a compile); it counts on toward ``payback_numel``, past which it compiles
-    #: what is not stored. The first call of a kernel nothing stored serves ends it (``unstored``)
+    #: long enough to pay a load back, not a compile); latched like ``warm``, and like it counting nothing (every
+    #: kernel it runs is stored: there is nothing a longer run would compile). The first call of a kernel nothing
+    #: stored serves ends it (``unstored``)
     loading: bool = False
     #: whether a kernel nothing stored serves was called while ``loading``: the process then runs the eager paths
-    #: again (the compiled paths' kernels run eagerly are slower: int8 steps 1.16x) until it counts the payback
+    #: again, counting, until it reaches the payback (the compiled paths' kernels run eagerly are slower: int8 1.16x)
     unstored: bool = False
     #: why auto mode gave up compiling (None while it has not)
     failure: str | None = None
@@ -120,23 +121,36 @@ def compile_warm() -> bool:
     compile costs (the payback), then compile. Such a run then takes at most about twice the better choice, whatever
     its length; compiling after the warm-up alone made a short loop wait up to 9x its eager time
     (docs/performance.md, seventeenth round)."""
-    if Backend.warm:
+    if Backend.warm or Backend.loading:
         return True
     if Backend.seen_numel < Backend.warmup_numel:
-        return Backend.loading
-    to_go = Backend.seen_numel if Backend.remaining_numel is None else Backend.remaining_numel
+        return False
+    told = Backend.remaining_numel is not None
+    to_go = Backend.remaining_numel if told else Backend.seen_numel
     if to_go >= Backend.payback_numel:
         Backend.warm = True
-    elif to_go >= Backend.stored_payback_numel and not (Backend.loading or Backend.unstored):
+    elif to_go >= Backend.stored_payback_numel and not Backend.unstored:
+        if not _store_holds_kernels():  # nothing to load on this machine (checked once: not on every call)
+            Backend.unstored = True
+            return False
         Backend.loading = True
         _log.info(
-            "quark: running the format kernels an earlier run compiled and stored (%s), and the others eagerly: "
-            "about %s elements quantized in this run, enough for loading them to pay back, not for a compile. "
-            "QUARK_COMPILE=0 runs every kernel eagerly (same results).",
+            "quark: running the format kernels an earlier run compiled and stored (%s), compiling none: %s, enough "
+            "for loading them to pay back, not for a compile; a kernel not stored sends the run back to the eager "
+            "kernels. QUARK_COMPILE=0 runs every kernel eagerly (same results).",
             _store_folder(),
-            f"{to_go:,}",
+            f"about {to_go:,} elements still to quantize in this run" if told else f"{to_go:,} elements quantized",
         )
     return Backend.warm or Backend.loading
+
+
+def _store_holds_kernels() -> bool:
+    """Whether the kernel store is on and holds anything at all (a fresh machine's does not: no run tries loading)."""
+    root = store_root()
+    try:
+        return root is not None and root.is_dir() and next(root.iterdir(), None) is not None
+    except OSError:
+        return False
 
 
 def may_compile() -> bool:
@@ -151,8 +165,9 @@ def stop_loading() -> None:
     if Backend.loading:
         Backend.loading, Backend.unstored = False, True
         _log.info(
-            "quark: a format kernel this run calls is not among the stored ones: running the kernels eagerly, as "
-            "before (same results); a run of the same model and formats under QUARK_COMPILE=1 stores them all."
+            "quark: a format kernel this run calls is not among the stored ones: running the kernels eagerly from "
+            "here (same results). A short fit of the same model and formats under QUARK_COMPILE=1 "
+            "QUARK_DIRECT_KERNELS=2 stores them all for the next run."
         )
 
 
@@ -160,8 +175,10 @@ def plan_step_start() -> None:
     """A front end that knows its run's length (``QuantCallback`` in QAT), at the start of each training step: mark
     the count, so that ``plan_step_end`` measures what one step counts. Until the first step is measured the run
     counts as too short to compile in."""
-    if compile_warm() and Backend.warm:  # compiling already (its count stopped): nothing left to decide
-        Backend.remaining_numel = Backend.step_mark = Backend.run_mark = None
+    if compile_warm():  # compiling, or running the stored kernels (counting stopped): nothing to measure
+        Backend.remaining_numel = Backend.step_mark = None
+        if Backend.warm:
+            Backend.run_mark = None
         return
     Backend.step_mark = Backend.seen_numel
     if Backend.run_mark is None:
@@ -176,13 +193,12 @@ def plan_step_end(steps_left: int | None) -> None:
     to pay a compile back (``compile_warm``), the plan is dropped and the kernels stay compiled to the end."""
     if Backend.step_mark is None:
         return
-    if steps_left is None or (compile_warm() and Backend.warm):
+    if steps_left is None or compile_warm():
         # unknown length; or the warm-up ended inside this step, whose count then stopped short: not a measurement
-        # (loading stored kernels, the count goes on: the plan still decides whether to compile the others)
         Backend.remaining_numel = Backend.step_mark = None
         return
     Backend.remaining_numel = (Backend.seen_numel - Backend.step_mark) * max(int(steps_left), 0)
-    if compile_warm() and Backend.warm:
+    if compile_warm():
         Backend.remaining_numel = Backend.step_mark = None
 
 
@@ -213,8 +229,6 @@ def compiled_kernels_active(x: torch.Tensor, min_numel: int | None = None, count
     if Backend.failure is not None or x.numel() < threshold:
         return False
     if compile_warm():
-        if count and not Backend.warm:  # loading stored kernels: counting on toward a compile of the others
-            Backend.seen_numel += x.numel() * gain
         return True
     if count:
         Backend.seen_numel += x.numel() * gain
@@ -226,7 +240,8 @@ def steady_key(x: torch.Tensor) -> tuple[Any, ...] | None:
     calls them itself: ``PreparedInt``, the quantizers' fused observe pass) checks per call: ``x``'s layout and flags
     and the global state the kernels were built under (``kernel_cache.call_signature`` has the rest, fixed for such a
     caller). None where no steady path may run: traced (``torch.compile``, TorchScript, ``make_fx``), the compiled
-    kernels switched off or failed, or direct kernels off."""
+    kernels switched off or failed, auto mode running eagerly (a run back from loading stored kernels), or direct
+    kernels off."""
     if (
         torch.compiler.is_compiling()
         or torch.jit.is_tracing()
@@ -234,6 +249,7 @@ def steady_key(x: torch.Tensor) -> tuple[Any, ...] | None:
         or Backend.compile is False
         or Backend.failure
         or kernel_cache.DIRECT_AFTER_CALLS is None
+        or (Backend.compile is None and not (Backend.warm or Backend.loading))
     ):
         return None
     return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_inference(), kernel_cache.global_state())

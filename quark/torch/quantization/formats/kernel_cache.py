@@ -221,14 +221,14 @@ def _as_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any
 
 class _Entry:
     """What serves one signature: its ``aot_compile`` graph (False: refused; None: the eager kernel, as nothing
-    stored serves it and compiling was not allowed), whether that graph came from the store, the calls it served, and
-    its direct kernel once it has one."""
+    stored serves it and compiling was not allowed), whether its direct kernel was built by an earlier run (torch's
+    FX-graph cache holds it), the calls it served, and its direct kernel once it has one."""
 
-    __slots__ = ("graph", "stored", "calls", "direct", "refused")
+    __slots__ = ("graph", "direct_stored", "calls", "direct", "refused")
 
-    def __init__(self, graph: Any, stored: bool) -> None:
+    def __init__(self, graph: Any, direct_stored: bool) -> None:
         self.graph = graph
-        self.stored = stored
+        self.direct_stored = direct_stored
         self.calls = 0
         self.direct: DirectKernel | None = None
         self.refused = False  # a direct kernel was tried and cannot serve this signature
@@ -246,9 +246,9 @@ class KernelCache:
 
     ``options`` are inductor's, as for ``torch.compile``. ``may_compile`` (checked at each new signature; default:
     always) says whether a signature no stored graph serves may be compiled; where it may not, the eager ``fn`` serves
-    it (``on_unstored`` is called), and no direct kernel is built for it, until it may. Calling returns the kernel's
-    result, or raises
-    ``LookupError`` when this signature cannot be served here (the caller then runs its guarded compiled function).
+    it (``on_unstored`` is called), and a direct kernel is built only where an earlier run built it, until it may.
+    Calling returns the kernel's result, or raises ``LookupError`` when this signature cannot be served here (the
+    caller then runs its guarded compiled function).
     """
 
     def __init__(
@@ -299,9 +299,9 @@ class KernelCache:
             DIRECT_AFTER_CALLS is not None
             and entry.calls >= DIRECT_AFTER_CALLS
             and not entry.refused
-            and (entry.stored or self.may_compile())  # a stored graph's direct kernel is in torch's graph cache too
+            and (entry.direct_stored or self.may_compile())  # (a stored one: a load from torch's graph cache)
         ):
-            return self._go_direct(entry, args, kwargs)
+            return self._go_direct(key, entry, args, kwargs)
         return entry.graph.fn(*args, **kwargs)
 
     def direct_for(self, args: tuple[Any, ...]) -> DirectKernel | None:
@@ -313,16 +313,22 @@ class KernelCache:
         entry = self._by_signature.get(key) if key is not None else None
         return entry.direct if entry is not None else None
 
-    def _go_direct(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """This call through the graph, and from now on the signature's direct kernel where one serves it exactly."""
+    def _go_direct(
+        self, key: tuple[Hashable, ...], entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """This call through the graph, and from now on the signature's direct kernel where one serves it exactly
+        (recorded in the store, so a later run that may only load builds it from torch's graph cache)."""
         out = entry.graph.fn(*args, **kwargs)
         with self._lock:
             if entry.direct is None and not entry.refused:  # (another thread may have built or refused it meanwhile)
-                if self.on_compile is not None and not entry.stored:  # (a stored graph's: from torch's graph cache)
+                if self.on_compile is not None and not entry.direct_stored:  # (a stored one loads: no compile)
                     self.on_compile()
                 entry.direct = DirectKernel.build(self.fn, args, kwargs, out, self.options)
                 entry.refused = entry.direct is None
-                self.directs += entry.direct is not None
+                if entry.direct is not None:
+                    self.directs += 1
+                    if not entry.direct_stored:
+                        self.store.mark_direct(call_signature(args, kwargs, exact=False), key)  # type: ignore[arg-type]
         return out
 
     def _graph_for(self, key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
@@ -339,7 +345,9 @@ class KernelCache:
             for graph in graphs:
                 if graph.guard_check(*args, **kwargs):
                     self.reuses += 1
-                    return self._remember(key, graph, id(graph) in self._from_store)
+                    stored = id(graph) in self._from_store
+                    built = stored and self.store.has_direct(family, key)  # type: ignore[arg-type]
+                    return self._remember(key, graph, built)
             if not self.may_compile():
                 return self._remember(key, None, False)
             if self.on_compile is not None:
@@ -353,8 +361,8 @@ class KernelCache:
             self.store.save(family, graph)  # type: ignore[arg-type]
             return self._remember(key, graph, False)
 
-    def _remember(self, key: tuple[Hashable, ...], graph: Any, stored: bool) -> _Entry:
-        entry = _Entry(graph, stored)
+    def _remember(self, key: tuple[Hashable, ...], graph: Any, direct_stored: bool) -> _Entry:
+        entry = _Entry(graph, direct_stored)
         if key in self._by_signature or len(self._by_signature) < MAX_SIGNATURES:
             self._by_signature[key] = entry
         return entry

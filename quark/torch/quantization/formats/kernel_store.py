@@ -7,6 +7,10 @@ stored graph takes about 30 ms. Graphs live under ``<torch's inductor cache dir>
 turns the store off). The fingerprint covers torch's and Python's versions, the CPU capability inductor generates
 code for, and the source of the quantization package, so a change to any kernel's code starts a fresh folder.
 
+A direct kernel (``direct_kernel``: a graph compiled again at its exact shapes, kept in torch's FX-graph cache) leaves
+an empty marker file named by its signature and torch's cache folder, so that a run that may only load knows which
+ones it can build from that cache rather than by lowering them again.
+
 Each graph is one file, written under a new unique name (a temporary file renamed into place: nothing existing is
 overwritten or removed, and two processes storing at once both keep theirs). A file that cannot be read back (another
 torch, a truncated write) is skipped and the kernel compiles as if it were not there.
@@ -113,3 +117,29 @@ class KernelStore:
             self.stored += 1
         except Exception:  # noqa: BLE001 - a read-only disk, a graph that does not serialize: compile next time
             return
+
+    def _direct_marker(self, family: tuple[Hashable, ...], key: tuple[Hashable, ...]) -> Path | None:
+        folder = self._folder(family)
+        if folder is None:
+            return None
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        tag = hashlib.sha256(f"{key!r}\0{cache_dir()}".encode()).hexdigest()[:24]
+        return folder / f"{tag}.direct"
+
+    def mark_direct(self, family: tuple[Hashable, ...], key: tuple[Hashable, ...]) -> None:
+        """Record that the direct kernel of signature ``key`` was built (so torch's FX-graph cache holds it)."""
+        marker = self._direct_marker(family, key)
+        if marker is None:
+            return
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            with open(marker, "x"):  # a fresh empty file; one that exists (or a link planted there) is left as it is
+                pass
+        except OSError:
+            return
+
+    def has_direct(self, family: tuple[Hashable, ...], key: tuple[Hashable, ...]) -> bool:
+        """Whether the direct kernel of signature ``key`` was built before with this torch cache folder."""
+        marker = self._direct_marker(family, key)
+        return marker is not None and marker.is_file()

@@ -21,8 +21,9 @@ from quark.torch.quantization.formats import (
     set_compile,
 )
 from quark.torch.quantization.formats.block import BLOCK_GAIN
-from quark.torch.quantization.formats.grouping import compilable, compile_warm, compiled_kernels_active
+from quark.torch.quantization.formats.grouping import compilable, compile_warm, compiled_kernels_active, steady_key
 from quark.torch.quantization.formats.integer import INT_MIN_NUMEL
+from quark.torch.quantization.formats.kernel_store import store_root
 from quark.torch.quantization.formats.minifloat import GRID_MIN_NUMEL
 
 LOGGER = "quark.torch.quantization.formats.grouping"
@@ -339,28 +340,60 @@ def test_a_short_told_run_keeps_what_a_loop_that_told_nothing_counted(policy: No
 # --- runs long enough to load the kernels an earlier run stored, not to compile them ---------------------------------
 
 
+def _store_holds_another_kernel() -> None:
+    """The kernel store (the policy fixture's) holds some other kernel's graphs, as on a machine that compiled before."""
+    root = store_root()
+    assert root is not None
+    (root / "another-kernel").mkdir(parents=True)
+
+
 def test_a_run_that_pays_back_a_load_but_finds_nothing_stored_runs_eagerly(policy: None, compiles: list[str]) -> None:
     """After its first step the told run has 4 steps of 2n to go: the stored payback (8n), not the payback (100n), so
-    the compiled paths run (``Backend.loading``). Its first kernel call finds nothing stored: it runs eagerly, and so
-    does the rest of the run (``Backend.unstored``): nothing is compiled, the plan goes on."""
+    the compiled paths run (``Backend.loading``), counting nothing. Its first kernel call finds nothing stored: it
+    runs eagerly, and so does the rest of the run (``Backend.unstored``), counting again for the plan: nothing is
+    compiled."""
+    _store_holds_another_kernel()
     n = Backend.min_numel
     Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 8 * n, 100 * n
     double, x = _doubler(), torch.arange(n, dtype=torch.float32)
     _planned_step(double, x, 2, 4)
-    assert compile_warm() and Backend.loading and not Backend.warm
-    for left in (3, 2, 1, 0):
-        plan_step_start()
-        assert torch.equal(double(x), x * 2) and torch.equal(double(x), x * 2)
-        plan_step_end(left)
+    assert compile_warm() and Backend.loading and not Backend.warm and Backend.seen_numel == 2 * n
+    plan_step_start()  # loading: nothing to measure
+    assert Backend.step_mark is None and Backend.remaining_numel is None
+    assert torch.equal(double(x), x * 2) and Backend.unstored and not Backend.loading  # found nothing stored
+    assert torch.equal(double(x), x * 2) and Backend.seen_numel == 3 * n  # eager again: counted
+    plan_step_end(2)
+    assert Backend.remaining_numel is None  # that step measured nothing
+    for left in (1, 0):
+        _planned_step(double, x, 2, left)
         assert Backend.remaining_numel == 2 * n * left and not compile_warm()
     cache = double.kernel_cache  # type: ignore[attr-defined]
     assert compiles == [] and cache.compiles == 0 and cache.eager_calls == 1  # the call that found nothing stored
-    assert Backend.unstored and not Backend.loading
     plan_run_end()
     assert Backend.seen_numel == 0 and not compile_warm()  # a run too short to compile gives its count back
 
 
+def test_an_empty_or_switched_off_store_is_never_loaded_from(
+    policy: None, compiles: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing stored on this machine (or ``QUARK_KERNEL_CACHE=0``): a run that pays back a load does not try one,
+    and asks the disk once, not on every call."""
+    n = Backend.min_numel
+    for setting in (None, "0"):
+        if setting is not None:
+            monkeypatch.setenv("QUARK_KERNEL_CACHE", setting)
+        Backend.seen_numel, Backend.unstored = 0, False
+        Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 2 * n, 100 * n
+        double, x = _doubler(), torch.ones(n)
+        for _ in range(5):
+            double(x)
+        assert not Backend.loading and Backend.unstored and Backend.seen_numel == 5 * n, setting
+        assert double.kernel_cache.eager_calls == 0  # type: ignore[attr-defined]
+    assert compiles == []
+
+
 def test_a_run_below_the_stored_payback_neither_loads_nor_compiles(policy: None, compiles: list[str]) -> None:
+    _store_holds_another_kernel()
     n = Backend.min_numel
     Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 9 * n, 100 * n
     double, x = _doubler(), torch.ones(n)
@@ -373,17 +406,31 @@ def test_a_run_below_the_stored_payback_neither_loads_nor_compiles(policy: None,
 def test_a_loop_that_found_nothing_stored_still_compiles_at_the_payback(policy: None, compiles: list[str]) -> None:
     """A loop that tells nothing tries loading once it has counted the stored payback (3n), finds nothing stored,
     runs eagerly again, and compiles once it has counted the payback (6n): rent or buy, as without a store."""
+    _store_holds_another_kernel()
     n = Backend.min_numel
     Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 3 * n, 6 * n
     double, x = _doubler(), torch.ones(n)
     for _ in range(4):
         double(x)
-    assert Backend.unstored and not compile_warm() and Backend.seen_numel == 4 * n
-    double(x)
-    double(x)
+    assert Backend.unstored and not compile_warm() and Backend.seen_numel == 3 * n  # the 4th call found nothing
+    for _ in range(3):
+        double(x)
     assert compiles == [] and Backend.seen_numel == 6 * n and not Backend.warm
     double(x)
     assert Backend.warm and compiles == ["compiled"]
+
+
+def test_the_steady_paths_stop_with_the_compiled_kernels(policy: None) -> None:
+    """A quantizer's steady path (direct kernels called straight) runs only while the compiled kernels do: after a
+    run finds a kernel not stored it would serve compiled kernels and count nothing toward the payback."""
+    x = torch.ones(8)
+    assert steady_key(x) is None  # eager, warming up
+    Backend.loading = True
+    assert steady_key(x) is not None
+    Backend.loading, Backend.unstored = False, True
+    assert steady_key(x) is None
+    Backend.warm = True
+    assert steady_key(x) is not None
 
 
 def _tripled(t: torch.Tensor) -> torch.Tensor:
@@ -393,8 +440,8 @@ def _tripled(t: torch.Tensor) -> torch.Tensor:
 def test_a_run_that_pays_back_a_load_serves_the_kernels_an_earlier_run_stored(policy: None, compiler: None) -> None:
     """Really compiled: an earlier run (``QUARK_COMPILE=1``) stored the kernel's graph; a later run of the same
     kernel (nothing in memory) long enough to pay a load back serves its calls from that graph, bit for bit, and
-    compiles nothing, counting on. A signature nothing stored serves (float64) ends the loading: the calls after it
-    run eagerly, until the run has counted the payback and compiles."""
+    compiles and counts nothing. A signature nothing stored serves (float64) ends the loading: the calls after it run
+    eagerly, counting, until the run has counted the payback and compiles."""
     n = Backend.min_numel
     x = torch.linspace(-5, 5, n)
     set_compile(True)
@@ -402,7 +449,7 @@ def test_a_run_that_pays_back_a_load_serves_the_kernels_an_earlier_run_stored(po
     earlier(x)
     assert earlier.kernel_cache.compiles == 1 and earlier.kernel_cache.store.stored == 1
     set_compile(None)
-    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 2 * n, 7 * n
+    Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, 2 * n, 6 * n
     later = compilable(_tripled)  # a new process would start like this: the same kernel, nothing in memory
     cache = later.kernel_cache
     later(x)
@@ -410,20 +457,21 @@ def test_a_run_that_pays_back_a_load_serves_the_kernels_an_earlier_run_stored(po
     assert cache.store.loaded == 0
     for _ in range(2):
         assert torch.equal(later(x), x * 3)
-    assert Backend.loading and not Backend.warm and Backend.seen_numel == 4 * n
+    assert Backend.loading and not Backend.warm and Backend.seen_numel == 2 * n
     assert cache.store.loaded == 1 and cache.reuses == 1 and cache.compiles == 0 and cache.eager_calls == 0
     y = x.double()
     assert torch.equal(later(y), y * 3) and cache.eager_calls == 1 and cache.compiles == 0
     assert not Backend.loading and Backend.unstored and not compile_warm()
-    later(x)
-    later(x)  # eager: 7n counted
-    assert cache.eager_calls == 1 and Backend.seen_numel == 7 * n
+    for _ in range(4):
+        later(x)  # eager: 6n counted
+    assert cache.eager_calls == 1 and Backend.seen_numel == 6 * n
     assert torch.equal(later(y), y * 3) and Backend.warm and cache.compiles == 1
 
 
 def test_loading_and_its_end_are_logged_once(
     policy: None, compiles: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
+    _store_holds_another_kernel()
     n = Backend.min_numel
     Backend.warmup_numel, Backend.stored_payback_numel, Backend.payback_numel = n, n, 100 * n
     double, x = _doubler(), torch.ones(n)
@@ -432,4 +480,5 @@ def test_loading_and_its_end_are_logged_once(
             double(x)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all("QUARK_COMPILE" in line for line in lines)
-    assert "enough for loading them to pay back" in lines[0] and "not among the stored ones" in lines[1]
+    assert "enough for loading them to pay back" in lines[0] and "elements quantized" in lines[0]
+    assert "not among the stored ones" in lines[1] and "QUARK_DIRECT_KERNELS=2" in lines[1]

@@ -358,8 +358,8 @@ def test_a_refused_signature_is_not_built_again(direct_after: int, monkeypatch) 
     args = (_x(16, 64), torch.tensor(0.1), -128, 127, RoundType.half_even)
     _calls(cache, direct_after + 2, *args)
     assert builds == ["_int_fq"] and cache.directs == 0
-    (entry,) = cache._by_signature.values()
-    assert torch.equal(cache._go_direct(entry, args, {}), _int_fq(*args))  # the late thread
+    ((key, entry),) = cache._by_signature.items()
+    assert torch.equal(cache._go_direct(key, entry, args, {}), _int_fq(*args))  # the late thread
     assert builds == ["_int_fq"]
 
 
@@ -430,20 +430,37 @@ def test_a_direct_kernel_built_again_is_loaded_from_torchs_graph_cache(direct_af
 
 
 def test_a_cache_that_may_not_compile_serves_stored_graphs_and_runs_the_rest_eagerly(direct_after: int) -> None:
-    """A stored signature is served by its graph (and, called often, directly: its direct kernel is in torch's graph
-    cache from the earlier run); one nothing stored serves runs the eager kernel, without a compile or a direct kernel,
-    until compiling is allowed again."""
+    """A stored signature is served by its graph; one nothing stored serves runs the eager kernel (``on_unstored``
+    told), without a compile or a direct kernel, until compiling is allowed again. No direct kernel either for the
+    stored one: the earlier run never built it, so torch's graph cache does not hold it (a build would lower it)."""
     x, s = _x(16, 64), torch.tensor(0.1)
-    KernelCache(_int_fq)(x, s, -128, 127, RoundType.round)  # an earlier run
+    KernelCache(_int_fq)(x, s, -128, 127, RoundType.round)  # an earlier run, one call: no direct kernel built
     allowed, unstored = [False], []
     later = KernelCache(_int_fq, may_compile=lambda: allowed[0], on_unstored=lambda: unstored.append(1))
     for method in (RoundType.round, RoundType.floor):
         outs = _calls(later, direct_after + 2, x, s, -128, 127, method)
         assert all(torch.equal(out, _int_fq(x, s, -128, 127, method)) for out in outs), method
-    assert later.store.loaded == 1 and later.reuses == 1 and later.compiles == 0
-    assert later.directs == 1 and later.eager_calls == direct_after + 2  # the floor calls, all eager
-    assert len(unstored) == direct_after + 2
+    assert later.store.loaded == 1 and later.reuses == 1 and later.compiles == 0 and later.directs == 0
+    assert later.eager_calls == direct_after + 2 and len(unstored) == direct_after + 2  # the floor calls
     allowed[0] = True
     out = later(x, s, -128, 127, RoundType.floor)
     assert later.compiles == 1 and torch.equal(out, _int_fq(x, s, -128, 127, RoundType.floor))
     assert later.eager_calls == direct_after + 2
+
+
+def test_a_cache_that_may_not_compile_builds_the_direct_kernels_an_earlier_run_built(direct_after: int) -> None:
+    """The earlier run built the signature's direct kernel (and marked it in the store): a later cache that may not
+    compile builds it too, from torch's graph cache (no lowering), with the same bits."""
+    from torch._dynamo.utils import counters
+
+    x, s = _x(16, 64), torch.tensor(0.1)
+    expected = _int_fq(x, s, -128, 127, RoundType.half_even)
+    earlier = KernelCache(_int_fq)
+    _calls(earlier, direct_after + 1, x, s, -128, 127, RoundType.half_even)
+    assert earlier.directs == 1
+    counters["inductor"].clear()
+    later = KernelCache(_int_fq, may_compile=lambda: False)
+    outs = _calls(later, direct_after + 2, x, s, -128, 127, RoundType.half_even)
+    assert all(torch.equal(out, expected) for out in outs)
+    assert later.directs == 1 and later.compiles == 0 and later.eager_calls == 0
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0 and counters["inductor"]["fxgraph_cache_hit"] >= 1
