@@ -341,7 +341,7 @@ def test_a_short_told_run_keeps_what_a_loop_that_told_nothing_counted(policy: No
 
 
 def _store_holds_another_kernel() -> None:
-    """The kernel store (the policy fixture's) holds some other kernel's graphs, as on a machine that compiled before."""
+    """The kernel store (the policy fixture's) holds another kernel's graphs, as on a machine that compiled before."""
     root = store_root()
     assert root is not None
     (root / "another-kernel").mkdir(parents=True)
