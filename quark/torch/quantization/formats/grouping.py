@@ -50,11 +50,11 @@ class Backend:
     (``python train.py``'s PTQ: 3.9 million) is faster eager. Past the warm-up a run compiles only where that pays:
     where its front end told its length, while ``payback_numel`` elements are still to come; where it did not, once it
     has counted ``payback_numel`` (``compile_warm``). A run that reaches only ``stored_payback_numel`` instead loads the
-    kernels an earlier run stored and compiles none (``loading``). Smaller tensors always run eagerly: there a compiled
-    call's fixed
-    cost (guards) outweighs the fusion. If compiling fails (no C++ compiler, an unsupported platform) a warning says why
-    and every kernel runs eagerly from then on. True: always compile, from the first call, and raise on failure. False:
-    always eager. Set with ``set_compile`` or the environment variable ``QUARK_COMPILE`` (auto, 1, 0).
+    kernels an earlier run stored and compiles none (``loading``). Smaller tensors always run eagerly: there a
+    compiled call's fixed cost (guards) outweighs the fusion. If compiling fails (no C++ compiler, an unsupported
+    platform) a warning says why and every kernel runs eagerly from then on. True: always compile, from the first
+    call, and raise on failure. False: always eager. Set with ``set_compile`` or the environment variable
+    ``QUARK_COMPILE`` (auto, 1, 0).
     """
 
     compile: bool | None = _compile_from_env()
