@@ -20,6 +20,9 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("QUARK_COMPILE", "0")  # before quark is imported: Backend reads it once
+# read once at import as well: a threshold exported in the shell (the prebuilding fit's QUARK_DIRECT_KERNELS=2) would
+# build direct kernels where tests do not expect them; a test that wants another sets kernel_cache.DIRECT_AFTER_CALLS
+os.environ.pop("QUARK_DIRECT_KERNELS", None)
 # compiled kernels stored by an earlier run would be loaded instead of compiled: each session starts with an empty
 # store of its own, removed when the session ends
 if "QUARK_KERNEL_CACHE" not in os.environ:
