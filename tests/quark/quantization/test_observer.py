@@ -737,3 +737,34 @@ def test_bfp_observer_reports_the_step_the_format_uses_when_a_code_overflows() -
     # the format's output sits on exactly that grid: 127.6 -> 128 (step 2), 3 -> 3 (step 1/32)
     out = fake_quantize_bfp16(x)
     assert out[0, 0].item() == 128.0 and out[0, 8].item() == 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32])
+def test_the_finite_check_agrees_with_torchs_isfinite(dtype: torch.dtype) -> None:
+    """``all_finite`` (one ``aminmax``) against ``torch.isfinite(v).all()`` on tensors of 0-4096 values holding NaN,
+    +-inf, the dtype's extremes, -0.0 and subnormals in every position, one or several at a time."""
+    from quark.torch.quantization.observer.base import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    floating = dtype.is_floating_point
+    specials = [math.nan, math.inf, -math.inf] if floating else []
+    edges = [torch.finfo(dtype).max, -torch.finfo(dtype).max, torch.finfo(dtype).tiny / 2, -0.0] if floating else []
+    checked = bad = 0
+    for numel in (0, 1, 2, 3, 31, 32, 257, 4096):
+        base = (torch.randn(numel, generator=gen) * 100).to(dtype)
+        cases = [base]
+        for value in specials + edges:
+            for index in {0, numel // 2, numel - 1} if numel else ():
+                case = base.clone()
+                case[index] = value
+                cases.append(case)
+        if numel > 3 and floating:
+            mixed = base.clone()
+            mixed[1], mixed[-2] = math.nan, math.inf
+            cases += [mixed, mixed[::2], torch.full((numel,), math.nan, dtype=dtype)]  # (a strided view too)
+        for case in cases:
+            expected = bool(torch.isfinite(case).all())
+            assert all_finite(case) is expected, (numel, case)
+            checked += 1
+            bad += not expected
+    assert (checked > 40 and bad > 20) if floating else (checked == 8 and bad == 0)
